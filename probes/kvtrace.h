@@ -1,0 +1,130 @@
+/* kvtrace.h — the structs and constants shared by the BPF probes and user space.
+ *
+ * agent/kvtrace/sources/bpf/abi.py mirrors this file with ctypes; a unit test compares the two
+ * (sizes, offsets and constants), so change both together.
+ */
+#ifndef KVTRACE_H
+#define KVTRACE_H
+
+/* Layers: the runtime says which API the program used; driver + vmm are physical device memory. */
+#define KVT_LAYER_RUNTIME 1
+#define KVT_LAYER_DRIVER  2
+#define KVT_LAYER_VMM     3
+
+/* What a ledger entry is. */
+#define KVT_OBJECT_ALLOCATION  1 /* cudaMalloc*, cuMemAlloc*: an address with a size */
+#define KVT_OBJECT_VMM_HANDLE  2 /* cuMemCreate: physical memory, keyed by handle */
+#define KVT_OBJECT_VMM_RESERVE 3 /* cuMemAddressReserve: virtual address range, no memory */
+#define KVT_OBJECT_VMM_MAPPING 4 /* cuMemMap: a VA range backed by a handle */
+
+/* Where the memory lives. */
+#define KVT_MEMORY_DEVICE  1
+#define KVT_MEMORY_HOST    2 /* pinned host memory (cudaMallocHost, cuMemHostAlloc) */
+#define KVT_MEMORY_MANAGED 3
+#define KVT_MEMORY_NONE    4 /* address space only (reservations, mappings) */
+
+/* Event kinds, one per traced call (plus process exit). */
+#define KVT_KIND_ALLOC           1
+#define KVT_KIND_FREE            2
+#define KVT_KIND_ALLOC_FAILED    3
+#define KVT_KIND_FREE_FAILED     4
+#define KVT_KIND_FREE_UNKNOWN    5 /* freed an address the ledger never saw (predates the agent) */
+#define KVT_KIND_MAP             6
+#define KVT_KIND_UNMAP           7
+#define KVT_KIND_RELEASE         8 /* cuMemRelease of a handle still mapped: freed at last unmap */
+#define KVT_KIND_SET_DEVICE      9
+#define KVT_KIND_CONTEXT_DESTROY 10
+#define KVT_KIND_PROCESS_EXIT    11
+
+/* API ids. Runtime 1..19, driver 20..39, vmm 40..59. */
+#define KVT_API_cudaMalloc          1
+#define KVT_API_cudaFree            2
+#define KVT_API_cudaMallocAsync     3
+#define KVT_API_cudaFreeAsync       4
+#define KVT_API_cudaMallocManaged   5
+#define KVT_API_cudaMallocHost      6
+#define KVT_API_cudaHostAlloc       7
+#define KVT_API_cudaFreeHost        8
+#define KVT_API_cudaMallocPitch     9
+#define KVT_API_cudaSetDevice       10
+#define KVT_API_cuMemAlloc_v2       20
+#define KVT_API_cuMemFree_v2        21
+#define KVT_API_cuMemAllocAsync     22
+#define KVT_API_cuMemFreeAsync      23
+#define KVT_API_cuMemAllocManaged   24
+#define KVT_API_cuMemAllocPitch_v2  25
+#define KVT_API_cuMemAllocHost_v2   26
+#define KVT_API_cuMemHostAlloc      27
+#define KVT_API_cuMemFreeHost       28
+#define KVT_API_cuCtxSetCurrent     29
+#define KVT_API_cuCtxDestroy_v2     30
+#define KVT_API_cuDevicePrimaryCtxRetain 31
+#define KVT_API_cuCtxCreate_v2      32
+#define KVT_API_cuMemCreate         40
+#define KVT_API_cuMemRelease        41
+#define KVT_API_cuMemMap            42
+#define KVT_API_cuMemUnmap          43
+#define KVT_API_cuMemAddressReserve 44
+#define KVT_API_cuMemAddressFree    45
+#define KVT_API_PROCESS_EXIT        60
+
+#define KVT_DEVICE_UNKNOWN (-1)
+
+/* Indexes of the per-CPU counters array. */
+#define KVT_COUNTER_EVENTS_SUBMITTED 0
+#define KVT_COUNTER_EVENTS_LOST      1 /* ring buffer full: the event never reached user space */
+#define KVT_COUNTER_LEDGER_FULL      2 /* the in-kernel ledger had no room: exactness lost */
+#define KVT_COUNTER_UNKNOWN_FREES    3
+#define KVT_COUNTER_RETURNS_UNPAIRED 4 /* a return without its saved entry (LRU evicted) */
+#define KVT_COUNTER_FILTERED         5
+#define KVT_COUNTER_COUNT            6
+
+/* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
+#define KVT_CONFIG_FILTER_ENABLED 0
+#define KVT_CONFIG_COUNT          1
+
+#define KVT_COMM_LEN 16
+
+/* One ring-buffer record per traced call. 96 bytes, no implicit padding. */
+struct kvt_event {
+    u64 timestamp_ns;   /* bpf_ktime_get_ns() at return (CLOCK_MONOTONIC) */
+    u64 address;        /* device/host pointer, VMM handle or VA; context for set-device/destroy */
+    u64 size_bytes;
+    u64 caller_address; /* return address of the traced call: who called the CUDA API */
+    u64 aux;            /* cuMemMap: the handle; cuMemUnmap: bytes of physical memory it freed */
+    u32 pid;
+    u32 tid;
+    s32 device;         /* CUDA ordinal, KVT_DEVICE_UNKNOWN when not known */
+    s32 error_code;     /* cudaError_t / CUresult of the call (0 = success) */
+    u16 api;
+    u8 kind;
+    u8 layer;
+    u8 object;
+    u8 memory;
+    u16 reserved;
+    char comm[KVT_COMM_LEN];
+};
+
+/* In-kernel ledger: the exact set of outstanding objects, maintained where no event can be lost. */
+struct kvt_ledger_key {
+    u32 pid;
+    u8 layer;
+    u8 object;
+    u16 reserved;
+    u64 address;
+};
+
+struct kvt_ledger_value {
+    u64 size_bytes;
+    u64 timestamp_ns;
+    u64 caller_address;
+    u64 aux;            /* VMM handle: live mappings; VMM mapping: the handle it maps */
+    u32 tid;
+    s32 device;
+    u16 api;
+    u8 memory;
+    u8 released;        /* VMM handle: cuMemRelease seen while still mapped */
+    u32 reserved;
+};
+
+#endif
