@@ -39,6 +39,7 @@ struct kvt_ctx_key {
 };
 
 BPF_RINGBUF_OUTPUT(events, KVT_RINGBUF_PAGES);
+BPF_RINGBUF_OUTPUT(notify, 16);
 BPF_TABLE("lru_hash", struct kvt_args_key, struct kvt_args, saved_args, KVT_MAX_THREADS);
 BPF_TABLE("lru_hash", u32, s32, thread_device, KVT_MAX_THREADS);
 BPF_TABLE("lru_hash", struct kvt_ctx_key, s32, context_device, 4096);
@@ -525,5 +526,27 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
         return 0;
     tracked_pids.delete(&pid);
     emit(KVT_KIND_PROCESS_EXIT, KVT_API_PROCESS_EXIT, 0, 0, 0, 0, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0);
+    return 0;
+}
+
+/* ---- discovery: tell user space when a process may have new CUDA code to attach to ---- */
+static __always_inline void notify_user(u32 reason) {
+    struct kvt_notify *n = notify.ringbuf_reserve(sizeof(struct kvt_notify));
+    if (!n)
+        return; /* user space also rescans periodically */
+    n->pid = bpf_get_current_pid_tgid() >> 32;
+    n->reason = reason;
+    notify.ringbuf_submit(n, 0);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    notify_user(KVT_NOTIFY_EXEC);
+    return 0;
+}
+
+/* dlopen maps a library's code with PROT_EXEC (0x4) from a file descriptor. */
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap) {
+    if ((args->prot & 0x4) && (long)args->fd >= 0)
+        notify_user(KVT_NOTIFY_MMAP_EXEC);
     return 0;
 }

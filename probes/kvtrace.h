@@ -85,7 +85,7 @@
 
 #define KVT_COMM_LEN 16
 
-/* One ring-buffer record per traced call. 96 bytes, no implicit padding. */
+/* One ring-buffer record per traced call. 80 bytes, no implicit padding. */
 struct kvt_event {
     u64 timestamp_ns;   /* bpf_ktime_get_ns() at return (CLOCK_MONOTONIC) */
     u64 address;        /* device/host pointer, VMM handle or VA; context for set-device/destroy */
@@ -103,6 +103,15 @@ struct kvt_event {
     u8 memory;
     u16 reserved;
     char comm[KVT_COMM_LEN];
+};
+
+/* Discovery notification: this process exec'd or mapped executable code; user space rescans it. */
+#define KVT_NOTIFY_EXEC 1
+#define KVT_NOTIFY_MMAP_EXEC 2
+
+struct kvt_notify {
+    u32 pid;
+    u32 reason;
 };
 
 /* In-kernel ledger: the exact set of outstanding objects, maintained where no event can be lost. */

@@ -1,0 +1,124 @@
+"""`kvtrace agent`: the daemon. Loads the probes, follows every CUDA process, keeps the ledger."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import signal
+import sys
+import time
+
+from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.model.events import Event, Layer, Memory
+
+EPILOG = """examples:
+  kvtrace agent                      # trace every CUDA process on this host
+  kvtrace agent --json-events        # one JSON object per event on stdout
+  kvtrace agent -p 1234 --json-events
+  kvtrace agent --cmdline 'VLLM::Worker' --json-events
+"""
+
+SUMMARY_INTERVAL_SECONDS = 10.0
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+class AgentCommand:
+    """Run the kvtrace agent: trace CUDA device-memory allocations of every process on this host.
+
+    Needs root (or CAP_BPF + CAP_PERFMON + CAP_SYS_PTRACE) and bcc. Runs in the foreground; stop it
+    with Ctrl-C or SIGTERM.
+    """
+
+    EPILOG = EPILOG
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("-p", "--pid", type=int, action="append", default=[],
+                            help="trace only this process id (repeatable)")
+        parser.add_argument("--cmdline", metavar="REGEX",
+                            help="trace only processes whose title (/proc/PID/cmdline) matches")
+        parser.add_argument("--json-events", action="store_true",
+                            help="print every event as one JSON object per line on stdout")
+        parser.add_argument("--max-ledger-entries", type=int, default=1 << 20,
+                            help="size of the in-kernel ledger (default: %(default)s)")
+        parser.add_argument("-v", "--verbose", action="store_true", help="log attach/detach details")
+        parser.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from kvtrace.sources.bpf import abi
+
+        if args.ebpf:
+            print((abi.probes_dir() / "kvtrace.bpf.c").read_text())
+            return ExitCode.OK
+        if any(pid <= 0 for pid in args.pid):
+            raise CommandError("--pid takes a positive process id", ExitCode.USAGE)
+        try:
+            cmdline = re.compile(args.cmdline) if args.cmdline else None
+        except re.error as error:
+            raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE)
+        if args.max_ledger_entries < 1024:
+            raise CommandError("--max-ledger-entries must be at least 1024", ExitCode.USAGE)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="kvtrace: %(message)s", stream=sys.stderr)
+
+        from kvtrace.sources.bpf.preflight import require_tracing
+
+        require_tracing()
+        from kvtrace.sources.bpf.loader import ProbeSettings
+        from kvtrace.tracer import Tracer, TracerOptions
+
+        sinks = []
+        if args.json_events:
+            out = sys.stdout
+
+            def print_json(event: Event) -> None:
+                out.write(json.dumps(event.to_json_dict(), separators=(",", ":")) + "\n")
+
+            sinks.append(print_json)
+        options = TracerOptions(pids=set(args.pid), cmdline=cmdline,
+                                settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries))
+        tracer = Tracer(options, sinks)
+        try:
+            tracer.start()
+        except Exception as error:
+            raise CommandError(f"cannot load the BPF probes: {error} (run `kvtrace doctor`)",
+                               ExitCode.KERNEL) from error
+
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        libraries = tracer.attached_libraries()
+        print(f"Tracing CUDA allocations ({len(libraries)} libraries attached"
+              f"{', filtered' if tracer.filtering else ''}). Hit Ctrl-C to end.",
+              file=sys.stderr, flush=True)
+        next_summary = time.monotonic() + SUMMARY_INTERVAL_SECONDS
+        try:
+            while not stopping:
+                tracer.run_once(100)
+                sys.stdout.flush()
+                if not args.json_events and time.monotonic() >= next_summary:
+                    next_summary += SUMMARY_INTERVAL_SECONDS
+                    self._summary(tracer)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.stdout.flush()
+            tracer.stop()
+        return ExitCode.OK
+
+    @staticmethod
+    def _summary(tracer) -> None:
+        counters = tracer.counters()
+        pids = sorted(tracer.ledger.pids())
+        print(f"{time.strftime('%H:%M:%S')} processes {len(pids)}  device "
+              f"{_human_bytes(tracer.ledger.physical_device_bytes())}  host pinned "
+              f"{_human_bytes(tracer.ledger.outstanding_bytes(memory=Memory.HOST, layers=(Layer.DRIVER,)))}  "
+              f"events {counters['events_seen']}  lost {counters['events_lost']}",
+              file=sys.stderr, flush=True)

@@ -1,0 +1,65 @@
+"""`kvtrace` entry point: builds the parser from the command classes and runs one."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Protocol
+
+from kvtrace import __version__
+from kvtrace.cli.errors import CommandError, ExitCode
+
+# name -> module under kvtrace.cli; the module defines <Name>Command.
+COMMANDS = ("agent", "doctor")
+
+
+class Command(Protocol):
+    """A subcommand. The class docstring is its help text."""
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _load(name: str) -> Command:
+    module = importlib.import_module(f"kvtrace.cli.{name}")
+    return getattr(module, f"{name.capitalize()}Command")()
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
+    parser = argparse.ArgumentParser(
+        prog="kvtrace", description="Trace GPU memory: which process, GPU and stack holds each byte.")
+    parser.add_argument("--version", action="version", version=f"kvtrace {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = {}
+    for name in COMMANDS:
+        command = _load(name)
+        doc = (type(command).__doc__ or "").strip()
+        sub = subparsers.add_parser(
+            name, help=doc.splitlines()[0] if doc else None, description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=getattr(command, "EPILOG", None))
+        command.prepare_parser(sub)
+        commands[name] = command
+    return parser, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return ExitCode.USAGE
+    try:
+        return commands[args.command].run(args)
+    except CommandError as error:
+        print(f"kvtrace: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        return ExitCode.OK
+    except BrokenPipeError:  # `kvtrace ... | head`
+        return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

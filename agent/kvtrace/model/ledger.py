@@ -1,0 +1,216 @@
+"""The ledger: every outstanding allocation, VMM handle, reservation and mapping, with totals.
+
+It applies the events of one stream in order. The same rules run in the BPF probes on the kernel's
+copy (probes/kvtrace.bpf.c), which is exact even when events are lost; `resync` replaces this copy
+with the kernel's after a loss, so both converge.
+
+Rules:
+- allocations live from a successful alloc to a successful free (keyed by pid, layer, address);
+  the runtime and driver layers are kept apart, so cudaMalloc -> cuMemAlloc_v2 is never summed
+- VMM physical memory lives from cuMemCreate until it is both released and unmapped
+- a context destroy frees what that process held on the context's device; a process exit frees all
+  it held (only entries older than the event: a reused pid or a new context keeps its own)
+- a free of an address never seen is counted, not an error: the memory predates the agent
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from kvtrace.model.events import DEVICE_UNKNOWN, Api, Event, Kind, Layer, Memory, ObjectKind
+
+# Objects that hold memory; reservations and mappings are address space only.
+_MEMORY_OBJECTS = (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerKey:
+    pid: int
+    layer: Layer
+    object: ObjectKind
+    address: int
+
+
+@dataclass(slots=True)
+class Outstanding:
+    """One live object."""
+
+    key: LedgerKey
+    size_bytes: int
+    timestamp_ns: int
+    device: int
+    api: Api
+    memory: Memory
+    tid: int = 0
+    caller_address: int = 0
+    mapped_count: int = 0  # VMM handle: live mappings
+    released: bool = False  # VMM handle: released while mapped
+    handle: int = 0  # VMM mapping: the handle it maps
+    stack_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TotalsKey:
+    pid: int
+    device: int
+    layer: Layer
+    memory: Memory
+
+
+class Ledger:
+    """Outstanding objects and their totals, built from events."""
+
+    def __init__(self) -> None:
+        self._entries: dict[LedgerKey, Outstanding] = {}
+        self._bytes: dict[TotalsKey, int] = defaultdict(int)
+        self._counts: dict[TotalsKey, int] = defaultdict(int)
+        self.allocations_total: Counter[tuple[int, Layer]] = Counter()
+        self.frees_total: Counter[tuple[int, Layer]] = Counter()
+        self.implicit_frees_total: Counter[int] = Counter()  # per pid: objects dropped by exit/destroy
+        self.unknown_frees_total: Counter[tuple[int, Api]] = Counter()
+        self.failures_total: Counter[tuple[Api, int]] = Counter()  # (api, error code)
+
+    # ---- applying events ----
+
+    def apply(self, event: Event) -> None:
+        kind = event.kind
+        if kind is Kind.ALLOC:
+            self._on_alloc(event)
+        elif kind is Kind.FREE:
+            self._on_free(event)
+        elif kind is Kind.MAP:
+            self._on_map(event)
+        elif kind is Kind.UNMAP:
+            self._on_unmap(event)
+        elif kind is Kind.RELEASE:
+            handle = self._entries.get(self._key(event))
+            if handle is not None:
+                handle.released = True
+        elif kind is Kind.FREE_UNKNOWN:
+            self.unknown_frees_total[(event.pid, event.api)] += 1
+        elif kind in (Kind.ALLOC_FAILED, Kind.FREE_FAILED):
+            self.failures_total[(event.api, event.error_code)] += 1
+        elif kind is Kind.CONTEXT_DESTROY:
+            if event.error_code == 0:
+                device = None if event.device == DEVICE_UNKNOWN else event.device
+                self.drop_process(event.pid, before_ns=event.timestamp_ns, device=device)
+        elif kind is Kind.PROCESS_EXIT:
+            self.drop_process(event.pid, before_ns=event.timestamp_ns)
+
+    @staticmethod
+    def _key(event: Event) -> LedgerKey:
+        return LedgerKey(event.pid, event.layer, event.object, event.address)
+
+    def _insert(self, entry: Outstanding) -> None:
+        old = self._entries.get(entry.key)
+        if old is not None:  # the same address again: the free was not seen (lost or predates us)
+            self._remove(old)
+        self._entries[entry.key] = entry
+        if entry.key.object in _MEMORY_OBJECTS:
+            totals = TotalsKey(entry.key.pid, entry.device, entry.key.layer, entry.memory)
+            self._bytes[totals] += entry.size_bytes
+            self._counts[totals] += 1
+
+    def _remove(self, entry: Outstanding) -> None:
+        del self._entries[entry.key]
+        if entry.key.object in _MEMORY_OBJECTS:
+            totals = TotalsKey(entry.key.pid, entry.device, entry.key.layer, entry.memory)
+            self._bytes[totals] -= entry.size_bytes
+            self._counts[totals] -= 1
+            if self._counts[totals] == 0:
+                del self._bytes[totals], self._counts[totals]
+
+    def _on_alloc(self, event: Event) -> None:
+        self.allocations_total[(event.pid, event.layer)] += 1
+        self._insert(Outstanding(
+            key=self._key(event), size_bytes=event.size_bytes, timestamp_ns=event.timestamp_ns,
+            device=event.device, api=event.api, memory=event.memory, tid=event.tid,
+            caller_address=event.caller_address, stack_id=event.extra.get("stack_id", 0)))
+
+    def _on_free(self, event: Event) -> None:
+        entry = self._entries.get(self._key(event))
+        if entry is None:
+            self.unknown_frees_total[(event.pid, event.api)] += 1
+            return
+        self.frees_total[(event.pid, event.layer)] += 1
+        self._remove(entry)
+
+    def _on_map(self, event: Event) -> None:
+        handle = self._entries.get(LedgerKey(event.pid, Layer.VMM, ObjectKind.VMM_HANDLE, event.aux))
+        if handle is not None:
+            handle.mapped_count += 1
+        self._insert(Outstanding(
+            key=self._key(event), size_bytes=event.size_bytes, timestamp_ns=event.timestamp_ns,
+            device=event.device, api=event.api, memory=Memory.NONE, tid=event.tid,
+            caller_address=event.caller_address, handle=event.aux))
+
+    def _on_unmap(self, event: Event) -> None:
+        # One cuMemUnmap may cover several consecutive mappings.
+        address, end = event.address, event.address + event.size_bytes
+        while address < end:
+            mapping = self._entries.get(LedgerKey(event.pid, Layer.VMM, ObjectKind.VMM_MAPPING, address))
+            if mapping is None:
+                break
+            self._remove(mapping)
+            handle = self._entries.get(
+                LedgerKey(event.pid, Layer.VMM, ObjectKind.VMM_HANDLE, mapping.handle))
+            if handle is not None:
+                handle.mapped_count -= 1
+                if handle.mapped_count <= 0 and handle.released:
+                    self.frees_total[(event.pid, Layer.VMM)] += 1
+                    self._remove(handle)
+            if mapping.size_bytes == 0:
+                break
+            address += mapping.size_bytes
+
+    def drop_process(self, pid: int, before_ns: int, device: int | None = None) -> int:
+        """Implicit frees: drops the pid's entries older than `before_ns` (on `device` if given)."""
+        doomed = [e for e in self._entries.values()
+                  if e.key.pid == pid and e.timestamp_ns <= before_ns
+                  and (device is None or e.device == device)]
+        for entry in doomed:
+            self._remove(entry)
+        self.implicit_frees_total[pid] += len(doomed)
+        return len(doomed)
+
+    def resync(self, entries: Iterable[Outstanding]) -> None:
+        """Replaces the outstanding set with an exact copy (the kernel's), keeping known stacks."""
+        old = self._entries
+        self._entries, self._bytes, self._counts = {}, defaultdict(int), defaultdict(int)
+        for entry in entries:
+            previous = old.get(entry.key)
+            if previous is not None and previous.timestamp_ns == entry.timestamp_ns:
+                entry.stack_id = previous.stack_id
+            self._insert(entry)
+
+    # ---- views ----
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Outstanding]:
+        return iter(list(self._entries.values()))
+
+    def get(self, key: LedgerKey) -> Outstanding | None:
+        return self._entries.get(key)
+
+    def pids(self) -> set[int]:
+        return {key.pid for key in self._entries}
+
+    def totals(self) -> dict[TotalsKey, tuple[int, int]]:
+        """(bytes, count) of memory-holding objects per (pid, device, layer, memory)."""
+        return {key: (self._bytes[key], self._counts[key]) for key in self._bytes}
+
+    def outstanding_bytes(self, pid: int | None = None, device: int | None = None,
+                          layers: Iterable[Layer] | None = None,
+                          memory: Memory | None = Memory.DEVICE) -> int:
+        wanted = set(layers) if layers is not None else None
+        return sum(size for key, size in self._bytes.items()
+                   if (pid is None or key.pid == pid) and (device is None or key.device == device)
+                   and (wanted is None or key.layer in wanted)
+                   and (memory is None or key.memory == memory))
+
+    def physical_device_bytes(self, pid: int | None = None, device: int | None = None) -> int:
+        """Device memory actually held: the driver and VMM layers (the runtime sits on top)."""
+        return self.outstanding_bytes(pid, device, layers=(Layer.DRIVER, Layer.VMM))

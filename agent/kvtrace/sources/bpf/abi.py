@@ -1,0 +1,79 @@
+"""ctypes mirrors of the structs in probes/kvtrace.h (a unit test checks sizes and offsets)."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+COMM_LEN = 16
+
+
+class RawEvent(ctypes.Structure):
+    _fields_ = [
+        ("timestamp_ns", ctypes.c_uint64),
+        ("address", ctypes.c_uint64),
+        ("size_bytes", ctypes.c_uint64),
+        ("caller_address", ctypes.c_uint64),
+        ("aux", ctypes.c_uint64),
+        ("pid", ctypes.c_uint32),
+        ("tid", ctypes.c_uint32),
+        ("device", ctypes.c_int32),
+        ("error_code", ctypes.c_int32),
+        ("api", ctypes.c_uint16),
+        ("kind", ctypes.c_uint8),
+        ("layer", ctypes.c_uint8),
+        ("object", ctypes.c_uint8),
+        ("memory", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint16),
+        ("comm", ctypes.c_char * COMM_LEN),
+    ]
+
+
+class RawNotify(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint32), ("reason", ctypes.c_uint32)]
+
+
+class RawLedgerKey(ctypes.Structure):
+    _fields_ = [
+        ("pid", ctypes.c_uint32),
+        ("layer", ctypes.c_uint8),
+        ("object", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint16),
+        ("address", ctypes.c_uint64),
+    ]
+
+
+class RawLedgerValue(ctypes.Structure):
+    _fields_ = [
+        ("size_bytes", ctypes.c_uint64),
+        ("timestamp_ns", ctypes.c_uint64),
+        ("caller_address", ctypes.c_uint64),
+        ("aux", ctypes.c_uint64),
+        ("tid", ctypes.c_uint32),
+        ("device", ctypes.c_int32),
+        ("api", ctypes.c_uint16),
+        ("memory", ctypes.c_uint8),
+        ("released", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+# Per-CPU counter indexes (KVT_COUNTER_*).
+COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
+            "filtered")
+CONFIG_FILTER_ENABLED = 0
+
+NOTIFY_EXEC = 1
+NOTIFY_MMAP_EXEC = 2
+
+
+def probes_dir() -> Path:
+    """Where probes/*.bpf.c live: $KVTRACE_PROBES_DIR, the source checkout, or the package copy."""
+    import os
+
+    override = os.environ.get("KVTRACE_PROBES_DIR")
+    if override:
+        return Path(override)
+    checkout = Path(__file__).resolve().parents[4] / "probes"
+    if (checkout / "kvtrace.bpf.c").exists():
+        return checkout
+    return Path(__file__).resolve().parents[2] / "probes"

@@ -1,0 +1,155 @@
+"""Loads probes/kvtrace.bpf.c with bcc, attaches it to CUDA libraries and reads its maps and rings.
+
+This is the only module that touches bcc. It hands raw records (ctypes structs) to callbacks;
+decode.py turns them into model events.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.attach import entry_function, return_function
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    """Compile-time sizes of the BPF maps (see the defines at the top of kvtrace.bpf.c)."""
+
+    max_ledger_entries: int = 1 << 20
+    ringbuf_pages: int = 1024  # 4 MiB of events
+    max_threads: int = 65536
+
+    def cflags(self) -> list[str]:
+        return [
+            f"-I{abi.probes_dir()}",
+            f"-DKVT_MAX_LEDGER_ENTRIES={self.max_ledger_entries}",
+            f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
+            f"-DKVT_MAX_THREADS={self.max_threads}",
+            "-Wno-macro-redefined",
+        ]
+
+
+class BpfProbes:
+    """The compiled probe program: attach/detach per library, ring buffers, maps."""
+
+    def __init__(self, settings: ProbeSettings = ProbeSettings()) -> None:
+        from bcc import BPF  # imported here so that everything else works without bcc
+
+        self.settings = settings
+        source = abi.probes_dir() / "kvtrace.bpf.c"
+        started = time.monotonic()
+        self._bpf = BPF(src_file=str(source).encode(), cflags=settings.cflags())
+        self.compile_seconds = time.monotonic() - started
+        self._attached: dict[str, list[str]] = {}  # path -> symbols attached
+
+    @property
+    def source_text(self) -> str:
+        return (abi.probes_dir() / "kvtrace.bpf.c").read_text()
+
+    # ---- attach ----
+
+    def attach(self, path: str, symbols: Iterable[str]) -> list[str]:
+        """Entry and return probes on each symbol of the file, for every process (pid -1).
+
+        Returns the symbols attached; a symbol that fails is logged and skipped.
+        """
+        done = []
+        for symbol in symbols:
+            try:
+                self._bpf.attach_uprobe(name=path.encode(), sym=symbol.encode(),
+                                        fn_name=entry_function(symbol).encode(), pid=-1)
+                self._bpf.attach_uretprobe(name=path.encode(), sym=symbol.encode(),
+                                           fn_name=return_function(symbol).encode(), pid=-1)
+            except Exception as error:  # bcc raises plain Exception
+                log.warning("cannot attach to %s in %s: %s", symbol, path, error)
+                self._detach_symbol(path, symbol)
+                continue
+            done.append(symbol)
+        self._attached[path] = done
+        return done
+
+    def _detach_symbol(self, path: str, symbol: str) -> None:
+        for detach in (self._bpf.detach_uprobe, self._bpf.detach_uretprobe):
+            try:
+                detach(name=path.encode(), sym=symbol.encode())
+            except Exception:
+                pass
+
+    def detach(self, path: str) -> None:
+        for symbol in self._attached.pop(path, []):
+            self._detach_symbol(path, symbol)
+
+    def attached(self) -> dict[str, list[str]]:
+        return dict(self._attached)
+
+    # ---- filter ----
+
+    def set_filter(self, enabled: bool) -> None:
+        config = self._bpf["config"]
+        config[ctypes.c_int(abi.CONFIG_FILTER_ENABLED)] = ctypes.c_uint64(1 if enabled else 0)
+
+    def select_pid(self, pid: int) -> None:
+        self._bpf["pid_filter"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+
+    def unselect_pid(self, pid: int) -> None:
+        try:
+            del self._bpf["pid_filter"][ctypes.c_uint32(pid)]
+        except KeyError:
+            pass
+
+    # ---- rings ----
+
+    def open_rings(self, on_event: Callable[[abi.RawEvent], None],
+                   on_notify: Callable[[abi.RawNotify], None]) -> None:
+        def events(_ctx, data, _size):
+            on_event(ctypes.cast(data, ctypes.POINTER(abi.RawEvent)).contents)
+
+        def notify(_ctx, data, _size):
+            on_notify(ctypes.cast(data, ctypes.POINTER(abi.RawNotify)).contents)
+
+        # bcc keeps the callbacks alive; keep our own references too.
+        self._callbacks = (events, notify)
+        self._bpf["events"].open_ring_buffer(events)
+        self._bpf["notify"].open_ring_buffer(notify)
+
+    def poll(self, timeout_ms: int) -> None:
+        self._bpf.ring_buffer_poll(timeout_ms)
+
+    # ---- maps ----
+
+    def counters(self) -> dict[str, int]:
+        table = self._bpf["counters"]
+        return {name: sum(table[ctypes.c_int(index)]) for index, name in enumerate(abi.COUNTERS)}
+
+    def ledger_items(self) -> list[tuple[abi.RawLedgerKey, abi.RawLedgerValue]]:
+        """A copy of the in-kernel ledger (batched reads where the kernel supports them)."""
+        table = self._bpf["ledger"]
+        try:
+            return [(abi.RawLedgerKey.from_buffer_copy(k), abi.RawLedgerValue.from_buffer_copy(v))
+                    for k, v in table.items_lookup_batch()]
+        except Exception:
+            return [(abi.RawLedgerKey.from_buffer_copy(k), abi.RawLedgerValue.from_buffer_copy(v))
+                    for k, v in table.items()]
+
+    def delete_ledger_keys(self, keys: list[abi.RawLedgerKey]) -> None:
+        table = self._bpf["ledger"]
+        for key in keys:
+            try:
+                del table[table.Key.from_buffer_copy(key)]
+            except KeyError:
+                pass
+
+    def forget_tracked(self, pid: int) -> None:
+        try:
+            del self._bpf["tracked_pids"][ctypes.c_uint32(pid)]
+        except KeyError:
+            pass
+
+    def close(self) -> None:
+        self._bpf.cleanup()

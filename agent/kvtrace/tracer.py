@@ -1,0 +1,231 @@
+"""The tracing pipeline: BPF probes + discovery -> events -> ledger -> sinks.
+
+One thread runs it: `run_once()` polls the rings (events are decoded, applied to the ledger and
+handed to the sinks in order) and does the housekeeping that keeps attach targets and the ledger
+right: rescans processes that exec'd or mapped code, drops processes that exited, and resyncs the
+ledger from the kernel's exact copy after events were lost.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psutil
+
+from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind
+from kvtrace.model.ledger import Ledger
+from kvtrace.model.processes import ProcessTable
+from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
+from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings
+from kvtrace.sources.discovery import Discovery, Target
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[Event], None]
+
+# A notified pid is rescanned now and once more a little later: the mmap that told us may not have
+# returned yet when we read /proc/PID/maps.
+RESCAN_DELAYS_SECONDS = (0.0, 0.25)
+
+
+@dataclass
+class TracerOptions:
+    pids: set[int] = field(default_factory=set)  # empty: every process
+    cmdline: re.Pattern | None = None  # trace only processes whose title matches
+    settings: ProbeSettings = field(default_factory=ProbeSettings)
+    full_rescan_seconds: float = 10.0
+    sweep_seconds: float = 1.0
+    resync_min_seconds: float = 1.0
+
+
+@dataclass
+class AttachedLibrary:
+    path: str
+    device: int
+    inode: int
+    symbols: list[str]
+    pids: set[int]
+
+
+class Tracer:
+    def __init__(self, options: TracerOptions | None = None, sinks: list[EventSink] | None = None,
+                 probes_factory: Callable[[ProbeSettings], BpfProbes] = BpfProbes) -> None:
+        self.options = options or TracerOptions()
+        self.sinks: list[EventSink] = list(sinks or [])
+        self.ledger = Ledger()
+        self.processes = ProcessTable()
+        self.discovery = Discovery()
+        self.clock = Clock()
+        self._probes_factory = probes_factory
+        self.probes: BpfProbes | None = None
+        self.refused: dict[str, str] = {}  # path -> why it was not attached
+        self.events_seen = 0
+        self.resyncs = 0
+        self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
+        self._selected: set[int] = set()
+        self._lost_seen = 0
+        self._next_full_scan = 0.0
+        self._next_sweep = 0.0
+        self._next_resync_allowed = 0.0
+
+    @property
+    def filtering(self) -> bool:
+        return bool(self.options.pids) or self.options.cmdline is not None
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        self.probes = self._probes_factory(self.options.settings)
+        self.probes.set_filter(self.filtering)
+        for pid in self.options.pids:
+            self._select(pid)
+        self.probes.open_rings(self._on_raw_event, self._on_notify)
+        self.full_scan()
+
+    def stop(self) -> None:
+        if self.probes is not None:
+            self.probes.close()
+            self.probes = None
+
+    def run_once(self, timeout_ms: int = 100) -> None:
+        self.probes.poll(timeout_ms)
+        self.housekeeping()
+
+    # ---- events ----
+
+    def _on_raw_event(self, raw: abi.RawEvent) -> None:
+        event = decode_event(raw, self.clock, self.processes)
+        if self.filtering and event.pid not in self._selected:
+            return
+        self.events_seen += 1
+        self.ledger.apply(event)
+        if event.kind is Kind.PROCESS_EXIT:
+            self._drop_in_kernel(event.pid, event.timestamp_ns)
+            self._forget_process(event.pid)
+        elif event.kind is Kind.CONTEXT_DESTROY and event.error_code == 0:
+            device = None if event.device == DEVICE_UNKNOWN else event.device
+            self._drop_in_kernel(event.pid, event.timestamp_ns, device)
+        for sink in self.sinks:
+            sink(event)
+
+    def _on_notify(self, raw: abi.RawNotify) -> None:
+        now = time.monotonic()
+        if raw.reason == abi.NOTIFY_EXEC:
+            self.processes.forget(raw.pid)
+        self._pending[raw.pid] = [now + delay for delay in RESCAN_DELAYS_SECONDS]
+
+    # ---- housekeeping ----
+
+    def housekeeping(self) -> None:
+        now = time.monotonic()
+        for pid, due in list(self._pending.items()):
+            if due and due[0] <= now:
+                due.pop(0)
+                self.scan_pid(pid)
+            if not due:
+                del self._pending[pid]
+        if now >= self._next_full_scan:
+            self.full_scan()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.options.sweep_seconds
+            self.sweep_exited()
+        lost = self.probes.counters()["events_lost"]
+        if lost != self._lost_seen and now >= self._next_resync_allowed:
+            self._lost_seen = lost
+            self._next_resync_allowed = now + self.options.resync_min_seconds
+            self.resync()
+
+    def full_scan(self) -> None:
+        self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
+        for pid in sorted(self.options.pids) or psutil.pids():
+            self.scan_pid(pid)
+
+    def scan_pid(self, pid: int) -> None:
+        new = self.discovery.scan_pid(pid)
+        for target in new:
+            self._attach(target)
+        if self.options.cmdline is not None and pid not in self._selected and self._maps_cuda(pid):
+            info = self.processes.get(pid)
+            if info is not None and self.options.cmdline.search(info.title):
+                self._select(pid)
+
+    def _maps_cuda(self, pid: int) -> bool:
+        return any(pid in target.pids for target in self.discovery.targets.values())
+
+    def _select(self, pid: int) -> None:
+        self._selected.add(pid)
+        self.probes.select_pid(pid)
+
+    def _attach(self, target: Target) -> None:
+        from kvtrace.sources.bpf.preflight import process_has_seccomp_filter, uretprobe_seccomp_risk
+
+        if uretprobe_seccomp_risk(platform.release()):
+            risky = [pid for pid in target.pids if process_has_seccomp_filter(pid)]
+            if risky:
+                self.refused[target.path] = (
+                    f"kernel {platform.release()} can kill seccomp-filtered processes on uretprobe "
+                    f"return (pids {sorted(risky)}); upgrade to 6.14+ to trace them")
+                log.warning("not attaching to %s: %s", target.path, self.refused[target.path])
+                return
+        attached = self.probes.attach(target.path, target.symbols)
+        log.info("attached %d probes to %s (pids %s)", len(attached), target.path, sorted(target.pids))
+
+    def sweep_exited(self) -> None:
+        """Drops processes that exited without us seeing the event (lost, or before we started)."""
+        for pid in self.ledger.pids() | self._selected:
+            if not psutil.pid_exists(pid):
+                now_ns = time.time_ns()
+                dropped = self.ledger.drop_process(pid, before_ns=now_ns)
+                self._drop_in_kernel(pid, now_ns)
+                self._forget_process(pid)
+                if dropped:
+                    log.info("process %d exited: %d outstanding objects dropped", pid, dropped)
+
+    def _forget_process(self, pid: int) -> None:
+        self.processes.forget(pid)
+        for target in self.discovery.forget_pid(pid):
+            self.probes.detach(target.path)
+        if pid in self._selected and not self.options.pids:
+            self._selected.discard(pid)
+            self.probes.unselect_pid(pid)
+
+    def _drop_in_kernel(self, pid: int, before_wall_ns: int, device: int | None = None) -> None:
+        before = self.clock.monotonic_ns(before_wall_ns)
+        doomed = [key for key, value in self.probes.ledger_items()
+                  if key.pid == pid and value.timestamp_ns <= before
+                  and (device is None or value.device == device)]
+        self.probes.delete_ledger_keys(doomed)
+        if device is None:
+            self.probes.forget_tracked(pid)
+
+    def resync(self) -> None:
+        """Replaces the ledger with the kernel's exact copy (after lost events)."""
+        entries = [decode_ledger_entry(k, v, self.clock) for k, v in self.probes.ledger_items()]
+        if self.filtering:
+            entries = [e for e in entries if e.key.pid in self._selected]
+        self.ledger.resync(entries)
+        self.resyncs += 1
+        log.warning("events were lost: ledger resynced from the kernel (%d entries)", len(entries))
+
+    # ---- views ----
+
+    def kernel_ledger(self):
+        return [decode_ledger_entry(k, v, self.clock) for k, v in self.probes.ledger_items()]
+
+    def attached_libraries(self) -> list[AttachedLibrary]:
+        attached = self.probes.attached() if self.probes else {}
+        return [AttachedLibrary(t.path, t.file_id.device, t.file_id.inode, attached.get(t.path, []),
+                                set(t.pids))
+                for t in self.discovery.targets.values() if t.path in attached]
+
+    def counters(self) -> dict[str, int]:
+        counters = self.probes.counters()
+        counters["events_seen"] = self.events_seen
+        counters["resyncs"] = self.resyncs
+        return counters
