@@ -1,0 +1,73 @@
+"""probes/kvtrace.h and its Python mirrors must agree: constants, sizes, field offsets."""
+import ctypes
+import re
+
+import pytest
+
+from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
+from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.attach import ALL_SYMBOLS
+
+HEADER = (abi.probes_dir() / "kvtrace.h").read_text()
+SOURCE = (abi.probes_dir() / "kvtrace.bpf.c").read_text()
+
+
+def defines(prefix: str) -> dict[str, int]:
+    return {name: int(value) for name, value in
+            re.findall(rf"#define {prefix}(\w+)\s+\(?(-?\d+)\)?", HEADER)}
+
+
+@pytest.mark.parametrize("prefix,enum_type", [
+    ("KVT_LAYER_", Layer), ("KVT_OBJECT_", ObjectKind), ("KVT_MEMORY_", Memory), ("KVT_KIND_", Kind),
+])
+def test_enum_values_match_header(prefix, enum_type):
+    header = defines(prefix)
+    assert header == {member.name: member.value for member in enum_type}
+
+
+def test_api_ids_match_header():
+    header = defines("KVT_API_")
+    header["process_exit"] = header.pop("PROCESS_EXIT")
+    assert header == {member.name: member.value for member in Api}
+
+
+def test_counter_indexes_match_header():
+    header = defines("KVT_COUNTER_")
+    assert header.pop("COUNT") == len(abi.COUNTERS)
+    assert {name.lower(): index for name, index in header.items()} == \
+        {name: index for index, name in enumerate(abi.COUNTERS)}
+
+
+def _struct_fields(name: str) -> list[tuple[str, str]]:
+    body = re.search(rf"struct {name} \{{(.*?)\}};", HEADER, re.S).group(1)
+    fields = []
+    for line in body.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line).strip()
+        match = re.match(r"(u64|u32|s32|u16|u8|char) (\w+)(\[\w+\])?;", line)
+        if match:
+            fields.append((match.group(2), match.group(1)))
+    return fields
+
+
+_SIZES = {"u64": 8, "u32": 4, "s32": 4, "u16": 2, "u8": 1}
+
+
+@pytest.mark.parametrize("c_name,py_type", [
+    ("kvt_event", abi.RawEvent), ("kvt_ledger_key", abi.RawLedgerKey),
+    ("kvt_ledger_value", abi.RawLedgerValue), ("kvt_notify", abi.RawNotify),
+])
+def test_struct_layout_matches_header(c_name, py_type):
+    fields = _struct_fields(c_name)
+    assert [name for name, _ in fields] == [name for name, _ in py_type._fields_]
+    offset = 0
+    for name, c_type in fields:
+        assert getattr(py_type, name).offset == offset, name
+        offset += _SIZES.get(c_type, abi.COMM_LEN)
+    assert ctypes.sizeof(py_type) == offset
+
+
+def test_every_attached_symbol_has_entry_and_return_probe():
+    generated = set(re.findall(r"KVT_(?:ALLOC|FREE|PITCH)_API\((\w+),", SOURCE))
+    written = set(re.findall(r"int entry_(\w+)\(struct pt_regs", SOURCE)) & \
+        set(re.findall(r"int return_(\w+)\(struct pt_regs", SOURCE))
+    assert set(ALL_SYMBOLS) <= generated | written

@@ -1,0 +1,138 @@
+"""Ledger semantics on synthetic events: layers, VMM lifecycle, implicit and unknown frees."""
+from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
+from kvtrace.model.ledger import Ledger, LedgerKey
+
+MiB = 1 << 20
+PID = 100
+
+
+def ev(kind, api, layer, address=0, size=0, pid=PID, ts=0, device=0, obj=ObjectKind.ALLOCATION,
+       memory=Memory.DEVICE, aux=0, error=0):
+    return Event(kind=kind, api=api, pid=pid, tid=pid, timestamp_ns=ts, layer=layer, object=obj,
+                 memory=memory, size_bytes=size, address=address, device=device, error_code=error,
+                 aux=aux)
+
+
+def malloc(ledger, address, size, ts=0, pid=PID, device=0):
+    """cudaMalloc as the probes see it: the runtime call and the driver call inside it."""
+    ledger.apply(ev(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, address, size, pid, ts, device))
+    ledger.apply(ev(Kind.ALLOC, Api.cudaMalloc, Layer.RUNTIME, address, size, pid, ts, device))
+
+
+def free(ledger, address, ts=0, pid=PID):
+    ledger.apply(ev(Kind.FREE, Api.cuMemFree_v2, Layer.DRIVER, address, pid=pid, ts=ts))
+    ledger.apply(ev(Kind.FREE, Api.cudaFree, Layer.RUNTIME, address, pid=pid, ts=ts))
+
+
+def test_runtime_over_driver_is_not_counted_twice():
+    ledger = Ledger()
+    for i in range(23):
+        malloc(ledger, 0x1000 + i * MiB, MiB)
+    for i in range(19):
+        free(ledger, 0x1000 + i * MiB)
+    assert ledger.physical_device_bytes() == 4 * MiB
+    assert ledger.outstanding_bytes(layers=[Layer.RUNTIME]) == 4 * MiB
+    assert ledger.allocations_total[(PID, Layer.DRIVER)] == 23
+    assert ledger.frees_total[(PID, Layer.RUNTIME)] == 19
+    assert len(ledger) == 8  # 4 runtime + 4 driver entries
+
+
+def test_free_of_unknown_address_is_counted_not_applied():
+    ledger = Ledger()
+    malloc(ledger, 0xA000, MiB)
+    ledger.apply(ev(Kind.FREE, Api.cuMemFree_v2, Layer.DRIVER, 0xB000))
+    assert ledger.unknown_frees_total[(PID, Api.cuMemFree_v2)] == 1
+    assert ledger.physical_device_bytes() == MiB
+
+
+def test_failures_are_counted_per_api_and_error_code():
+    ledger = Ledger()
+    for _ in range(3):
+        ledger.apply(ev(Kind.ALLOC_FAILED, Api.cudaMalloc, Layer.RUNTIME, size=1 << 41, error=2))
+    assert ledger.failures_total[(Api.cudaMalloc, 2)] == 3
+    assert len(ledger) == 0
+
+
+def vmm(kind, api, address, size=0, aux=0, obj=ObjectKind.VMM_HANDLE, device=3, ts=0):
+    memory = Memory.DEVICE if obj is ObjectKind.VMM_HANDLE else Memory.NONE
+    return ev(kind, api, Layer.VMM, address, size, device=device, obj=obj, memory=memory, aux=aux, ts=ts)
+
+
+def test_vmm_physical_memory_lives_until_released_and_unmapped():
+    ledger = Ledger()
+    base = 0x7D0000000000
+    ledger.apply(vmm(Kind.ALLOC, Api.cuMemAddressReserve, base, 64 * MiB, obj=ObjectKind.VMM_RESERVE))
+    for i in range(5):
+        ledger.apply(vmm(Kind.ALLOC, Api.cuMemCreate, 0x1000 + i, 2 * MiB))
+        ledger.apply(vmm(Kind.MAP, Api.cuMemMap, base + i * 2 * MiB, 2 * MiB, aux=0x1000 + i,
+                         obj=ObjectKind.VMM_MAPPING))
+    assert ledger.physical_device_bytes(device=3) == 10 * MiB
+    # Released while mapped: still held.
+    ledger.apply(vmm(Kind.RELEASE, Api.cuMemRelease, 0x1000, 2 * MiB))
+    ledger.apply(vmm(Kind.RELEASE, Api.cuMemRelease, 0x1001, 2 * MiB))
+    assert ledger.physical_device_bytes() == 10 * MiB
+    # One unmap over two mappings frees both released handles.
+    ledger.apply(vmm(Kind.UNMAP, Api.cuMemUnmap, base, 4 * MiB, obj=ObjectKind.VMM_MAPPING))
+    assert ledger.physical_device_bytes() == 6 * MiB
+    # Unmapped first, then released: freed at the release.
+    ledger.apply(vmm(Kind.UNMAP, Api.cuMemUnmap, base + 4 * MiB, 2 * MiB, obj=ObjectKind.VMM_MAPPING))
+    assert ledger.physical_device_bytes() == 6 * MiB
+    ledger.apply(vmm(Kind.FREE, Api.cuMemRelease, 0x1002, 2 * MiB))
+    assert ledger.physical_device_bytes() == 4 * MiB
+    handle = ledger.get(LedgerKey(PID, Layer.VMM, ObjectKind.VMM_HANDLE, 0x1003))
+    assert handle.mapped_count == 1 and not handle.released
+    # The reservation is address space, not memory.
+    assert ledger.outstanding_bytes(memory=None) == 4 * MiB
+
+
+def test_context_destroy_frees_that_device_only_and_only_older_entries():
+    ledger = Ledger()
+    for i in range(7):
+        malloc(ledger, 0x1000 + i * MiB, MiB, ts=10, device=0)
+    for i in range(3):
+        ledger.apply(ev(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, 0x9000 + i * MiB, MiB, ts=20, device=1))
+    ledger.apply(ev(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, 0xF000, MiB, ts=40, device=1))
+    ledger.apply(ev(Kind.CONTEXT_DESTROY, Api.cuCtxDestroy_v2, Layer.DRIVER, ts=30, device=1))
+    assert ledger.physical_device_bytes(device=0) == 7 * MiB
+    assert ledger.physical_device_bytes(device=1) == MiB  # the one made after the destroy stays
+    assert ledger.implicit_frees_total[PID] == 3
+
+
+def test_process_exit_empties_that_process_only():
+    ledger = Ledger()
+    for i in range(13):
+        malloc(ledger, 0x1000 + i * MiB, MiB, pid=PID)
+    malloc(ledger, 0x1000, 5 * MiB, pid=PID + 1)
+    ledger.apply(ev(Kind.PROCESS_EXIT, Api.process_exit, None, ts=1, obj=None, memory=None))
+    assert ledger.physical_device_bytes(pid=PID) == 0
+    assert ledger.physical_device_bytes(pid=PID + 1) == 5 * MiB
+    assert ledger.pids() == {PID + 1}
+
+
+def test_resync_replaces_content_and_totals():
+    ledger = Ledger()
+    malloc(ledger, 0x1000, MiB)
+    exact = Ledger()
+    malloc(exact, 0x2000, 3 * MiB)
+    ledger.resync(list(exact))
+    assert ledger.physical_device_bytes() == 3 * MiB
+    assert ledger.get(LedgerKey(PID, Layer.DRIVER, ObjectKind.ALLOCATION, 0x1000)) is None
+
+
+def test_host_and_managed_memory_are_kept_apart_from_device():
+    ledger = Ledger()
+    ledger.apply(ev(Kind.ALLOC, Api.cuMemAllocHost_v2, Layer.DRIVER, 0x5000, 4096, device=-1,
+                    memory=Memory.HOST))
+    ledger.apply(ev(Kind.ALLOC, Api.cuMemAllocManaged, Layer.DRIVER, 0x6000, 8192, memory=Memory.MANAGED))
+    assert ledger.physical_device_bytes() == 0
+    assert ledger.outstanding_bytes(memory=Memory.HOST) == 4096
+    assert ledger.outstanding_bytes(memory=Memory.MANAGED) == 8192
+
+
+def test_json_shape_has_the_documented_keys():
+    event = ev(Kind.ALLOC, Api.cudaMalloc, Layer.RUNTIME, 0x1000, MiB)
+    data = event.to_json_dict()
+    for key in ("kind", "pid", "tid", "comm", "title", "api", "layer", "size_bytes", "address",
+                "device", "error_code", "timestamp_ns"):
+        assert key in data
+    assert data["kind"] == "alloc" and data["api"] == "cudaMalloc" and data["layer"] == "runtime"
