@@ -19,6 +19,16 @@
 #ifndef KVT_MAX_THREADS
 #define KVT_MAX_THREADS 65536
 #endif
+#ifndef KVT_MAX_STACKS
+#define KVT_MAX_STACKS 16384
+#endif
+/* Offset of thread.fsbase in task_struct, from this kernel's BTF (sources/bpf/btf.py); the
+ * headers bcc compiles with may describe another kernel. -1: no Python stacks. */
+#ifndef KVT_TASK_FSBASE_OFFSET
+#define KVT_TASK_FSBASE_OFFSET -1
+#endif
+/* glibc struct pthread: specific_1stblock[32] of {seq, data} (see sources/pyoffsets.py) */
+#define KVT_GLIBC_SPECIFIC_1STBLOCK 0x310
 /* cuMemUnmap may cover several mappings; this bounds the loop the verifier must accept. */
 #define KVT_MAX_UNMAP_SPAN 32
 
@@ -30,6 +40,8 @@ struct kvt_args_key {
 struct kvt_args {
     u64 arg[4];
     u64 caller_address;
+    u64 stack_id;
+    u64 stack_status;
 };
 
 struct kvt_ctx_key {
@@ -47,6 +59,16 @@ BPF_HASH(ledger, struct kvt_ledger_key, struct kvt_ledger_value, KVT_MAX_LEDGER_
 BPF_HASH(tracked_pids, u32, u64, 65536);
 BPF_HASH(pid_filter, u32, u8, 65536);
 BPF_ARRAY(config, u64, KVT_CONFIG_COUNT);
+BPF_HASH(py_targets, u32, struct kvt_py_target, 65536);
+BPF_TABLE("lru_hash", u64, struct kvt_stack, stacks, KVT_MAX_STACKS);
+
+/* Scratch space too big for the 512-byte BPF stack: one stack being built and one frame read. */
+struct kvt_scratch {
+    struct kvt_stack stack;
+    u64 hash;
+    u8 frame[KVT_FRAME_READ_MAX];
+};
+BPF_PERCPU_ARRAY(scratch, struct kvt_scratch, 1);
 BPF_PERCPU_ARRAY(counters, u64, KVT_COUNTER_COUNT);
 
 static __always_inline void count(u32 index) {
@@ -71,12 +93,16 @@ static __always_inline int filtered_out(u32 pid) {
     return 1;
 }
 
-static __always_inline int save_entry(struct pt_regs *ctx, u32 api) {
+static __always_inline u64 walk_python_stack(u32 pid, u64 *status);
+
+static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     if (filtered_out(pid_tgid >> 32))
         return 0;
     struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
     struct kvt_args args = {};
+    if (with_stack)
+        args.stack_id = walk_python_stack(pid_tgid >> 32, &args.stack_status);
     args.arg[0] = PT_REGS_PARM1(ctx);
     args.arg[1] = PT_REGS_PARM2(ctx);
     args.arg[2] = PT_REGS_PARM3(ctx);
@@ -85,6 +111,15 @@ static __always_inline int save_entry(struct pt_regs *ctx, u32 api) {
     bpf_probe_read_user(&args.caller_address, sizeof(args.caller_address), (void *)PT_REGS_SP(ctx));
     saved_args.update(&key, &args);
     return 0;
+}
+
+static __always_inline int save_entry(struct pt_regs *ctx, u32 api) {
+    return save_entry_common(ctx, api, 0);
+}
+
+/* Entry of an allocation call: also walks the Python stack of the calling thread. */
+static __always_inline int save_alloc_entry(struct pt_regs *ctx, u32 api) {
+    return save_entry_common(ctx, api, 1);
 }
 
 /* Takes the saved entry of this (thread, API) into *out; 0 when there was none. */
@@ -107,8 +142,9 @@ static __always_inline s32 current_device(u32 tid) {
     return device ? *device : KVT_DEVICE_UNKNOWN;
 }
 
-static __always_inline void emit(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
-                                 u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux) {
+static __always_inline void emit_stack(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
+                                       u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux,
+                                       u64 stack_id, u8 stack_status) {
     struct kvt_event *e = events.ringbuf_reserve(sizeof(struct kvt_event));
     if (!e) {
         count(KVT_COUNTER_EVENTS_LOST);
@@ -129,10 +165,18 @@ static __always_inline void emit(u8 kind, u16 api, u8 layer, u8 object, u8 memor
     e->layer = layer;
     e->object = object;
     e->memory = memory;
+    e->stack_id = stack_id;
+    e->stack_status = stack_status;
     e->reserved = 0;
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
     events.ringbuf_submit(e, 0);
     count(KVT_COUNTER_EVENTS_SUBMITTED);
+}
+
+static __always_inline void emit(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
+                                 u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux) {
+    emit_stack(kind, api, layer, object, memory, address, size_bytes, device, error_code, caller, aux,
+               0, KVT_STACK_NOT_WALKED);
 }
 
 static __always_inline void mark_tracked(u32 pid) {
@@ -177,15 +221,15 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
         size_bytes = (rc == 0 ? pitch : args.arg[2]) * args.arg[3];
     }
     if (rc != 0) {
-        emit(KVT_KIND_ALLOC_FAILED, api, layer, object, memory, 0, size_bytes, device, rc,
-             args.caller_address, 0);
+        emit_stack(KVT_KIND_ALLOC_FAILED, api, layer, object, memory, 0, size_bytes, device, rc,
+                   args.caller_address, 0, args.stack_id, args.stack_status);
         return 0;
     }
     u64 address = 0;
     bpf_probe_read_user(&address, sizeof(address), (void *)args.arg[0]);
     ledger_insert(layer, object, memory, api, address, size_bytes, device, args.caller_address, 0);
-    emit(KVT_KIND_ALLOC, api, layer, object, memory, address, size_bytes, device, 0,
-         args.caller_address, 0);
+    emit_stack(KVT_KIND_ALLOC, api, layer, object, memory, address, size_bytes, device, 0,
+               args.caller_address, 0, args.stack_id, args.stack_status);
     return 0;
 }
 
@@ -223,12 +267,12 @@ static __always_inline int free_return(struct pt_regs *ctx, u16 api, u8 layer, u
 
 /* Generates the entry and return probe of one API. */
 #define KVT_ALLOC_API(name, layer, memory)                                                        \
-    int entry_##name(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_##name); }             \
+    int entry_##name(struct pt_regs *ctx) { return save_alloc_entry(ctx, KVT_API_##name); }       \
     int return_##name(struct pt_regs *ctx) {                                                      \
         return alloc_return(ctx, KVT_API_##name, layer, KVT_OBJECT_ALLOCATION, memory, 0);        \
     }
 #define KVT_PITCH_API(name, layer)                                                                \
-    int entry_##name(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_##name); }             \
+    int entry_##name(struct pt_regs *ctx) { return save_alloc_entry(ctx, KVT_API_##name); }       \
     int return_##name(struct pt_regs *ctx) {                                                      \
         return alloc_return(ctx, KVT_API_##name, layer, KVT_OBJECT_ALLOCATION, KVT_MEMORY_DEVICE, 1); \
     }
@@ -366,7 +410,7 @@ static __always_inline struct kvt_ledger_value *vmm_lookup(u8 object, u64 addres
 
 /* cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
  * flags). prop->location is {type, id} at offset 8; type 1 = CU_MEM_LOCATION_TYPE_DEVICE. */
-int entry_cuMemCreate(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuMemCreate); }
+int entry_cuMemCreate(struct pt_regs *ctx) { return save_alloc_entry(ctx, KVT_API_cuMemCreate); }
 int return_cuMemCreate(struct pt_regs *ctx) {
     struct kvt_args args;
     if (!take_entry(KVT_API_cuMemCreate, &args))
@@ -376,16 +420,18 @@ int return_cuMemCreate(struct pt_regs *ctx) {
     bpf_probe_read_user(&location, sizeof(location), (void *)(args.arg[2] + 8));
     s32 device = location[0] == 1 ? location[1] : KVT_DEVICE_UNKNOWN;
     if (rc != 0) {
-        emit(KVT_KIND_ALLOC_FAILED, KVT_API_cuMemCreate, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE,
-             KVT_MEMORY_DEVICE, 0, args.arg[1], device, rc, args.caller_address, 0);
+        emit_stack(KVT_KIND_ALLOC_FAILED, KVT_API_cuMemCreate, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE,
+                   KVT_MEMORY_DEVICE, 0, args.arg[1], device, rc, args.caller_address, 0,
+                   args.stack_id, args.stack_status);
         return 0;
     }
     u64 handle = 0;
     bpf_probe_read_user(&handle, sizeof(handle), (void *)args.arg[0]);
     ledger_insert(KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE, KVT_MEMORY_DEVICE, KVT_API_cuMemCreate, handle,
                   args.arg[1], device, args.caller_address, 0);
-    emit(KVT_KIND_ALLOC, KVT_API_cuMemCreate, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE, KVT_MEMORY_DEVICE,
-         handle, args.arg[1], device, 0, args.caller_address, 0);
+    emit_stack(KVT_KIND_ALLOC, KVT_API_cuMemCreate, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE,
+               KVT_MEMORY_DEVICE, handle, args.arg[1], device, 0, args.caller_address, 0,
+               args.stack_id, args.stack_status);
     return 0;
 }
 
@@ -527,6 +573,109 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     tracked_pids.delete(&pid);
     emit(KVT_KIND_PROCESS_EXIT, KVT_API_PROCESS_EXIT, 0, 0, 0, 0, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0);
     return 0;
+}
+
+
+/* ---- Python stacks ---- */
+
+/* The calling thread's PyThreadState: glibc keeps pthread_getspecific(key) for keys < 32 in the
+ * thread descriptor, which fs points to. The GIL is usually released around CUDA calls, so
+ * "the current thread state" of the runtime would be NULL; the TSS slot is not. */
+static __always_inline u64 python_thread_state(struct kvt_py_target *target) {
+    if (KVT_TASK_FSBASE_OFFSET < 0)
+        return 0;
+    s32 key = -1;
+    bpf_probe_read_user(&key, sizeof(key), (void *)target->tss_key_address);
+    if (key < 0 || key >= 32)
+        return 0;
+    struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+    u64 fsbase = 0;
+    bpf_probe_read_kernel(&fsbase, sizeof(fsbase), (void *)task + KVT_TASK_FSBASE_OFFSET);
+    if (fsbase == 0)
+        return 0;
+    u64 tstate = 0;
+    bpf_probe_read_user(&tstate, sizeof(tstate),
+                        (void *)(fsbase + KVT_GLIBC_SPECIFIC_1STBLOCK + key * 16 + 8));
+    return tstate;
+}
+
+static __always_inline u64 read_u64_at(u8 *base, s16 offset) {
+    u64 value = 0;
+    if (offset >= 0 && offset <= KVT_FRAME_READ_MAX - 8)
+        __builtin_memcpy(&value, base + (offset & (KVT_FRAME_READ_MAX - 1)), sizeof(value));
+    return value;
+}
+
+/* Walks up to KVT_MAX_FRAMES Python frames; returns the interned stack id (0 if none). */
+static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
+    struct kvt_py_target *target = py_targets.lookup(&pid);
+    if (!target) {
+        *status = KVT_STACK_NOT_PYTHON;
+        return 0;
+    }
+    u64 tstate = python_thread_state(target);
+    if (tstate == 0) {
+        *status = KVT_STACK_NO_THREAD_STATE;
+        return 0;
+    }
+    u64 frame = 0;
+    if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(tstate + target->tstate_frame)) != 0) {
+        *status = KVT_STACK_READ_ERROR;
+        return 0;
+    }
+    if (target->cframe_frame >= 0 && frame != 0)
+        bpf_probe_read_user(&frame, sizeof(frame), (void *)(frame + target->cframe_frame));
+    u32 zero = 0;
+    struct kvt_scratch *s = scratch.lookup(&zero);
+    if (!s) {
+        *status = KVT_STACK_READ_ERROR;
+        return 0;
+    }
+    u32 read_bytes = target->frame_read_bytes;
+    if (read_bytes > KVT_FRAME_READ_MAX)
+        read_bytes = KVT_FRAME_READ_MAX;
+    /* depth and hash live in map memory, not registers: the verifier then sees one state per
+     * iteration instead of one per path through it (a register counter blows up its search). */
+    s->hash = 0xcbf29ce484222325ULL ^ pid;
+    s->stack.depth = 0;
+    for (int i = 0; i < KVT_MAX_FRAMES + 8 && frame != 0; i++) {
+        if (bpf_probe_read_user(s->frame, read_bytes, (void *)frame) != 0)
+            break;
+        u64 code = read_u64_at(s->frame, target->frame_code);
+        u64 previous = read_u64_at(s->frame, target->frame_previous);
+        u64 instr = read_u64_at(s->frame, target->frame_instr);
+        if (target->instr_is_lasti)
+            instr = (u32)instr;
+        u8 owner = 0;
+        if (target->frame_owner >= 0 && target->frame_owner < KVT_FRAME_READ_MAX)
+            owner = s->frame[target->frame_owner & (KVT_FRAME_READ_MAX - 1)];
+        frame = previous;
+        if (owner == 3 || code == 0) /* FRAME_OWNED_BY_CSTACK: an entry shim, not Python code */
+            continue;
+        u32 depth = s->stack.depth;
+        if (depth >= KVT_MAX_FRAMES)
+            break;
+        s->stack.frames[depth & (KVT_MAX_FRAMES - 1)].code = code;
+        s->stack.frames[depth & (KVT_MAX_FRAMES - 1)].instr = instr;
+        s->hash = (s->hash ^ code) * 0x100000001b3ULL;
+        s->hash = (s->hash ^ instr) * 0x100000001b3ULL;
+        s->stack.depth = depth + 1;
+    }
+    u32 depth = s->stack.depth;
+    u64 hash = s->hash;
+    if (depth == 0) {
+        *status = KVT_STACK_EMPTY;
+        return 0;
+    }
+    s->stack.pid = pid;
+    s->stack.truncated = frame != 0;
+    hash = (hash ^ depth ^ ((u64)s->stack.truncated << 32)) * 0x100000001b3ULL;
+    if (hash == 0)
+        hash = 1;
+    if (!stacks.lookup(&hash))
+        stacks.update(&hash, &s->stack);
+    *status = KVT_STACK_OK;
+    return hash;
 }
 
 /* ---- discovery: tell user space when a process may have new CUDA code to attach to ---- */

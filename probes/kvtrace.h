@@ -85,13 +85,14 @@
 
 #define KVT_COMM_LEN 16
 
-/* One ring-buffer record per traced call. 80 bytes, no implicit padding. */
+/* One ring-buffer record per traced call. 88 bytes, no implicit padding. */
 struct kvt_event {
     u64 timestamp_ns;   /* bpf_ktime_get_ns() at return (CLOCK_MONOTONIC) */
     u64 address;        /* device/host pointer, VMM handle or VA; context for set-device/destroy */
     u64 size_bytes;
     u64 caller_address; /* return address of the traced call: who called the CUDA API */
     u64 aux;            /* cuMemMap: the handle; cuMemUnmap: bytes of physical memory it freed */
+    u64 stack_id;       /* Python stack in the stacks map; 0 = none (stack_status says why) */
     u32 pid;
     u32 tid;
     s32 device;         /* CUDA ordinal, KVT_DEVICE_UNKNOWN when not known */
@@ -101,7 +102,8 @@ struct kvt_event {
     u8 layer;
     u8 object;
     u8 memory;
-    u16 reserved;
+    u8 stack_status;    /* KVT_STACK_* */
+    u8 reserved;
     char comm[KVT_COMM_LEN];
 };
 
@@ -112,6 +114,44 @@ struct kvt_event {
 struct kvt_notify {
     u32 pid;
     u32 reason;
+};
+
+/* Python stacks, walked in the probe of allocation calls. */
+#define KVT_MAX_FRAMES 64
+#define KVT_FRAME_READ_MAX 128 /* bytes of one frame read at once (code, previous, instr, owner) */
+
+#define KVT_STACK_NOT_WALKED      0 /* not an allocation call */
+#define KVT_STACK_OK              1
+#define KVT_STACK_NOT_PYTHON      2 /* no supported Python runtime registered for this process */
+#define KVT_STACK_NO_THREAD_STATE 3 /* this thread has no Python thread state */
+#define KVT_STACK_READ_ERROR      4 /* target memory could not be read */
+#define KVT_STACK_EMPTY           5 /* a thread state with no Python frame */
+
+/* Per process: where its thread states are and how to walk its frames (sources/pyoffsets.py). */
+struct kvt_py_target {
+    u64 tss_key_address;  /* &_PyRuntime.autoTSSkey._key in the target */
+    s16 tstate_frame;
+    s16 cframe_frame;     /* -1: tstate_frame leads directly to the frame */
+    s16 frame_code;
+    s16 frame_previous;
+    s16 frame_instr;
+    s16 frame_owner;      /* -1: no owner field (3.10) */
+    u16 frame_read_bytes;
+    u8 instr_is_lasti;    /* 3.10: a 4-byte int f_lasti instead of a pointer */
+    u8 reserved;
+};
+
+struct kvt_frame {
+    u64 code;   /* code object address */
+    u64 instr;  /* 3.10: f_lasti (code units); 3.11+: address of the current instruction */
+};
+
+struct kvt_stack {
+    u32 pid;
+    u16 depth;
+    u8 truncated;
+    u8 reserved;
+    struct kvt_frame frames[KVT_MAX_FRAMES];
 };
 
 /* In-kernel ledger: the exact set of outstanding objects, maintained where no event can be lost. */

@@ -24,6 +24,7 @@ from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings
 from kvtrace.sources.discovery import Discovery, Target
+from kvtrace.sources.pyruntime import NoPython, PythonTarget, inspect_python
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class TracerOptions:
     pids: set[int] = field(default_factory=set)  # empty: every process
     cmdline: re.Pattern | None = None  # trace only processes whose title matches
     settings: ProbeSettings = field(default_factory=ProbeSettings)
+    python_stacks: bool = True
     full_rescan_seconds: float = 10.0
     sweep_seconds: float = 1.0
     resync_min_seconds: float = 1.0
@@ -65,6 +67,8 @@ class Tracer:
         self._probes_factory = probes_factory
         self.probes: BpfProbes | None = None
         self.refused: dict[str, str] = {}  # path -> why it was not attached
+        self.python: dict[int, PythonTarget | NoPython] = {}  # per traced pid
+        self.python_stacks_down = ""  # why there are no Python stacks at all, "" when up
         self.events_seen = 0
         self.resyncs = 0
         self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
@@ -81,7 +85,21 @@ class Tracer:
     # ---- lifecycle ----
 
     def start(self) -> None:
-        self.probes = self._probes_factory(self.options.settings)
+        settings = self.options.settings
+        if self.options.python_stacks and settings.task_fsbase_offset < 0:
+            from dataclasses import replace
+
+            from kvtrace.sources.bpf.btf import BtfError, task_fsbase_offset
+
+            try:
+                settings = replace(settings, task_fsbase_offset=task_fsbase_offset())
+            except BtfError as error:
+                self.python_stacks_down = f"no Python stacks: {error}"
+                log.warning("%s", self.python_stacks_down)
+        elif not self.options.python_stacks:
+            self.python_stacks_down = "Python stacks disabled by configuration"
+        self.options.settings = settings
+        self.probes = self._probes_factory(settings)
         self.probes.set_filter(self.filtering)
         for pid in self.options.pids:
             self._select(pid)
@@ -118,6 +136,8 @@ class Tracer:
         now = time.monotonic()
         if raw.reason == abi.NOTIFY_EXEC:
             self.processes.forget(raw.pid)
+            if self.python.pop(raw.pid, None) is not None:
+                self.probes.set_python_target(raw.pid, None)
         self._pending[raw.pid] = [now + delay for delay in RESCAN_DELAYS_SECONDS]
 
     # ---- housekeeping ----
@@ -150,10 +170,27 @@ class Tracer:
         new = self.discovery.scan_pid(pid)
         for target in new:
             self._attach(target)
+        if pid not in self.python and not self.python_stacks_down and self._maps_cuda(pid):
+            self._inspect_python(pid)
         if self.options.cmdline is not None and pid not in self._selected and self._maps_cuda(pid):
             info = self.processes.get(pid)
             if info is not None and self.options.cmdline.search(info.title):
                 self._select(pid)
+
+    def _inspect_python(self, pid: int) -> None:
+        found = inspect_python(pid)
+        self.python[pid] = found
+        if isinstance(found, PythonTarget):
+            o = found.offsets
+            self.probes.set_python_target(pid, abi.RawPyTarget(
+                tss_key_address=found.tss_key_address, tstate_frame=o.tstate_frame,
+                cframe_frame=o.cframe_frame, frame_code=o.frame_code,
+                frame_previous=o.frame_previous, frame_instr=o.frame_instr,
+                frame_owner=o.frame_owner, frame_read_bytes=o.frame_read_bytes,
+                instr_is_lasti=0 if o.instr_is_pointer else 1))
+            log.info("pid %d: Python %d.%d stacks from %s", pid, *found.version, found.path)
+        else:
+            log.info("pid %d: no Python stacks: %s", pid, found.reason)
 
     def _maps_cuda(self, pid: int) -> bool:
         return any(pid in target.pids for target in self.discovery.targets.values())
@@ -189,6 +226,8 @@ class Tracer:
 
     def _forget_process(self, pid: int) -> None:
         self.processes.forget(pid)
+        if self.python.pop(pid, None) is not None:
+            self.probes.set_python_target(pid, None)
         for target in self.discovery.forget_pid(pid):
             self.probes.detach(target.path)
         if pid in self._selected and not self.options.pids:

@@ -43,18 +43,19 @@ def _struct_fields(name: str) -> list[tuple[str, str]]:
     fields = []
     for line in body.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line).strip()
-        match = re.match(r"(u64|u32|s32|u16|u8|char) (\w+)(\[\w+\])?;", line)
+        match = re.match(r"(u64|u32|s32|u16|s16|u8|char) (\w+)(\[\w+\])?;", line)
         if match:
             fields.append((match.group(2), match.group(1)))
     return fields
 
 
-_SIZES = {"u64": 8, "u32": 4, "s32": 4, "u16": 2, "u8": 1}
+_SIZES = {"u64": 8, "u32": 4, "s32": 4, "u16": 2, "s16": 2, "u8": 1}
 
 
 @pytest.mark.parametrize("c_name,py_type", [
     ("kvt_event", abi.RawEvent), ("kvt_ledger_key", abi.RawLedgerKey),
     ("kvt_ledger_value", abi.RawLedgerValue), ("kvt_notify", abi.RawNotify),
+    ("kvt_py_target", abi.RawPyTarget), ("kvt_frame", abi.RawFrame),
 ])
 def test_struct_layout_matches_header(c_name, py_type):
     fields = _struct_fields(c_name)
@@ -71,3 +72,14 @@ def test_every_attached_symbol_has_entry_and_return_probe():
     written = set(re.findall(r"int entry_(\w+)\(struct pt_regs", SOURCE)) & \
         set(re.findall(r"int return_(\w+)\(struct pt_regs", SOURCE))
     assert set(ALL_SYMBOLS) <= generated | written
+
+
+def test_stack_status_names_match_header():
+    header = defines("KVT_STACK_")
+    assert {name.lower(): value for name, value in header.items()} == \
+        {name: index for index, name in enumerate(abi.STACK_STATUS)}
+
+
+def test_stack_struct_matches_header():
+    assert ctypes.sizeof(abi.RawStack) == 8 + 16 * defines("KVT_")["MAX_FRAMES"]
+    assert abi.MAX_FRAMES == defines("KVT_")["MAX_FRAMES"]

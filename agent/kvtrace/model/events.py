@@ -120,6 +120,8 @@ class Event:
     comm: str = ""
     title: str = ""  # full process title from /proc/PID/cmdline
     container: str = ""  # container id from the cgroup path, "" on the host
+    stack_id: int = 0  # interned Python stack (model/stacks.py); 0 = none
+    stack_status: str = ""  # why there is or is not a stack: ok, not_python, no_thread_state, ...
     extra: dict = field(default_factory=dict)
 
     def to_json_dict(self) -> dict:

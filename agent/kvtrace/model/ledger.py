@@ -126,7 +126,7 @@ class Ledger:
         self._insert(Outstanding(
             key=self._key(event), size_bytes=event.size_bytes, timestamp_ns=event.timestamp_ns,
             device=event.device, api=event.api, memory=event.memory, tid=event.tid,
-            caller_address=event.caller_address, stack_id=event.extra.get("stack_id", 0)))
+            caller_address=event.caller_address, stack_id=event.stack_id))
 
     def _on_free(self, event: Event) -> None:
         entry = self._entries.get(self._key(event))

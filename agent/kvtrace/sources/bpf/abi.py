@@ -14,6 +14,7 @@ class RawEvent(ctypes.Structure):
         ("size_bytes", ctypes.c_uint64),
         ("caller_address", ctypes.c_uint64),
         ("aux", ctypes.c_uint64),
+        ("stack_id", ctypes.c_uint64),
         ("pid", ctypes.c_uint32),
         ("tid", ctypes.c_uint32),
         ("device", ctypes.c_int32),
@@ -23,7 +24,8 @@ class RawEvent(ctypes.Structure):
         ("layer", ctypes.c_uint8),
         ("object", ctypes.c_uint8),
         ("memory", ctypes.c_uint8),
-        ("reserved", ctypes.c_uint16),
+        ("stack_status", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint8),
         ("comm", ctypes.c_char * COMM_LEN),
     ]
 
@@ -56,6 +58,41 @@ class RawLedgerValue(ctypes.Structure):
         ("reserved", ctypes.c_uint32),
     ]
 
+
+MAX_FRAMES = 64
+
+
+class RawPyTarget(ctypes.Structure):
+    _fields_ = [
+        ("tss_key_address", ctypes.c_uint64),
+        ("tstate_frame", ctypes.c_int16),
+        ("cframe_frame", ctypes.c_int16),
+        ("frame_code", ctypes.c_int16),
+        ("frame_previous", ctypes.c_int16),
+        ("frame_instr", ctypes.c_int16),
+        ("frame_owner", ctypes.c_int16),
+        ("frame_read_bytes", ctypes.c_uint16),
+        ("instr_is_lasti", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint8),
+    ]
+
+
+class RawFrame(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint64), ("instr", ctypes.c_uint64)]
+
+
+class RawStack(ctypes.Structure):
+    _fields_ = [
+        ("pid", ctypes.c_uint32),
+        ("depth", ctypes.c_uint16),
+        ("truncated", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint8),
+        ("frames", RawFrame * MAX_FRAMES),
+    ]
+
+
+# KVT_STACK_*: why an event has (or lacks) a Python stack.
+STACK_STATUS = ("not_walked", "ok", "not_python", "no_thread_state", "read_error", "empty")
 
 # Per-CPU counter indexes (KVT_COUNTER_*).
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",

@@ -43,6 +43,7 @@ def decode_event(raw: abi.RawEvent, clock: Clock, processes: ProcessTable | None
         caller_address=raw.caller_address,
         aux=raw.aux,
         comm=raw.comm.decode("utf-8", "replace"),
+        stack_status=abi.STACK_STATUS[raw.stack_status] if raw.stack_status < len(abi.STACK_STATUS) else "",
     )
     info = processes.get(raw.pid) if processes is not None else None
     if info is not None:

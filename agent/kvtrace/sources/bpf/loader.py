@@ -24,9 +24,13 @@ class ProbeSettings:
     max_ledger_entries: int = 1 << 20
     ringbuf_pages: int = 1024  # 4 MiB of events
     max_threads: int = 65536
+    max_stacks: int = 16384
+    task_fsbase_offset: int = -1  # from BTF; -1 disables Python stacks
 
     def cflags(self) -> list[str]:
         return [
+            f"-DKVT_MAX_STACKS={self.max_stacks}",
+            f"-DKVT_TASK_FSBASE_OFFSET={self.task_fsbase_offset}",
             f"-I{abi.probes_dir()}",
             f"-DKVT_MAX_LEDGER_ENTRIES={self.max_ledger_entries}",
             f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
@@ -144,6 +148,23 @@ class BpfProbes:
                 del table[table.Key.from_buffer_copy(key)]
             except KeyError:
                 pass
+
+    def set_python_target(self, pid: int, target: abi.RawPyTarget | None) -> None:
+        table = self._bpf["py_targets"]
+        if target is None:
+            try:
+                del table[ctypes.c_uint32(pid)]
+            except KeyError:
+                pass
+        else:
+            table[ctypes.c_uint32(pid)] = target
+
+    def read_stack(self, stack_id: int) -> abi.RawStack | None:
+        try:
+            value = self._bpf["stacks"][ctypes.c_uint64(stack_id)]
+        except KeyError:
+            return None
+        return abi.RawStack.from_buffer_copy(value)
 
     def forget_tracked(self, pid: int) -> None:
         try:
