@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 from typing import Protocol
 
@@ -34,7 +35,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     commands = {}
     for name in COMMANDS:
         command = _load(name)
-        doc = (type(command).__doc__ or "").strip()
+        doc = inspect.cleandoc(type(command).__doc__ or "")
         sub = subparsers.add_parser(
             name, help=doc.splitlines()[0] if doc else None, description=doc,
             formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -41,6 +41,7 @@ class Target:
     path: str  # a path that opens it from the agent's mount namespace
     symbols: tuple[str, ...]
     pids: set[int] = field(default_factory=set)
+    pinned: bool = False  # attached at start from a known location: kept while no process maps it
 
 
 def executable_mappings(pid: int, proc: Path = Path("/proc")) -> dict[FileId, str]:
@@ -147,12 +148,28 @@ class Discovery:
                 new.extend(self.scan_pid(int(entry.name)))
         return new
 
+    def add_file(self, path: str) -> Target | None:
+        """A library at a known location, attached before any process maps it: a process that
+        dlopens it later is traced from its first call (uprobes are installed at mmap time)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        file_id = FileId(st.st_dev, st.st_ino)
+        if file_id in self.targets:
+            return None
+        symbols = self._symbols_of(file_id, path)
+        if not symbols:
+            return None
+        target = self.targets[file_id] = Target(file_id, path, symbols, pinned=True)
+        return target
+
     def forget_pid(self, pid: int) -> list[Target]:
         """Drops a pid; returns targets no process maps any more (to detach)."""
         unused = []
         for file_id, target in list(self.targets.items()):
             target.pids.discard(pid)
-            if not target.pids:
+            if not target.pids and not target.pinned:
                 unused.append(self.targets.pop(file_id))
         return unused
 

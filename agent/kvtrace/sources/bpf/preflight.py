@@ -215,7 +215,7 @@ def require_tracing(release: str | None = None, root: Path = Path("/"),
                     mount: Callable[[Path], None] = _mount_tracefs) -> None:
     """Raises CommandError with the first problem that would stop the probes from loading.
 
-    Mounts tracefs when it is missing and we may (FACTS: many VMs boot without it mounted).
+    Mounts tracefs when it is missing and we may: many VMs boot without it mounted.
     """
     release = release or platform.release()
     checks: list[Callable[[], Finding]] = [
