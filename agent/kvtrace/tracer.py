@@ -7,6 +7,7 @@ ledger from the kernel's exact copy after events were lost.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import platform
@@ -20,11 +21,13 @@ import psutil
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind
 from kvtrace.model.ledger import Ledger
 from kvtrace.model.processes import ProcessTable
+from kvtrace.model.stacks import Stack, StackTable
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings
 from kvtrace.sources.discovery import Discovery, Target
 from kvtrace.sources.pyruntime import NoPython, PythonTarget, inspect_python
+from kvtrace.sources.pystacks import Symbolizer
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +37,25 @@ EventSink = Callable[[Event], None]
 # returned yet when we read /proc/PID/maps.
 RESCAN_DELAYS_SECONDS = (0.0, 0.25)
 
+# Where CUDA libraries usually live: attached at start so that a late dlopen (the driver is loaded
+# when CUDA initialises) is traced from its first call.
+DEFAULT_PREATTACH_GLOBS = (
+    "/usr/lib/x86_64-linux-gnu/libcuda.so.*",
+    "/usr/lib64/libcuda.so.*",
+    "/usr/local/nvidia/lib64/libcuda.so.*",
+    "/usr/lib/wsl/lib/libcuda.so.*",
+    "/usr/local/cuda*/lib64/libcudart.so.*",
+)
+
 
 @dataclass
 class TracerOptions:
-    pids: set[int] = field(default_factory=set)  # empty: every process
+    pids: set[int] = field(default_factory=set)  # empty: every process (unless only_selected)
+    only_selected: bool = False  # trace only pids added later with Tracer.follow()
     cmdline: re.Pattern | None = None  # trace only processes whose title matches
     settings: ProbeSettings = field(default_factory=ProbeSettings)
     python_stacks: bool = True
+    preattach_globs: tuple[str, ...] = DEFAULT_PREATTACH_GLOBS
     full_rescan_seconds: float = 10.0
     sweep_seconds: float = 1.0
     resync_min_seconds: float = 1.0
@@ -69,6 +84,10 @@ class Tracer:
         self.refused: dict[str, str] = {}  # path -> why it was not attached
         self.python: dict[int, PythonTarget | NoPython] = {}  # per traced pid
         self.python_stacks_down = ""  # why there are no Python stacks at all, "" when up
+        self.stacks = StackTable()
+        self.symbolizer = Symbolizer()
+        self._stack_ids: dict[int, int] = {}  # kernel stack hash -> interned stack id
+        self._stack_ids_by_pid: dict[int, set[int]] = {}
         self.events_seen = 0
         self.resyncs = 0
         self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
@@ -80,7 +99,7 @@ class Tracer:
 
     @property
     def filtering(self) -> bool:
-        return bool(self.options.pids) or self.options.cmdline is not None
+        return bool(self.options.pids) or self.options.cmdline is not None or self.options.only_selected
 
     # ---- lifecycle ----
 
@@ -104,6 +123,13 @@ class Tracer:
         for pid in self.options.pids:
             self._select(pid)
         self.probes.open_rings(self._on_raw_event, self._on_notify)
+        for pattern in self.options.preattach_globs:
+            for path in sorted(glob.glob(pattern)):
+                if os.path.islink(path):
+                    continue  # the real file is matched too; attach by inode once
+                target = self.discovery.add_file(path)
+                if target is not None:
+                    self._attach(target)
         self.full_scan()
 
     def stop(self) -> None:
@@ -121,6 +147,8 @@ class Tracer:
         event = decode_event(raw, self.clock, self.processes)
         if self.filtering and event.pid not in self._selected:
             return
+        if raw.stack_id:
+            event.stack_id = self._resolve_stack(raw.pid, raw.stack_id)
         self.events_seen += 1
         self.ledger.apply(event)
         if event.kind is Kind.PROCESS_EXIT:
@@ -136,9 +164,25 @@ class Tracer:
         now = time.monotonic()
         if raw.reason == abi.NOTIFY_EXEC:
             self.processes.forget(raw.pid)
-            if self.python.pop(raw.pid, None) is not None:
-                self.probes.set_python_target(raw.pid, None)
+            self._forget_python(raw.pid)
         self._pending[raw.pid] = [now + delay for delay in RESCAN_DELAYS_SECONDS]
+
+    def _resolve_stack(self, pid: int, kernel_stack_id: int) -> int:
+        """Kernel stack (raw frames) -> interned, symbolized stack id; 0 if it cannot be read."""
+        stack_id = self._stack_ids.get(kernel_stack_id)
+        if stack_id is not None:
+            return stack_id
+        raw = self.probes.read_stack(kernel_stack_id)
+        target = self.python.get(pid)
+        if raw is None or not isinstance(target, PythonTarget):
+            return 0
+        frames = self.symbolizer.symbolize(
+            pid, target.version, target.offsets,
+            [(frame.code, frame.instr) for frame in raw.frames[:raw.depth]])
+        stack_id = self.stacks.intern(Stack(tuple(frames), bool(raw.truncated)))
+        self._stack_ids[kernel_stack_id] = stack_id
+        self._stack_ids_by_pid.setdefault(pid, set()).add(kernel_stack_id)
+        return stack_id
 
     # ---- housekeeping ----
 
@@ -195,6 +239,14 @@ class Tracer:
     def _maps_cuda(self, pid: int) -> bool:
         return any(pid in target.pids for target in self.discovery.targets.values())
 
+    def follow(self, pid: int) -> None:
+        """Adds a process to the filter (and traces it now); used by tests and the API."""
+        self.options.pids.add(pid)
+        if self.probes is not None:
+            self.probes.set_filter(True)
+            self._select(pid)
+            self.scan_pid(pid)
+
     def _select(self, pid: int) -> None:
         self._selected.add(pid)
         self.probes.select_pid(pid)
@@ -224,12 +276,18 @@ class Tracer:
                 if dropped:
                     log.info("process %d exited: %d outstanding objects dropped", pid, dropped)
 
-    def _forget_process(self, pid: int) -> None:
-        self.processes.forget(pid)
+    def _forget_python(self, pid: int) -> None:
+        """After exit or exec: its code objects and runtime are gone."""
+        self.symbolizer.forget(pid)
+        for kernel_stack_id in self._stack_ids_by_pid.pop(pid, ()):
+            self._stack_ids.pop(kernel_stack_id, None)
         if self.python.pop(pid, None) is not None:
             self.probes.set_python_target(pid, None)
-        for target in self.discovery.forget_pid(pid):
-            self.probes.detach(target.path)
+
+    def _forget_process(self, pid: int) -> None:
+        self.processes.forget(pid)
+        self._forget_python(pid)
+        self.discovery.forget_pid(pid)
         if pid in self._selected and not self.options.pids:
             self._selected.discard(pid)
             self.probes.unselect_pid(pid)

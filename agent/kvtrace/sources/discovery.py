@@ -41,7 +41,6 @@ class Target:
     path: str  # a path that opens it from the agent's mount namespace
     symbols: tuple[str, ...]
     pids: set[int] = field(default_factory=set)
-    pinned: bool = False  # attached at start from a known location: kept while no process maps it
 
 
 def executable_mappings(pid: int, proc: Path = Path("/proc")) -> dict[FileId, str]:
@@ -161,17 +160,14 @@ class Discovery:
         symbols = self._symbols_of(file_id, path)
         if not symbols:
             return None
-        target = self.targets[file_id] = Target(file_id, path, symbols, pinned=True)
+        target = self.targets[file_id] = Target(file_id, path, symbols)
         return target
 
-    def forget_pid(self, pid: int) -> list[Target]:
-        """Drops a pid; returns targets no process maps any more (to detach)."""
-        unused = []
-        for file_id, target in list(self.targets.items()):
+    def forget_pid(self, pid: int) -> None:
+        """Drops a pid. Targets stay attached: uprobes on a file nobody maps cost nothing, while
+        detaching costs the kernel an RCU grace period per probe (seconds for a library)."""
+        for target in self.targets.values():
             target.pids.discard(pid)
-            if not target.pids and not target.pinned:
-                unused.append(self.targets.pop(file_id))
-        return unused
 
 
 def _same_file(path: str, file_id: FileId) -> bool:

@@ -95,15 +95,15 @@ class BpfProbes:
     # ---- filter ----
 
     def set_filter(self, enabled: bool) -> None:
-        config = self._bpf["config"]
+        config = self._bpf[b"config"]
         config[ctypes.c_int(abi.CONFIG_FILTER_ENABLED)] = ctypes.c_uint64(1 if enabled else 0)
 
     def select_pid(self, pid: int) -> None:
-        self._bpf["pid_filter"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+        self._bpf[b"pid_filter"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
 
     def unselect_pid(self, pid: int) -> None:
         try:
-            del self._bpf["pid_filter"][ctypes.c_uint32(pid)]
+            del self._bpf[b"pid_filter"][ctypes.c_uint32(pid)]
         except KeyError:
             pass
 
@@ -119,8 +119,8 @@ class BpfProbes:
 
         # bcc keeps the callbacks alive; keep our own references too.
         self._callbacks = (events, notify)
-        self._bpf["events"].open_ring_buffer(events)
-        self._bpf["notify"].open_ring_buffer(notify)
+        self._bpf[b"events"].open_ring_buffer(events)
+        self._bpf[b"notify"].open_ring_buffer(notify)
 
     def poll(self, timeout_ms: int) -> None:
         self._bpf.ring_buffer_poll(timeout_ms)
@@ -128,12 +128,12 @@ class BpfProbes:
     # ---- maps ----
 
     def counters(self) -> dict[str, int]:
-        table = self._bpf["counters"]
+        table = self._bpf[b"counters"]
         return {name: sum(table[ctypes.c_int(index)]) for index, name in enumerate(abi.COUNTERS)}
 
     def ledger_items(self) -> list[tuple[abi.RawLedgerKey, abi.RawLedgerValue]]:
         """A copy of the in-kernel ledger (batched reads where the kernel supports them)."""
-        table = self._bpf["ledger"]
+        table = self._bpf[b"ledger"]
         try:
             return [(abi.RawLedgerKey.from_buffer_copy(k), abi.RawLedgerValue.from_buffer_copy(v))
                     for k, v in table.items_lookup_batch()]
@@ -142,7 +142,7 @@ class BpfProbes:
                     for k, v in table.items()]
 
     def delete_ledger_keys(self, keys: list[abi.RawLedgerKey]) -> None:
-        table = self._bpf["ledger"]
+        table = self._bpf[b"ledger"]
         for key in keys:
             try:
                 del table[table.Key.from_buffer_copy(key)]
@@ -150,7 +150,7 @@ class BpfProbes:
                 pass
 
     def set_python_target(self, pid: int, target: abi.RawPyTarget | None) -> None:
-        table = self._bpf["py_targets"]
+        table = self._bpf[b"py_targets"]
         if target is None:
             try:
                 del table[ctypes.c_uint32(pid)]
@@ -161,14 +161,14 @@ class BpfProbes:
 
     def read_stack(self, stack_id: int) -> abi.RawStack | None:
         try:
-            value = self._bpf["stacks"][ctypes.c_uint64(stack_id)]
+            value = self._bpf[b"stacks"][ctypes.c_uint64(stack_id)]
         except KeyError:
             return None
         return abi.RawStack.from_buffer_copy(value)
 
     def forget_tracked(self, pid: int) -> None:
         try:
-            del self._bpf["tracked_pids"][ctypes.c_uint32(pid)]
+            del self._bpf[b"tracked_pids"][ctypes.c_uint32(pid)]
         except KeyError:
             pass
 

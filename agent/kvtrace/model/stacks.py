@@ -1,0 +1,79 @@
+"""Symbolized stacks: Python frames (function, file, line), the native caller, and interning.
+
+An allocation event carries a stack id rather than its frames: the same few call sites allocate
+over and over, so a stream sends each distinct stack once and refers to it by id afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+UNKNOWN_FUNCTION = "<unknown>"
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One Python frame. `function` is the qualified name (co_qualname on 3.11+, co_name on 3.10,
+    which has no qualname); `line` is 0 when the line table has no line for the instruction."""
+
+    function: str
+    file: str
+    line: int
+
+    def to_json_dict(self) -> dict:
+        return {"function": self.function, "file": self.file, "line": self.line}
+
+
+# A frame whose code object could not be read: shown as unknown rather than guessed.
+UNKNOWN_FRAME = Frame(UNKNOWN_FUNCTION, "", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """Python frames, innermost first. `truncated`: the walk stopped at its frame limit, so the
+    outermost frames are missing."""
+
+    frames: tuple[Frame, ...]
+    truncated: bool = False
+
+
+class NativeFrame(NamedTuple):
+    """A native code address as (module path, symbol, offset). With a symbol, `offset` is from the
+    symbol's start; without one (`symbol == ""`), it is the address in the module's own ELF
+    address space (the run-time address less the load bias), which is what addr2line takes."""
+
+    module: str
+    symbol: str
+    offset: int
+
+    def to_json_dict(self) -> dict:
+        return {"module": self.module, "symbol": self.symbol, "offset": self.offset}
+
+
+class StackTable:
+    """Interns stacks: equal stacks get the same id, ids start at 1 and never change or get reused
+    (0 is left free to mean "no stack" in events)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[Stack, int] = {}
+        self._stacks: list[Stack] = []
+
+    def intern(self, stack: Stack) -> int:
+        stack_id = self._ids.get(stack)
+        if stack_id is None:
+            self._stacks.append(stack)
+            stack_id = len(self._stacks)
+            self._ids[stack] = stack_id
+        return stack_id
+
+    def get(self, stack_id: int) -> Stack:
+        """The stack with this id; KeyError for an id this table never gave out."""
+        if not 1 <= stack_id <= len(self._stacks):
+            raise KeyError(stack_id)
+        return self._stacks[stack_id - 1]
+
+    def __len__(self) -> int:
+        return len(self._stacks)
+
+    def __contains__(self, stack: object) -> bool:
+        return stack in self._ids

@@ -1,0 +1,5 @@
+"""Shared by all test layers: makes tests/harness.py importable."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,62 @@
+"""Runs the real tracer in the test's own thread and collects what it emits.
+
+Integration and GPU tests drive a workload process, then pump the tracer until the expected events
+arrived (or a timeout says what did arrive).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterable
+
+import pytest
+
+from kvtrace.model.events import Api, Event, Kind
+from kvtrace.tracer import Tracer, TracerOptions
+
+
+def require_tracing_here() -> None:
+    """Skips (with the reason printed by -ra) when this machine cannot load BPF."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for BPF (run `sudo make test`)")
+    try:
+        import bcc  # noqa: F401
+    except Exception as error:  # bcc raises more than ImportError when half-installed
+        pytest.skip(f"bcc is not importable ({error}); `make setup` installs python3-bpfcc")
+    if not (os.path.exists("/sys/kernel/tracing/uprobe_events")
+            or os.path.exists("/sys/kernel/debug/tracing/uprobe_events")):
+        pytest.skip("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
+
+
+class TracerHarness:
+    def __init__(self, pids: Iterable[int] = (), **options) -> None:
+        self.events: list[Event] = []
+        self.tracer = Tracer(TracerOptions(pids=set(pids), **options), sinks=[self.events.append])
+        self.tracer.start()
+
+    def pump(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.tracer.run_once(20)
+
+    def pump_until(self, predicate: Callable[[], bool], timeout_seconds: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            self.tracer.run_once(20)
+            if predicate():
+                return True
+        return predicate()
+
+    def of(self, pid: int | None = None, kind: Kind | None = None, api: Api | None = None) -> list[Event]:
+        return [e for e in self.events
+                if (pid is None or e.pid == pid) and (kind is None or e.kind is kind)
+                and (api is None or e.api is api)]
+
+    def close(self) -> None:
+        self.tracer.stop()
+
+    def __enter__(self) -> "TracerHarness":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
