@@ -1,0 +1,179 @@
+from kvtrace._proto.kvtrace.v1 import events_pb2 as _events_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StreamEventsRequest(_message.Message):
+    __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes")
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    TITLE_REGEX_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    title_regex: str
+    kinds: _containers.RepeatedScalarFieldContainer[_events_pb2.EventKind]
+    layers: _containers.RepeatedScalarFieldContainer[_events_pb2.Layer]
+    min_size_bytes: int
+    def __init__(self, pids: _Optional[_Iterable[int]] = ..., title_regex: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[_events_pb2.EventKind, str]]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., min_size_bytes: _Optional[int] = ...) -> None: ...
+
+class StreamEventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
+
+class GetSnapshotRequest(_message.Message):
+    __slots__ = ("pids", "layers", "page_size", "page_token")
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    layers: _containers.RepeatedScalarFieldContainer[_events_pb2.Layer]
+    page_size: int
+    page_token: str
+    def __init__(self, pids: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class GetSnapshotResponse(_message.Message):
+    __slots__ = ("allocations", "next_page_token", "timestamp_ns")
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    allocations: _containers.RepeatedCompositeFieldContainer[OutstandingAllocation]
+    next_page_token: str
+    timestamp_ns: int
+    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ...) -> None: ...
+
+class OutstandingAllocation(_message.Message):
+    __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    API_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STACK_ID_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    tid: int
+    comm: str
+    title: str
+    container: str
+    layer: _events_pb2.Layer
+    object: _events_pb2.ObjectKind
+    memory: _events_pb2.Memory
+    api: _events_pb2.Api
+    api_name: str
+    size_bytes: int
+    address: int
+    device: int
+    timestamp_ns: int
+    caller_address: int
+    stack_id: int
+    mapped_count: int
+    released: bool
+    handle: int
+    def __init__(self, pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., layer: _Optional[_Union[_events_pb2.Layer, str]] = ..., object: _Optional[_Union[_events_pb2.ObjectKind, str]] = ..., memory: _Optional[_Union[_events_pb2.Memory, str]] = ..., api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., caller_address: _Optional[int] = ..., stack_id: _Optional[int] = ..., mapped_count: _Optional[int] = ..., released: bool = ..., handle: _Optional[int] = ...) -> None: ...
+
+class ListProcessesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListProcessesResponse(_message.Message):
+    __slots__ = ("processes",)
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    processes: _containers.RepeatedCompositeFieldContainer[Process]
+    def __init__(self, processes: _Optional[_Iterable[_Union[Process, _Mapping]]] = ...) -> None: ...
+
+class Process(_message.Message):
+    __slots__ = ("pid", "title", "comm", "container", "totals")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    title: str
+    comm: str
+    container: str
+    totals: _containers.RepeatedCompositeFieldContainer[OutstandingTotal]
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., comm: _Optional[str] = ..., container: _Optional[str] = ..., totals: _Optional[_Iterable[_Union[OutstandingTotal, _Mapping]]] = ...) -> None: ...
+
+class OutstandingTotal(_message.Message):
+    __slots__ = ("device", "layer", "memory", "size_bytes", "object_count")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    layer: _events_pb2.Layer
+    memory: _events_pb2.Memory
+    size_bytes: int
+    object_count: int
+    def __init__(self, device: _Optional[int] = ..., layer: _Optional[_Union[_events_pb2.Layer, str]] = ..., memory: _Optional[_Union[_events_pb2.Memory, str]] = ..., size_bytes: _Optional[int] = ..., object_count: _Optional[int] = ...) -> None: ...
+
+class GetAgentInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetAgentInfoResponse(_message.Message):
+    __slots__ = ("version", "kernel_release", "attached_libraries", "components", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_LIBRARIES_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    kernel_release: str
+    attached_libraries: _containers.RepeatedCompositeFieldContainer[AttachedLibrary]
+    components: _containers.RepeatedCompositeFieldContainer[ComponentHealth]
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, version: _Optional[str] = ..., kernel_release: _Optional[str] = ..., attached_libraries: _Optional[_Iterable[_Union[AttachedLibrary, _Mapping]]] = ..., components: _Optional[_Iterable[_Union[ComponentHealth, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class AttachedLibrary(_message.Message):
+    __slots__ = ("path", "file_device", "inode", "symbols", "pids")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FILE_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    SYMBOLS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    file_device: int
+    inode: int
+    symbols: _containers.RepeatedScalarFieldContainer[str]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, path: _Optional[str] = ..., file_device: _Optional[int] = ..., inode: _Optional[int] = ..., symbols: _Optional[_Iterable[str]] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ComponentHealth(_message.Message):
+    __slots__ = ("name", "up", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    up: bool
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., up: bool = ..., reason: _Optional[str] = ...) -> None: ...

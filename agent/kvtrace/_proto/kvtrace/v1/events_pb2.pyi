@@ -1,0 +1,267 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Layer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYER_UNSPECIFIED: _ClassVar[Layer]
+    LAYER_RUNTIME: _ClassVar[Layer]
+    LAYER_DRIVER: _ClassVar[Layer]
+    LAYER_VMM: _ClassVar[Layer]
+
+class ObjectKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OBJECT_KIND_UNSPECIFIED: _ClassVar[ObjectKind]
+    OBJECT_KIND_ALLOCATION: _ClassVar[ObjectKind]
+    OBJECT_KIND_VMM_HANDLE: _ClassVar[ObjectKind]
+    OBJECT_KIND_VMM_RESERVE: _ClassVar[ObjectKind]
+    OBJECT_KIND_VMM_MAPPING: _ClassVar[ObjectKind]
+
+class Memory(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_UNSPECIFIED: _ClassVar[Memory]
+    MEMORY_DEVICE: _ClassVar[Memory]
+    MEMORY_HOST: _ClassVar[Memory]
+    MEMORY_MANAGED: _ClassVar[Memory]
+    MEMORY_NONE: _ClassVar[Memory]
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_ALLOC: _ClassVar[EventKind]
+    EVENT_KIND_FREE: _ClassVar[EventKind]
+    EVENT_KIND_ALLOC_FAILED: _ClassVar[EventKind]
+    EVENT_KIND_FREE_FAILED: _ClassVar[EventKind]
+    EVENT_KIND_FREE_UNKNOWN: _ClassVar[EventKind]
+    EVENT_KIND_MAP: _ClassVar[EventKind]
+    EVENT_KIND_UNMAP: _ClassVar[EventKind]
+    EVENT_KIND_RELEASE: _ClassVar[EventKind]
+    EVENT_KIND_SET_DEVICE: _ClassVar[EventKind]
+    EVENT_KIND_CONTEXT_DESTROY: _ClassVar[EventKind]
+    EVENT_KIND_PROCESS_EXIT: _ClassVar[EventKind]
+
+class Api(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    API_UNSPECIFIED: _ClassVar[Api]
+    API_CUDA_MALLOC: _ClassVar[Api]
+    API_CUDA_FREE: _ClassVar[Api]
+    API_CUDA_MALLOC_ASYNC: _ClassVar[Api]
+    API_CUDA_FREE_ASYNC: _ClassVar[Api]
+    API_CUDA_MALLOC_MANAGED: _ClassVar[Api]
+    API_CUDA_MALLOC_HOST: _ClassVar[Api]
+    API_CUDA_HOST_ALLOC: _ClassVar[Api]
+    API_CUDA_FREE_HOST: _ClassVar[Api]
+    API_CUDA_MALLOC_PITCH: _ClassVar[Api]
+    API_CUDA_SET_DEVICE: _ClassVar[Api]
+    API_CU_MEM_ALLOC_V2: _ClassVar[Api]
+    API_CU_MEM_FREE_V2: _ClassVar[Api]
+    API_CU_MEM_ALLOC_ASYNC: _ClassVar[Api]
+    API_CU_MEM_FREE_ASYNC: _ClassVar[Api]
+    API_CU_MEM_ALLOC_MANAGED: _ClassVar[Api]
+    API_CU_MEM_ALLOC_PITCH_V2: _ClassVar[Api]
+    API_CU_MEM_ALLOC_HOST_V2: _ClassVar[Api]
+    API_CU_MEM_HOST_ALLOC: _ClassVar[Api]
+    API_CU_MEM_FREE_HOST: _ClassVar[Api]
+    API_CU_CTX_SET_CURRENT: _ClassVar[Api]
+    API_CU_CTX_DESTROY_V2: _ClassVar[Api]
+    API_CU_DEVICE_PRIMARY_CTX_RETAIN: _ClassVar[Api]
+    API_CU_CTX_CREATE_V2: _ClassVar[Api]
+    API_CU_MEM_CREATE: _ClassVar[Api]
+    API_CU_MEM_RELEASE: _ClassVar[Api]
+    API_CU_MEM_MAP: _ClassVar[Api]
+    API_CU_MEM_UNMAP: _ClassVar[Api]
+    API_CU_MEM_ADDRESS_RESERVE: _ClassVar[Api]
+    API_CU_MEM_ADDRESS_FREE: _ClassVar[Api]
+    API_PROCESS_EXIT: _ClassVar[Api]
+LAYER_UNSPECIFIED: Layer
+LAYER_RUNTIME: Layer
+LAYER_DRIVER: Layer
+LAYER_VMM: Layer
+OBJECT_KIND_UNSPECIFIED: ObjectKind
+OBJECT_KIND_ALLOCATION: ObjectKind
+OBJECT_KIND_VMM_HANDLE: ObjectKind
+OBJECT_KIND_VMM_RESERVE: ObjectKind
+OBJECT_KIND_VMM_MAPPING: ObjectKind
+MEMORY_UNSPECIFIED: Memory
+MEMORY_DEVICE: Memory
+MEMORY_HOST: Memory
+MEMORY_MANAGED: Memory
+MEMORY_NONE: Memory
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_ALLOC: EventKind
+EVENT_KIND_FREE: EventKind
+EVENT_KIND_ALLOC_FAILED: EventKind
+EVENT_KIND_FREE_FAILED: EventKind
+EVENT_KIND_FREE_UNKNOWN: EventKind
+EVENT_KIND_MAP: EventKind
+EVENT_KIND_UNMAP: EventKind
+EVENT_KIND_RELEASE: EventKind
+EVENT_KIND_SET_DEVICE: EventKind
+EVENT_KIND_CONTEXT_DESTROY: EventKind
+EVENT_KIND_PROCESS_EXIT: EventKind
+API_UNSPECIFIED: Api
+API_CUDA_MALLOC: Api
+API_CUDA_FREE: Api
+API_CUDA_MALLOC_ASYNC: Api
+API_CUDA_FREE_ASYNC: Api
+API_CUDA_MALLOC_MANAGED: Api
+API_CUDA_MALLOC_HOST: Api
+API_CUDA_HOST_ALLOC: Api
+API_CUDA_FREE_HOST: Api
+API_CUDA_MALLOC_PITCH: Api
+API_CUDA_SET_DEVICE: Api
+API_CU_MEM_ALLOC_V2: Api
+API_CU_MEM_FREE_V2: Api
+API_CU_MEM_ALLOC_ASYNC: Api
+API_CU_MEM_FREE_ASYNC: Api
+API_CU_MEM_ALLOC_MANAGED: Api
+API_CU_MEM_ALLOC_PITCH_V2: Api
+API_CU_MEM_ALLOC_HOST_V2: Api
+API_CU_MEM_HOST_ALLOC: Api
+API_CU_MEM_FREE_HOST: Api
+API_CU_CTX_SET_CURRENT: Api
+API_CU_CTX_DESTROY_V2: Api
+API_CU_DEVICE_PRIMARY_CTX_RETAIN: Api
+API_CU_CTX_CREATE_V2: Api
+API_CU_MEM_CREATE: Api
+API_CU_MEM_RELEASE: Api
+API_CU_MEM_MAP: Api
+API_CU_MEM_UNMAP: Api
+API_CU_MEM_ADDRESS_RESERVE: Api
+API_CU_MEM_ADDRESS_FREE: Api
+API_PROCESS_EXIT: Api
+
+class Event(_message.Message):
+    __slots__ = ("timestamp_ns", "pid", "tid", "comm", "title", "container", "allocation", "device_change", "context_destroy", "process_exit", "events_lost", "stack_definition")
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_DESTROY_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_EXIT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_LOST_FIELD_NUMBER: _ClassVar[int]
+    STACK_DEFINITION_FIELD_NUMBER: _ClassVar[int]
+    timestamp_ns: int
+    pid: int
+    tid: int
+    comm: str
+    title: str
+    container: str
+    allocation: Allocation
+    device_change: DeviceChange
+    context_destroy: ContextDestroy
+    process_exit: ProcessExit
+    events_lost: EventsLost
+    stack_definition: Stack
+    def __init__(self, timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ..., device_change: _Optional[_Union[DeviceChange, _Mapping]] = ..., context_destroy: _Optional[_Union[ContextDestroy, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., events_lost: _Optional[_Union[EventsLost, _Mapping]] = ..., stack_definition: _Optional[_Union[Stack, _Mapping]] = ...) -> None: ...
+
+class Allocation(_message.Message):
+    __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    API_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STACK_ID_FIELD_NUMBER: _ClassVar[int]
+    STACK_STATUS_FIELD_NUMBER: _ClassVar[int]
+    kind: EventKind
+    api: Api
+    api_name: str
+    layer: Layer
+    object: ObjectKind
+    memory: Memory
+    size_bytes: int
+    address: int
+    device: int
+    error_code: int
+    caller_address: int
+    handle: int
+    freed_bytes: int
+    stack_id: int
+    stack_status: str
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., object: _Optional[_Union[ObjectKind, str]] = ..., memory: _Optional[_Union[Memory, str]] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ..., handle: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack_status: _Optional[str] = ...) -> None: ...
+
+class DeviceChange(_message.Message):
+    __slots__ = ("api", "api_name", "layer", "device", "error_code", "context", "caller_address")
+    API_FIELD_NUMBER: _ClassVar[int]
+    API_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    api: Api
+    api_name: str
+    layer: Layer
+    device: int
+    error_code: int
+    context: int
+    caller_address: int
+    def __init__(self, api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., context: _Optional[int] = ..., caller_address: _Optional[int] = ...) -> None: ...
+
+class ContextDestroy(_message.Message):
+    __slots__ = ("api", "api_name", "layer", "context", "device", "error_code", "caller_address")
+    API_FIELD_NUMBER: _ClassVar[int]
+    API_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    api: Api
+    api_name: str
+    layer: Layer
+    context: int
+    device: int
+    error_code: int
+    caller_address: int
+    def __init__(self, api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., context: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ...) -> None: ...
+
+class ProcessExit(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EventsLost(_message.Message):
+    __slots__ = ("dropped_count", "kernel_lost_count")
+    DROPPED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_LOST_COUNT_FIELD_NUMBER: _ClassVar[int]
+    dropped_count: int
+    kernel_lost_count: int
+    def __init__(self, dropped_count: _Optional[int] = ..., kernel_lost_count: _Optional[int] = ...) -> None: ...
+
+class Stack(_message.Message):
+    __slots__ = ("stack_id", "frames", "truncated")
+    STACK_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    stack_id: int
+    frames: _containers.RepeatedCompositeFieldContainer[StackFrame]
+    truncated: bool
+    def __init__(self, stack_id: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[StackFrame, _Mapping]]] = ..., truncated: bool = ...) -> None: ...
+
+class StackFrame(_message.Message):
+    __slots__ = ("function", "file", "line")
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    function: str
+    file: str
+    line: int
+    def __init__(self, function: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,58 @@
+"""`kvtrace ps`: processes that hold CUDA memory, with totals per GPU, from the running agent."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+from kvtrace.cli.agent import _human_bytes as human_bytes
+from kvtrace.cli.errors import ExitCode
+from kvtrace.client import AgentClient, process_to_json_dict
+from kvtrace.config import add_socket_flag
+from kvtrace.model.events import Layer, Memory
+
+HEADER = f"{'PID':>7} {'GPU':>3} {'DEVICE':>10} {'MANAGED':>10} {'PINNED':>10} {'OBJECTS':>8} TITLE"
+
+# Physical memory is counted where it is held: the driver and VMM layers. The runtime layer is the
+# same bytes seen from cudaMalloc's side, so adding it would count them twice.
+_PHYSICAL_LAYERS = (Layer.DRIVER, Layer.VMM)
+_COLUMNS = {Memory.DEVICE: "device", Memory.MANAGED: "managed", Memory.HOST: "pinned"}
+
+
+class PsCommand:
+    """List the processes that hold CUDA memory, from the running kvtrace agent.
+
+    One line per process and GPU: device memory, managed memory and pinned host memory held
+    (driver + VMM layers, so runtime calls are not counted twice), and the number of objects.
+    """
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help="one JSON object per process and line")
+        add_socket_flag(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        with AgentClient.from_args(args) as agent:
+            processes = agent.processes()
+        out = sys.stdout
+        if args.json:
+            for process in processes:
+                out.write(json.dumps(process_to_json_dict(process), separators=(",", ":")) + "\n")
+            return ExitCode.OK
+        print(HEADER, file=out)
+        for process in processes:
+            per_device = defaultdict(lambda: {"device": 0, "managed": 0, "pinned": 0, "objects": 0})
+            for total in process.totals:
+                column = _COLUMNS.get(total.memory)
+                if total.layer in _PHYSICAL_LAYERS and column:
+                    row = per_device[total.device]
+                    row[column] += total.size_bytes
+                    row["objects"] += total.object_count
+            if not per_device:  # only address space or runtime-layer entries: still list the process
+                per_device[-1]["objects"] = 0
+            for device, row in sorted(per_device.items()):
+                gpu = "-" if device < 0 else str(device)
+                print(f"{process.pid:>7} {gpu:>3} {human_bytes(row['device']):>10} "
+                      f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} "
+                      f"{row['objects']:>8} {process.title or process.comm}", file=out)
+        return ExitCode.OK

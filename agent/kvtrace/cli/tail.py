@@ -1,0 +1,122 @@
+"""`kvtrace tail`: CUDA memory events as they happen, read from the running agent."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+from kvtrace.cli.agent import _human_bytes as human_bytes
+from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.client import AgentClient, event_from_proto
+from kvtrace.config import add_socket_flag
+from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind, Layer
+
+EPILOG = """examples:
+  kvtrace tail                          # every event on this host
+  kvtrace tail -p 1234                  # one process
+  kvtrace tail --cmdline 'VLLM::Worker' --min-size 1MiB
+  kvtrace tail --json | jq .            # the JSON of `kvtrace agent --json-events`
+"""
+
+HEADER = f"{'TIME':<12} {'PID':>7} {'API':<18} {'LAYER':<7} {'SIZE':>10} {'DEV':>3} {'ADDRESS':<14} TITLE"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "123", "512k", "1MiB", "1.5GB": units are binary (1k = 1024), as GPU memory is."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 123, 512k, 1MiB, 2G)")
+    number, unit = match.groups()
+    return int(float(number) * (1 << _UNIT_SHIFT[unit.lower()]))
+
+
+def positive_pid(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"not a process id: {text!r}")
+    return int(text)
+
+
+def add_pid_flag(parser: argparse.ArgumentParser) -> None:
+    """-p/--pid, repeatable, as every reading command takes it."""
+    parser.add_argument("-p", "--pid", type=positive_pid, action="append", default=[],
+                        help="only this process id (repeatable)")
+
+
+def format_event(event: Event) -> str:
+    """One line for people: time, pid, API, layer, size, device, address, title."""
+    seconds, nanoseconds = divmod(event.timestamp_ns, 1_000_000_000)
+    when = time.strftime("%H:%M:%S", time.localtime(seconds)) + f".{nanoseconds // 1_000_000:03d}"
+    size = human_bytes(event.size_bytes) if event.size_bytes else ""
+    address = f"{event.address:#x}" if event.address else ""
+    if event.kind in (Kind.ALLOC_FAILED, Kind.FREE_FAILED):
+        address = f"error {event.error_code}"
+    elif event.kind is Kind.FREE_UNKNOWN:
+        size = "unknown"  # freed memory allocated before the agent started
+    layer = event.layer.name.lower() if event.layer else ""
+    device = "" if event.device == DEVICE_UNKNOWN else str(event.device)
+    return (f"{when:<12} {event.pid:>7} {event.api.name:<18} {layer:<7} {size:>10} {device:>3} "
+            f"{address:<14} {event.title}")
+
+
+class TailCommand:
+    """Print CUDA memory events as they happen, from the running kvtrace agent.
+
+    One line per event: time, pid, API, layer, size, device, address, process title. With --json,
+    one JSON object per line, the same as `kvtrace agent --json-events`. If this reader falls
+    behind, the agent drops events for it alone and a line on stderr says how many.
+    """
+
+    EPILOG = EPILOG
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        add_pid_flag(parser)
+        parser.add_argument("--cmdline", metavar="REGEX",
+                            help="only processes whose title (/proc/PID/cmdline) matches")
+        parser.add_argument("--min-size", metavar="SIZE", type=parse_size, default=0,
+                            help="only allocation events of at least SIZE (123, 512k, 1MiB; 1k = 1024)")
+        parser.add_argument("--layer", action="append", default=[],
+                            choices=[layer.name.lower() for layer in Layer],
+                            help="only this CUDA layer (repeatable)")
+        parser.add_argument("--json", action="store_true", help="one JSON object per line")
+        add_socket_flag(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        if args.cmdline:
+            try:
+                re.compile(args.cmdline)
+            except re.error as error:
+                raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE)
+        layers = [Layer[name.upper()] for name in args.layer]
+        out = sys.stdout
+        with AgentClient.from_args(args) as agent:
+            batches = agent.stream_batches(pids=args.pid, title_regex=args.cmdline or "", layers=layers,
+                                           min_size_bytes=args.min_size)
+            if not args.json:
+                print(HEADER, file=out, flush=True)
+            for batch in batches:
+                for message in batch:
+                    if message.HasField("events_lost"):
+                        print(_lost_line(message.events_lost), file=sys.stderr, flush=True)
+                        continue
+                    event = event_from_proto(message)
+                    if event is None:
+                        continue
+                    line = json.dumps(event.to_json_dict(), separators=(",", ":")) if args.json \
+                        else format_event(event)
+                    out.write(line + "\n")
+                out.flush()  # once per batch: `kvtrace tail | grep` sees events promptly
+        return ExitCode.OK
+
+
+def _lost_line(lost) -> str:
+    parts = []
+    if lost.dropped_count:
+        parts.append(f"{lost.dropped_count} events lost (slow reader)")
+    if lost.kernel_lost_count:
+        parts.append(f"{lost.kernel_lost_count} events lost in the kernel ring buffer")
+    return f"-- {', '.join(parts)} --"

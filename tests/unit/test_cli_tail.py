@@ -1,0 +1,148 @@
+"""`kvtrace tail`, `snapshot` and `ps` against a served fake agent, as an operator runs them."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fake_agent import MiB, FakeBackend, event, served
+from kvtrace.cli.main import main
+from kvtrace.cli.tail import HEADER, format_event, parse_size
+from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
+
+
+@pytest.mark.parametrize("text, size_bytes", [
+    ("123", 123), ("512k", 512 << 10), ("512K", 512 << 10), ("1MiB", MiB), ("1mb", MiB), ("1 M", MiB),
+    ("1.5GiB", 3 << 29), ("2t", 2 << 40), ("0", 0)])
+def test_parse_size(text, size_bytes):
+    assert parse_size(text) == size_bytes
+
+
+@pytest.mark.parametrize("text", ["", "-1", "1x", "MiB", "1 MiBs", "1e3"])
+def test_parse_size_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size(text)
+
+
+def test_format_event_fits_the_header_columns():
+    line = format_event(event(pid=200, api=Api.cudaMalloc, layer=Layer.RUNTIME, size=MiB,
+                              address=0x7F0000001000, device=1))
+    clock = time.strftime("%H:%M:%S", time.localtime(1_700_000_000))
+    assert line == f"{clock}.000     200 cudaMalloc         runtime    1.0 MiB   1 0x7f0000001000 VLLM::Worker_TP0"
+    assert line.index("VLLM") == HEADER.index("TITLE")
+    failed = format_event(event(kind=Kind.ALLOC_FAILED, address=0, error_code=2, size=1 << 40))
+    assert "1.0 TiB" in failed and "error 2" in failed
+    unknown = format_event(event(kind=Kind.FREE_UNKNOWN, api=Api.cuMemFree_v2, size=0, device=-1))
+    assert " unknown " in unknown
+    exit_line = format_event(event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None,
+                                   memory=None, size=0, address=0, device=-1))
+    assert "process_exit" in exit_line
+
+
+def start_tail(socket_path, *flags):
+    return subprocess.Popen([sys.executable, "-m", "kvtrace.cli.main", "tail", "--socket", str(socket_path),
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_subscribers(backend, count, process):
+    deadline = time.monotonic() + 20
+    while backend.hub.subscriber_count() < count:
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "tail did not subscribe"
+        time.sleep(0.02)
+
+
+def test_tail_json_prints_the_agent_json_of_the_selected_pid_only():
+    wanted = [event(pid=200, address=0x1000 + i, size=MiB * (i + 1)) for i in range(23)]
+    with served() as (server, backend):
+        tail = start_tail(server.config.socket, "--json", "--pid", "200", "--min-size", "2MiB")
+        try:
+            wait_for_subscribers(backend, 1, tail)
+            for item in wanted:
+                backend.apply(event(pid=100, address=item.address), item)
+            lines = [json.loads(tail.stdout.readline()) for _ in range(22)]
+            backend.hub.publish_kernel_loss(7)
+            assert tail.stderr.readline() == "-- 7 events lost in the kernel ring buffer --\n"
+        finally:
+            tail.terminate()
+            tail.wait(10)
+    assert lines == [item.to_json_dict() for item in wanted[1:]]  # the 1 MiB one is under --min-size
+
+
+def test_tail_prints_one_line_per_event_for_people():
+    with served() as (server, backend):
+        tail = start_tail(server.config.socket, "--cmdline", "Worker", "--layer", "driver")
+        try:
+            assert tail.stdout.readline() == HEADER + "\n"
+            wait_for_subscribers(backend, 1, tail)
+            backend.apply(event(pid=100), event(pid=200, api=Api.cudaMalloc, layer=Layer.RUNTIME),
+                          event(pid=200, address=0xABC000))
+            line = tail.stdout.readline()
+        finally:
+            tail.terminate()
+            tail.wait(10)
+    assert line == format_event(event(pid=200, address=0xABC000)) + "\n"
+
+
+def test_tail_without_agent_says_what_to_do(tmp_path, capsys):
+    assert main(["tail", "--socket", str(tmp_path / "kvtrace.sock")]) == 6
+    error = capsys.readouterr().err
+    assert error.startswith("kvtrace: the kvtrace agent is not running")
+    assert "sudo systemctl start kvtrace" in error and "sudo kvtrace agent" in error
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may open any socket")
+def test_socket_closed_to_us_says_to_join_the_group(capsys):
+    with served() as (server, _):
+        server.config.socket.chmod(0)
+        assert main(["ps", "--socket", str(server.config.socket)]) == 6
+    assert "add yourself to group kvtrace" in capsys.readouterr().err
+
+
+def test_tail_refuses_a_bad_regex_before_connecting(capsys):
+    assert main(["tail", "--cmdline", "(", "--socket", "/nonexistent/kvtrace.sock"]) == 2
+    assert "--cmdline is not a valid regular expression" in capsys.readouterr().err
+
+
+def vmm_and_driver_backend():
+    backend = FakeBackend()
+    backend.apply(
+        event(pid=200, address=0x1000, size=2 * MiB, device=0),
+        event(pid=200, api=Api.cudaMalloc, layer=Layer.RUNTIME, address=0x1000, size=2 * MiB, device=0),
+        event(pid=200, api=Api.cuMemCreate, layer=Layer.VMM, obj=ObjectKind.VMM_HANDLE, address=0x77,
+              size=4 * MiB, device=1),
+        event(pid=100, api=Api.cuMemHostAlloc, address=0x9000, size=MiB, memory=Memory.HOST, device=0))
+    return backend
+
+
+def test_snapshot_json_and_table(capsys):
+    with served(vmm_and_driver_backend()) as (server, _):
+        assert main(["snapshot", "--socket", str(server.config.socket), "--json", "-p", "200"]) == 0
+        objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert main(["snapshot", "--socket", str(server.config.socket)]) == 0
+        table = capsys.readouterr().out
+    assert [(o["layer"], o["object"], o["api"], o["size_bytes"]) for o in objects] == [
+        ("runtime", "allocation", "cudaMalloc", 2 * MiB), ("driver", "allocation", "cuMemAlloc_v2", 2 * MiB),
+        ("vmm", "vmm_handle", "cuMemCreate", 4 * MiB)]
+    assert objects[2]["mapped_count"] == 0 and objects[2]["released"] is False
+    assert "pid 200  VLLM::Worker_TP0" in table and "pid 100  VLLM::EngineCore" in table
+    # Runtime bytes are the driver's seen from cudaMalloc: 2 + 4 MiB device memory, not 8.
+    assert table.splitlines()[-1] == "4 outstanding objects in 2 processes; device memory held " \
+                                     "(driver + VMM): 6.0 MiB"
+
+
+def test_ps_totals_per_process_and_gpu(capsys):
+    with served(vmm_and_driver_backend()) as (server, _):
+        assert main(["ps", "--socket", str(server.config.socket)]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert main(["ps", "--socket", str(server.config.socket), "--json"]) == 0
+        processes = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row.split()[:2] for row in table[1:]] == [["100", "0"], ["200", "0"], ["200", "1"]]
+    assert "1.0 MiB" in table[1] and table[1].endswith("VLLM::EngineCore")  # pinned host
+    assert "2.0 MiB" in table[2] and "4.0 MiB" in table[3]
+    assert [p["pid"] for p in processes] == [100, 200]
+    assert {"device": 0, "layer": "runtime", "memory": "device", "size_bytes": 2 * MiB,
+            "object_count": 1} in processes[1]["totals"]
