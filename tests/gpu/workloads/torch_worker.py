@@ -49,6 +49,7 @@ def main():
             kept.extend(tensors)
             answer = {"tensors": [{"data_ptr": t.data_ptr(),
                                    "nbytes": t.untyped_storage().nbytes()} for t in tensors]}
+            del tensors  # only `kept` holds them, so "free" really frees them
         elif op == "leak":
             leak_one_per_step(command["steps"], command["size_bytes"])
             answer = {"kept": len(kept)}
