@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,13 +22,13 @@ import psutil
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind
 from kvtrace.model.ledger import Ledger
 from kvtrace.model.processes import ProcessTable
-from kvtrace.model.stacks import Stack, StackTable
+from kvtrace.model.stacks import NativeFrame, Stack, StackTable
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings
 from kvtrace.sources.discovery import Discovery, Target
 from kvtrace.sources.pyruntime import NoPython, PythonTarget, inspect_python
-from kvtrace.sources.pystacks import Symbolizer
+from kvtrace.sources.pystacks import NativeSymbolizer, Symbolizer
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,14 @@ class Tracer:
         self.python_stacks_down = ""  # why there are no Python stacks at all, "" when up
         self.stacks = StackTable()
         self.symbolizer = Symbolizer()
+        self.native_symbolizer = NativeSymbolizer()
+        self._native_frames: dict[tuple[int, int], NativeFrame] = {}
         self._stack_ids: dict[int, int] = {}  # kernel stack hash -> interned stack id
         self._stack_ids_by_pid: dict[int, set[int]] = {}
         self.events_seen = 0
+        # Held while events are applied; API threads take it to copy the ledger consistently.
+        self.lock = threading.Lock()
+        self.last_loop_monotonic = time.monotonic()
         self.resyncs = 0
         self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
         self._selected: set[int] = set()
@@ -138,17 +144,20 @@ class Tracer:
             self.probes = None
 
     def run_once(self, timeout_ms: int = 100) -> None:
-        self.probes.poll(timeout_ms)
-        self.housekeeping()
+        self.probes.wait(timeout_ms)  # sleeps without the lock
+        with self.lock:
+            self.probes.poll(0)
+            self.housekeeping()
+        self.last_loop_monotonic = time.monotonic()
 
     # ---- events ----
 
-    def _on_raw_event(self, raw: abi.RawEvent) -> None:
-        event = decode_event(raw, self.clock, self.processes)
+    def _on_raw_event(self, record: bytes) -> None:
+        event, kernel_stack_id = decode_event(record, self.clock, self.processes)
         if self.filtering and event.pid not in self._selected:
             return
-        if raw.stack_id:
-            event.stack_id = self._resolve_stack(raw.pid, raw.stack_id)
+        if kernel_stack_id:
+            event.stack_id = self._resolve_stack(event.pid, kernel_stack_id)
         self.events_seen += 1
         self.ledger.apply(event)
         if event.kind is Kind.PROCESS_EXIT:
@@ -161,6 +170,8 @@ class Tracer:
             sink(event)
 
     def _on_notify(self, raw: abi.RawNotify) -> None:
+        if self.filtering and self.options.cmdline is None and raw.pid not in self._selected:
+            return  # following chosen pids only: other processes' new code does not matter
         now = time.monotonic()
         if raw.reason == abi.NOTIFY_EXEC:
             self.processes.forget(raw.pid)
@@ -183,6 +194,19 @@ class Tracer:
         self._stack_ids[kernel_stack_id] = stack_id
         self._stack_ids_by_pid.setdefault(pid, set()).add(kernel_stack_id)
         return stack_id
+
+    def stack_of(self, event: Event) -> Stack | None:
+        return self.stacks.get(event.stack_id) if event.stack_id else None
+
+    def native_caller(self, event: Event) -> NativeFrame | None:
+        """(module, symbol, offset) of the code that called the CUDA API; cached per address."""
+        if not event.caller_address:
+            return None
+        key = (event.pid, event.caller_address)
+        frame = self._native_frames.get(key)
+        if frame is None:
+            frame = self._native_frames[key] = self.native_symbolizer.symbolize(*key)
+        return frame
 
     # ---- housekeeping ----
 
@@ -245,6 +269,9 @@ class Tracer:
         if self.probes is not None:
             self.probes.set_filter(True)
             self._select(pid)
+            # Take in what the rings hold first: an exec notification of this pid still queued
+            # would otherwise be handled after scan_pid and forget the Python runtime just found.
+            self.probes.poll(0)
             self.scan_pid(pid)
 
     def _select(self, pid: int) -> None:
@@ -277,8 +304,11 @@ class Tracer:
                     log.info("process %d exited: %d outstanding objects dropped", pid, dropped)
 
     def _forget_python(self, pid: int) -> None:
-        """After exit or exec: its code objects and runtime are gone."""
+        """After exit or exec: its code objects, runtime and mappings are gone."""
         self.symbolizer.forget(pid)
+        self.native_symbolizer.forget(pid)
+        for key in [key for key in self._native_frames if key[0] == pid]:
+            del self._native_frames[key]
         for kernel_stack_id in self._stack_ids_by_pid.pop(pid, ()):
             self._stack_ids.pop(kernel_stack_id, None)
         if self.python.pop(pid, None) is not None:

@@ -83,3 +83,22 @@ def test_stack_status_names_match_header():
 def test_stack_struct_matches_header():
     assert ctypes.sizeof(abi.RawStack) == 8 + 16 * defines("KVT_")["MAX_FRAMES"]
     assert abi.MAX_FRAMES == defines("KVT_")["MAX_FRAMES"]
+
+
+def test_event_struct_decodes_the_ctypes_record():
+    from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
+    from kvtrace.sources.bpf.decode import Clock, decode_event
+
+    assert abi.EVENT_STRUCT.size == ctypes.sizeof(abi.RawEvent)
+    raw = abi.RawEvent(timestamp_ns=5, address=0x7F00, size_bytes=1 << 20, caller_address=0x401000,
+                       aux=9, stack_id=77, pid=42, tid=43, device=-1, error_code=2, api=1, kind=3,
+                       layer=1, object=1, memory=1, stack_status=1, comm=b"VLLM::Worker_TP")
+    clock = Clock()
+    event, stack_id = decode_event(bytes(raw), clock, None)
+    assert stack_id == 77
+    assert (event.kind, event.api, event.layer, event.object, event.memory) == \
+        (Kind.ALLOC_FAILED, Api.cudaMalloc, Layer.RUNTIME, ObjectKind.ALLOCATION, Memory.DEVICE)
+    assert (event.pid, event.tid, event.address, event.size_bytes, event.device, event.error_code,
+            event.caller_address, event.aux) == (42, 43, 0x7F00, 1 << 20, -1, 2, 0x401000, 9)
+    assert event.timestamp_ns == 5 + clock.offset_ns
+    assert event.comm == "VLLM::Worker_TP" and event.stack_status == "ok"

@@ -10,6 +10,7 @@ import sys
 import time
 
 from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.config import ConfigError, add_api_flags, config_from_args
 from kvtrace.model.events import Event, Layer, Memory
 
 EPILOG = """examples:
@@ -22,7 +23,29 @@ EPILOG = """examples:
 SUMMARY_INTERVAL_SECONDS = 10.0
 
 
-def _human_bytes(size: int) -> str:
+def _json_printer(tracer, out):
+    def print_json(event: Event) -> None:
+        data = event.to_json_dict(tracer.stack_of(event), tracer.native_caller(event))
+        out.write(json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n")
+
+    return print_json
+
+
+def _serve(tracer, config):
+    from kvtrace.export.grpc_server import AgentServer, ServerSetupError
+    from kvtrace.export.hub import EventHub
+    from kvtrace.export.tracer_backend import TracerBackend
+
+    backend = TracerBackend(tracer, EventHub())
+    server = AgentServer(backend, config)
+    try:
+        server.start()
+    except ServerSetupError as error:
+        raise CommandError(str(error), ExitCode.FAILURE) from None
+    return server, backend
+
+
+def human_bytes(size: int) -> str:
     value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
@@ -49,6 +72,11 @@ class AgentCommand:
                             help="print every event as one JSON object per line on stdout")
         parser.add_argument("--max-ledger-entries", type=int, default=1 << 20,
                             help="size of the in-kernel ledger (default: %(default)s)")
+        parser.add_argument("--no-api", action="store_true",
+                            help="do not serve the kvtrace.v1 gRPC API (with --json-events only)")
+        parser.add_argument("--no-python-stacks", action="store_true",
+                            help="do not walk Python stacks in the probes")
+        add_api_flags(parser)
         parser.add_argument("-v", "--verbose", action="store_true", help="log attach/detach details")
         parser.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
@@ -69,56 +97,67 @@ class AgentCommand:
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtrace: %(message)s", stream=sys.stderr)
 
+        try:
+            config = None if args.no_api else config_from_args(args)
+        except ConfigError as error:
+            raise CommandError(str(error), ExitCode.USAGE) from None
+
         from kvtrace.sources.bpf.preflight import require_tracing
 
         require_tracing()
         from kvtrace.sources.bpf.loader import ProbeSettings
         from kvtrace.tracer import Tracer, TracerOptions
 
-        sinks = []
-        if args.json_events:
-            out = sys.stdout
-
-            def print_json(event: Event) -> None:
-                out.write(json.dumps(event.to_json_dict(), separators=(",", ":")) + "\n")
-
-            sinks.append(print_json)
         options = TracerOptions(pids=set(args.pid), cmdline=cmdline,
-                                settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries))
-        tracer = Tracer(options, sinks)
+                                settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries),
+                                python_stacks=not args.no_python_stacks)
+        tracer = Tracer(options)
+        if args.json_events:
+            tracer.sinks.append(_json_printer(tracer, sys.stdout))
         try:
             tracer.start()
         except Exception as error:
             raise CommandError(f"cannot load the BPF probes: {error} (run `kvtrace doctor`)",
                                ExitCode.KERNEL) from error
+        server = backend = None
+        try:
+            if config is not None:
+                server, backend = _serve(tracer, config)
+            self._loop(tracer, backend, args.json_events, server)
+        finally:
+            sys.stdout.flush()
+            if server is not None:
+                server.stop(grace_seconds=5)
+            tracer.stop()
+        return ExitCode.OK
 
+    def _loop(self, tracer, backend, json_events: bool, server) -> None:
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
         libraries = tracer.attached_libraries()
+        where = f", API on unix:{server.config.socket}" if server is not None else ""
         print(f"Tracing CUDA allocations ({len(libraries)} libraries attached"
-              f"{', filtered' if tracer.filtering else ''}). Hit Ctrl-C to end.",
+              f"{', filtered' if tracer.filtering else ''}{where}). Hit Ctrl-C to end.",
               file=sys.stderr, flush=True)
         next_summary = time.monotonic() + SUMMARY_INTERVAL_SECONDS
         try:
             while not stopping:
                 tracer.run_once(100)
+                if backend is not None:
+                    backend.after_poll()
                 sys.stdout.flush()
-                if not args.json_events and time.monotonic() >= next_summary:
+                if not json_events and time.monotonic() >= next_summary:
                     next_summary += SUMMARY_INTERVAL_SECONDS
                     self._summary(tracer)
         except KeyboardInterrupt:
             pass
-        finally:
-            sys.stdout.flush()
-            tracer.stop()
-        return ExitCode.OK
 
     @staticmethod
     def _summary(tracer) -> None:
         counters = tracer.counters()
         pids = sorted(tracer.ledger.pids())
         print(f"{time.strftime('%H:%M:%S')} processes {len(pids)}  device "
-              f"{_human_bytes(tracer.ledger.physical_device_bytes())}  host pinned "
-              f"{_human_bytes(tracer.ledger.outstanding_bytes(memory=Memory.HOST, layers=(Layer.DRIVER,)))}  "
+              f"{human_bytes(tracer.ledger.physical_device_bytes())}  host pinned "
+              f"{human_bytes(tracer.ledger.outstanding_bytes(memory=Memory.HOST, layers=(Layer.DRIVER,)))}  "
               f"events {counters['events_seen']}  lost {counters['events_lost']}",
               file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ import json
 import sys
 from collections import defaultdict
 
-from kvtrace.cli.agent import _human_bytes as human_bytes
+from kvtrace.cli.agent import human_bytes
 from kvtrace.cli.errors import ExitCode
 from kvtrace.client import AgentClient, process_to_json_dict
 from kvtrace.config import add_socket_flag

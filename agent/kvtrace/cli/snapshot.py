@@ -7,7 +7,7 @@ import sys
 import time
 from collections import defaultdict
 
-from kvtrace.cli.agent import _human_bytes as human_bytes
+from kvtrace.cli.agent import human_bytes
 from kvtrace.cli.errors import ExitCode
 from kvtrace.cli.tail import add_pid_flag
 from kvtrace.client import AgentClient, outstanding_to_json_dict, wire_enum_name

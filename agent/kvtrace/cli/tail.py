@@ -7,11 +7,12 @@ import re
 import sys
 import time
 
-from kvtrace.cli.agent import _human_bytes as human_bytes
+from kvtrace.cli.agent import human_bytes
 from kvtrace.cli.errors import CommandError, ExitCode
-from kvtrace.client import AgentClient, event_from_proto
+from kvtrace.client import AgentClient, event_from_proto, stack_from_proto
 from kvtrace.config import add_socket_flag
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind, Layer
+from kvtrace.model.stacks import Stack
 
 EPILOG = """examples:
   kvtrace tail                          # every event on this host
@@ -83,6 +84,8 @@ class TailCommand:
                             choices=[layer.name.lower() for layer in Layer],
                             help="only this CUDA layer (repeatable)")
         parser.add_argument("--json", action="store_true", help="one JSON object per line")
+        parser.add_argument("--stacks", action="store_true",
+                            help="print the Python stack under each allocation (innermost first)")
         add_socket_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -98,17 +101,28 @@ class TailCommand:
                                            min_size_bytes=args.min_size)
             if not args.json:
                 print(HEADER, file=out, flush=True)
+            stacks: dict[int, Stack] = {}  # each stack is sent once per stream, before its events
             for batch in batches:
                 for message in batch:
                     if message.HasField("events_lost"):
                         print(_lost_line(message.events_lost), file=sys.stderr, flush=True)
                         continue
+                    if message.HasField("stack_definition"):
+                        stack_id, stack = stack_from_proto(message.stack_definition)
+                        stacks[stack_id] = stack
+                        continue
                     event = event_from_proto(message)
                     if event is None:
                         continue
-                    line = json.dumps(event.to_json_dict(), separators=(",", ":")) if args.json \
-                        else format_event(event)
-                    out.write(line + "\n")
+                    stack = stacks.get(event.stack_id)
+                    if args.json:
+                        out.write(json.dumps(event.to_json_dict(stack), separators=(",", ":"),
+                                             ensure_ascii=False) + "\n")
+                        continue
+                    out.write(format_event(event) + "\n")
+                    if args.stacks and stack is not None:
+                        for frame in stack.frames:
+                            out.write(f"    {frame.function} ({frame.file}:{frame.line})\n")
                 out.flush()  # once per batch: `kvtrace tail | grep` sees events promptly
         return ExitCode.OK
 

@@ -124,8 +124,20 @@ class Event:
     stack_status: str = ""  # why there is or is not a stack: ok, not_python, no_thread_state, ...
     extra: dict = field(default_factory=dict)
 
-    def to_json_dict(self) -> dict:
-        """The stable JSON shape of `kvtrace agent --json-events` (one object per line)."""
+    def to_json_dict(self, stack=None, native_caller=None) -> dict:
+        """The stable JSON shape of `kvtrace agent --json-events` (one object per line).
+
+        `stack` (model.stacks.Stack) adds "stack": [{function, file, line}, ...] innermost first
+        and "stack_truncated"; `native_caller` (model.stacks.NativeFrame) adds "native_caller".
+        """
+        extra = dict(self.extra)
+        if stack is not None:
+            extra["stack"] = [frame.to_json_dict() for frame in stack.frames]
+            extra["stack_truncated"] = stack.truncated
+        if self.stack_status:
+            extra["stack_status"] = self.stack_status
+        if native_caller is not None:
+            extra["native_caller"] = native_caller.to_json_dict()
         return {
             "kind": self.kind.name.lower(),
             "pid": self.pid,
@@ -145,5 +157,5 @@ class Event:
             "container": self.container,
             **({"handle": self.aux} if self.api is Api.cuMemMap else {}),
             **({"freed_bytes": self.aux} if self.api is Api.cuMemUnmap else {}),
-            **self.extra,
+            **extra,
         }

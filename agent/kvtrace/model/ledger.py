@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Event, Kind, Layer, Memory, ObjectKind
 
@@ -24,8 +24,7 @@ from kvtrace.model.events import DEVICE_UNKNOWN, Api, Event, Kind, Layer, Memory
 _MEMORY_OBJECTS = (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE)
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerKey:
+class LedgerKey(NamedTuple):  # a tuple: hashed in C, on the hot path of every event
     pid: int
     layer: Layer
     object: ObjectKind
@@ -50,8 +49,7 @@ class Outstanding:
     stack_id: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class TotalsKey:
+class TotalsKey(NamedTuple):
     pid: int
     device: int
     layer: Layer

@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
 from kvtrace.sources.bpf.attach import ALL_SYMBOLS, TRIGGER_SYMBOLS
 
@@ -60,24 +60,42 @@ def executable_mappings(pid: int, proc: Path = Path("/proc")) -> dict[FileId, st
     return found
 
 
+_ELF64_SYM = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx, st_value, st_size
+_STT_FUNC, _STT_GNU_IFUNC = 2, 10
+
+
 def defined_symbols(path: str, wanted=ALL_SYMBOLS) -> tuple[str, ...]:
-    """The wanted function symbols the ELF file defines (.dynsym or .symtab), in `wanted` order."""
+    """The wanted function symbols the ELF file defines (.dynsym or .symtab), in `wanted` order.
+
+    Discovery asks this of every executable file any process maps, so it must be fast: a symbol
+    table whose string table does not even contain a trigger name is skipped without parsing, and
+    the rest is decoded with struct (pyelftools' per-symbol parsing takes seconds on a large
+    library).
+    """
     names = set(wanted)
+    triggers = [name.encode() + b"\0" for name in TRIGGER_SYMBOLS]
     found: set[str] = set()
     try:
         with open(path, "rb") as stream:
             elf = ELFFile(stream)
+            if elf.elfclass != 64 or not elf.little_endian:
+                return ()
             for section in elf.iter_sections():
-                if not isinstance(section, SymbolTableSection):
+                if section["sh_type"] not in ("SHT_SYMTAB", "SHT_DYNSYM"):
                     continue
-                for symbol in section.iter_symbols():
+                strtab = elf.get_section(section["sh_link"]).data()
+                if not any(trigger in strtab for trigger in triggers):
+                    continue
+                for st_name, st_info, _other, st_shndx, st_value, _size in \
+                        _ELF64_SYM.iter_unpack(section.data()):
+                    if st_shndx == 0 or st_value == 0 or (st_info & 0xF) not in (_STT_FUNC, _STT_GNU_IFUNC):
+                        continue
+                    end = strtab.find(b"\0", st_name)
                     # Versioned names ("cudaMalloc@@libcudart.so.12") only appear in some tools.
-                    name = symbol.name.split("@", 1)[0]
-                    if (name in names and symbol["st_shndx"] != "SHN_UNDEF"
-                            and symbol["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC")
-                            and symbol["st_value"] != 0):
+                    name = strtab[st_name:end].decode("ascii", "replace").split("@", 1)[0]
+                    if name in names:
                         found.add(name)
-    except (OSError, ELFError, ValueError) as error:
+    except (OSError, ELFError, ValueError, struct.error) as error:
         log.debug("not an ELF we can read: %s (%s)", path, error)
         return ()
     return tuple(name for name in wanted if name in found)

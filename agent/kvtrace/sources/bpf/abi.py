@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import struct
 from pathlib import Path
 
 COMM_LEN = 16
@@ -28,6 +29,10 @@ class RawEvent(ctypes.Structure):
         ("reserved", ctypes.c_uint8),
         ("comm", ctypes.c_char * COMM_LEN),
     ]
+
+
+# The same record for struct.unpack_from: one C call per event instead of a ctypes attribute each.
+EVENT_STRUCT = struct.Struct("<QQQQQQIIiiHBBBBBB16s")
 
 
 class RawNotify(ctypes.Structure):

@@ -22,36 +22,36 @@ class Clock:
         return wall_ns - self.offset_ns
 
 
-def _enum(enum_type, value):
-    return enum_type(value) if value else None
+def _lookup(enum_type) -> dict:
+    return {0: None, **{member.value: member for member in enum_type}}
 
 
-def decode_event(raw: abi.RawEvent, clock: Clock, processes: ProcessTable | None) -> Event:
+_KINDS, _APIS, _LAYERS = _lookup(Kind), _lookup(Api), _lookup(Layer)
+_OBJECTS, _MEMORIES = _lookup(ObjectKind), _lookup(Memory)
+_STACK_STATUS = dict(enumerate(abi.STACK_STATUS))
+
+
+def decode_event(record: bytes, clock: Clock, processes: ProcessTable | None) -> tuple[Event, int]:
+    """(event, kernel stack id) of one ring-buffer record (struct kvt_event)."""
+    (timestamp_ns, address, size_bytes, caller_address, aux, kernel_stack_id, pid, tid, device,
+     error_code, api, kind, layer, object_kind, memory, stack_status, _reserved,
+     comm) = abi.EVENT_STRUCT.unpack_from(record)
     event = Event(
-        kind=Kind(raw.kind),
-        api=Api(raw.api),
-        pid=raw.pid,
-        tid=raw.tid,
-        timestamp_ns=clock.wall_ns(raw.timestamp_ns),
-        layer=_enum(Layer, raw.layer),
-        object=_enum(ObjectKind, raw.object),
-        memory=_enum(Memory, raw.memory),
-        size_bytes=raw.size_bytes,
-        address=raw.address,
-        device=raw.device,
-        error_code=raw.error_code,
-        caller_address=raw.caller_address,
-        aux=raw.aux,
-        comm=raw.comm.decode("utf-8", "replace"),
-        stack_status=abi.STACK_STATUS[raw.stack_status] if raw.stack_status < len(abi.STACK_STATUS) else "",
+        kind=_KINDS[kind], api=_APIS[api], pid=pid, tid=tid,
+        timestamp_ns=timestamp_ns + clock.offset_ns,
+        layer=_LAYERS[layer], object=_OBJECTS[object_kind], memory=_MEMORIES[memory],
+        size_bytes=size_bytes, address=address, device=device, error_code=error_code,
+        caller_address=caller_address, aux=aux,
+        comm=comm.split(b"\0", 1)[0].decode("utf-8", "replace"),
+        stack_status=_STACK_STATUS.get(stack_status, ""),
     )
-    info = processes.get(raw.pid) if processes is not None else None
+    info = processes.get(pid) if processes is not None else None
     if info is not None:
         event.title = info.title
         event.container = info.container
     else:
         event.title = event.comm
-    return event
+    return event, kernel_stack_id
 
 
 def decode_ledger_entry(key: abi.RawLedgerKey, value: abi.RawLedgerValue, clock: Clock) -> Outstanding:

@@ -22,7 +22,7 @@ class ProbeSettings:
     """Compile-time sizes of the BPF maps (see the defines at the top of kvtrace.bpf.c)."""
 
     max_ledger_entries: int = 1 << 20
-    ringbuf_pages: int = 1024  # 4 MiB of events
+    ringbuf_pages: int = 4096  # 16 MiB: ~190 000 events of burst before any is lost
     max_threads: int = 65536
     max_stacks: int = 16384
     task_fsbase_offset: int = -1  # from BTF; -1 disables Python stacks
@@ -51,6 +51,7 @@ class BpfProbes:
         self._bpf = BPF(src_file=str(source).encode(), cflags=settings.cflags())
         self.compile_seconds = time.monotonic() - started
         self._attached: dict[str, list[str]] = {}  # path -> symbols attached
+        self._epoll = None
 
     @property
     def source_text(self) -> str:
@@ -109,10 +110,13 @@ class BpfProbes:
 
     # ---- rings ----
 
-    def open_rings(self, on_event: Callable[[abi.RawEvent], None],
+    def open_rings(self, on_event: Callable[[bytes], None],
                    on_notify: Callable[[abi.RawNotify], None]) -> None:
+        """on_event gets each event record as bytes (struct kvt_event, see abi.EVENT_STRUCT)."""
+        record_bytes = abi.EVENT_STRUCT.size
+
         def events(_ctx, data, _size):
-            on_event(ctypes.cast(data, ctypes.POINTER(abi.RawEvent)).contents)
+            on_event(ctypes.string_at(data, record_bytes))
 
         def notify(_ctx, data, _size):
             on_notify(ctypes.cast(data, ctypes.POINTER(abi.RawNotify)).contents)
@@ -123,7 +127,18 @@ class BpfProbes:
         self._bpf[b"notify"].open_ring_buffer(notify)
 
     def poll(self, timeout_ms: int) -> None:
+        """Reads what is in the rings now (or waits up to timeout_ms for something)."""
         self._bpf.ring_buffer_poll(timeout_ms)
+
+    def wait(self, timeout_ms: int) -> None:
+        """Waits until a ring has data or timeout_ms passes, without consuming anything."""
+        import select
+
+        if self._epoll is None:
+            self._epoll = select.epoll()
+            for name in (b"events", b"notify"):
+                self._epoll.register(self._bpf[name].map_fd, select.EPOLLIN)
+        self._epoll.poll(timeout_ms / 1000)
 
     # ---- maps ----
 

@@ -1,0 +1,60 @@
+"""The real `kvtrace agent` as a subprocess, serving on a temporary socket."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KVTRACE = [sys.executable, "-m", "kvtrace.cli.main"]
+
+
+class AgentProcess:
+    def __init__(self, socket: Path, *args: str) -> None:
+        self.socket = socket
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._stdout = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            [*KVTRACE, "agent", "--socket", str(socket), "--group", "root", *args],
+            stdout=self._stdout, stderr=self._stderr, text=True)
+        deadline = time.monotonic() + 60
+        while "Hit Ctrl-C to end." not in self.stderr_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"agent did not start:\n{self.stderr_text()}")
+            time.sleep(0.1)
+
+    def stderr_text(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    def stdout_lines(self) -> list[str]:
+        self._stdout.seek(0)
+        return self._stdout.read().splitlines()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def __enter__(self) -> "AgentProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._stderr.close()
+        self._stdout.close()
+
+
+def kvtrace(*args: str, user: int | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    """Runs a kvtrace client command; `user` drops to that uid/gid with no groups (setpriv)."""
+    prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([*prefix, *KVTRACE, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
