@@ -18,7 +18,7 @@
  *   context  cudaSetDevice(0); 7 cudaMalloc (1 MiB); cuCtxCreate_v2(device 1); 3 cuMemAlloc_v2
  *            (3 MiB, device 1); cuCtxDestroy_v2 of that context (implicitly frees those 3).
  *   loop N   N x (cudaMalloc 1 MiB + cudaFree), timed; no per-call manifest, one line instead:
- *            {"loop_pairs": N, "ns_per_pair": X}.
+ *            {"loop_pairs": N, "ns_per_pair": X}. KVT_LOOP_PAUSE_EVERY / KVT_LOOP_PAUSE_MS pace it.
  *   leak N   N cudaMalloc (1 MiB), never freed.
  *   hold     13 cudaMalloc (1 MiB), then waits to be killed.
  */
@@ -249,9 +249,16 @@ static void scenario_context(unsigned long n) {
 }
 
 static void scenario_loop(unsigned long pairs) {
+    /* KVT_LOOP_PAUSE_EVERY=K KVT_LOOP_PAUSE_MS=M: sleep M ms after every K pairs, so that a test
+     * can send many events without a burst larger than a subscriber's queue. */
+    const char *every_text = getenv("KVT_LOOP_PAUSE_EVERY"), *pause_text = getenv("KVT_LOOP_PAUSE_MS");
+    unsigned long pause_every = every_text ? strtoul(every_text, NULL, 10) : 0;
+    unsigned long pause_ms = pause_text ? strtoul(pause_text, NULL, 10) : 0;
     struct timespec start, end;
     clock_gettime(CLOCK_MONOTONIC, &start);
     for (unsigned long i = 0; i < pairs; i++) {
+        if (pause_every && i && i % pause_every == 0)
+            usleep(pause_ms * 1000);
         void *pointer = NULL;
         if (cudaMalloc(&pointer, MiB) != 0 || cudaFree(pointer) != 0) {
             fprintf(stderr, "loop: a call failed at pair %lu\n", i);
