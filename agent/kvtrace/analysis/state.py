@@ -1,0 +1,76 @@
+"""What analysis hands to the exporters (Prometheus, gRPC, `kvtrace top` / `leaks`).
+
+One immutable snapshot, rebuilt on an interval by the analyzer in the agent; exporters only read
+the latest one. Growth and forecasts are per process and GPU; "suspect" is the honest word for an
+allocation site whose memory is old and growing, not proof of a leak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtrace.model.stacks import Stack
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One GPU as NVML sees it (NVML index order, not CUDA ordinals)."""
+
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    reserved_bytes: int
+
+
+@dataclass(frozen=True)
+class ProcessGpu:
+    """One process on one GPU: what kvtrace traced, what NVML says, and where it is heading."""
+
+    pid: int
+    title: str
+    device: int  # CUDA ordinal as traced (-1: unknown)
+    outstanding_bytes: int  # traced physical device memory (driver + VMM layers)
+    nvml_used_bytes: int | None  # NVML's per-process figure (None: not reported)
+    unattributed_bytes: int | None  # nvml_used - outstanding: context, NCCL, memory older than the agent
+    growth_bytes_per_second_1m: float
+    growth_bytes_per_second_15m: float
+    time_to_oom_seconds: float | None  # at the 15 min growth rate against the GPU's free memory; None: not growing
+    allocations_1m: int
+    frees_1m: int
+    free_ratio_1m: float | None  # frees / allocations over 1 min (None: no allocations)
+
+
+@dataclass(frozen=True)
+class LeakSuspect:
+    """Outstanding allocations older than the threshold, grouped by Python stack (or native caller)."""
+
+    rank: int  # 1 = most suspicious
+    pid: int
+    title: str
+    device: int
+    stack_id: int  # 0: no Python stack (native_caller_address groups it instead)
+    stack: Stack | None
+    native_caller_address: int
+    outstanding_bytes: int
+    count: int
+    oldest_age_seconds: float
+    growth_bytes_per_second: float  # of this site's outstanding bytes over the last 15 min
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    name: str  # bpf, nvml, python_stacks, ...
+    up: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AnalysisSnapshot:
+    timestamp_ns: int
+    gpus: tuple[GpuMemory, ...] = ()
+    processes: tuple[ProcessGpu, ...] = ()
+    suspects: tuple[LeakSuspect, ...] = ()
+    components: tuple[ComponentStatus, ...] = ()
+    counters: dict[str, int] = field(default_factory=dict)  # events_seen, events_lost, ...
