@@ -136,3 +136,17 @@ def test_json_shape_has_the_documented_keys():
                 "device", "error_code", "timestamp_ns"):
         assert key in data
     assert data["kind"] == "alloc" and data["api"] == "cudaMalloc" and data["layer"] == "runtime"
+
+
+def test_bytes_by_stack_counts_physical_memory_once_per_allocation():
+    ledger = Ledger()
+    for i in range(5):
+        for layer, api in ((Layer.DRIVER, Api.cuMemAlloc_v2), (Layer.RUNTIME, Api.cudaMalloc)):
+            e = ev(Kind.ALLOC, api, layer, 0x1000 + i * MiB, MiB)
+            e.stack_id = 7 if i < 3 else 9
+            ledger.apply(e)
+    host = ev(Kind.ALLOC, Api.cuMemAllocHost_v2, Layer.DRIVER, 0x9000, 4096, memory=Memory.HOST)
+    host.stack_id = 7
+    ledger.apply(host)
+    assert ledger.bytes_by_stack() == {(PID, 7): (3 * MiB, 3), (PID, 9): (2 * MiB, 2)}
+    assert ledger.bytes_by_stack(pid=PID + 1) == {}

@@ -209,6 +209,22 @@ class Ledger:
                    and (wanted is None or key.layer in wanted)
                    and (memory is None or key.memory == memory))
 
+    def bytes_by_stack(self, pid: int | None = None) -> dict[tuple[int, int], tuple[int, int]]:
+        """(bytes, count) of physical device memory per (pid, Python stack id); stack 0 = none.
+
+        Only the driver and VMM layers count: the runtime call above a driver call has the same
+        stack, and adding both would count its bytes twice."""
+        totals: dict[tuple[int, int], list[int]] = {}
+        for entry in list(self._entries.values()):
+            key = entry.key
+            if (key.layer is Layer.RUNTIME or key.object not in _MEMORY_OBJECTS
+                    or entry.memory is not Memory.DEVICE or (pid is not None and key.pid != pid)):
+                continue
+            total = totals.setdefault((key.pid, entry.stack_id), [0, 0])
+            total[0] += entry.size_bytes
+            total[1] += 1
+        return {group: (size, count) for group, (size, count) in totals.items()}
+
     def physical_device_bytes(self, pid: int | None = None, device: int | None = None) -> int:
         """Device memory actually held: the driver and VMM layers (the runtime sits on top)."""
         return self.outstanding_bytes(pid, device, layers=(Layer.DRIVER, Layer.VMM))
