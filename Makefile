@@ -4,7 +4,7 @@ KVTRACE := $(VENV)/bin/kvtrace
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test test-unit test-integration test-gpu bench clean
+.PHONY: setup run test test-unit test-integration test-gpu bench install-service clean
 
 setup: $(STAMP)
 	@# tracefs does not survive a reboot; the rest does.
@@ -33,6 +33,15 @@ test-gpu:
 bench: setup
 	$(PYTHON) bench/probe_overhead.py
 	$(PYTHON) bench/throughput.py
+
+# systemd: the agent from this checkout, installed at /opt/kvtrace.
+install-service:
+	test "$(CURDIR)" = /opt/kvtrace || { echo "clone kvtrace to /opt/kvtrace first"; exit 1; }
+	$(MAKE) setup
+	getent group kvtrace >/dev/null || groupadd --system kvtrace
+	install -m 0644 packaging/systemd/kvtrace.service /etc/systemd/system/kvtrace.service
+	systemctl daemon-reload
+	@echo "now: systemctl enable --now kvtrace"
 
 clean:
 	rm -rf $(VENV) build agent/*.egg-info .pytest_cache
