@@ -606,6 +606,11 @@ static __always_inline u64 read_u64_at(u8 *base, s16 offset) {
     return value;
 }
 
+/* Frames read per walk: 3.12+ put an entry frame owned by the C stack (skipped, not counted) under
+ * the first Python frame of every C -> Python call, so up to one per Python frame, plus one read
+ * to see whether a frame is left beyond KVT_MAX_FRAMES. */
+#define KVT_MAX_WALK_STEPS (2 * KVT_MAX_FRAMES + 1)
+
 /* Walks up to KVT_MAX_FRAMES Python frames; returns the interned stack id (0 if none). */
 static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
     struct kvt_py_target *target = py_targets.lookup(&pid);
@@ -638,7 +643,7 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
      * iteration instead of one per path through it (a register counter blows up its search). */
     s->hash = 0xcbf29ce484222325ULL ^ pid;
     s->stack.depth = 0;
-    for (int i = 0; i < KVT_MAX_FRAMES + 8 && frame != 0; i++) {
+    for (int i = 0; i < KVT_MAX_WALK_STEPS && frame != 0; i++) {
         if (bpf_probe_read_user(s->frame, read_bytes, (void *)frame) != 0)
             break;
         u64 code = read_u64_at(s->frame, target->frame_code);
@@ -649,12 +654,14 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         u8 owner = 0;
         if (target->frame_owner >= 0 && target->frame_owner < KVT_FRAME_READ_MAX)
             owner = s->frame[target->frame_owner & (KVT_FRAME_READ_MAX - 1)];
-        frame = previous;
-        if (owner == 3 || code == 0) /* FRAME_OWNED_BY_CSTACK: an entry shim, not Python code */
+        if (owner == 3 || code == 0) { /* FRAME_OWNED_BY_CSTACK: an entry shim, not Python code */
+            frame = previous;
             continue;
+        }
         u32 depth = s->stack.depth;
         if (depth >= KVT_MAX_FRAMES)
-            break;
+            break; /* frame stays on this Python frame, which is left out: truncated */
+        frame = previous;
         s->stack.frames[depth & (KVT_MAX_FRAMES - 1)].code = code;
         s->stack.frames[depth & (KVT_MAX_FRAMES - 1)].instr = instr;
         s->hash = (s->hash ^ code) * 0x100000001b3ULL;

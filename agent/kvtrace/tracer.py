@@ -158,6 +158,8 @@ class Tracer:
             return
         if kernel_stack_id:
             event.stack_id = self._resolve_stack(event.pid, kernel_stack_id)
+            if not event.stack_id:
+                event.stack_status = "unresolved"  # walked, but gone before it could be read
         self.events_seen += 1
         self.ledger.apply(event)
         if event.kind is Kind.PROCESS_EXIT:
@@ -189,7 +191,8 @@ class Tracer:
             return 0
         frames = self.symbolizer.symbolize(
             pid, target.version, target.offsets,
-            [(frame.code, frame.instr) for frame in raw.frames[:raw.depth]])
+            [(frame.code, frame.instr) for frame in raw.frames[:raw.depth]],
+            code_type=target.code_type_address)
         stack_id = self.stacks.intern(Stack(tuple(frames), bool(raw.truncated)))
         self._stack_ids[kernel_stack_id] = stack_id
         self._stack_ids_by_pid.setdefault(pid, set()).add(kernel_stack_id)
@@ -265,14 +268,15 @@ class Tracer:
 
     def follow(self, pid: int) -> None:
         """Adds a process to the filter (and traces it now); used by tests and the API."""
-        self.options.pids.add(pid)
-        if self.probes is not None:
-            self.probes.set_filter(True)
-            self._select(pid)
-            # Take in what the rings hold first: an exec notification of this pid still queued
-            # would otherwise be handled after scan_pid and forget the Python runtime just found.
-            self.probes.poll(0)
-            self.scan_pid(pid)
+        with self.lock:
+            self.options.pids.add(pid)
+            if self.probes is not None:
+                self.probes.set_filter(True)
+                self._select(pid)
+                # Take in what the rings hold first: an exec notification of this pid still queued
+                # would otherwise be handled after scan_pid and forget the Python runtime just found.
+                self.probes.poll(0)
+                self.scan_pid(pid)
 
     def _select(self, pid: int) -> None:
         self._selected.add(pid)

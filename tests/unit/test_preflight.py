@@ -300,7 +300,7 @@ def test_doctor_json(findings, capsys):
 
 def test_doctor_command_directly(findings, capsys):
     findings(BAD[2:3])
-    args = types.SimpleNamespace(json=False)
+    args = types.SimpleNamespace(json=False, pid=None)
     assert DoctorCommand().run(args) == ExitCode.KERNEL
     assert "Check that this host can run the kvtrace agent" in DoctorCommand.__doc__
 

@@ -41,6 +41,7 @@ class PythonTarget:
     path: str  # libpython or the executable that holds the runtime
     runtime_address: int
     tss_key_address: int  # address of the pthread key (Py_tss_t._key) in the target
+    code_type_address: int = 0  # PyCode_Type: the symbolizer checks each code object's type
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +249,8 @@ def _validate(pid: int, path: str, symbols: dict[str, int], first_load: int,
         initialized, key = struct.unpack("<ii", mem.read(tss, 8))
         if initialized == 1 and not 0 <= key < GLIBC_SPECIFIC_1STBLOCK_KEYS:
             return NoPython(pid, f"pthread key {key} is beyond glibc's first block (< 32)")
-        return PythonTarget(pid, version, offsets, path, runtime, tss + 4)
+        return PythonTarget(pid, version, offsets, path, runtime, tss + 4,
+                            bias + symbols["PyCode_Type"])
     except OSError as error:
         return NoPython(pid, f"cannot read the Python runtime of pid {pid}: {error}")
     finally:
