@@ -28,3 +28,9 @@ def trace(session_tracer):
         return session_tracer
 
     return follow
+
+
+@pytest.fixture
+def bpf_here_unshared():
+    """For the few tests that need a tracer of their own (other map sizes)."""
+    require_tracing_here()

@@ -1,0 +1,63 @@
+"""The ledger stays exact when the event stream overflows, and --cmdline selects processes.
+
+GIVEN a ring buffer far too small for the workload's burst, WHEN events are lost, THEN the loss is
+counted in BPF and the agent's ledger, resynced from the kernel's, holds exactly the workload's
+outstanding allocations.
+"""
+import re
+
+from cuda_stubs import Workload
+from harness import TracerHarness
+from kvtrace.model.events import Api, Kind, Layer
+from kvtrace.sources.bpf.loader import ProbeSettings
+
+
+def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_build, tmp_path):
+    leaks = 5000  # 10 000 events (runtime + driver) into a 4 KiB ring: most are lost
+    with Workload([stub_build.workload, "leak", str(leaks)]) as workload:
+        pid = workload.wait_ready()
+        harness = TracerHarness([pid], settings=ProbeSettings(ringbuf_pages=1),
+                                preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            workload.go()
+            calls = workload.read_calls(timeout_s=120)
+            harness.pump(1.5)  # past resync_min_seconds: the resync runs
+            tracer = harness.tracer
+            counters = tracer.counters()
+            print(f"\n{leaks} leaks: {counters['events_submitted']} events submitted, "
+                  f"{counters['events_lost']} lost, {tracer.resyncs} resyncs")
+            assert counters["events_lost"] > 0
+            assert counters["events_submitted"] + counters["events_lost"] == 2 * leaks
+            assert tracer.resyncs >= 1
+            expected = {c["address"]: c["size_bytes"] for c in calls}
+            for layer in (Layer.RUNTIME, Layer.DRIVER):
+                for entries in (tracer.kernel_ledger(), tracer.ledger):
+                    got = {e.key.address: e.size_bytes for e in entries
+                           if e.key.pid == pid and e.key.layer is layer}
+                    assert got == expected, layer
+            assert tracer.ledger.physical_device_bytes(pid) == sum(expected.values())
+        finally:
+            harness.close()
+
+
+def test_cmdline_filter_selects_matching_processes_only(session_tracer, stub_build):
+    tracer = session_tracer.tracer
+    tracer.options.cmdline = re.compile(r"workload hold$")
+    try:
+        with Workload([stub_build.workload, "hold"]) as wanted, \
+                Workload([stub_build.workload, "leak", "7"]) as unwanted:
+            wanted_pid, unwanted_pid = wanted.wait_ready(), unwanted.wait_ready()
+            # The exec notifications make the tracer look at both; only one title matches.
+            assert session_tracer.pump_until(lambda: wanted_pid in tracer._selected, 5)
+            session_tracer.pump(0.3)
+            wanted.go()
+            unwanted.go()
+            wanted.read_calls()
+            unwanted.read_calls()
+            session_tracer.pump_until(lambda: len(session_tracer.of(wanted_pid, Kind.ALLOC)) >= 26)
+            session_tracer.pump(0.3)
+            assert len(session_tracer.of(wanted_pid, Kind.ALLOC, Api.cudaMalloc)) == 13
+            assert session_tracer.of(unwanted_pid) == []
+            assert unwanted_pid not in tracer.ledger.pids()
+    finally:
+        tracer.options.cmdline = None

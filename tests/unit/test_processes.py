@@ -1,0 +1,26 @@
+"""Process attribution: container ids from cgroup paths, titles from cmdline."""
+import os
+
+from kvtrace.model.processes import ProcessTable, container_id
+
+ID = "4f2c" * 16
+
+
+def test_container_id_from_the_common_runtimes():
+    assert container_id(f"0::/system.slice/docker-{ID}.scope\n") == ID
+    assert container_id(f"0::/kubepods.slice/kubepods-burstable.slice/cri-containerd-{ID}.scope") == ID
+    assert container_id(f"12:memory:/docker/{ID}\n1:name=systemd:/docker/{ID}") == ID
+    assert container_id(f"0::/kubepods/besteffort/pod1234/{ID}") == ID
+    assert container_id(f"0::/machine.slice/libpod-{ID}.scope/container") == ID
+
+
+def test_host_processes_have_no_container():
+    assert container_id("0::/user.slice/user-0.slice/session-3.scope\n") == ""
+    assert container_id("") == ""
+
+
+def test_title_is_the_full_command_line():
+    info = ProcessTable().get(os.getpid())
+    assert info is not None and info.pid == os.getpid()
+    assert "pytest" in info.title or "python" in info.title
+    assert len(info.comm) <= 15
