@@ -4,7 +4,7 @@ KVTRACE := $(VENV)/bin/kvtrace
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test test-unit test-integration test-gpu bench install-service clean
+.PHONY: setup run test test-unit test-integration test-gpu bench install-service promtool clean
 
 setup: $(STAMP)
 	@# tracefs does not survive a reboot; the rest does.
@@ -14,13 +14,20 @@ $(STAMP): pyproject.toml packaging/setup-host.sh
 	bash packaging/setup-host.sh
 	touch $@
 
+# promtool (Debian ships it only in package `prometheus`) checks packaging/prometheus/ in the tests;
+# that package also starts a Prometheus server, which a test host does not want: disable it.
+promtool:
+	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null && \
+	  { systemctl disable --now prometheus >/dev/null 2>&1 || true; }; }
+
 run: setup
 	$(KVTRACE) agent $(ARGS)
 
-test: setup
+test: setup promtool
 	$(PYTHON) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
-test-unit: setup
+test-unit: setup promtool
 	$(PYTHON) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: setup

@@ -138,6 +138,16 @@ class AgentClient:
     def info(self) -> service_pb2.GetAgentInfoResponse:
         return self._call(self._stub.GetAgentInfo, service_pb2.GetAgentInfoRequest())
 
+    def leak_suspects(self, pids: Iterable[int] = (), min_age_seconds: float | None = None,
+                      limit: int = 0) -> service_pb2.ListLeakSuspectsResponse:
+        """Ranked suspects; None / 0 take the agent's defaults (--leak-min-age, 100 suspects)."""
+        request = service_pb2.ListLeakSuspectsRequest(pids=list(pids), min_age_seconds=min_age_seconds,
+                                                      limit=limit)
+        return self._call(self._stub.ListLeakSuspects, request)
+
+    def growth(self, pids: Iterable[int] = ()) -> service_pb2.GetGrowthResponse:
+        return self._call(self._stub.GetGrowth, service_pb2.GetGrowthRequest(pids=list(pids)))
+
     def _call(self, method, request):
         self._check_socket()
         try:
@@ -275,4 +285,31 @@ def process_to_json_dict(process: service_pb2.Process) -> dict:
         "totals": [{"device": total.device, "layer": wire_enum_name(Layer, total.layer),
                     "memory": wire_enum_name(Memory, total.memory), "size_bytes": total.size_bytes,
                     "object_count": total.object_count} for total in process.totals],
+    }
+
+
+def optional_field(message, name: str):
+    """An optional (has-presence) field's value, None when unset."""
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def leak_report_to_json_dict(response: service_pb2.ListLeakSuspectsResponse) -> dict:
+    """The report of `kvtrace leaks --json`: one object, suspects most suspicious first."""
+    return {
+        "timestamp_ns": response.timestamp_ns, "min_age_seconds": response.min_age_seconds,
+        "allocations_considered": response.allocations_considered,
+        "suspect_allocations": response.suspect_allocations, "suspect_count": response.suspect_count,
+        "suspects": [{
+            "rank": suspect.rank, "pid": suspect.pid, "title": suspect.title, "device": suspect.device,
+            "outstanding_bytes": suspect.outstanding_bytes, "allocation_count": suspect.allocation_count,
+            "oldest_age_seconds": suspect.oldest_age_seconds,
+            "growth_bytes_per_second": suspect.growth_bytes_per_second, "stack_id": suspect.stack_id,
+            "stack": [frame.to_json_dict() for frame in stack_from_proto(suspect.stack)[1].frames]
+            if suspect.HasField("stack") else None,
+            "stack_truncated": suspect.stack.truncated,
+            "caller_address": suspect.caller_address,
+            "native_caller": {"module": suspect.native_caller.module, "symbol": suspect.native_caller.symbol,
+                              "offset": suspect.native_caller.offset}
+            if suspect.HasField("native_caller") else None,
+        } for suspect in response.suspects],
     }

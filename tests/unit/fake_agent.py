@@ -6,12 +6,17 @@ talk to the server with the real client; no root, no BPF.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import grp
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
+from kvtrace.analysis.analyzer import Analyzer, ledger_view
+from kvtrace.analysis.leaks import LeakReport
+from kvtrace.analysis.state import AnalysisSnapshot
 from kvtrace.config import ApiConfig
 from kvtrace.export.backend import AgentInfo, ComponentHealth, OutstandingTotal, TrackedProcess
 from kvtrace.export.grpc_server import AgentServer, ServerLimits
@@ -20,6 +25,7 @@ from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import Ledger
 from kvtrace.model.processes import ProcessInfo
 from kvtrace.model.stacks import Stack, StackTable
+from kvtrace.sources.nvml import NvmlSampler
 from kvtrace.tracer import AttachedLibrary
 
 MiB = 1 << 20
@@ -35,11 +41,14 @@ def event(kind=Kind.ALLOC, api=Api.cuMemAlloc_v2, pid=200, address=0x7F000000000
 
 
 class FakeBackend:
-    def __init__(self, max_queued_events: int = 65536) -> None:
+    def __init__(self, max_queued_events: int = 65536, nvml: NvmlSampler | None = None,
+                 visible_devices=lambda pid: None) -> None:
         self.hub = EventHub(max_queued_events)
         self.ledger = Ledger()
         self.stacks = StackTable()
+        self.analyzer = Analyzer(stacks=self.stacks, nvml=nvml, visible_devices=visible_devices)
         self.is_healthy = True
+        self.wall_ns: int | None = None  # the clock of leak_suspects; None: time.time_ns()
 
     def apply(self, *events: Event) -> None:
         for item in events:
@@ -73,6 +82,19 @@ class FakeBackend:
             libraries=[AttachedLibrary("/usr/lib/libcuda.so.1", 2049, 1234, ["cuMemAlloc_v2"], {200, 100})],
             components=[ComponentHealth("bpf", True), ComponentHealth("nvml", False, "no GPU")],
             counters={"events_seen": 23, "events_lost": 0})
+
+    def analyze(self, wall_ns: int, monotonic_ns: int) -> AnalysisSnapshot:
+        """One analysis of the ledger at these times (the agent does this every second)."""
+        return self.analyzer.update(ledger_view(self.ledger, wall_ns, monotonic_ns,
+                                                titles=dict(TITLES)))
+
+    def analysis(self) -> AnalysisSnapshot | None:
+        return self.analyzer.latest
+
+    def leak_suspects(self, pids, min_age_seconds, limit) -> LeakReport:
+        wall_ns = self.wall_ns if self.wall_ns is not None else time.time_ns()
+        report = self.analyzer.leak_report(list(self.ledger), wall_ns, dict(TITLES), min_age_seconds, pids)
+        return dataclasses.replace(report, suspects=report.suspects[:limit])
 
     def healthy(self) -> bool:
         return self.is_healthy

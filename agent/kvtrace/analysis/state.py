@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtrace.model.stacks import Stack
+from kvtrace.model.stacks import NativeFrame, Stack
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,14 @@ class ProcessGpu:
     unattributed_bytes: int | None  # nvml_used - outstanding: context, NCCL, memory older than the agent
     growth_bytes_per_second_1m: float
     growth_bytes_per_second_15m: float
-    time_to_oom_seconds: float | None  # at the 15 min growth rate against the GPU's free memory; None: not growing
-    allocations_1m: int
+    # At the 15 min growth rate against the GPU's free memory; None: not growing, no NVML figure,
+    # or less than 5 min of history (mostly start-up then).
+    time_to_oom_seconds: float | None
+    allocations_1m: int  # of the whole process (all its GPUs): the ledger counts per process
     frees_1m: int
     free_ratio_1m: float | None  # frees / allocations over 1 min (None: no allocations)
+    nvml_index: int | None = None  # the GPU in NVML's numbering (gpus[].index); None: not matched
+    history_seconds: float = 0.0  # how much of the 15 min window the growth was measured over
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class LeakSuspect:
     count: int
     oldest_age_seconds: float
     growth_bytes_per_second: float  # of this site's outstanding bytes over the last 15 min
+    native_caller: NativeFrame | None = None  # the caller's module+symbol; set by ListLeakSuspects
 
 
 @dataclass(frozen=True)
@@ -74,3 +79,4 @@ class AnalysisSnapshot:
     suspects: tuple[LeakSuspect, ...] = ()
     components: tuple[ComponentStatus, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)  # events_seen, events_lost, ...
+    nvml_timestamp_ns: int = 0  # when the NVML figures (gpus, nvml_used_bytes) were sampled; 0: none

@@ -31,12 +31,12 @@ def _json_printer(tracer, out):
     return print_json
 
 
-def _serve(tracer, config):
+def _serve(tracer, config, analyzer):
     from kvtrace.export.grpc_server import AgentServer, ServerSetupError
     from kvtrace.export.hub import EventHub
     from kvtrace.export.tracer_backend import TracerBackend
 
-    backend = TracerBackend(tracer, EventHub())
+    backend = TracerBackend(tracer, EventHub(), analyzer)
     server = AgentServer(backend, config)
     try:
         server.start()
@@ -76,6 +76,10 @@ class AgentCommand:
                             help="do not serve the kvtrace.v1 gRPC API (with --json-events only)")
         parser.add_argument("--no-python-stacks", action="store_true",
                             help="do not walk Python stacks in the probes")
+        parser.add_argument("--nvml", action=argparse.BooleanOptionalAction, default=True,
+                            help="sample GPU and per-process memory from NVML (default: on)")
+        parser.add_argument("--leak-min-age", metavar="SECONDS", type=float, default=60.0,
+                            help="allocations this old are leak suspects (default: %(default)g)")
         add_api_flags(parser)
         parser.add_argument("-v", "--verbose", action="store_true", help="log attach/detach details")
         parser.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
@@ -94,6 +98,8 @@ class AgentCommand:
             raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE)
         if args.max_ledger_entries < 1024:
             raise CommandError("--max-ledger-entries must be at least 1024", ExitCode.USAGE)
+        if not 0 <= args.leak_min_age <= 365 * 24 * 3600:
+            raise CommandError("--leak-min-age takes 0 to one year in seconds", ExitCode.USAGE)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtrace: %(message)s", stream=sys.stderr)
 
@@ -119,19 +125,28 @@ class AgentCommand:
         except Exception as error:
             raise CommandError(f"cannot load the BPF probes: {error} (run `kvtrace doctor`)",
                                ExitCode.KERNEL) from error
+        from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
+        from kvtrace.sources.nvml import NvmlSampler
+
+        nvml = NvmlSampler() if args.nvml else None
+        analyzer = Analyzer(AnalysisOptions(leak_min_age_seconds=args.leak_min_age), tracer.stacks, nvml)
         server = backend = None
         try:
+            if nvml is not None:
+                nvml.start()
             if config is not None:
-                server, backend = _serve(tracer, config)
-            self._loop(tracer, backend, args.json_events, server)
+                server, backend = _serve(tracer, config, analyzer)
+            self._loop(tracer, backend, args.json_events, server, analyzer)
         finally:
             sys.stdout.flush()
             if server is not None:
                 server.stop(grace_seconds=5)
+            if nvml is not None:
+                nvml.stop()
             tracer.stop()
         return ExitCode.OK
 
-    def _loop(self, tracer, backend, json_events: bool, server) -> None:
+    def _loop(self, tracer, backend, json_events: bool, server, analyzer) -> None:
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
         libraries = tracer.attached_libraries()
@@ -145,6 +160,7 @@ class AgentCommand:
                 tracer.run_once(100)
                 if backend is not None:
                     backend.after_poll()
+                analyzer.tick(tracer)
                 sys.stdout.flush()
                 if not json_events and time.monotonic() >= next_summary:
                     next_summary += SUMMARY_INTERVAL_SECONDS

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtrace.analysis.leaks import LeakReport
+from kvtrace.analysis.state import AnalysisSnapshot
 from kvtrace.export.hub import EventHub
 from kvtrace.model.events import Layer, Memory
 from kvtrace.model.ledger import Outstanding
@@ -89,6 +91,17 @@ class AgentBackend(Protocol):
 
     def info(self) -> AgentInfo:
         """The agent's description and counters, as a copy. Called from gRPC threads."""
+        ...
+
+    def analysis(self) -> AnalysisSnapshot | None:
+        """The latest analysis (growth, NVML, time-to-OOM, suspects at the default age), None before
+        the first one. Called from gRPC threads: hand out the immutable snapshot, never build one."""
+        ...
+
+    def leak_suspects(self, pids: frozenset[int], min_age_seconds: float | None, limit: int) -> LeakReport:
+        """Suspects of `pids` (empty: all) at least `min_age_seconds` old (None: the agent's
+        threshold), ranked, cut to `limit`, with native callers resolved. Called from gRPC threads:
+        copy the ledger under its lock, rank outside it."""
         ...
 
     def healthy(self) -> bool:

@@ -41,6 +41,8 @@ from grpc_reflection.v1alpha import reflection
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
+from kvtrace.analysis.leaks import LeakReport
+from kvtrace.analysis.state import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
 from kvtrace.config import ApiConfig
 from kvtrace.export.backend import AgentBackend, AgentInfo, TrackedProcess
 from kvtrace.export.hub import EventFilter, Lost
@@ -59,6 +61,9 @@ MAX_SIZE_BYTES = 1 << 50  # 1 PiB: no GPU allocation is larger; beyond it the va
 DEFAULT_PAGE_SIZE = 1000
 MAX_PAGE_SIZE = 10000
 MAX_PAGE_TOKEN_CHARS = 256
+DEFAULT_SUSPECTS = 100
+MAX_SUSPECTS = 10000
+MAX_MIN_AGE_SECONDS = 365 * 24 * 3600.0
 SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 SOCKET_MODE = 0o660
 SOCKET_DIRECTORY_MODE = 0o750
@@ -127,11 +132,15 @@ def event_to_proto(event: Event) -> events_pb2.Event:
     return message
 
 
-def stack_to_proto(stack_id: int, stack: Stack) -> events_pb2.Event:
-    return events_pb2.Event(timestamp_ns=time.time_ns(), stack_definition=events_pb2.Stack(
+def stack_message(stack_id: int, stack: Stack) -> events_pb2.Stack:
+    return events_pb2.Stack(
         stack_id=stack_id, truncated=stack.truncated,
         frames=[events_pb2.StackFrame(function=frame.function, file=frame.file, line=frame.line)
-                for frame in stack.frames]))
+                for frame in stack.frames])
+
+
+def stack_to_proto(stack_id: int, stack: Stack) -> events_pb2.Event:
+    return events_pb2.Event(timestamp_ns=time.time_ns(), stack_definition=stack_message(stack_id, stack))
 
 
 def lost_to_proto(lost: Lost) -> events_pb2.Event:
@@ -168,6 +177,57 @@ def info_to_proto(info: AgentInfo) -> service_pb2.GetAgentInfoResponse:
         components=[service_pb2.ComponentHealth(name=c.name, up=c.up, reason=c.reason)
                     for c in info.components],
         counters=info.counters)
+
+
+def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
+    message = service_pb2.LeakSuspect(
+        rank=suspect.rank, pid=suspect.pid, title=suspect.title, device=suspect.device,
+        stack_id=suspect.stack_id, caller_address=suspect.native_caller_address,
+        outstanding_bytes=suspect.outstanding_bytes, allocation_count=suspect.count,
+        oldest_age_seconds=suspect.oldest_age_seconds, growth_bytes_per_second=suspect.growth_bytes_per_second)
+    if suspect.stack is not None:
+        message.stack.CopyFrom(stack_message(suspect.stack_id, suspect.stack))
+    if suspect.native_caller is not None:
+        caller = suspect.native_caller
+        message.native_caller.CopyFrom(
+            service_pb2.NativeFrame(module=caller.module, symbol=caller.symbol, offset=caller.offset))
+    return message
+
+
+def leak_report_to_proto(report: LeakReport) -> service_pb2.ListLeakSuspectsResponse:
+    return service_pb2.ListLeakSuspectsResponse(
+        suspects=[suspect_to_proto(suspect) for suspect in report.suspects],
+        suspect_count=report.suspect_count, allocations_considered=report.allocations_considered,
+        suspect_allocations=report.suspect_allocations, min_age_seconds=report.min_age_seconds,
+        timestamp_ns=report.timestamp_ns)
+
+
+def gpu_to_proto(gpu: GpuMemory) -> service_pb2.GpuMemory:
+    return service_pb2.GpuMemory(index=gpu.index, uuid=gpu.uuid, name=gpu.name, total_bytes=gpu.total_bytes,
+                                 used_bytes=gpu.used_bytes, free_bytes=gpu.free_bytes,
+                                 reserved_bytes=gpu.reserved_bytes)
+
+
+def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
+    # None leaves an optional field unset: "not known" stays apart from 0.
+    optional = {name: value for name, value in (
+        ("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
+        ("unattributed_bytes", row.unattributed_bytes), ("time_to_oom_seconds", row.time_to_oom_seconds),
+        ("free_ratio_1m", row.free_ratio_1m)) if value is not None}
+    return service_pb2.ProcessGrowth(
+        pid=row.pid, title=row.title, device=row.device, outstanding_bytes=row.outstanding_bytes,
+        growth_bytes_per_second_1m=row.growth_bytes_per_second_1m,
+        growth_bytes_per_second_15m=row.growth_bytes_per_second_15m, history_seconds=row.history_seconds,
+        allocations_1m=row.allocations_1m, frees_1m=row.frees_1m, **optional)
+
+
+def growth_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int]) -> service_pb2.GetGrowthResponse:
+    if snapshot is None:
+        return service_pb2.GetGrowthResponse()
+    return service_pb2.GetGrowthResponse(
+        timestamp_ns=snapshot.timestamp_ns, nvml_timestamp_ns=snapshot.nvml_timestamp_ns,
+        gpus=[gpu_to_proto(gpu) for gpu in snapshot.gpus],
+        processes=[process_growth_to_proto(row) for row in snapshot.processes if not pids or row.pid in pids])
 
 
 # ---- requests -> model filters ----
@@ -326,6 +386,26 @@ class AgentServicer(service_grpc.AgentServiceServicer):
 
     def GetAgentInfo(self, request, context):
         return info_to_proto(self._backend.info())
+
+    def ListLeakSuspects(self, request, context):
+        try:
+            pids = _pids("pids", request.pids)
+            min_age_seconds = request.min_age_seconds if request.HasField("min_age_seconds") else None
+            if min_age_seconds is not None and not 0 <= min_age_seconds <= MAX_MIN_AGE_SECONDS:  # NaN too
+                raise InvalidArgument("min_age_seconds", f"{min_age_seconds} is not in 0..{MAX_MIN_AGE_SECONDS:g}")
+            if not 0 <= request.limit <= MAX_SUSPECTS:
+                raise InvalidArgument("limit", f"{request.limit} is not in 0..{MAX_SUSPECTS}")
+        except InvalidArgument as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        report = self._backend.leak_suspects(pids, min_age_seconds, request.limit or DEFAULT_SUSPECTS)
+        return leak_report_to_proto(report)
+
+    def GetGrowth(self, request, context):
+        try:
+            pids = _pids("pids", request.pids)
+        except InvalidArgument as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return growth_to_proto(self._backend.analysis(), pids)
 
 
 # ---- the Unix socket ----

@@ -5,10 +5,14 @@ A poll applies at most one ring-buffer batch, so a copy waits milliseconds, neve
 """
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 
 from kvtrace import __version__
+from kvtrace.analysis.analyzer import Analyzer
+from kvtrace.analysis.leaks import LeakReport
+from kvtrace.analysis.state import AnalysisSnapshot
 from kvtrace.export.backend import AgentInfo, ComponentHealth, OutstandingTotal, TrackedProcess
 from kvtrace.export.hub import EventHub
 from kvtrace.model.ledger import Outstanding
@@ -21,9 +25,11 @@ STALLED_AFTER_SECONDS = 5.0
 
 
 class TracerBackend:
-    def __init__(self, tracer: Tracer, hub: EventHub) -> None:
+    def __init__(self, tracer: Tracer, hub: EventHub, analyzer: Analyzer | None = None) -> None:
         self.tracer = tracer
         self.hub = hub
+        # The agent loop ticks the analyzer; without one, suspects are ranked with no growth.
+        self.analyzer = analyzer if analyzer is not None else Analyzer(stacks=tracer.stacks)
         tracer.sinks.append(hub.publish)
 
     def after_poll(self) -> None:
@@ -72,8 +78,27 @@ class TracerBackend:
             ComponentHealth("python_stacks", not self.tracer.python_stacks_down,
                             self.tracer.python_stacks_down),
         ]
+        components += [ComponentHealth(c.name, c.up, c.reason) for c in self.analyzer.components()]
         components += [ComponentHealth(f"attach:{path}", False, why) for path, why in refused.items()]
         return AgentInfo(__version__, platform.release(), libraries, components, counters)
+
+    def analysis(self) -> AnalysisSnapshot | None:
+        return self.analyzer.latest
+
+    def leak_suspects(self, pids: frozenset[int], min_age_seconds: float | None, limit: int) -> LeakReport:
+        with self.tracer.lock:
+            entries = list(self.tracer.ledger)
+            titles = {pid: info.title for pid, info in self.tracer.processes.known().items()}
+        report = self.analyzer.leak_report(entries, time.time_ns(), titles, min_age_seconds, pids)
+        # Only the suspects returned are resolved: the first lookup in a library reads its symbols.
+        # Outside the lock: the symbolizer's caches are plain dicts, and racing the tracer thread
+        # costs at most a second read of /proc/PID/maps.
+        symbolize = self.tracer.native_symbolizer.symbolize
+        suspects = tuple(
+            dataclasses.replace(suspect, native_caller=symbolize(suspect.pid, suspect.native_caller_address))
+            if suspect.native_caller_address else suspect
+            for suspect in report.suspects[:limit])
+        return dataclasses.replace(report, suspects=suspects)
 
     def healthy(self) -> bool:
         return time.monotonic() - self.tracer.last_loop_monotonic < STALLED_AFTER_SECONDS

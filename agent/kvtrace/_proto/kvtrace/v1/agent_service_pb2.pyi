@@ -177,3 +177,135 @@ class ComponentHealth(_message.Message):
     up: bool
     reason: str
     def __init__(self, name: _Optional[str] = ..., up: bool = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ListLeakSuspectsRequest(_message.Message):
+    __slots__ = ("pids", "min_age_seconds", "limit")
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    min_age_seconds: float
+    limit: int
+    def __init__(self, pids: _Optional[_Iterable[int]] = ..., min_age_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListLeakSuspectsResponse(_message.Message):
+    __slots__ = ("suspects", "suspect_count", "allocations_considered", "suspect_allocations", "min_age_seconds", "timestamp_ns")
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_CONSIDERED_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    suspects: _containers.RepeatedCompositeFieldContainer[LeakSuspect]
+    suspect_count: int
+    allocations_considered: int
+    suspect_allocations: int
+    min_age_seconds: float
+    timestamp_ns: int
+    def __init__(self, suspects: _Optional[_Iterable[_Union[LeakSuspect, _Mapping]]] = ..., suspect_count: _Optional[int] = ..., allocations_considered: _Optional[int] = ..., suspect_allocations: _Optional[int] = ..., min_age_seconds: _Optional[float] = ..., timestamp_ns: _Optional[int] = ...) -> None: ...
+
+class LeakSuspect(_message.Message):
+    __slots__ = ("rank", "pid", "title", "device", "stack_id", "stack", "caller_address", "native_caller", "outstanding_bytes", "allocation_count", "oldest_age_seconds", "growth_bytes_per_second")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STACK_ID_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_CALLER_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    title: str
+    device: int
+    stack_id: int
+    stack: _events_pb2.Stack
+    caller_address: int
+    native_caller: NativeFrame
+    outstanding_bytes: int
+    allocation_count: int
+    oldest_age_seconds: float
+    growth_bytes_per_second: float
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack: _Optional[_Union[_events_pb2.Stack, _Mapping]] = ..., caller_address: _Optional[int] = ..., native_caller: _Optional[_Union[NativeFrame, _Mapping]] = ..., outstanding_bytes: _Optional[int] = ..., allocation_count: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., growth_bytes_per_second: _Optional[float] = ...) -> None: ...
+
+class NativeFrame(_message.Message):
+    __slots__ = ("module", "symbol", "offset")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    SYMBOL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    symbol: str
+    offset: int
+    def __init__(self, module: _Optional[str] = ..., symbol: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class GetGrowthRequest(_message.Message):
+    __slots__ = ("pids",)
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetGrowthResponse(_message.Message):
+    __slots__ = ("timestamp_ns", "nvml_timestamp_ns", "gpus", "processes")
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    NVML_TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    timestamp_ns: int
+    nvml_timestamp_ns: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuMemory]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessGrowth]
+    def __init__(self, timestamp_ns: _Optional[int] = ..., nvml_timestamp_ns: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessGrowth, _Mapping]]] = ...) -> None: ...
+
+class GpuMemory(_message.Message):
+    __slots__ = ("index", "uuid", "name", "total_bytes", "used_bytes", "free_bytes", "reserved_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    reserved_bytes: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
+
+class ProcessGrowth(_message.Message):
+    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NVML_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NVML_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNATTRIBUTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_BYTES_PER_SECOND_1M_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_BYTES_PER_SECOND_15M_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_OOM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_1M_FIELD_NUMBER: _ClassVar[int]
+    FREES_1M_FIELD_NUMBER: _ClassVar[int]
+    FREE_RATIO_1M_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    title: str
+    device: int
+    nvml_index: int
+    outstanding_bytes: int
+    nvml_used_bytes: int
+    unattributed_bytes: int
+    growth_bytes_per_second_1m: float
+    growth_bytes_per_second_15m: float
+    history_seconds: float
+    time_to_oom_seconds: float
+    allocations_1m: int
+    frees_1m: int
+    free_ratio_1m: float
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ...) -> None: ...

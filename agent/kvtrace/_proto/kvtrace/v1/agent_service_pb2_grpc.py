@@ -55,6 +55,16 @@ class AgentServiceStub(object):
                 request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetAgentInfoRequest.SerializeToString,
                 response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetAgentInfoResponse.FromString,
                 _registered_method=True)
+        self.ListLeakSuspects = channel.unary_unary(
+                '/kvtrace.v1.AgentService/ListLeakSuspects',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.ListLeakSuspectsRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.ListLeakSuspectsResponse.FromString,
+                _registered_method=True)
+        self.GetGrowth = channel.unary_unary(
+                '/kvtrace.v1.AgentService/GetGrowth',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer(object):
@@ -93,6 +103,24 @@ class AgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLeakSuspects(self, request, context):
+        """Lists leak suspects: outstanding device memory at least min_age_seconds old, grouped by
+        allocation site (Python stack, else the native caller), most suspicious first. "Suspect" means
+        old and still held, not proven leaked: model weights and the KV cache are old too, which is why
+        the site's growth ranks first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGrowth(self, request, context):
+        """Growth, NVML figures and time-to-OOM per process and GPU, from the agent's latest analysis
+        (rebuilt every second).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +143,16 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.GetAgentInfo,
                     request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetAgentInfoRequest.FromString,
                     response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetAgentInfoResponse.SerializeToString,
+            ),
+            'ListLeakSuspects': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLeakSuspects,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.ListLeakSuspectsRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.ListLeakSuspectsResponse.SerializeToString,
+            ),
+            'GetGrowth': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGrowth,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +264,60 @@ class AgentService(object):
             '/kvtrace.v1.AgentService/GetAgentInfo',
             kvtrace_dot_v1_dot_agent__service__pb2.GetAgentInfoRequest.SerializeToString,
             kvtrace_dot_v1_dot_agent__service__pb2.GetAgentInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLeakSuspects(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/ListLeakSuspects',
+            kvtrace_dot_v1_dot_agent__service__pb2.ListLeakSuspectsRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.ListLeakSuspectsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGrowth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/GetGrowth',
+            kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthResponse.FromString,
             options,
             channel_credentials,
             insecure,

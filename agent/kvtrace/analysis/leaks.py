@@ -1,0 +1,148 @@
+"""Leak suspects: outstanding device memory at least a given age, grouped by allocation site.
+
+"Suspect" is the honest word (memleak says "outstanding", not "leaked"): model weights and the KV
+cache are old and outstanding too. What separates a leak is growth, so the ranking puts it first:
+
+1. growth of the site's outstanding bytes over the last 15 min, largest first (a site whose memory
+   keeps piling up is the classic leak; flat old memory such as weights reads 0);
+2. then outstanding bytes of the suspect allocations, largest first;
+3. then their count, then the oldest age (older first), then pid, device and site (a stable order).
+
+A site is, in one process and on one GPU, the Python stack of the allocation; without one (no
+Python, or the walk failed), the native code that called CUDA. Only physical device memory counts: the driver and VMM layers, as in
+the ledger's totals, so that a cudaMalloc and the cuMemAlloc_v2 inside it are one allocation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable, Mapping, NamedTuple
+
+from kvtrace.analysis.state import LeakSuspect
+from kvtrace.model.events import Layer, Memory, ObjectKind
+from kvtrace.model.ledger import Outstanding
+from kvtrace.model.stacks import Stack
+
+NS_PER_SECOND = 1_000_000_000
+# Looked up once: these run per ledger entry, and an enum attribute costs a lookup each time.
+_MEMORY_OBJECTS = (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE)
+_RUNTIME, _DRIVER, _ALLOCATION, _DEVICE = Layer.RUNTIME, Layer.DRIVER, ObjectKind.ALLOCATION, Memory.DEVICE
+
+
+class SiteKey(NamedTuple):
+    """Where allocations come from: (pid, device, Python stack) or, with no stack (stack_id 0),
+    (pid, device, native caller address)."""
+
+    pid: int
+    device: int
+    stack_id: int
+    caller_address: int  # 0 when stack_id is set: the stack alone names the site
+
+
+@dataclass(frozen=True)
+class LeakReport:
+    """The suspects of one moment, ranked, with how many allocations were looked at."""
+
+    timestamp_ns: int  # wall clock of the ledger copy
+    min_age_seconds: float
+    allocations_considered: int  # outstanding device allocations of the selected processes
+    suspect_allocations: int  # of those, at least min_age_seconds old
+    suspects: tuple[LeakSuspect, ...]  # most suspicious first; possibly cut to a limit
+    suspect_count: int  # suspects before any limit
+
+
+def holds_device_memory(entry: Outstanding) -> bool:
+    """Physical device memory: a driver allocation or a VMM handle (the runtime layer is the same
+    bytes seen from cudaMalloc's side, reservations and mappings are address space only)."""
+    key = entry.key
+    return key.layer is not _RUNTIME and key.object in _MEMORY_OBJECTS and entry.memory is _DEVICE
+
+
+def runtime_allocations(entries: Iterable[Outstanding]) -> dict[tuple[int, int], Outstanding]:
+    """Runtime-layer allocations by (pid, address): cudaMalloc returns the pointer of the
+    cuMemAlloc_v2 inside it, so this finds the runtime call above a driver allocation."""
+    return {(entry.key.pid, entry.key.address): entry for entry in entries
+            if entry.key.layer is _RUNTIME and entry.key.object is _ALLOCATION}
+
+
+def site_of(entry: Outstanding, runtime: Mapping[tuple[int, int], Outstanding]) -> tuple[SiteKey, int]:
+    """(site, native caller address) of a device-memory entry.
+
+    The driver call's caller is libcudart for every cudaMalloc, which says nothing; the runtime
+    entry above it (same pid and pointer) has the caller that matters, and its stack if the driver
+    entry has none."""
+    stack_id, caller = entry.stack_id, entry.caller_address
+    above = runtime.get((entry.key.pid, entry.key.address)) if entry.key.layer is _DRIVER else None
+    if above is not None:
+        stack_id = stack_id or above.stack_id
+        caller = above.caller_address or caller
+    return SiteKey(entry.key.pid, entry.device, stack_id, 0 if stack_id else caller), caller
+
+
+@dataclass(frozen=True)
+class SiteSurvey:
+    """One pass over the ledger: every site's outstanding device bytes, and the allocations old
+    enough to be suspects, grouped by site (not ranked yet: that needs the growth)."""
+
+    timestamp_ns: int
+    min_age_seconds: float
+    site_bytes: dict[SiteKey, int]  # all ages: the series whose growth ranks suspects
+    old: dict[SiteKey, list]  # site -> [bytes, count, oldest timestamp_ns, that entry's caller]
+    allocations_considered: int
+    suspect_allocations: int
+
+
+def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: float,
+                 pids: Collection[int] = ()) -> SiteSurvey:
+    """Device allocations of `pids` (empty: all) by site; those at least `min_age_seconds` old apart."""
+    entries = list(entries)
+    runtime = runtime_allocations(entries)
+    min_age_ns = int(min_age_seconds * NS_PER_SECOND)
+    totals: dict[SiteKey, int] = {}
+    old: dict[SiteKey, list] = {}
+    considered = old_count = 0
+    for entry in entries:
+        if not holds_device_memory(entry) or (pids and entry.key.pid not in pids):
+            continue
+        considered += 1
+        site, caller = site_of(entry, runtime)
+        totals[site] = totals.get(site, 0) + entry.size_bytes
+        if now_ns - entry.timestamp_ns < min_age_ns:
+            continue
+        old_count += 1
+        group = old.get(site)
+        if group is None:
+            old[site] = [entry.size_bytes, 1, entry.timestamp_ns, caller]
+        else:
+            group[0] += entry.size_bytes
+            group[1] += 1
+            if entry.timestamp_ns < group[2]:
+                group[2], group[3] = entry.timestamp_ns, caller
+    return SiteSurvey(now_ns, min_age_seconds, totals, old, considered, old_count)
+
+
+def rank_suspects(survey: SiteSurvey, growth: Mapping[SiteKey, float], titles: Mapping[int, str],
+                  stack_of: Callable[[int], Stack | None]) -> LeakReport:
+    """The survey's old groups as ranked suspects (see the module docstring for the order);
+    `growth`: bytes per second of each site's outstanding bytes over 15 min."""
+    def rank_key(item):
+        site, (size_bytes, count, oldest_ns, _) = item
+        return (-growth.get(site, 0.0), -size_bytes, -count, oldest_ns, site)
+
+    now_ns = survey.timestamp_ns
+    suspects = tuple(
+        LeakSuspect(rank=rank, pid=site.pid, title=titles.get(site.pid, ""), device=site.device,
+                    stack_id=site.stack_id, stack=stack_of(site.stack_id) if site.stack_id else None,
+                    native_caller_address=caller, outstanding_bytes=size_bytes, count=count,
+                    oldest_age_seconds=(now_ns - oldest_ns) / NS_PER_SECOND,
+                    growth_bytes_per_second=growth.get(site, 0.0))
+        for rank, (site, (size_bytes, count, oldest_ns, caller))
+        in enumerate(sorted(survey.old.items(), key=rank_key), start=1))
+    return LeakReport(now_ns, survey.min_age_seconds, survey.allocations_considered,
+                      survey.suspect_allocations, suspects, len(suspects))
+
+
+def find_suspects(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: float,
+                  growth: Mapping[SiteKey, float], titles: Mapping[int, str],
+                  stack_of: Callable[[int], Stack | None], pids: Collection[int] = ()) -> LeakReport:
+    """Survey and rank in one call (ListLeakSuspects, at any age)."""
+    return rank_suspects(survey_sites(entries, now_ns, min_age_seconds, pids), growth, titles, stack_of)

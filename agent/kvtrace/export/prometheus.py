@@ -1,0 +1,446 @@
+"""Prometheus exporter: `/metrics` on 127.0.0.1:9464 from the ledger and the latest analysis snapshot.
+
+A custom collector builds every sample at scrape time from a `MetricsSource` (the agent adapts the
+tracer and the analyzer to it; tests use a fake), so nothing is kept or updated on the event path.
+
+Labels are bounded: pid, title, gpu, layer, memory, window, api, error_code, component, uuid,
+version. Stacks and addresses are never labels (`kvtrace leaks` and the gRPC API have them). Series
+of a process are exported while it is alive (it holds traced memory, is in the snapshot or is
+known to the tracer), so exited processes' series go stale instead of piling up.
+
+`gpu` on per-process metrics is the CUDA ordinal the process used ("unknown" when it could not be
+known); on kvtrace_gpu_memory_* it is the NVML index. They differ when CUDA_VISIBLE_DEVICES
+reorders or hides GPUs; `uuid` is the stable name of a GPU.
+
+The listener refuses a non-loopback address unless asked (`--metrics-allow-remote`): process titles
+are command lines, and anyone who can reach the port can read them.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import math
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Mapping, Protocol
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_wsgi_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtrace import __version__
+from kvtrace.analysis.state import AnalysisSnapshot
+from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
+from kvtrace.model.ledger import Ledger, TotalsKey
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:9464"
+# A title is a command line: long, and sometimes carrying secrets. Labels get a redacted, cut copy.
+TITLE_MAX_CHARS = 64
+# The analysis component is reported down when its latest snapshot is older than this.
+SNAPSHOT_STALE_AFTER_SECONDS = 60.0
+
+
+# ---- what is exported (docs/metrics.md has the same table; a unit test keeps them equal) ----
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # the sample name as scraped (counters end in _total)
+    type: str  # "counter" or "gauge"
+    unit: str
+    labels: tuple[str, ...]
+    help: str
+
+
+_PROCESS = ("pid", "title")
+_PROCESS_GPU = ("pid", "title", "gpu")
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("kvtrace_outstanding_bytes", "gauge", "bytes", _PROCESS_GPU + ("layer", "memory"),
+               "Traced memory allocated and not yet freed. The runtime layer sits on top of the driver "
+               "layer: physical device memory is layer driver plus vmm, never all three."),
+    MetricSpec("kvtrace_outstanding_objects", "gauge", "objects", _PROCESS_GPU + ("layer", "memory"),
+               "Traced allocations (and VMM handles) not yet freed."),
+    MetricSpec("kvtrace_allocations_total", "counter", "allocations", _PROCESS + ("layer",),
+               "Successful allocations seen, per layer."),
+    MetricSpec("kvtrace_frees_total", "counter", "frees", _PROCESS + ("layer",),
+               "Frees of allocations the agent saw, per layer (frees of older memory are not counted)."),
+    MetricSpec("kvtrace_allocation_failures_total", "counter", "calls", ("api", "error_code"),
+               "Allocation and free calls that returned a CUDA error, by API and CUDA error code "
+               "(2 = out of memory)."),
+    MetricSpec("kvtrace_growth_bytes_per_second", "gauge", "bytes per second", _PROCESS_GPU + ("window",),
+               "Growth of the process's physical device memory on the GPU over the window (1m or 15m); "
+               "negative when it shrinks."),
+    MetricSpec("kvtrace_time_to_oom_seconds", "gauge", "seconds", _PROCESS_GPU,
+               "Time until the GPU's free memory runs out at the process's 15m growth rate. Only "
+               "present while the process grows."),
+    MetricSpec("kvtrace_unattributed_bytes", "gauge", "bytes", _PROCESS_GPU,
+               "NVML used memory of the process minus its traced device memory: CUDA context, NCCL "
+               "buffers, memory allocated before the agent started. Only present when NVML reports the "
+               "process."),
+    MetricSpec("kvtrace_nvml_used_bytes", "gauge", "bytes", _PROCESS_GPU,
+               "Device memory NVML attributes to the process. Only present when NVML reports it."),
+    MetricSpec("kvtrace_gpu_memory_total_bytes", "gauge", "bytes", ("gpu", "uuid"),
+               "Memory of the GPU as NVML reports it (gpu is the NVML index)."),
+    MetricSpec("kvtrace_gpu_memory_used_bytes", "gauge", "bytes", ("gpu", "uuid"),
+               "Used memory of the GPU as NVML reports it, all processes together."),
+    MetricSpec("kvtrace_gpu_memory_free_bytes", "gauge", "bytes", ("gpu", "uuid"),
+               "Free memory of the GPU as NVML reports it."),
+    MetricSpec("kvtrace_leak_suspects", "gauge", "call sites", _PROCESS_GPU,
+               "Allocation call sites whose memory is old and still outstanding (suspects, not proof "
+               "of a leak; kvtrace leaks names them). 0 when the process has none."),
+    MetricSpec("kvtrace_leak_suspect_bytes", "gauge", "bytes", _PROCESS_GPU,
+               "Outstanding bytes held by the leak suspects of the process on the GPU."),
+    MetricSpec("kvtrace_events_total", "counter", "events", (),
+               "Events the probes delivered to the agent's ring buffer."),
+    MetricSpec("kvtrace_events_lost_total", "counter", "events", (),
+               "Events dropped because the ring buffer was full. Outstanding totals stay exact (the "
+               "ledger is resynced from the kernel); stacks and rates of the lost events are missing."),
+    MetricSpec("kvtrace_ledger_full_total", "counter", "allocations", (),
+               "Allocations the in-kernel ledger had no room for: outstanding totals are no longer "
+               "exact. Restart the agent with a larger --max-ledger-entries."),
+    MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
+               "Frees of memory the agent never saw allocated: memory from before the agent started."),
+    MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
+               "1 when the component works (bpf, nvml, python_stacks, analysis, exporter, ...), 0 when "
+               "it is down; kvtrace doctor and the agent log say why."),
+    MetricSpec("kvtrace_build_info", "gauge", "info", ("version",),
+               "Always 1; the version label is the agent's version."),
+)
+
+METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in METRICS)
+_SPECS = {spec.name: spec for spec in METRICS}
+
+# Tracer.counters() key -> unlabelled counter.
+_TRACER_COUNTERS = {
+    "kvtrace_events_total": "events_submitted",
+    "kvtrace_events_lost_total": "events_lost",
+    "kvtrace_ledger_full_total": "ledger_full",
+    "kvtrace_unknown_frees_total": "unknown_frees",
+}
+
+
+# ---- what it reads ----
+
+@dataclass(frozen=True)
+class LedgerCounts:
+    """A consistent copy of the ledger's totals and counters (take it under the tracer's lock)."""
+
+    totals: Mapping[TotalsKey, tuple[int, int]]  # (pid, device, layer, memory) -> (bytes, count)
+    allocations_total: Mapping[tuple[int, Layer], int]
+    frees_total: Mapping[tuple[int, Layer], int]
+    failures_total: Mapping[tuple[Api, int], int]  # (api, CUDA error code)
+
+    @classmethod
+    def of(cls, ledger: Ledger) -> LedgerCounts:
+        return cls(ledger.totals(), dict(ledger.allocations_total), dict(ledger.frees_total),
+                   dict(ledger.failures_total))
+
+
+class MetricsSource(Protocol):
+    """What the exporter reads at each scrape. Every call must be quick and thread-safe: it runs in
+    the HTTP server's thread while the tracer applies events."""
+
+    def snapshot(self) -> AnalysisSnapshot | None:
+        """The analyzer's latest snapshot; None before the first one."""
+
+    def ledger(self) -> LedgerCounts:
+        """Ledger totals and counters, copied consistently."""
+
+    def counters(self) -> Mapping[str, int]:
+        """Tracer.counters(): events_submitted, events_lost, ledger_full, unknown_frees, ..."""
+
+    def process_titles(self) -> Mapping[int, str]:
+        """pid -> full process title of the processes the tracer knows (alive)."""
+
+
+class TracerMetricsSource:
+    """The MetricsSource of `kvtrace agent`: the running Tracer plus the analyzer's latest snapshot."""
+
+    def __init__(self, tracer, snapshot: Callable[[], AnalysisSnapshot | None] = lambda: None) -> None:
+        self.tracer = tracer
+        self._snapshot = snapshot
+
+    def snapshot(self) -> AnalysisSnapshot | None:
+        return self._snapshot()
+
+    def ledger(self) -> LedgerCounts:
+        with self.tracer.lock:
+            return LedgerCounts.of(self.tracer.ledger)
+
+    def counters(self) -> Mapping[str, int]:
+        with self.tracer.lock:
+            return self.tracer.counters()
+
+    def process_titles(self) -> Mapping[int, str]:
+        with self.tracer.lock:
+            known = self.tracer.processes.known()
+        return {pid: info.title for pid, info in known.items()}
+
+
+# ---- label values ----
+
+# `--api-key X`, `--hf-token=X`, `HF_TOKEN=X`: the value goes, the name stays.
+_SECRET_WORD = r"[\w.-]*(?:key|token|secret|password|passwd|credential)[\w.-]*"
+_SECRET_FLAG = re.compile(rf"(?P<name>-{{1,2}}{_SECRET_WORD})(?P<sep>=|\s+)(?!-)\S+", re.IGNORECASE)
+_SECRET_ASSIGNMENT = re.compile(rf"(?P<name>(?<![\w.-]){_SECRET_WORD})(?P<sep>=)\S+", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def metric_title(title: str, max_chars: int = TITLE_MAX_CHARS) -> str:
+    """A process title fit for a label: secrets redacted, control characters gone, cut short."""
+    title = _CONTROL.sub(" ", title)
+    for secret in (_SECRET_FLAG, _SECRET_ASSIGNMENT):
+        title = secret.sub(lambda m: f"{m['name']}{m['sep']}***", title)
+    title = " ".join(title.split())
+    if len(title) > max_chars:
+        title = title[:max_chars - 3].rstrip() + "..."
+    return title
+
+
+def gpu_label(device: int) -> str:
+    return "unknown" if device == DEVICE_UNKNOWN or device < 0 else str(device)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+# ---- the collector ----
+
+class KvtraceCollector:
+    """Builds every kvtrace_* sample from a MetricsSource at scrape time.
+
+    A part that fails (the source raised) is left out of that scrape and reported as
+    kvtrace_component_up{component="exporter"} 0, so a broken source never fails the whole scrape.
+    """
+
+    def __init__(self, source: MetricsSource, version: str = __version__,
+                 stale_after_seconds: float = SNAPSHOT_STALE_AFTER_SECONDS,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self.source = source
+        self.version = version
+        self.stale_after_seconds = stale_after_seconds
+        self._clock_ns = clock_ns
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family(spec.name) for spec in METRICS]
+
+    @staticmethod
+    def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
+        spec = _SPECS[name]
+        kind = CounterMetricFamily if spec.type == "counter" else GaugeMetricFamily
+        return kind(spec.name, spec.help, labels=spec.labels)
+
+    def collect(self) -> Iterator[Metric]:
+        families = {spec.name: self._family(spec.name) for spec in METRICS}
+        failed: list[str] = []
+
+        def read(what: str, call: Callable[[], object], default: object) -> object:
+            try:
+                return call()
+            except Exception:  # a scrape must not die of one broken part
+                log.warning("metrics: reading %s failed", what, exc_info=True)
+                failed.append(what)
+                return default
+
+        snapshot = read("snapshot", self.source.snapshot, None)
+        ledger = read("ledger", self.source.ledger, None)
+        counters = read("counters", self.source.counters, {})
+        raw_titles = read("process titles", self.source.process_titles, {})
+
+        live = set(raw_titles)
+        if ledger is not None:
+            live.update(key.pid for key in ledger.totals)
+        if snapshot is not None:
+            live.update(process.pid for process in snapshot.processes)
+            live.update(suspect.pid for suspect in snapshot.suspects)
+        fallback = {}
+        if snapshot is not None:
+            fallback = {item.pid: item.title for item in (*snapshot.processes, *snapshot.suspects)}
+        titles: dict[int, str] = {}
+
+        def title(pid: int) -> str:
+            if pid not in titles:
+                titles[pid] = metric_title(raw_titles.get(pid) or fallback.get(pid, ""))
+            return titles[pid]
+
+        if ledger is not None:
+            self._ledger(families, ledger, live, title)
+        if snapshot is not None:
+            self._snapshot(families, snapshot, title)
+        for name, key in _TRACER_COUNTERS.items():
+            if key in counters:
+                families[name].add_metric([], counters[key])
+
+        up = families["kvtrace_component_up"]
+        components = {} if snapshot is None else {c.name: c.up for c in snapshot.components}
+        # A snapshot that stopped coming (the agent loop is stuck, or no analyzer runs) is down,
+        # whatever its own components said when it was made.
+        age = None if snapshot is None else (self._clock_ns() - snapshot.timestamp_ns) / 1e9
+        fresh = age is not None and age <= self.stale_after_seconds
+        components["analysis"] = fresh and components.get("analysis", True)
+        components["exporter"] = not failed
+        for name in sorted(components):
+            up.add_metric([name], 1.0 if components[name] else 0.0)
+        families["kvtrace_build_info"].add_metric([self.version], 1.0)
+        yield from families.values()
+
+    @staticmethod
+    def _ledger(families, ledger: LedgerCounts, live: set[int], title) -> None:
+        outstanding_bytes = families["kvtrace_outstanding_bytes"]
+        outstanding_objects = families["kvtrace_outstanding_objects"]
+        for key in sorted(ledger.totals):
+            size_bytes, count = ledger.totals[key]
+            labels = [str(key.pid), title(key.pid), gpu_label(key.device),
+                      Layer(key.layer).name.lower(), Memory(key.memory).name.lower()]
+            outstanding_bytes.add_metric(labels, size_bytes)
+            outstanding_objects.add_metric(labels, count)
+        for name, counter in (("kvtrace_allocations_total", ledger.allocations_total),
+                              ("kvtrace_frees_total", ledger.frees_total)):
+            family = families[name]
+            for (pid, layer), value in sorted(counter.items()):
+                if pid in live:
+                    family.add_metric([str(pid), title(pid), Layer(layer).name.lower()], value)
+        failures = families["kvtrace_allocation_failures_total"]
+        for (api, error_code), value in sorted(ledger.failures_total.items()):
+            failures.add_metric([_api_name(api), str(error_code)], value)
+
+    @staticmethod
+    def _snapshot(families, snapshot: AnalysisSnapshot, title) -> None:
+        growth = families["kvtrace_growth_bytes_per_second"]
+        for process in snapshot.processes:
+            labels = [str(process.pid), title(process.pid), gpu_label(process.device)]
+            for window, value in (("1m", process.growth_bytes_per_second_1m),
+                                  ("15m", process.growth_bytes_per_second_15m)):
+                if _finite(value):
+                    growth.add_metric(labels + [window], value)
+            if _finite(process.time_to_oom_seconds) and process.time_to_oom_seconds >= 0:
+                families["kvtrace_time_to_oom_seconds"].add_metric(labels, process.time_to_oom_seconds)
+            if process.unattributed_bytes is not None:
+                families["kvtrace_unattributed_bytes"].add_metric(labels, process.unattributed_bytes)
+            if process.nvml_used_bytes is not None:
+                families["kvtrace_nvml_used_bytes"].add_metric(labels, process.nvml_used_bytes)
+
+        for gpu in snapshot.gpus:
+            labels = [str(gpu.index), gpu.uuid]
+            families["kvtrace_gpu_memory_total_bytes"].add_metric(labels, gpu.total_bytes)
+            families["kvtrace_gpu_memory_used_bytes"].add_metric(labels, gpu.used_bytes)
+            families["kvtrace_gpu_memory_free_bytes"].add_metric(labels, gpu.free_bytes)
+
+        # 0 for every process the analyzer looked at, so "none" is a value rather than no data.
+        suspects: dict[tuple[int, int], list[int]] = {(p.pid, p.device): [0, 0] for p in snapshot.processes}
+        for suspect in snapshot.suspects:
+            group = suspects.setdefault((suspect.pid, suspect.device), [0, 0])
+            group[0] += 1
+            group[1] += suspect.outstanding_bytes
+        for (pid, device), (count, size_bytes) in sorted(suspects.items()):
+            labels = [str(pid), title(pid), gpu_label(device)]
+            families["kvtrace_leak_suspects"].add_metric(labels, count)
+            families["kvtrace_leak_suspect_bytes"].add_metric(labels, size_bytes)
+
+
+def _api_name(api: int) -> str:
+    try:
+        return Api(api).name
+    except ValueError:
+        return str(int(api))
+
+
+# ---- the HTTP listener ----
+
+class MetricsSetupError(Exception):
+    """The listener cannot start; the message says what to change."""
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[V6]:PORT' -> (host, port)."""
+    host, separator, port = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not separator or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise MetricsSetupError(f"--metrics-listen: expected HOST:PORT (e.g. {DEFAULT_LISTEN}), "
+                                f"not {listen!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address the host name resolves to is a loopback address."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+                               for info in infos)
+
+
+class MetricsServer:
+    """Serves /metrics over HTTP in a daemon thread; stoppable (tests start and stop many)."""
+
+    def __init__(self, source: MetricsSource, listen: str = DEFAULT_LISTEN, allow_remote: bool = False,
+                 collector: KvtraceCollector | None = None, process_metrics: bool = True) -> None:
+        self.host, self.port = parse_listen(listen)
+        if not allow_remote and not is_loopback(self.host):
+            raise MetricsSetupError(
+                f"refusing to serve metrics on {listen}: it is not a loopback address and the metrics "
+                "carry process command lines; add --metrics-allow-remote if that is intended")
+        self.registry = CollectorRegistry()
+        self.collector = collector or KvtraceCollector(source)
+        self.registry.register(self.collector)
+        if process_metrics:  # the agent's own CPU, memory and file descriptors (process_*)
+            ProcessCollector(registry=self.registry)
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound: the real port when 0 was asked for."""
+        if self._server is None:
+            return self.host, self.port
+        return self.host, self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+
+    def start(self) -> None:
+        try:
+            self._server, self._thread = start_wsgi_server(self.port, self.host, self.registry)
+        except OSError as error:
+            hint = " (another kvtrace agent? choose a port with --metrics-listen)" \
+                if error.errno == 98 else ""
+            raise MetricsSetupError(f"cannot serve metrics on {self.host}:{self.port}: "
+                                    f"{error.strerror or error}{hint}") from error
+        log.info("metrics on %s", self.url)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = self._thread = None
+
+
+# ---- command line (`kvtrace agent`) ----
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT", default=DEFAULT_LISTEN,
+                        help="serve Prometheus /metrics here (default: %(default)s; 'off': not at all)")
+    parser.add_argument("--metrics-allow-remote", action="store_true",
+                        help="allow a non-loopback --metrics-listen (the metrics carry process titles)")
+
+
+def metrics_server_from_args(args: argparse.Namespace, source: MetricsSource) -> MetricsServer | None:
+    """The server the flags ask for (not started), or None for --metrics-listen off."""
+    if args.metrics_listen in ("off", ""):
+        return None
+    return MetricsServer(source, args.metrics_listen, allow_remote=args.metrics_allow_remote)
