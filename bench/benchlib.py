@@ -1,0 +1,298 @@
+"""What the benchmarks share: paths, stub library copies, a tracer scoped to one copy, a pump.
+
+Attaching or detaching uprobes costs seconds (the kernel waits for an RCU grace period per probe),
+so the benchmarks never attach per round. Instead every mode gets its own copy of the stub
+libraries (build_stubs into its own directory: different inodes), probes are attached once to the
+copy of the mode that wants them, and a round runs the workload linked against each copy in turn.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for _path in (ROOT / "tests", ROOT / "tests" / "integration", ROOT / "agent"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from cuda_stubs import StubBuild, Workload, build_stubs  # noqa: E402
+from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings  # noqa: E402
+from kvtrace.tracer import Tracer, TracerOptions  # noqa: E402
+
+__all__ = ["ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "Pump", "median",
+           "progress", "require_bpf", "counters_delta", "foreign_uprobes", "Guard", "code_version",
+           "bpf_stats", "program_ns", "body_ns_per_pair"]
+
+
+def code_version() -> str:
+    """The commit measured, and whether the code on the tracing path had uncommitted changes."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    measured = ("probes", "agent/kvtrace/tracer.py", "agent/kvtrace/sources", "agent/kvtrace/model")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", *measured).splitlines()
+    return f"commit {git('rev-parse', '--short', 'HEAD') or '?'}" + (
+        f" + uncommitted changes in {len(changed)} files of the tracing path" if changed else
+        " (tracing path: probes/, tracer.py, sources/, model/ as committed)")
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def require_bpf() -> None:
+    """Exits with one line (no traceback) where BPF cannot be loaded here."""
+    if os.geteuid() != 0:
+        sys.exit("needs root for BPF: run as root, e.g. `sudo .venv/bin/python bench/...`")
+    try:
+        import bcc  # noqa: F401
+    except Exception as error:
+        sys.exit(f"bcc is not importable ({error}): `make setup` installs python3-bpfcc")
+    if not os.path.exists("/sys/kernel/tracing/uprobe_events"):
+        sys.exit("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
+
+
+def build_copies(base: Path, names: list[str]) -> dict[str, StubBuild]:
+    """One independent build of the stubs and workloads per name (own inodes, own RUNPATH)."""
+    return {name: build_stubs(base / name) for name in names}
+
+
+def _scoped_probes_factory(lib_dir: Path):
+    """BpfProbes that attach only to libraries under lib_dir.
+
+    The tracer discovers every process that execs or maps code (the pid filter acts in BPF, not at
+    attach time), so without this it would also attach to the other modes' library copies.
+    """
+    prefix = str(lib_dir.resolve()) + os.sep
+
+    class ScopedProbes(BpfProbes):
+        def attach(self, path, symbols):
+            if not os.path.realpath(path).startswith(prefix):
+                return []
+            return super().attach(path, symbols)
+
+    def factory(settings: ProbeSettings) -> BpfProbes:
+        return ScopedProbes(settings)
+
+    return factory
+
+
+def scoped_tracer(build: StubBuild, python_stacks: bool = True, sinks=None) -> Tracer:
+    """A started Tracer that follows only pids given to follow() and probes only build's libraries."""
+    options = TracerOptions(only_selected=True, python_stacks=python_stacks,
+                            preattach_globs=(str(build.lib_dir / "*.so.*"),))
+    tracer = Tracer(options, sinks=sinks, probes_factory=_scoped_probes_factory(build.lib_dir))
+    started = time.monotonic()
+    tracer.start()
+    progress(f"tracer (python_stacks={python_stacks}) started in {time.monotonic() - started:.1f} s, "
+             f"attached: {sorted(tracer.probes.attached())}")
+    return tracer
+
+
+class Pump:
+    """Runs tracer.run_once() on a background thread. Hold `lock` around any other use of a tracer.
+
+    An exception from run_once is counted and kept (errors) and the loop goes on, so that one
+    tracer bug does not end a long benchmark; the scripts print what was caught.
+    """
+
+    def __init__(self, tracers: list[Tracer], timeout_ms: int = 50) -> None:
+        self.tracers = tracers
+        self.timeout_ms = timeout_ms
+        self.lock = threading.Lock()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tracer-pump", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for tracer in self.tracers:
+                with self.lock:
+                    try:
+                        tracer.run_once(self.timeout_ms // len(self.tracers))
+                    except Exception as error:
+                        self.errors.append(f"{type(error).__name__}: {error}")
+                        progress(f"WARNING: tracer.run_once raised {self.errors[-1]}")
+
+    def __enter__(self) -> "Pump":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def drain(self, tracer: Tracer, seconds: float = 0.5) -> None:
+        """Lets the pump run until nothing arrived for `seconds`."""
+        last = -1
+        while True:
+            with self.lock:
+                seen = tracer.events_seen
+            if seen == last:
+                return
+            last = seen
+            time.sleep(seconds)
+
+
+@contextlib.contextmanager
+def bpf_stats():
+    """kernel.bpf_stats_enabled=1 for the block (every BPF program on the host then counts its run
+    time, at a few tens of ns per run), restored afterwards."""
+    sysctl = Path("/proc/sys/kernel/bpf_stats_enabled")
+    previous = sysctl.read_text().strip()
+    sysctl.write_text("1")
+    try:
+        yield
+    finally:
+        sysctl.write_text(previous)
+
+
+def program_ns(bpf) -> dict[str, tuple[int, int]]:
+    """(run_time_ns, run_cnt) per program of a bcc BPF object (kernel.bpf_stats_enabled=1)."""
+    stats = {}
+    for name, function in bpf.funcs.items():
+        fields = dict(line.split(":", 1) for line in open(f"/proc/self/fdinfo/{function.fd}"))
+        stats[name.decode()] = (int(fields.get("run_time_ns", 0)), int(fields.get("run_cnt", 0)))
+    return stats
+
+
+def body_ns_per_pair(bpf, run, pairs: int) -> tuple[float, dict[str, float]]:
+    """Runs run() with BPF run-time statistics on: program ns per pair, and ns per run by program."""
+    before = program_ns(bpf)
+    run()
+    after = program_ns(bpf)
+    per_run = {name: (after[name][0] - before[name][0]) / (after[name][1] - before[name][1])
+               for name in after if after[name][1] - before[name][1] >= pairs}
+    total = sum(after[name][0] - before[name][0] for name in per_run)
+    return total / pairs, per_run
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def counters_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before.get(name, 0) for name in after}
+
+
+# ---- other tracers on our library copies ----
+#
+# Another kvtrace agent on this host (a test run, another session) attaches to every process that
+# maps a CUDA library, whatever its pid filter, so it can put uprobes on our copies too and inflate
+# every mode. foreign_uprobes() finds them the way `bpftool perf` does: BPF_TASK_FD_QUERY on every
+# perf-event fd of every other process.
+
+_SYS_BPF = 321  # x86_64
+_BPF_TASK_FD_QUERY = 20
+_BPF_FD_TYPE_UPROBE, _BPF_FD_TYPE_URETPROBE = 4, 5
+
+
+class _TaskFdQuery(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint32), ("fd", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("buf_len", ctypes.c_uint32), ("buf", ctypes.c_uint64), ("prog_id", ctypes.c_uint32),
+                ("fd_type", ctypes.c_uint32), ("probe_offset", ctypes.c_uint64),
+                ("probe_addr", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _uprobe_file(pid: int, fd: int) -> str | None:
+    buf = ctypes.create_string_buffer(4096)
+    query = _TaskFdQuery(pid=pid, fd=fd, buf_len=len(buf), buf=ctypes.addressof(buf))
+    if _libc.syscall(_SYS_BPF, _BPF_TASK_FD_QUERY, ctypes.byref(query), ctypes.sizeof(query)) != 0:
+        return None
+    if query.fd_type not in (_BPF_FD_TYPE_UPROBE, _BPF_FD_TYPE_URETPROBE):
+        return None
+    return buf.value.decode(errors="replace")
+
+
+def foreign_uprobes(lib_dirs) -> list[str]:
+    """'pid (comm): file' for each uprobe another process holds on a file under lib_dirs."""
+    inodes = {}
+    for lib_dir in lib_dirs:
+        for path in Path(lib_dir).iterdir():
+            st = path.stat()
+            inodes[(st.st_dev, st.st_ino)] = str(path)
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[perf_event]":
+                    continue
+            except OSError:
+                continue
+            file = _uprobe_file(pid, int(fd))
+            if file is None:
+                continue
+            try:
+                st = os.stat(file if file.startswith("/") else f"/proc/{pid}/root/{file}")
+            except OSError:
+                continue
+            ours = inodes.get((st.st_dev, st.st_ino))
+            if ours:
+                try:
+                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                except OSError:
+                    comm = "?"
+                found.add(f"{pid} ({comm}): {ours}")
+    return sorted(found)
+
+
+class Guard:
+    """Remembers which (round, mode) runs had another process's uprobes on that mode's libraries.
+
+    measure() looks before and after each run; a foreign probe on mode M's copy spoils only runs
+    of M (and, through the subtraction, the added costs of that round when M is the baseline).
+    """
+
+    def __init__(self, builds: dict) -> None:
+        self.lib_dirs = {mode: str(build.lib_dir) + os.sep for mode, build in builds.items()}
+        self.dirty: set[tuple[int, str]] = set()
+        self.seen: set[str] = set()
+
+    def _dirty_modes(self) -> set[str]:
+        found = foreign_uprobes([d.rstrip(os.sep) for d in self.lib_dirs.values()])
+        new = set(found) - self.seen
+        if new:
+            self.seen.update(new)
+            progress("WARNING: another process has uprobes on the bench's libraries (another "
+                     "tracer: its pid filter does not stop it attaching); those runs are dropped: "
+                     + "; ".join(sorted(new)))
+        return {mode for mode, lib_dir in self.lib_dirs.items()
+                if any(lib_dir in entry for entry in found)}
+
+    def measure(self, round_index: int, mode: str, run):
+        """run() -> value; marks (round_index, mode) dirty when foreign probes were on mode's copy."""
+        before = self._dirty_modes()
+        value = run()
+        if mode in before | self._dirty_modes():
+            self.dirty.add((round_index, mode))
+        return value
+
+    def ok(self, round_index: int, *modes: str) -> bool:
+        return not any((round_index, mode) in self.dirty for mode in modes)
+
+    def summary(self, runs: int) -> str:
+        if not self.dirty:
+            return f"all {runs} runs clean (no other uprobes on the bench's libraries)"
+        return (f"{len(self.dirty)} of {runs} runs DROPPED: another process had uprobes on their "
+                f"libraries ({len(self.seen)} probe files, first: {sorted(self.seen)[0]})")
