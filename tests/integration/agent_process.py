@@ -18,7 +18,8 @@ class AgentProcess:
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._stdout = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
-            [*KVTRACE, "agent", "--socket", str(socket), "--group", "root", *args],
+            [*KVTRACE, "agent", "--socket", str(socket), "--group", "root",
+             "--metrics-listen", "127.0.0.1:0", *args],
             stdout=self._stdout, stderr=self._stderr, text=True)
         deadline = time.monotonic() + 60
         while "Hit Ctrl-C to end." not in self.stderr_text():

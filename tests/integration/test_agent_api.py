@@ -5,12 +5,15 @@ WHEN clients connect, THEN they see exactly the workload's events and outstandin
 """
 import json
 import os
+import re
+import urllib.request
 import subprocess
 import threading
 import time
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent_process import KVTRACE, AgentProcess, kvtrace
 from cuda_stubs import Workload
@@ -45,7 +48,7 @@ def wait_for_subscribers(socket, count, timeout_seconds=20):
 def test_tail_snapshot_and_ps_see_exactly_the_workload(agent_socket, stub_build):
     with Workload([stub_build.workload, "hold"]) as workload:
         pid = workload.wait_ready()
-        with AgentProcess(agent_socket, "-p", str(pid)):
+        with AgentProcess(agent_socket, "-p", str(pid)) as agent:
             tail = subprocess.Popen([*KVTRACE, "tail", "--socket", str(agent_socket), "--pid", str(pid),
                                      "--json"], stdout=subprocess.PIPE, text=True)
             try:
@@ -75,6 +78,15 @@ def test_tail_snapshot_and_ps_see_exactly_the_workload(agent_socket, stub_build)
             assert [p["pid"] for p in processes] == [pid]
             driver = [t for t in processes[0]["totals"] if t["layer"] == "driver"]
             assert sum(t["size_bytes"] for t in driver) == 13 * MiB
+
+            # Prometheus /metrics says the same, parsed as Prometheus parses it.
+            url = re.search(r"Prometheus metrics on (\S+)", agent.stderr_text()).group(1)
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            samples = [sample for family in text_string_to_metric_families(text)
+                       for sample in family.samples if sample.name == "kvtrace_outstanding_bytes"]
+            driver_bytes = sum(s.value for s in samples
+                               if s.labels["pid"] == str(pid) and s.labels["layer"] == "driver")
+            assert driver_bytes == 13 * MiB
 
 
 def test_slow_subscriber_loses_only_its_own_events(agent_socket, stub_build):
@@ -146,7 +158,8 @@ def test_user_outside_the_group_is_refused(agent_socket, stub_build, tmp_path):
 def test_agent_json_events_carry_the_documented_keys(stub_build, bpf_here):
     with Workload([stub_build.workload, "hold"]) as workload:
         pid = workload.wait_ready()
-        agent = subprocess.Popen([*KVTRACE, "agent", "--no-api", "--json-events", "-p", str(pid)],
+        agent = subprocess.Popen([*KVTRACE, "agent", "--no-api", "--json-events", "-p", str(pid),
+                                  "--metrics-listen", "off"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             line = agent.stderr.readline()

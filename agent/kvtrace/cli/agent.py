@@ -81,6 +81,9 @@ class AgentCommand:
         parser.add_argument("--leak-min-age", metavar="SECONDS", type=float, default=60.0,
                             help="allocations this old are leak suspects (default: %(default)g)")
         add_api_flags(parser)
+        from kvtrace.export.prometheus import add_metrics_flags
+
+        add_metrics_flags(parser)
         parser.add_argument("-v", "--verbose", action="store_true", help="log attach/detach details")
         parser.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
@@ -128,19 +131,33 @@ class AgentCommand:
         from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
         from kvtrace.sources.nvml import NvmlSampler
 
+        from kvtrace.export.prometheus import (MetricsSetupError, TracerMetricsSource,
+                                               metrics_server_from_args)
+
         nvml = NvmlSampler() if args.nvml else None
         analyzer = Analyzer(AnalysisOptions(leak_min_age_seconds=args.leak_min_age), tracer.stacks, nvml)
-        server = backend = None
+        server = backend = metrics = None
         try:
+            try:
+                metrics = metrics_server_from_args(args, TracerMetricsSource(tracer, lambda: analyzer.latest))
+                if metrics is not None:
+                    metrics.start()
+            except MetricsSetupError as error:  # a bad address or a port in use: one clear line
+                metrics = None
+                raise CommandError(str(error), ExitCode.USAGE) from None
             if nvml is not None:
                 nvml.start()
             if config is not None:
                 server, backend = _serve(tracer, config, analyzer)
+            if metrics is not None:
+                print(f"Prometheus metrics on {metrics.url}", file=sys.stderr, flush=True)
             self._loop(tracer, backend, args.json_events, server, analyzer)
         finally:
             sys.stdout.flush()
             if server is not None:
                 server.stop(grace_seconds=5)
+            if metrics is not None:
+                metrics.stop()
             if nvml is not None:
                 nvml.stop()
             tracer.stop()
