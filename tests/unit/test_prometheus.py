@@ -242,10 +242,11 @@ def test_exact_values_for_a_synthetic_snapshot():
         labels(gpu="0", uuid="GPU-0a1b"): 120 * GiB, labels(gpu="1", uuid="GPU-2c3d"): 1 * GiB}
     assert samples(families, "kvtrace_gpu_memory_free_bytes") == {
         labels(gpu="0", uuid="GPU-0a1b"): h200 - 120 * GiB, labels(gpu="1", uuid="GPU-2c3d"): h200 - 1 * GiB}
+    # Only growing suspects count: the flat 2 GiB and 512 MiB sites (weights-like) do not.
     assert samples(families, "kvtrace_leak_suspects") == {
-        labels(**w, gpu="0"): 2, labels(**e, gpu="1"): 1, labels(**t, gpu="unknown"): 0}
+        labels(**w, gpu="0"): 1, labels(**e, gpu="1"): 0, labels(**t, gpu="unknown"): 0}
     assert samples(families, "kvtrace_leak_suspect_bytes") == {
-        labels(**w, gpu="0"): 10 * GiB, labels(**e, gpu="1"): 512 * MiB, labels(**t, gpu="unknown"): 0}
+        labels(**w, gpu="0"): 8 * GiB, labels(**e, gpu="1"): 0, labels(**t, gpu="unknown"): 0}
     assert samples(families, "kvtrace_events_total") == {(): 100_003}
     assert samples(families, "kvtrace_events_lost_total") == {(): 23}
     assert samples(families, "kvtrace_ledger_full_total") == {(): 0}

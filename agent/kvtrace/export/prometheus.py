@@ -91,10 +91,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_gpu_memory_free_bytes", "gauge", "bytes", ("gpu", "uuid"),
                "Free memory of the GPU as NVML reports it."),
     MetricSpec("kvtrace_leak_suspects", "gauge", "call sites", _PROCESS_GPU,
-               "Allocation call sites whose memory is old and still outstanding (suspects, not proof "
-               "of a leak; kvtrace leaks names them). 0 when the process has none."),
+               "Allocation call sites whose memory is old, still outstanding and still growing "
+               "(suspects, not proof of a leak; kvtrace leaks names them). Flat sites such as model "
+               "weights are not counted. 0 when the process has none."),
     MetricSpec("kvtrace_leak_suspect_bytes", "gauge", "bytes", _PROCESS_GPU,
-               "Outstanding bytes held by the leak suspects of the process on the GPU."),
+               "Outstanding bytes held by the growing leak suspects of the process on the GPU."),
     MetricSpec("kvtrace_events_total", "counter", "events", (),
                "Events the probes delivered to the agent's ring buffer."),
     MetricSpec("kvtrace_events_lost_total", "counter", "events", (),
@@ -335,6 +336,8 @@ class KvtraceCollector:
         # 0 for every process the analyzer looked at, so "none" is a value rather than no data.
         suspects: dict[tuple[int, int], list[int]] = {(p.pid, p.device): [0, 0] for p in snapshot.processes}
         for suspect in snapshot.suspects:
+            if suspect.growth_bytes_per_second <= 0:
+                continue  # old but flat (weights, the KV cache): expected, not a leak shape
             group = suspects.setdefault((suspect.pid, suspect.device), [0, 0])
             group[0] += 1
             group[1] += suspect.outstanding_bytes
