@@ -95,6 +95,36 @@ static __always_inline int filtered_out(u32 pid) {
 
 static __always_inline u64 walk_python_stack(u32 pid, u64 *status);
 
+/* The stack of a runtime allocation in progress on this thread: the driver allocation it makes
+ * (cudaMalloc -> cuMemAlloc_v2) has the same Python stack, so it is walked once, not twice. */
+struct kvt_outer_stack {
+    u64 stack_id;
+    u64 stack_status;
+    u64 timestamp_ns;
+};
+BPF_TABLE("lru_hash", u32, struct kvt_outer_stack, outer_stack, KVT_MAX_THREADS);
+/* Older than this, an outer entry is stale (its return was never seen) and is not reused. */
+#define KVT_OUTER_STACK_MAX_AGE_NS 1000000000ULL
+
+static __always_inline int is_runtime_api(u32 api) { return api < 20; }
+
+static __always_inline void python_stack_for_call(u32 api, u32 tid, struct kvt_args *args) {
+    u64 now = bpf_ktime_get_ns();
+    if (!is_runtime_api(api)) {
+        struct kvt_outer_stack *outer = outer_stack.lookup(&tid);
+        if (outer && now - outer->timestamp_ns < KVT_OUTER_STACK_MAX_AGE_NS) {
+            args->stack_id = outer->stack_id;
+            args->stack_status = outer->stack_status;
+            return;
+        }
+    }
+    args->stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &args->stack_status);
+    if (is_runtime_api(api)) {
+        struct kvt_outer_stack outer = {args->stack_id, args->stack_status, now};
+        outer_stack.update(&tid, &outer);
+    }
+}
+
 static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     if (filtered_out(pid_tgid >> 32))
@@ -102,7 +132,7 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
     struct kvt_args args = {};
     if (with_stack)
-        args.stack_id = walk_python_stack(pid_tgid >> 32, &args.stack_status);
+        python_stack_for_call(api, (u32)pid_tgid, &args);
     args.arg[0] = PT_REGS_PARM1(ctx);
     args.arg[1] = PT_REGS_PARM2(ctx);
     args.arg[2] = PT_REGS_PARM3(ctx);
@@ -211,6 +241,8 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (is_runtime_api(api))
+        outer_stack.delete(&tid); /* the runtime call is over: its driver calls are done */
     s32 device = memory == KVT_MEMORY_HOST ? KVT_DEVICE_UNKNOWN : current_device(tid);
     u64 size_bytes = args.arg[1];
     if (pitched) {

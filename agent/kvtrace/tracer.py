@@ -234,10 +234,20 @@ class Tracer:
 
     def full_scan(self) -> None:
         self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
-        for pid in sorted(self.options.pids) or psutil.pids():
+        if self.options.only_selected or self.options.pids:
+            pids = sorted(self._selected)  # following chosen processes: look at nobody else
+        else:
+            pids = psutil.pids()
+        for pid in pids:
             self.scan_pid(pid)
 
     def scan_pid(self, pid: int) -> None:
+        try:
+            self._scan_pid(pid)
+        except (OSError, psutil.Error) as error:  # it exited or exec'd while we looked: next scan
+            log.debug("pid %d: scan failed: %s", pid, error)
+
+    def _scan_pid(self, pid: int) -> None:
         new = self.discovery.scan_pid(pid)
         for target in new:
             self._attach(target)

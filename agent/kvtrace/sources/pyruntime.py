@@ -94,7 +94,11 @@ def _elf_symbols(path: str) -> tuple[dict[str, int], int]:
 def _load_bias(pid: int, path: str, first_load_vaddr: int, proc: Path) -> int | None:
     """Where the file is loaded: lowest mapping start of that file minus its first PT_LOAD vaddr."""
     starts = []
-    for line in (proc / str(pid) / "maps").read_text().splitlines():
+    try:
+        maps = (proc / str(pid) / "maps").read_text()
+    except OSError:  # the process exited meanwhile
+        return None
+    for line in maps.splitlines():
         parts = line.split(None, 5)
         if len(parts) == 6 and parts[5] == path and int(parts[2], 16) == 0:
             starts.append(int(parts[0].split("-")[0], 16))
