@@ -40,6 +40,8 @@ test-gpu:
 bench: setup
 	$(PYTHON) bench/probe_overhead.py
 	$(PYTHON) bench/throughput.py
+	$(PYTHON) bench/stack_overhead.py
+	$(PYTHON) bench/api_throughput.py
 
 # systemd: the agent from this checkout, installed at /opt/kvtrace.
 install-service:
