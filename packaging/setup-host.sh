@@ -38,7 +38,7 @@ if [ ! -e "/lib/modules/$release/build/include" ]; then
     grep -qi ubuntu /etc/os-release && meta=linux-headers-generic
     log "no linux-headers-$release package; falling back to $meta"
     apt-get install -y -qq "$meta" >/dev/null
-    build=$(ls -d /usr/src/linux-headers-*-"$arch" /usr/src/linux-headers-*-generic 2>/dev/null | sort -V | tail -n 1)
+    build=$( (ls -d /usr/src/linux-headers-*-"$arch" /usr/src/linux-headers-*-generic 2>/dev/null || true) | sort -V | tail -n 1)
     [ -n "$build" ] || die "no kernel headers found under /usr/src after installing $meta"
     common=${build%-"$arch"}; common=${common%-generic}
     [ -d "$common-common" ] && common=$common-common
