@@ -25,9 +25,16 @@ from cuda_stubs import StubBuild, Workload, build_stubs  # noqa: E402
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings  # noqa: E402
 from kvtrace.tracer import Tracer, TracerOptions  # noqa: E402
 
-__all__ = ["ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "Pump", "median",
+__all__ = ["EMPTY_PROGRAM", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "Pump", "median",
            "progress", "require_bpf", "counters_delta", "foreign_uprobes", "Guard", "code_version",
            "bpf_stats", "program_ns", "body_ns_per_pair"]
+
+
+# The baseline every probe cost is compared with: entry and return probes that do nothing.
+EMPTY_PROGRAM = b"""
+int empty_entry(struct pt_regs *ctx) { return 0; }
+int empty_return(struct pt_regs *ctx) { return 0; }
+"""
 
 
 def code_version() -> str:
@@ -74,10 +81,10 @@ def _scoped_probes_factory(lib_dir: Path):
     prefix = str(lib_dir.resolve()) + os.sep
 
     class ScopedProbes(BpfProbes):
-        def attach(self, path, symbols):
+        def attach(self, path, symbols, pid=-1):
             if not os.path.realpath(path).startswith(prefix):
                 return []
-            return super().attach(path, symbols)
+            return super().attach(path, symbols, pid)
 
     def factory(settings: ProbeSettings) -> BpfProbes:
         return ScopedProbes(settings)

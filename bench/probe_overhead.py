@@ -22,15 +22,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (Guard, Pump, Workload, body_ns_per_pair, bpf_stats, build_copies,  # noqa: E402
-                      code_version, counters_delta, median, progress, require_bpf, scoped_tracer)
+from benchlib import (EMPTY_PROGRAM, Guard, Pump, Workload, body_ns_per_pair, bpf_stats,  # noqa: E402
+                      build_copies, code_version, counters_delta, median, progress, require_bpf,
+                      scoped_tracer)
 
 GOAL_RATIO = 1.25
 MODES = ("untraced", "empty", "kvtrace")
-EMPTY_PROGRAM = b"""
-int empty_entry(struct pt_regs *ctx) { return 0; }
-int empty_return(struct pt_regs *ctx) { return 0; }
-"""
 ATTACH_POINTS = (("libcudart", "cudaMalloc"), ("libcudart", "cudaFree"),
                  ("libcuda", "cuMemAlloc_v2"), ("libcuda", "cuMemFree_v2"))
 

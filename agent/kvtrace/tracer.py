@@ -98,6 +98,10 @@ class Tracer:
         self.resyncs = 0
         self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
         self._selected: set[int] = set()
+        # Following pids chosen at start (-p): probes go on those processes only, so that the others
+        # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
+        self._per_pid_attach = False
+        self._attached_targets: dict[str, Target] = {}  # path -> what was attached there
         self._lost_seen = 0
         self._next_full_scan = 0.0
         self._next_sweep = 0.0
@@ -126,6 +130,8 @@ class Tracer:
         self.options.settings = settings
         self.probes = self._probes_factory(settings)
         self.probes.set_filter(self.filtering)
+        self._per_pid_attach = (bool(self.options.pids) and not self.options.only_selected
+                                and self.options.cmdline is None)
         for pid in self.options.pids:
             self._select(pid)
         self.probes.open_rings(self._on_raw_event, self._on_notify)
@@ -283,6 +289,9 @@ class Tracer:
             if self.probes is not None:
                 self.probes.set_filter(True)
                 self._select(pid)
+                if self._per_pid_attach:
+                    for target in list(self._attached_targets.values()):
+                        self._attach_for(target, pid)
                 # Take in what the rings hold first: an exec notification of this pid still queued
                 # would otherwise be handled after scan_pid and forget the Python runtime just found.
                 self.probes.poll(0)
@@ -303,8 +312,17 @@ class Tracer:
                     f"return (pids {sorted(risky)}); upgrade to 6.14+ to trace them")
                 log.warning("not attaching to %s: %s", target.path, self.refused[target.path])
                 return
-        attached = self.probes.attach(target.path, target.symbols)
-        log.info("attached %d probes to %s (pids %s)", len(attached), target.path, sorted(target.pids))
+        self._attached_targets[target.path] = target
+        for pid in sorted(self._selected) if self._per_pid_attach else [-1]:
+            self._attach_for(target, pid)
+
+    def _attach_for(self, target: Target, pid: int) -> None:
+        """Probes on `target` for one process (pid) or all (-1), once."""
+        if pid in self.probes.attached_pids(target.path):
+            return
+        attached = self.probes.attach(target.path, target.symbols, pid)
+        log.info("attached %d probes to %s for %s (mapped by pids %s)", len(attached), target.path,
+                 "every process" if pid == -1 else f"pid {pid}", sorted(target.pids))
 
     def sweep_exited(self) -> None:
         """Drops processes that exited without us seeing the event (lost, or before we started)."""

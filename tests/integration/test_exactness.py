@@ -61,3 +61,37 @@ def test_cmdline_filter_selects_matching_processes_only(session_tracer, stub_bui
             assert unwanted_pid not in tracer.ledger.pids()
     finally:
         tracer.options.cmdline = None
+
+
+def test_pid_option_puts_probes_on_that_process_only(bpf_here_unshared, stub_build):
+    # GIVEN two processes on the same libraries, and a tracer told to follow one of them (-p)
+    with Workload([stub_build.workload, "devices"]) as chosen, \
+            Workload([stub_build.workload, "leak", "40"]) as other:
+        pid = chosen.wait_ready()
+        other_pid = other.wait_ready()
+        harness = TracerHarness([pid], preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            tracer = harness.tracer
+            # THEN the probes are planted for that pid only
+            attached = {path: tracer.probes.attached_pids(path) for path in tracer.probes.attached()}
+            assert attached and all(pids == {pid} for pids in attached.values()), attached
+            # WHEN both run (the chosen one from two threads)
+            other.go()
+            other.read_calls(timeout_s=60)
+            chosen.go()
+            calls = chosen.read_calls(timeout_s=60)
+            # 3 cudaSetDevice (2 succeed, each with a cuCtxSetCurrent), 10 cudaMalloc + cuMemAlloc_v2
+            expected_events = 3 + 2 + 2 * 10
+            assert harness.pump_until(lambda: len(harness.of(pid)) == expected_events, 10)
+            harness.pump(0.2)
+            # THEN every call of the chosen process is traced, on both threads
+            mallocs = harness.of(pid, Kind.ALLOC, Api.cudaMalloc)
+            assert sorted((e.address, e.device) for e in mallocs) == \
+                sorted((c["address"], c["device"]) for c in calls if c["api"] == "cudaMalloc")
+            assert len(harness.of(pid)) == expected_events
+            # AND the other process never entered a probe: nothing of it was even filtered in BPF
+            counters = tracer.counters()
+            assert harness.of(other_pid) == [] and counters["filtered"] == 0, counters
+            assert counters["events_submitted"] == expected_events
+        finally:
+            harness.close()

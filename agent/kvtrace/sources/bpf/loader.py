@@ -54,7 +54,7 @@ class BpfProbes:
         started = time.monotonic()
         self._bpf = BPF(src_file=str(source).encode(), cflags=settings.cflags())
         self.compile_seconds = time.monotonic() - started
-        self._attached: dict[str, list[str]] = {}  # path -> symbols attached
+        self._attached: dict[str, dict[int, list[str]]] = {}  # path -> pid (-1: all) -> symbols
         self._epoll = None
         self._polled = 0
 
@@ -64,8 +64,9 @@ class BpfProbes:
 
     # ---- attach ----
 
-    def attach(self, path: str, symbols: Iterable[str]) -> list[str]:
-        """Entry and return probes on each symbol of the file, for every process (pid -1).
+    def attach(self, path: str, symbols: Iterable[str], pid: int = -1) -> list[str]:
+        """Entry and return probes on each symbol of the file, for every process (pid -1) or for
+        one process only (the kernel then plants no breakpoints in any other process).
 
         Returns the symbols attached; a symbol that fails is logged and skipped.
         """
@@ -73,30 +74,38 @@ class BpfProbes:
         for symbol in symbols:
             try:
                 self._bpf.attach_uprobe(name=path.encode(), sym=symbol.encode(),
-                                        fn_name=entry_function(symbol).encode(), pid=-1)
+                                        fn_name=entry_function(symbol).encode(), pid=pid)
                 self._bpf.attach_uretprobe(name=path.encode(), sym=symbol.encode(),
-                                           fn_name=return_function(symbol).encode(), pid=-1)
+                                           fn_name=return_function(symbol).encode(), pid=pid)
             except Exception as error:  # bcc raises plain Exception
-                log.warning("cannot attach to %s in %s: %s", symbol, path, error)
-                self._detach_symbol(path, symbol)
+                log.warning("cannot attach to %s in %s%s: %s", symbol, path,
+                            f" for pid {pid}" if pid != -1 else "", error)
+                self._detach_symbol(path, symbol, pid)
                 continue
             done.append(symbol)
-        self._attached[path] = done
+        self._attached.setdefault(path, {})[pid] = done
         return done
 
-    def _detach_symbol(self, path: str, symbol: str) -> None:
+    def _detach_symbol(self, path: str, symbol: str, pid: int) -> None:
         for detach in (self._bpf.detach_uprobe, self._bpf.detach_uretprobe):
             try:
-                detach(name=path.encode(), sym=symbol.encode())
+                detach(name=path.encode(), sym=symbol.encode(), pid=pid)
             except Exception:
                 pass
 
     def detach(self, path: str) -> None:
-        for symbol in self._attached.pop(path, []):
-            self._detach_symbol(path, symbol)
+        for pid, symbols in self._attached.pop(path, {}).items():
+            for symbol in symbols:
+                self._detach_symbol(path, symbol, pid)
+
+    def attached_pids(self, path: str) -> set[int]:
+        """The pids `path` is attached for; {-1}: every process."""
+        return set(self._attached.get(path, {}))
 
     def attached(self) -> dict[str, list[str]]:
-        return dict(self._attached)
+        """path -> the symbols attached (in any process)."""
+        return {path: sorted({symbol for symbols in by_pid.values() for symbol in symbols})
+                for path, by_pid in self._attached.items()}
 
     # ---- filter ----
 
