@@ -170,10 +170,25 @@ def test_window_increase_over_one_minute():
     assert window.increase() == (600, 540)  # second 119 minus second 59
 
 
+def test_forecast_history_is_an_option():
+    # GIVEN a 30 s steady leak of 5 MB/s, with the agent told to forecast from 20 s of history
+    nvml = FakeNvml(FakeGpu(UUIDS[0], free_bytes=100_000 * MB, processes=[(200, 9 * GiB)]))
+    timeline = Timeline(nvml, forecast_min_history_seconds=20)
+    forecasts = []
+    for _ in range(31):
+        timeline.alloc(5 * MB)
+        forecasts.append(only_row(timeline.tick()).time_to_oom_seconds)
+    # THEN there is no forecast before 20 s of history, and free / growth from then on
+    assert forecasts[:20] == [None] * 20
+    assert forecasts[20:] == [20_000.0] * 11
+
+
 def test_time_to_oom_rules():
     assert time_to_oom_seconds(GiB, MiB, 300) == 1024.0
     assert time_to_oom_seconds(GiB, -MiB, 900) is None
     assert time_to_oom_seconds(None, MiB, 900) is None
+    assert time_to_oom_seconds(GiB, MiB, 10, min_history_seconds=10) == 1024.0
+    assert time_to_oom_seconds(GiB, MiB, 9, min_history_seconds=10) is None
 
 
 # ---- allocations and frees ----

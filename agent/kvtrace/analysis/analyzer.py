@@ -21,8 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
-from kvtrace.analysis.growth import (LONG_WINDOW_SECONDS, NS_PER_SECOND, Growth, SlidingFit, WindowIncrease,
-                                     free_ratio, time_to_oom_seconds)
+from kvtrace.analysis.growth import (LONG_WINDOW_SECONDS, MIN_FORECAST_HISTORY_SECONDS, NS_PER_SECOND, Growth,
+                                     SlidingFit, WindowIncrease, free_ratio, time_to_oom_seconds)
 from kvtrace.analysis.leaks import LeakReport, SiteKey, find_suspects, rank_suspects, survey_sites
 from kvtrace.analysis.state import AnalysisSnapshot, ComponentStatus, LeakSuspect, ProcessGpu
 from kvtrace.model.events import Layer, Memory
@@ -36,6 +36,8 @@ class AnalysisOptions:
     interval_seconds: float = 1.0
     leak_min_age_seconds: float = 60.0  # the snapshot's suspects; ListLeakSuspects may ask for another
     site_sample_seconds: float = 10.0  # sites are many more than processes: sampled less often
+    # No time-to-OOM from less history than this: it would be mostly the start-up (model, KV cache).
+    forecast_min_history_seconds: float = MIN_FORECAST_HISTORY_SECONDS
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ class Analyzer:
                 growth_bytes_per_second_1m=growth.short.slope_per_second(),
                 growth_bytes_per_second_15m=growth.long.slope_per_second(),
                 time_to_oom_seconds=time_to_oom_seconds(gpu.free_bytes if gpu else None,
-                                                        growth.long.slope_per_second(), history),
+                                                        growth.long.slope_per_second(), history,
+                                                        self.options.forecast_min_history_seconds),
                 allocations_1m=allocations, frees_1m=frees, free_ratio_1m=free_ratio(allocations, frees),
                 nvml_index=index, history_seconds=history))
         if not view.traced_only:

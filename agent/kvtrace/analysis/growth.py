@@ -89,11 +89,11 @@ class WindowIncrease:
         return tuple(new - old for new, old in zip(last, first))
 
 
-def time_to_oom_seconds(free_bytes: int | None, growth_bytes_per_second: float,
-                        history_seconds: float) -> float | None:
+def time_to_oom_seconds(free_bytes: int | None, growth_bytes_per_second: float, history_seconds: float,
+                        min_history_seconds: float = MIN_FORECAST_HISTORY_SECONDS) -> float | None:
     """Seconds until `free_bytes` are used up at this growth; None when not growing, with no free
-    figure (no NVML), or from less than MIN_FORECAST_HISTORY_SECONDS of history."""
-    if free_bytes is None or growth_bytes_per_second <= 0 or history_seconds < MIN_FORECAST_HISTORY_SECONDS:
+    figure (no NVML), or from less than `min_history_seconds` of history."""
+    if free_bytes is None or growth_bytes_per_second <= 0 or history_seconds < min_history_seconds:
         return None
     return free_bytes / growth_bytes_per_second
 

@@ -80,6 +80,12 @@ class AgentCommand:
                             help="sample GPU and per-process memory from NVML (default: on)")
         parser.add_argument("--leak-min-age", metavar="SECONDS", type=float, default=60.0,
                             help="allocations this old are leak suspects (default: %(default)g)")
+        parser.add_argument("--site-sample-interval", metavar="SECONDS", type=float, default=10.0,
+                            help="how often leak suspects and per-site growth are sampled; each sample "
+                                 "reads every outstanding allocation (default: %(default)g)")
+        parser.add_argument("--forecast-min-history", metavar="SECONDS", type=float, default=300.0,
+                            help="forecast time-to-OOM only from this much history of a process "
+                                 "(default: %(default)g; less reads the start-up as a leak)")
         add_api_flags(parser)
         from kvtrace.export.prometheus import add_metrics_flags
 
@@ -103,6 +109,10 @@ class AgentCommand:
             raise CommandError("--max-ledger-entries must be at least 1024", ExitCode.USAGE)
         if not 0 <= args.leak_min_age <= 365 * 24 * 3600:
             raise CommandError("--leak-min-age takes 0 to one year in seconds", ExitCode.USAGE)
+        if not 0.1 <= args.site_sample_interval <= 3600:
+            raise CommandError("--site-sample-interval takes 0.1 to 3600 seconds", ExitCode.USAGE)
+        if not 0 <= args.forecast_min_history <= 24 * 3600:
+            raise CommandError("--forecast-min-history takes 0 to 86400 seconds", ExitCode.USAGE)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtrace: %(message)s", stream=sys.stderr)
 
@@ -135,7 +145,10 @@ class AgentCommand:
                                                metrics_server_from_args)
 
         nvml = NvmlSampler() if args.nvml else None
-        analyzer = Analyzer(AnalysisOptions(leak_min_age_seconds=args.leak_min_age), tracer.stacks, nvml)
+        analyzer = Analyzer(AnalysisOptions(leak_min_age_seconds=args.leak_min_age,
+                                            site_sample_seconds=args.site_sample_interval,
+                                            forecast_min_history_seconds=args.forecast_min_history),
+                            tracer.stacks, nvml)
         server = backend = metrics = None
         try:
             try:
