@@ -1,4 +1,4 @@
-"""Shared by all test layers: makes tests/harness.py importable."""
+"""Shared by all test layers: makes tests/harness.py and tests/agent_process.py importable."""
 import sys
 from pathlib import Path
 

@@ -2,13 +2,36 @@
 
 Each command is one JSON object on stdin; each answer is one JSON object on stdout. The allocating
 functions have fixed names and lines so that tests can check the Python stacks kvtrace records.
+
+KVTRACE_TEST_TITLE renames the process as setproctitle (and so vLLM) does, before torch loads CUDA.
+KVTRACE_TEST_DEVICE=cpu runs the model commands on the CPU (to check this file off the GPU machine).
 """
+import ctypes
 import json
+import os
 import sys
+import time
 
-import torch
 
+def set_title(title: str) -> None:
+    """What setproctitle does on Linux: the argv area (/proc/PID/cmdline) and comm take the title."""
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    arg_start, arg_end = int(fields[45]), int(fields[46])  # stat fields 48 and 49
+    data = title.encode()[:arg_end - arg_start - 1]
+    ctypes.memmove(arg_start, data.ljust(arg_end - arg_start, b"\0"), arg_end - arg_start)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(15, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+
+
+if os.environ.get("KVTRACE_TEST_TITLE"):
+    set_title(os.environ["KVTRACE_TEST_TITLE"])
+
+import torch  # noqa: E402  (after the title: torch maps libcudart as it loads)
+
+DEVICE = os.environ.get("KVTRACE_TEST_DEVICE", "cuda")
 kept = []
+model_state = {}  # "model", "cache", "leaked": the Llama commands' state
+llama = None  # tests/gpu/workloads/llama.py, imported by the first model command
 
 
 def allocate_tensors(count, step_bytes):
@@ -29,14 +52,94 @@ def churn(steps, size_bytes):
         del scratch
 
 
+def allocate_too_much(size_bytes):
+    return torch.empty(size_bytes, dtype=torch.uint8, device="cuda")  # OOM_LINE
+
+
+def cudart():
+    """torch's own libcudart (same file, so the same probes), for direct calls."""
+    for line in open("/proc/self/maps"):
+        path = line.split()[-1]
+        if "/libcudart.so" in path:
+            return ctypes.CDLL(path)
+    raise RuntimeError("libcudart is not mapped: initialise CUDA first")
+
+
+def malloc_free_pairs(count, depth):
+    """`count` cudaMalloc(1 MiB) + cudaFree pairs, called `depth` frames below this one (a Python
+    stack as deep as a serving framework's); returns nanoseconds per pair."""
+    if depth > 0:
+        return malloc_free_pairs(count, depth - 1)
+    library = cudart()
+    malloc, free = library.cudaMalloc, library.cudaFree
+    pointer, size = ctypes.c_void_p(), ctypes.c_size_t(1 << 20)
+    if malloc(ctypes.byref(pointer), size) != 0 or free(pointer) != 0:
+        raise RuntimeError("cudaMalloc/cudaFree failed")
+    start = time.perf_counter_ns()
+    for _ in range(count):
+        malloc(ctypes.byref(pointer), size)
+        free(pointer)
+    return (time.perf_counter_ns() - start) / count
+
+
 def stats():
+    if DEVICE != "cuda":
+        return {}
     torch.cuda.synchronize()
     return {"memory_reserved": torch.cuda.memory_reserved(),
             "memory_allocated": torch.cuda.memory_allocated()}
 
 
+def live_storages():
+    """(data_ptr, nbytes) of every tensor storage the model commands hold: parameters, buffers,
+    the KV cache and the leaked tensors."""
+    tensors = []
+    if "model" in model_state:
+        tensors += [*model_state["model"].parameters(), *model_state["model"].buffers()]
+    if "cache" in model_state:
+        tensors += llama.cache_tensors(model_state["cache"])
+    tensors += model_state.get("leaked", [])
+    storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+    return sorted(storages)
+
+
+def model_command(op, command):
+    global llama
+    import llama  # noqa: F811  (transformers takes seconds to import: only for these commands)
+
+    if op == "llama_load":
+        model_state["model"] = llama.build_model(DEVICE, layers=command.get("layers", 8))
+        return {}
+    model = model_state["model"]
+    if op == "generate":
+        return llama.generate(model, batch=command.get("batch", 8), prompt_tokens=command.get("prompt", 256),
+                              new_tokens=command.get("new_tokens", 128), calls=command.get("calls", 4))
+    if op == "decode":
+        model_state["cache"] = model_state.get("cache") or llama.new_cache()
+        llama.decode(model, model_state["cache"], command.get("batch", 4), command.get("prompt", 64),
+                     command["steps"])
+        return {"kv": [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                       for t in llama.cache_tensors(model_state["cache"])]}
+    if op == "drop_cache":
+        model_state.pop("cache", None)
+        return {}
+    if op == "leaky_loop":
+        leaked = model_state.setdefault("leaked", [])
+        return llama.leaky_decode_loop(model, leaked, command["steps"], command["interval_seconds"],
+                                       command["leak_bytes"])
+    if op == "live_storages":
+        return {"storages": live_storages()}
+    if op == "record_history":  # PyTorch's own tracer, for the benchmark's comparison
+        torch.cuda.memory._record_memory_history(enabled="all" if command["enabled"] else None)
+        return {}
+    return {"error": f"unknown op {op}"}
+
+
+MODEL_OPS = {"llama_load", "generate", "decode", "drop_cache", "leaky_loop", "live_storages", "record_history"}
+
+
 def main():
-    print(json.dumps({"ready": True, "pid": __import__("os").getpid()}), flush=True)
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         op = command["op"]
@@ -64,10 +167,14 @@ def main():
             answer = {}
         elif op == "oom":
             try:
-                torch.empty(command["size_bytes"], dtype=torch.uint8, device="cuda")
+                allocate_too_much(command["size_bytes"])
                 answer = {"oom": False}
             except torch.OutOfMemoryError:
                 answer = {"oom": True}
+        elif op == "pairs":
+            answer = {"ns_per_pair": malloc_free_pairs(command["count"], command.get("depth", 0))}
+        elif op in MODEL_OPS:
+            answer = model_command(op, command)
         elif op == "exit":
             print(json.dumps({"bye": True}), flush=True)
             return
