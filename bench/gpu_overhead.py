@@ -1,0 +1,261 @@
+"""What kvtrace costs on real CUDA (run as root on the GPU machine), measured side by side in one run.
+
+Every configuration is its own torch process (tests/gpu/workloads/torch_worker.py), started once;
+rounds run them in turn, the order rotated each round, so that drift on the machine hits all alike.
+Probes are planted per process (the agent's -p and bcc's pid argument), so the untraced processes
+have no breakpoints at all.
+
+Processes ("roles"):
+  untraced, untraced_b  nothing attached (two, so the run shows its own noise floor: A/A)
+  empty                 a bcc program of empty entry and return functions on every function kvtrace
+                        probes in that process's libcudart and libcuda
+  kvtrace               the real `kvtrace agent -p PID ...` (Python stacks on, gRPC, metrics, NVML)
+  kvtrace_nostacks      a second agent with --no-python-stacks (pair cost only)
+  history               PyTorch's own torch.cuda.memory._record_memory_history (no probes)
+
+1. pair cost: cudaMalloc(1 MiB) + cudaFree through torch's libcudart (ctypes), 16 frames below the
+   worker's loop; ns per pair; added cost = role - untraced of the same round.
+   Goal: kvtrace (with stacks) adds <= 1.5x what empty probes add.
+2. generation: the 8-layer random Llama (tests/gpu/workloads/llama.py), batch 8, 256 prompt + 128
+   new tokens per round, in each allocator mode (caching, expandable_segments, no caching).
+   Goals: <= 0.5 % fewer tokens/s with caching and with expandable segments; without caching, the
+   slowdown at most 1.5x that of empty probes.
+3. the agent's CPU (idle and while generating) and RSS. Goal: <= 1 % of a core when idle.
+
+Run: python3 bench/gpu_overhead.py [--pair-rounds 25] [--gen-rounds 6] [--json-out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for _path in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "gpu" / "workloads", ROOT / "agent"):
+    sys.path.insert(0, str(_path))
+
+from agent_process import AgentProcess  # noqa: E402
+from benchlib import EMPTY_PROGRAM, code_version, progress, require_bpf  # noqa: E402
+from worker_client import TorchWorker  # noqa: E402
+
+PAIR_GOAL_RATIO = 1.5
+CACHED_GOAL_SLOWDOWN = 0.005
+UNCACHED_GOAL_RATIO = 1.5
+IDLE_GOAL_CORE_FRACTION = 0.01
+MODES = {
+    "caching": {},
+    "expandable_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "no_caching": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
+}
+ROLES = {
+    "caching": ("untraced", "untraced_b", "empty", "kvtrace", "history"),
+    "expandable_segments": ("untraced", "empty", "kvtrace", "history"),
+    "no_caching": ("untraced", "empty", "kvtrace"),
+}
+PAIR_ROLES = ("untraced", "untraced_b", "empty", "kvtrace_nostacks", "kvtrace")
+
+
+def start_workers(load_model: dict[str, bool]) -> dict[str, TorchWorker]:
+    """Starts every worker at once (importing torch and building the model take seconds each)."""
+    def start(name):
+        mode = name.split("/")[0]
+        worker = TorchWorker(MODES.get(mode, {}))
+        worker.send(op="init")
+        if load_model[name]:
+            worker.send(timeout_seconds=600, op="llama_load")
+            worker.send(op="generate", batch=8, prompt=256, new_tokens=16, calls=1)  # warm-up
+        return name, worker
+
+    with ThreadPoolExecutor(max_workers=len(load_model)) as pool:
+        return dict(pool.map(start, load_model))
+
+
+def attach_empty_probes(pids: list[int]):
+    """Empty entry/return probes on every function kvtrace would probe in each process's libraries,
+    for that process only."""
+    from bcc import BPF
+
+    from kvtrace.sources.discovery import Discovery
+
+    bpf = BPF(text=EMPTY_PROGRAM)
+    count = 0
+    for pid in pids:
+        for target in Discovery().scan_pid(pid):
+            for symbol in target.symbols:
+                bpf.attach_uprobe(name=target.path.encode(), sym=symbol.encode(), fn_name=b"empty_entry", pid=pid)
+                bpf.attach_uretprobe(name=target.path.encode(), sym=symbol.encode(), fn_name=b"empty_return",
+                                     pid=pid)
+                count += 2
+    progress(f"empty probes: {count} attached for pids {pids}")
+    return bpf
+
+
+class CpuMeter:
+    """CPU seconds a process used between start() and stop(), as a fraction of one core."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.process = psutil.Process(pid)
+
+    def start(self) -> None:
+        times = self.process.cpu_times()
+        self._cpu, self._wall = times.user + times.system, time.monotonic()
+
+    def stop(self) -> float:
+        times = self.process.cpu_times()
+        return (times.user + times.system - self._cpu) / (time.monotonic() - self._wall)
+
+    def rss_bytes(self) -> int:
+        return self.process.memory_info().rss
+
+
+def rotated(items, round_index):
+    items = list(items)
+    shift = round_index % len(items)
+    return items[shift:] + items[:shift]
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def agent_counters(socket: Path) -> dict[str, int]:
+    from kvtrace.client import AgentClient
+
+    with AgentClient.for_socket(socket) as client:
+        return dict(client.info().counters)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair-rounds", type=int, default=25)
+    parser.add_argument("--pairs", type=int, default=3000, help="cudaMalloc+cudaFree pairs per run")
+    parser.add_argument("--depth", type=int, default=16, help="Python frames below the pair loop's caller")
+    parser.add_argument("--gen-rounds", type=int, default=6)
+    parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
+    args = parser.parse_args()
+    require_bpf()
+    version = code_version()
+
+    names = [f"{mode}/{role}" for mode, roles in ROLES.items() for role in roles] + ["pairs/kvtrace_nostacks"]
+    progress(f"starting {len(names)} torch workers (model load + warm-up in parallel)")
+    started = time.monotonic()
+    workers = start_workers({name: not name.startswith("pairs/") for name in names})
+    progress(f"workers ready in {time.monotonic() - started:.0f} s")
+    pair_workers = {role: workers[f"caching/{role}"] for role in PAIR_ROLES if f"caching/{role}" in workers}
+    pair_workers["kvtrace_nostacks"] = workers["pairs/kvtrace_nostacks"]
+
+    for mode in ROLES:
+        if "history" in ROLES[mode]:
+            workers[f"{mode}/history"].send(op="record_history", enabled=True)
+    empty_bpf = attach_empty_probes([w.pid for name, w in workers.items() if name.endswith("/empty")])
+    traced = [w.pid for name, w in workers.items() if name.endswith("/kvtrace")]
+    results: dict = {"version": version, "machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M")}
+    with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as directory:
+        socket, socket_nostacks = Path(directory) / "a.sock", Path(directory) / "b.sock"
+        pid_flags = [flag for pid in traced for flag in ("-p", str(pid))]
+        with AgentProcess(socket, *pid_flags) as agent, \
+                AgentProcess(socket_nostacks, "--no-python-stacks", "-p", str(pair_workers["kvtrace_nostacks"].pid),
+                             "--no-nvml"):
+            meter = CpuMeter(agent.process.pid)
+            progress(f"agents attached; agent idle for {args.idle_seconds:.0f} s")
+            meter.start()
+            time.sleep(args.idle_seconds)
+            results["agent_idle_core_fraction"] = meter.stop()
+            results["agent_rss_idle_bytes"] = meter.rss_bytes()
+
+            # 1. pair cost
+            pair_ns: dict[str, list[float]] = {role: [] for role in pair_workers}
+            for round_index in range(args.pair_rounds):
+                for role in rotated(pair_workers, round_index):
+                    pair_ns[role].append(pair_workers[role].send(op="pairs", count=args.pairs,
+                                                                 depth=args.depth)["ns_per_pair"])
+                if round_index % 5 == 4:
+                    progress(f"pairs round {round_index + 1}/{args.pair_rounds}: " + ", ".join(
+                        f"{role} {values[-1]:.0f}" for role, values in pair_ns.items()) + " ns")
+            results["pair_ns"] = pair_ns
+
+            # 2. generation
+            meter.start()
+            tokens_per_second: dict[str, list[float]] = {name: [] for name in workers if not name.startswith("pairs/")}
+            for round_index in range(args.gen_rounds):
+                for name in rotated(tokens_per_second, round_index):
+                    answer = workers[name].send(timeout_seconds=600, op="generate", batch=8, prompt=256,
+                                                new_tokens=128, calls=1)
+                    tokens_per_second[name].append(answer["tokens"] / answer["seconds"])
+                progress(f"generation round {round_index + 1}/{args.gen_rounds}: " + ", ".join(
+                    f"{name} {values[-1]:.0f}" for name, values in tokens_per_second.items()) + " tokens/s")
+            results["agent_busy_core_fraction"] = meter.stop()
+            results["agent_rss_busy_bytes"] = meter.rss_bytes()
+            results["tokens_per_second"] = tokens_per_second
+            results["agent_counters"] = agent_counters(socket)
+            results["agent_nostacks_counters"] = agent_counters(socket_nostacks)
+    empty_bpf.cleanup()
+    for worker in workers.values():
+        worker.close()
+    report(results, args)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def paired(values: list[float], baseline: list[float], how) -> list[float]:
+    return [how(value, base) for value, base in zip(values, baseline)]
+
+
+def report(results: dict, args) -> None:
+    def verdict(ok):
+        return "met" if ok else "MISSED"
+
+    print(f"GPU overhead, {results['date']}, {results['machine']}; measured: {results['version']}")
+    pair = results["pair_ns"]
+    added = {role: median(paired(pair[role], pair["untraced"], lambda v, b: v - b))
+             for role in pair if role != "untraced"}
+    print(f"1. cudaMalloc(1 MiB)+cudaFree pair, {args.pair_rounds} rounds x {args.pairs} pairs, "
+          f"{args.depth} frames deep; medians")
+    print(f"   untraced {median(pair['untraced']):.0f} ns/pair")
+    for role, value in added.items():
+        print(f"   {role:<18} adds {value:>8.0f} ns/pair")
+    ratio = added["kvtrace"] / added["empty"] if added["empty"] > 0 else float("nan")
+    print(f"   kvtrace (stacks) added / empty added = {ratio:.2f}  goal <= {PAIR_GOAL_RATIO} ({verdict(ratio <= PAIR_GOAL_RATIO)})")
+    results["pair_ratio"] = ratio
+
+    tps = results["tokens_per_second"]
+    print(f"2. generation, {args.gen_rounds} rounds x 1024 tokens per process; median tokens/s, and the "
+          f"median of each round's slowdown against untraced")
+    for mode, roles in ROLES.items():
+        base = tps[f"{mode}/untraced"]
+        line = [f"untraced {median(base):.0f}"]
+        slowdown = {}
+        for role in roles[1:]:
+            slowdown[role] = median(paired(tps[f"{mode}/{role}"], base, lambda v, b: 1 - v / b))
+            line.append(f"{role} {median(tps[f'{mode}/{role}']):.0f} ({slowdown[role] * 100:+.2f} %)")
+        print(f"   {mode:<20} " + ", ".join(line))
+        if mode == "no_caching":
+            ratio = slowdown["kvtrace"] / slowdown["empty"] if slowdown["empty"] > 0 else float("nan")
+            print(f"   {'':<20} kvtrace slowdown / empty-probe slowdown = {ratio:.2f}  goal <= "
+                  f"{UNCACHED_GOAL_RATIO} ({verdict(ratio <= UNCACHED_GOAL_RATIO)})")
+            results["uncached_ratio"] = ratio
+        else:
+            print(f"   {'':<20} kvtrace slowdown {slowdown['kvtrace'] * 100:+.2f} %  goal <= "
+                  f"{CACHED_GOAL_SLOWDOWN * 100:.1f} % ({verdict(slowdown['kvtrace'] <= CACHED_GOAL_SLOWDOWN)})")
+        results[f"slowdown_{mode}"] = slowdown
+    idle = results["agent_idle_core_fraction"]
+    print(f"3. agent: idle {idle * 100:.2f} % of a core (goal <= {IDLE_GOAL_CORE_FRACTION * 100:.0f} %, "
+          f"{verdict(idle <= IDLE_GOAL_CORE_FRACTION)}), while generating {results['agent_busy_core_fraction'] * 100:.1f} %"
+          f"; RSS idle {results['agent_rss_idle_bytes'] / 2**20:.0f} MiB, after generating "
+          f"{results['agent_rss_busy_bytes'] / 2**20:.0f} MiB")
+    counters = results["agent_counters"]
+    print(f"   agent counters: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
