@@ -139,6 +139,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3000, help="cudaMalloc+cudaFree pairs per run")
     parser.add_argument("--depth", type=int, default=16, help="Python frames below the pair loop's caller")
     parser.add_argument("--gen-rounds", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run (batch 8)")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
     args = parser.parse_args()
@@ -158,13 +159,14 @@ def main() -> int:
             workers[f"{mode}/history"].send(op="record_history", enabled=True)
     empty_bpf = attach_empty_probes([w.pid for name, w in workers.items() if name.endswith("/empty")])
     traced = [w.pid for name, w in workers.items() if name.endswith("/kvtrace")]
-    results: dict = {"version": version, "machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M")}
+    results: dict = {"version": version, "machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M"),
+                     "empty_probe_functions": len(empty_bpf.funcs)}
     with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as directory:
         socket, socket_nostacks = Path(directory) / "a.sock", Path(directory) / "b.sock"
         pid_flags = [flag for pid in traced for flag in ("-p", str(pid))]
         with AgentProcess(socket, *pid_flags) as agent, \
                 AgentProcess(socket_nostacks, "--no-python-stacks", "-p", str(pair_workers["kvtrace_nostacks"].pid),
-                             "--no-nvml"):
+                             "--no-nvml") as agent_nostacks:
             meter = CpuMeter(agent.process.pid)
             progress(f"agents attached; agent idle for {args.idle_seconds:.0f} s")
             meter.start()
@@ -189,7 +191,7 @@ def main() -> int:
             for round_index in range(args.gen_rounds):
                 for name in rotated(tokens_per_second, round_index):
                     answer = workers[name].send(timeout_seconds=600, op="generate", batch=8, prompt=256,
-                                                new_tokens=128, calls=1)
+                                                new_tokens=args.new_tokens, calls=1)
                     tokens_per_second[name].append(answer["tokens"] / answer["seconds"])
                 progress(f"generation round {round_index + 1}/{args.gen_rounds}: " + ", ".join(
                     f"{name} {values[-1]:.0f}" for name, values in tokens_per_second.items()) + " tokens/s")
@@ -198,13 +200,17 @@ def main() -> int:
             results["tokens_per_second"] = tokens_per_second
             results["agent_counters"] = agent_counters(socket)
             results["agent_nostacks_counters"] = agent_counters(socket_nostacks)
-    empty_bpf.cleanup()
-    for worker in workers.values():
-        worker.close()
-    report(results, args)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(results, indent=1))
-    return 0
+            report(results, args)
+            if args.json_out:
+                args.json_out.write_text(json.dumps(results, indent=1))
+            sys.stdout.flush()
+            # Taking probes out costs the kernel a grace period each (hundreds here, seconds in
+            # all): the figures are out, so end without waiting for that.
+            for process in (agent.process, agent_nostacks.process):
+                process.kill()
+            for worker in workers.values():
+                worker.process.kill()
+            os._exit(0)
 
 
 def paired(values: list[float], baseline: list[float], how) -> list[float]:
@@ -229,7 +235,7 @@ def report(results: dict, args) -> None:
     results["pair_ratio"] = ratio
 
     tps = results["tokens_per_second"]
-    print(f"2. generation, {args.gen_rounds} rounds x 1024 tokens per process; median tokens/s, and the "
+    print(f"2. generation, {args.gen_rounds} rounds x {8 * args.new_tokens} tokens per process; median tokens/s, and the "
           f"median of each round's slowdown against untraced")
     for mode, roles in ROLES.items():
         base = tps[f"{mode}/untraced"]
@@ -254,7 +260,7 @@ def report(results: dict, args) -> None:
           f"; RSS idle {results['agent_rss_idle_bytes'] / 2**20:.0f} MiB, after generating "
           f"{results['agent_rss_busy_bytes'] / 2**20:.0f} MiB")
     counters = results["agent_counters"]
-    print(f"   agent counters: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
+    print("   agent counters: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
 
 
 if __name__ == "__main__":

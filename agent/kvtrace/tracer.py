@@ -255,10 +255,12 @@ class Tracer:
 
     def _scan_pid(self, pid: int) -> None:
         new = self.discovery.scan_pid(pid)
-        for target in new:
-            self._attach(target)
+        # The Python runtime first: a process already running (the agent attached late) calls
+        # CUDA as soon as the first probe is in, and its calls should carry stacks from the start.
         if pid not in self.python and not self.python_stacks_down and self._maps_cuda(pid):
             self._inspect_python(pid)
+        for target in new:
+            self._attach(target)
         if self.options.cmdline is not None and pid not in self._selected and self._maps_cuda(pid):
             info = self.processes.get(pid)
             if info is not None and self.options.cmdline.search(info.title):

@@ -267,6 +267,26 @@ def test_one_device_traced_and_one_gpu_in_nvml_is_that_gpu():
     assert (row.device, row.nvml_index, row.unattributed_bytes) == (0, 2, 2 * GiB)
 
 
+def test_a_process_attached_late_is_placed_by_nvml_and_forecast():
+    # GIVEN a process the agent attached to after it chose its device (traced on device -1),
+    # leaking 5 MB/s, that NVML lists on GPU 1 only
+    nvml = FakeNvml(*(FakeGpu(uuid, free_bytes=100_000 * MB) for uuid in UUIDS))
+    nvml.gpus[1].processes = [(200, 30 * GiB)]
+    timeline = Timeline(nvml, forecast_min_history_seconds=10)
+    for _ in range(11):
+        timeline.alloc(5 * MB, device=-1)
+        snapshot = timeline.tick()
+    row = only_row(snapshot)
+    # THEN NVML places it on GPU 1: its NVML figure, unattributed bytes and time-to-OOM are there
+    assert (row.device, row.nvml_index, row.nvml_used_bytes) == (-1, 1, 30 * GiB)
+    assert row.unattributed_bytes == 30 * GiB - 11 * 5 * MB
+    assert row.time_to_oom_seconds == 20_000
+    # AND with the process on two GPUs in NVML, an unknown device stays unplaced
+    nvml.gpus[2].processes = [(200, GiB)]
+    rows = [r for r in timeline.tick().processes if r.pid == 200 and r.outstanding_bytes]
+    assert [(r.nvml_index, r.time_to_oom_seconds) for r in rows] == [(None, None)]
+
+
 def test_a_process_that_exits_leaves_the_analysis():
     timeline = Timeline()
     timeline.alloc(GiB, pid=100)

@@ -221,11 +221,15 @@ class Analyzer:
         """The NVML GPU of a traced CUDA ordinal. Seen beats inferred: a process traced on one device
         that NVML lists on one GPU is on that GPU (this also covers containers whose runtime hides
         the other GPUs, where ordinal 0 may be any GPU of the host); otherwise the process's
-        CUDA_VISIBLE_DEVICES decides, and without it the ordinal is the index."""
-        if sample is None or device < 0:
+        CUDA_VISIBLE_DEVICES decides, and without it the ordinal is the index. A process the agent
+        attached to after it chose its device is traced on an unknown device (-1): NVML alone can
+        tell, when it lists the process on one GPU."""
+        if sample is None:
             return None
         if len(traced_devices) == 1 and len(nvml_gpus) == 1:
             return next(iter(nvml_gpus))
+        if device < 0:
+            return None
         if pid not in self._environ:
             self._environ[pid] = self._visible_devices(pid)
         uuids = [""] * (max((gpu.index for gpu in sample.gpus), default=-1) + 1)

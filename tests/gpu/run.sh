@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU machine's one command for each proof (as root, from the repository root):
+#   bash tests/gpu/run.sh tests [pytest args]   # tests/gpu: real CUDA scenarios
+#   bash tests/gpu/run.sh bench [bench args]    # bench/gpu_overhead.py: overhead, side by side
+# That machine has torch but no bcc and no package registry: bcc comes as the bundle that
+# ../shared/tools/bcc-bundle makes (.bcc/bcc-bundle.tar.xz), missing pure-Python packages as
+# wheels in .whl/ (pip download --no-deps -d .whl pyelftools grpcio-health-checking==1.76.0
+# grpcio-reflection==1.76.0). Both are used only when bcc or a package is not importable already.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:?usage: run.sh tests|bench [args]}; shift
+python=${PYTHON:-python3}
+
+if ! $python -c 'import bcc' 2>/dev/null; then
+  [ -f .bcc/bcc-bundle.tar.xz ] || { echo "no bcc here and no .bcc/bcc-bundle.tar.xz (run ../shared/tools/bcc-bundle .bcc)" >&2; exit 1; }
+  if [ ! -d /opt/bcc/usr ]; then mkdir -p /opt/bcc && tar -C /opt/bcc -xJf .bcc/bcc-bundle.tar.xz; fi
+  K=$(uname -r); mkdir -p "/lib/modules/$K"
+  [ -e "/lib/modules/$K/build" ] || ln -sfn /opt/bcc/usr/src/linux-headers-*-amd64 "/lib/modules/$K/build"
+  [ -e "/lib/modules/$K/source" ] || ln -sfn /opt/bcc/usr/src/linux-headers-*-common "/lib/modules/$K/source"
+  export LD_LIBRARY_PATH=/opt/bcc/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PYTHONPATH=/opt/bcc/usr/lib/python3/dist-packages${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -e /sys/kernel/tracing/uprobe_events ] || mount -t tracefs nodev /sys/kernel/tracing
+if ! $python -c 'import elftools, grpc_health, grpc_reflection' 2>/dev/null; then
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "missing Python packages and no wheels in .whl/" >&2; exit 1; }
+  $python -m pip install -q --no-index --no-deps --target /tmp/kvtrace-site .whl/*.whl
+  export PYTHONPATH=/tmp/kvtrace-site:$PYTHONPATH
+fi
+export PYTHONPATH=$PWD/agent:${PYTHONPATH:-}
+
+case $what in
+  tests) exec $python -m pytest tests/gpu -s -q -p no:cacheprovider "$@" ;;
+  bench) exec $python bench/gpu_overhead.py "$@" ;;
+  *) echo "usage: run.sh tests|bench [args]" >&2; exit 2 ;;
+esac
