@@ -61,19 +61,20 @@ ROLES = {
 PAIR_ROLES = ("untraced", "untraced_b", "empty", "kvtrace_nostacks", "kvtrace")
 
 
-def start_workers(load_model: dict[str, bool]) -> dict[str, TorchWorker]:
+def start_workers(names: list[str], new_tokens: int) -> dict[str, TorchWorker]:
     """Starts every worker at once (importing torch and building the model take seconds each)."""
     def start(name):
         mode = name.split("/")[0]
         worker = TorchWorker(MODES.get(mode, {}))
         worker.send(op="init")
-        if load_model[name]:
-            worker.send(timeout_seconds=600, op="llama_load")
-            worker.send(op="generate", batch=8, prompt=256, new_tokens=16, calls=1)  # warm-up
+        # Every worker holds the model, so that all are in the same state for the pair loop too
+        # (in a fresh process a 1 MiB cudaMalloc costs ten times more: the driver maps memory).
+        worker.send(timeout_seconds=600, op="llama_load")
+        worker.send(op="generate", batch=8, prompt=256, new_tokens=new_tokens, calls=1)  # warm-up
         return name, worker
 
-    with ThreadPoolExecutor(max_workers=len(load_model)) as pool:
-        return dict(pool.map(start, load_model))
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        return dict(pool.map(start, names))
 
 
 def attach_empty_probes(pids: list[int]):
@@ -149,7 +150,7 @@ def main() -> int:
     names = [f"{mode}/{role}" for mode, roles in ROLES.items() for role in roles] + ["pairs/kvtrace_nostacks"]
     progress(f"starting {len(names)} torch workers (model load + warm-up in parallel)")
     started = time.monotonic()
-    workers = start_workers({name: not name.startswith("pairs/") for name in names})
+    workers = start_workers(names, args.new_tokens)
     progress(f"workers ready in {time.monotonic() - started:.0f} s")
     pair_workers = {role: workers[f"caching/{role}"] for role in PAIR_ROLES if f"caching/{role}" in workers}
     pair_workers["kvtrace_nostacks"] = workers["pairs/kvtrace_nostacks"]

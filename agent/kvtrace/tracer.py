@@ -135,6 +135,9 @@ class Tracer:
         for pid in self.options.pids:
             self._select(pid)
         self.probes.open_rings(self._on_raw_event, self._on_notify)
+        # Running processes first: each one's Python runtime is found before any probe goes into
+        # it, so that an allocation caught in the middle of attaching still has its stack.
+        self.full_scan()
         for pattern in self.options.preattach_globs:
             for path in sorted(glob.glob(pattern)):
                 if os.path.islink(path):
@@ -142,7 +145,6 @@ class Tracer:
                 target = self.discovery.add_file(path)
                 if target is not None:
                     self._attach(target)
-        self.full_scan()
 
     def stop(self) -> None:
         if self.probes is not None:
@@ -259,7 +261,10 @@ class Tracer:
         # CUDA as soon as the first probe is in, and its calls should carry stacks from the start.
         if pid not in self.python and not self.python_stacks_down and self._maps_cuda(pid):
             self._inspect_python(pid)
-        for target in new:
+        # The driver first: while the runtime's probes go in, its calls are seen as the driver
+        # allocations inside them (physical memory, counted); the other way round they would be
+        # runtime entries only, and their bytes missing from the device totals.
+        for target in sorted(new, key=lambda target: "cuMemAlloc_v2" not in target.symbols):
             self._attach(target)
         if self.options.cmdline is not None and pid not in self._selected and self._maps_cuda(pid):
             info = self.processes.get(pid)
