@@ -58,7 +58,10 @@ ROLES = {
     "expandable_segments": ("untraced", "empty", "kvtrace", "history"),
     "no_caching": ("untraced", "empty", "kvtrace"),
 }
-PAIR_ROLES = ("untraced", "untraced_b", "empty", "kvtrace_nostacks", "kvtrace")
+PAIR_ROLES = ("untraced", "untraced_b", "empty", "kvtrace_nostacks", "kvtrace_wake1", "kvtrace")
+# Pair-only roles, each its own worker and agent: without Python stacks, and waking the agent for
+# every event (--wakeup-events 1, as kvtrace did before batching wakeups).
+EXTRA_PAIR_AGENTS = {"kvtrace_nostacks": ("--no-python-stacks",), "kvtrace_wake1": ("--wakeup-events", "1")}
 
 
 def start_workers(names: list[str], new_tokens: int) -> dict[str, TorchWorker]:
@@ -143,17 +146,21 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run (batch 8)")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
+    parser.add_argument("--only", choices=("pairs",), help="measure only the pair cost (fewer workers)")
     args = parser.parse_args()
     require_bpf()
     version = code_version()
 
-    names = [f"{mode}/{role}" for mode, roles in ROLES.items() for role in roles] + ["pairs/kvtrace_nostacks"]
+    if args.only == "pairs":
+        for mode in ROLES:
+            ROLES[mode] = tuple(role for role in ROLES[mode] if mode == "caching" and role in PAIR_ROLES)
+    names = [f"{mode}/{role}" for mode, roles in ROLES.items() for role in roles]
+    names += [f"pairs/{role}" for role in EXTRA_PAIR_AGENTS]
     progress(f"starting {len(names)} torch workers (model load + warm-up in parallel)")
     started = time.monotonic()
     workers = start_workers(names, args.new_tokens)
     progress(f"workers ready in {time.monotonic() - started:.0f} s")
-    pair_workers = {role: workers[f"caching/{role}"] for role in PAIR_ROLES if f"caching/{role}" in workers}
-    pair_workers["kvtrace_nostacks"] = workers["pairs/kvtrace_nostacks"]
+    pair_workers = {role: workers.get(f"caching/{role}") or workers[f"pairs/{role}"] for role in PAIR_ROLES}
 
     for mode in ROLES:
         if "history" in ROLES[mode]:
@@ -163,11 +170,13 @@ def main() -> int:
     results: dict = {"version": version, "machine": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M"),
                      "empty_probe_functions": len(empty_bpf.funcs)}
     with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as directory:
-        socket, socket_nostacks = Path(directory) / "a.sock", Path(directory) / "b.sock"
+        socket = Path(directory) / "a.sock"
         pid_flags = [flag for pid in traced for flag in ("-p", str(pid))]
-        with AgentProcess(socket, *pid_flags) as agent, \
-                AgentProcess(socket_nostacks, "--no-python-stacks", "-p", str(pair_workers["kvtrace_nostacks"].pid),
-                             "--no-nvml") as agent_nostacks:
+        extra_agents = []
+        with AgentProcess(socket, *pid_flags) as agent:
+            for index, (role, flags) in enumerate(EXTRA_PAIR_AGENTS.items()):
+                extra_agents.append(AgentProcess(Path(directory) / f"{index}.sock", *flags, "--no-nvml",
+                                                 "-p", str(pair_workers[role].pid)))
             meter = CpuMeter(agent.process.pid)
             progress(f"agents attached; agent idle for {args.idle_seconds:.0f} s")
             meter.start()
@@ -188,8 +197,9 @@ def main() -> int:
 
             # 2. generation
             meter.start()
-            tokens_per_second: dict[str, list[float]] = {name: [] for name in workers if not name.startswith("pairs/")}
-            for round_index in range(args.gen_rounds):
+            tokens_per_second: dict[str, list[float]] = {
+                f"{mode}/{role}": [] for mode, roles in ROLES.items() for role in roles}
+            for round_index in range(0 if args.only == "pairs" else args.gen_rounds):
                 for name in rotated(tokens_per_second, round_index):
                     answer = workers[name].send(timeout_seconds=600, op="generate", batch=8, prompt=256,
                                                 new_tokens=args.new_tokens, calls=1)
@@ -200,14 +210,15 @@ def main() -> int:
             results["agent_rss_busy_bytes"] = meter.rss_bytes()
             results["tokens_per_second"] = tokens_per_second
             results["agent_counters"] = agent_counters(socket)
-            results["agent_nostacks_counters"] = agent_counters(socket_nostacks)
+            results["extra_agent_counters"] = {role: agent_counters(extra.socket)
+                                               for role, extra in zip(EXTRA_PAIR_AGENTS, extra_agents)}
             report(results, args)
             if args.json_out:
                 args.json_out.write_text(json.dumps(results, indent=1))
             sys.stdout.flush()
             # Taking probes out costs the kernel a grace period each (hundreds here, seconds in
             # all): the figures are out, so end without waiting for that.
-            for process in (agent.process, agent_nostacks.process):
+            for process in [agent.process] + [extra.process for extra in extra_agents]:
                 process.kill()
             for worker in workers.values():
                 worker.process.kill()
@@ -236,9 +247,12 @@ def report(results: dict, args) -> None:
     results["pair_ratio"] = ratio
 
     tps = results["tokens_per_second"]
-    print(f"2. generation, {args.gen_rounds} rounds x {8 * args.new_tokens} tokens per process; median tokens/s, and the "
-          f"median of each round's slowdown against untraced")
-    for mode, roles in ROLES.items():
+    if args.only == "pairs":
+        tps = {}
+    if tps:
+        print(f"2. generation, {args.gen_rounds} rounds x {8 * args.new_tokens} tokens per process; median tokens/s, and the "
+              f"median of each round's slowdown against untraced")
+    for mode, roles in ROLES.items() if tps else ():
         base = tps[f"{mode}/untraced"]
         line = [f"untraced {median(base):.0f}"]
         slowdown = {}

@@ -27,6 +27,12 @@
 #ifndef KVT_TASK_FSBASE_OFFSET
 #define KVT_TASK_FSBASE_OFFSET -1
 #endif
+/* Events submitted on a CPU before the reader is woken; the rest the reader takes on its timer
+ * (Tracer.run_once). Every wakeup costs the traced thread an interrupt on the spot (on a virtual
+ * machine, an exit to the hypervisor): one per event was a large part of a probe's cost. */
+#ifndef KVT_WAKEUP_EVENTS
+#define KVT_WAKEUP_EVENTS 512
+#endif
 /* glibc struct pthread: specific_1stblock[32] of {seq, data} (see sources/pyoffsets.py) */
 #define KVT_GLIBC_SPECIFIC_1STBLOCK 0x310
 /* cuMemUnmap may cover several mappings; this bounds the loop the verifier must accept. */
@@ -70,6 +76,18 @@ struct kvt_scratch {
 };
 BPF_PERCPU_ARRAY(scratch, struct kvt_scratch, 1);
 BPF_PERCPU_ARRAY(counters, u64, KVT_COUNTER_COUNT);
+BPF_PERCPU_ARRAY(unwoken_events, u64, 1);  /* events since this CPU last woke the reader */
+
+static __always_inline u64 wakeup_flag(void) {
+    u32 zero = 0;
+    u64 *unwoken = unwoken_events.lookup(&zero);
+    if (!unwoken || ++*unwoken >= KVT_WAKEUP_EVENTS) {
+        if (unwoken)
+            *unwoken = 0;
+        return BPF_RB_FORCE_WAKEUP;
+    }
+    return BPF_RB_NO_WAKEUP;
+}
 
 static __always_inline void count(u32 index) {
     u64 *value = counters.lookup(&index);
@@ -199,7 +217,7 @@ static __always_inline void emit_stack(u8 kind, u16 api, u8 layer, u8 object, u8
     e->stack_status = stack_status;
     e->reserved = 0;
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, wakeup_flag());
     count(KVT_COUNTER_EVENTS_SUBMITTED);
 }
 

@@ -74,6 +74,10 @@ class AgentCommand:
                             help="size of the in-kernel ledger (default: %(default)s)")
         parser.add_argument("--no-api", action="store_true",
                             help="do not serve the kvtrace.v1 gRPC API (with --json-events only)")
+        parser.add_argument("--wakeup-events", metavar="N", type=int, default=512,
+                            help="events a CPU hands over before it wakes the agent (default: %(default)s); "
+                                 "the rest the agent takes every 0.1 s. 1 wakes it for every event: the "
+                                 "lowest latency, and an interrupt in the traced thread per event")
         parser.add_argument("--no-python-stacks", action="store_true",
                             help="do not walk Python stacks in the probes")
         parser.add_argument("--nvml", action=argparse.BooleanOptionalAction, default=True,
@@ -105,6 +109,8 @@ class AgentCommand:
             cmdline = re.compile(args.cmdline) if args.cmdline else None
         except re.error as error:
             raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE)
+        if not 1 <= args.wakeup_events <= 65536:
+            raise CommandError("--wakeup-events takes 1 to 65536", ExitCode.USAGE)
         if args.max_ledger_entries < 1024:
             raise CommandError("--max-ledger-entries must be at least 1024", ExitCode.USAGE)
         if not 0 <= args.leak_min_age <= 365 * 24 * 3600:
@@ -128,7 +134,8 @@ class AgentCommand:
         from kvtrace.tracer import Tracer, TracerOptions
 
         options = TracerOptions(pids=set(args.pid), cmdline=cmdline,
-                                settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries),
+                                settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries,
+                                                       wakeup_events=args.wakeup_events),
                                 python_stacks=not args.no_python_stacks)
         tracer = Tracer(options)
         if args.json_events:

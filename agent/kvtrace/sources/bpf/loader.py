@@ -26,6 +26,7 @@ class ProbeSettings:
     max_threads: int = 65536
     max_stacks: int = 16384
     task_fsbase_offset: int = -1  # from BTF; -1 disables Python stacks
+    wakeup_events: int = 512  # events a CPU submits before it wakes the reader; else its timer takes them
 
     def cflags(self) -> list[str]:
         return [
@@ -35,6 +36,7 @@ class ProbeSettings:
             f"-DKVT_MAX_LEDGER_ENTRIES={self.max_ledger_entries}",
             f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
             f"-DKVT_MAX_THREADS={self.max_threads}",
+            f"-DKVT_WAKEUP_EVENTS={self.wakeup_events}",
             "-Wno-macro-redefined",
         ]
 
@@ -146,10 +148,13 @@ class BpfProbes:
         self._bpf[b"notify"].open_ring_buffer(notify)
 
     def poll(self, timeout_ms: int) -> None:
-        """Reads what is in the rings now (or waits up to timeout_ms for something), at most
-        POLL_BUDGET_EVENTS events."""
+        """Reads what is in the rings now (after waiting up to timeout_ms for a wakeup), at most
+        POLL_BUDGET_EVENTS events. The probes wake the reader only once a batch is waiting
+        (KVT_WAKEUP_EVENTS), so what is below that is taken here whether or not a wakeup came."""
         self._polled = 0
-        self._bpf.ring_buffer_poll(timeout_ms)
+        if timeout_ms > 0:
+            self.wait(timeout_ms)
+        self._bpf.ring_buffer_consume()
 
     def wait(self, timeout_ms: int) -> None:
         """Waits until a ring has data or timeout_ms passes, without consuming anything."""
