@@ -183,6 +183,19 @@ def test_forecast_history_is_an_option():
     assert forecasts[20:] == [20_000.0] * 11
 
 
+def test_site_samples_that_take_long_come_less_often():
+    # GIVEN site samples every 10 s, the last of which took 1 s (millions of live allocations)
+    timeline = Timeline(site_sample_seconds=10)
+    timeline.tick()  # a site sample at second 0: the next is due at second 10
+    assert timeline.analyzer._next_site_sample_ns == 10 * NS
+    timeline.analyzer.pace_site_samples(NS, now_ns=1 * NS)
+    # THEN the next one waits 50 s: sampling takes at most 2 % of a core
+    assert timeline.analyzer._next_site_sample_ns == 51 * NS
+    # AND a quick sample leaves the configured interval alone
+    timeline.analyzer.pace_site_samples(1000, now_ns=1 * NS)
+    assert timeline.analyzer._next_site_sample_ns == 51 * NS
+
+
 def test_time_to_oom_rules():
     assert time_to_oom_seconds(GiB, MiB, 300) == 1024.0
     assert time_to_oom_seconds(GiB, -MiB, 900) is None

@@ -31,6 +31,11 @@ from kvtrace.model.stacks import Stack, StackTable
 from kvtrace.sources.nvml import NvmlSample, NvmlSampler, nvml_index_for_cuda_ordinal, read_cuda_visible_devices
 
 
+# Site samples may take at most this share of a core; with millions of live allocations they come
+# less often than site_sample_seconds.
+SITE_SAMPLE_MAX_CPU = 0.02
+
+
 @dataclass(frozen=True)
 class AnalysisOptions:
     interval_seconds: float = 1.0
@@ -114,8 +119,18 @@ class Analyzer:
             return
         self._next_tick_monotonic = now + self.options.interval_seconds
         sample = self.nvml.latest if self.nvml is not None else None
-        sites_due = time.monotonic_ns() >= self._next_site_sample_ns
+        started_ns = time.monotonic_ns()
+        sites_due = started_ns >= self._next_site_sample_ns
         self.update(tracer_view(tracer, {p.pid for p in sample.processes} if sample else (), sites_due))
+        if sites_due:
+            now_ns = time.monotonic_ns()
+            self.pace_site_samples(now_ns - started_ns, now_ns)
+
+    def pace_site_samples(self, spent_ns: int, now_ns: int) -> None:
+        """A site sample reads every outstanding allocation (seconds with millions of them): the
+        next one waits long enough that sampling takes at most SITE_SAMPLE_MAX_CPU of a core."""
+        earliest = now_ns + int(spent_ns / SITE_SAMPLE_MAX_CPU)
+        self._next_site_sample_ns = max(self._next_site_sample_ns, earliest)
 
     def components(self) -> tuple[ComponentStatus, ...]:
         return (self.nvml.status,) if self.nvml is not None else ()
