@@ -35,13 +35,14 @@ test-integration: setup
 
 # On the GPU machine (torch there): see tests/gpu/README.md.
 test-gpu:
-	python3 -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
+	bash tests/gpu/run.sh tests $(PYTEST_ARGS)
 
 bench: setup
 	$(PYTHON) bench/probe_overhead.py
 	$(PYTHON) bench/throughput.py
 	$(PYTHON) bench/stack_overhead.py
 	$(PYTHON) bench/api_throughput.py
+	$(PYTHON) bench/agent_memory.py
 
 # systemd: the agent from this checkout, installed at /opt/kvtrace.
 install-service:

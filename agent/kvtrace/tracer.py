@@ -372,12 +372,15 @@ class Tracer:
 
     def resync(self) -> None:
         """Replaces the ledger with the kernel's exact copy (after lost events)."""
-        entries = [decode_ledger_entry(k, v, self.clock) for k, v in self.probes.ledger_items()]
-        if self.filtering:
-            entries = [e for e in entries if e.key.pid in self._selected]
-        self.ledger.resync(entries)
+        def entries():  # one at a time: millions of entries must not be held twice
+            for key, value in self.probes.iter_ledger_items():
+                entry = decode_ledger_entry(key, value, self.clock)
+                if not self.filtering or entry.key.pid in self._selected:
+                    yield entry
+
+        self.ledger.resync(entries())
         self.resyncs += 1
-        log.warning("events were lost: ledger resynced from the kernel (%d entries)", len(entries))
+        log.warning("events were lost: ledger resynced from the kernel (%d entries)", len(self.ledger))
 
     # ---- views ----
 

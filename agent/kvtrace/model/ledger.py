@@ -177,7 +177,7 @@ class Ledger:
         old = self._entries
         self._entries, self._bytes, self._counts = {}, defaultdict(int), defaultdict(int)
         for entry in entries:
-            previous = old.get(entry.key)
+            previous = old.pop(entry.key, None)  # dropped as it is replaced: one copy at a time
             if previous is not None and previous.timestamp_ns == entry.timestamp_ns:
                 entry.stack_id = previous.stack_id
             self._insert(entry)

@@ -6,10 +6,11 @@ decode.py turns them into model events.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.attach import entry_function, return_function
@@ -184,13 +185,21 @@ class BpfProbes:
 
     def ledger_items(self) -> list[tuple[abi.RawLedgerKey, abi.RawLedgerValue]]:
         """A copy of the in-kernel ledger (batched reads where the kernel supports them)."""
+        return list(self.iter_ledger_items())
+
+    def iter_ledger_items(self) -> Iterator[tuple[abi.RawLedgerKey, abi.RawLedgerValue]]:
+        """The in-kernel ledger one entry at a time: with millions of entries a list of them all
+        would double the agent's memory for a moment."""
         table = self._bpf[b"ledger"]
         try:
-            return [(abi.RawLedgerKey.from_buffer_copy(k), abi.RawLedgerValue.from_buffer_copy(v))
-                    for k, v in table.items_lookup_batch()]
-        except Exception:
-            return [(abi.RawLedgerKey.from_buffer_copy(k), abi.RawLedgerValue.from_buffer_copy(v))
-                    for k, v in table.items()]
+            batch = table.items_lookup_batch()
+            pairs = itertools.chain([next(batch)], batch)  # the first next() makes the batch calls
+        except StopIteration:
+            return
+        except Exception:  # kernels without batched lookups
+            pairs = table.items()
+        for key, value in pairs:
+            yield abi.RawLedgerKey.from_buffer_copy(key), abi.RawLedgerValue.from_buffer_copy(value)
 
     def delete_ledger_keys(self, keys: list[abi.RawLedgerKey]) -> None:
         table = self._bpf[b"ledger"]
