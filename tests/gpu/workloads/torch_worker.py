@@ -82,12 +82,32 @@ def malloc_free_pairs(count, depth):
     return (time.perf_counter_ns() - start) / count
 
 
+def allocate_on_devices_from_threads(devices, count, step_bytes):
+    """One thread per device: each sets its device (thread-local in CUDA and torch) and allocates."""
+    import threading
+
+    made = {}
+
+    def allocate(device):
+        torch.cuda.set_device(device)
+        made[device] = allocate_tensors(count, step_bytes)
+
+    threads = [threading.Thread(target=allocate, args=(device,)) for device in devices]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [tensor for device in devices for tensor in made[device]]
+
+
 def stats():
     if DEVICE != "cuda":
         return {}
     torch.cuda.synchronize()
     return {"memory_reserved": torch.cuda.memory_reserved(),
-            "memory_allocated": torch.cuda.memory_allocated()}
+            "memory_allocated": torch.cuda.memory_allocated(),
+            "reserved_by_device": {str(device): torch.cuda.memory_reserved(device)
+                                   for device in range(torch.cuda.device_count())}}
 
 
 def live_storages():
@@ -146,13 +166,19 @@ def main():
         if op == "init":
             torch.cuda.init()
             torch.cuda.set_device(command.get("device", 0))
-            answer = {"device_count": torch.cuda.device_count()}
+            answer = {"device_count": torch.cuda.device_count(),
+                      "uuids": [str(torch.cuda.get_device_properties(device).uuid)
+                                for device in range(torch.cuda.device_count())]}
         elif op == "alloc":
             tensors = allocate_tensors(command["count"], command["step_bytes"])
             kept.extend(tensors)
             answer = {"tensors": [{"data_ptr": t.data_ptr(),
                                    "nbytes": t.untyped_storage().nbytes()} for t in tensors]}
             del tensors  # only `kept` holds them, so "free" really frees them
+        elif op == "alloc_threads":
+            kept.extend(allocate_on_devices_from_threads(command["devices"], command["count"],
+                                                         command["step_bytes"]))
+            answer = {}
         elif op == "leak":
             leak_one_per_step(command["steps"], command["size_bytes"])
             answer = {"kept": len(kept)}
