@@ -354,6 +354,7 @@ class Tracer:
             self.probes.set_python_target(pid, None)
 
     def _forget_process(self, pid: int) -> None:
+        self.ledger.forget_counters(pid)
         self.processes.forget(pid)
         self._forget_python(pid)
         self.discovery.forget_pid(pid)

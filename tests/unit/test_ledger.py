@@ -150,3 +150,19 @@ def test_bytes_by_stack_counts_physical_memory_once_per_allocation():
     ledger.apply(host)
     assert ledger.bytes_by_stack() == {(PID, 7): (3 * MiB, 3), (PID, 9): (2 * MiB, 2)}
     assert ledger.bytes_by_stack(pid=PID + 1) == {}
+
+
+def test_an_exited_process_leaves_no_counters():
+    ledger = Ledger()
+    malloc(ledger, 0x1000, MiB)
+    free(ledger, 0x1000)
+    malloc(ledger, 0x1000, MiB)
+    free(ledger, 0x9000)  # never seen: an unknown free
+    malloc(ledger, 0x1000, MiB, pid=PID + 1)
+    ledger.drop_process(PID, before_ns=1 << 62)
+    assert ledger.implicit_frees_total[PID] == 2 and ledger.unknown_frees_total
+    ledger.forget_counters(PID)
+    assert all(key[0] != PID for key in [*ledger.allocations_total, *ledger.frees_total,
+                                         *ledger.unknown_frees_total])
+    assert PID not in ledger.implicit_frees_total
+    assert ledger.allocations_total[(PID + 1, Layer.DRIVER)] == 1  # the others keep theirs
