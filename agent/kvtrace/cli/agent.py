@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -105,6 +106,10 @@ class AgentCommand:
             return ExitCode.OK
         if any(pid <= 0 for pid in args.pid):
             raise CommandError("--pid takes a positive process id", ExitCode.USAGE)
+        missing = [pid for pid in args.pid if not os.path.exists(f"/proc/{pid}")]
+        if missing:
+            raise CommandError(f"no process {', '.join(map(str, missing))} here: -p follows running processes "
+                               f"(of this pid namespace); use --cmdline for ones yet to start", ExitCode.USAGE)
         try:
             cmdline = re.compile(args.cmdline) if args.cmdline else None
         except re.error as error:
