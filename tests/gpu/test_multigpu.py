@@ -75,7 +75,7 @@ def test_one_process_allocating_on_two_gpus_from_two_threads(torch_worker, worke
     uuids, socket = nvml_uuids(), worker_agent
     env = {"CUDA_VISIBLE_DEVICES": visible} if visible else {}
     worker = torch_worker(env, title="VLLM::Worker_TP0")
-    init = worker.send(op="init")
+    init = worker.send(op="init", uuids=True)
     answer = worker.send(op="alloc_threads", devices=[0, 1], count=7, step_bytes=MiB)
     reserved = {(worker.pid, int(device)): size for device, size in answer["reserved_by_device"].items()}
     rows = wait_for_rows(socket, reserved)
@@ -95,7 +95,7 @@ def test_tensor_parallel_workers_land_on_their_gpus_in_the_trace_and_in_nvml(tor
     workers, expected = {}, {}
     for rank in (0, 1):
         worker = torch_worker(env, title=f"VLLM::Worker_TP{rank}")
-        init = worker.send(op="init", device=rank)
+        init = worker.send(op="init", device=rank, uuids=True)
         answer = worker.send(op="alloc", count=5 + 10 * rank, step_bytes=MiB)
         workers[rank] = worker
         # the CUDA ordinal `rank` of this process is NVML's GPU with the same UUID

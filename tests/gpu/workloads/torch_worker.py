@@ -105,9 +105,7 @@ def stats():
         return {}
     torch.cuda.synchronize()
     return {"memory_reserved": torch.cuda.memory_reserved(),
-            "memory_allocated": torch.cuda.memory_allocated(),
-            "reserved_by_device": {str(device): torch.cuda.memory_reserved(device)
-                                   for device in range(torch.cuda.device_count())}}
+            "memory_allocated": torch.cuda.memory_allocated()}
 
 
 def live_storages():
@@ -166,9 +164,10 @@ def main():
         if op == "init":
             torch.cuda.init()
             torch.cuda.set_device(command.get("device", 0))
-            answer = {"device_count": torch.cuda.device_count(),
-                      "uuids": [str(torch.cuda.get_device_properties(device).uuid)
-                                for device in range(torch.cuda.device_count())]}
+            answer = {"device_count": torch.cuda.device_count()}
+            if command.get("uuids"):  # the CUDA ordinals' GPUs, to match NVML's (multi-GPU tests)
+                answer["uuids"] = [str(torch.cuda.get_device_properties(device).uuid)
+                                   for device in range(torch.cuda.device_count())]
         elif op == "alloc":
             tensors = allocate_tensors(command["count"], command["step_bytes"])
             kept.extend(tensors)
@@ -178,7 +177,9 @@ def main():
         elif op == "alloc_threads":
             kept.extend(allocate_on_devices_from_threads(command["devices"], command["count"],
                                                          command["step_bytes"]))
-            answer = {}
+            torch.cuda.synchronize()
+            answer = {"reserved_by_device": {str(device): torch.cuda.memory_reserved(device)
+                                             for device in command["devices"]}}
         elif op == "leak":
             leak_one_per_step(command["steps"], command["size_bytes"])
             answer = {"kept": len(kept)}
