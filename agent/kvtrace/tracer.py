@@ -98,6 +98,7 @@ class Tracer:
         self.resyncs = 0
         self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
         self._selected: set[int] = set()
+        self._swept_exited: set[int] = set()  # selected pids whose exit sweep_exited has handled
         # Following pids chosen at start (-p): probes go on those processes only, so that the others
         # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
         self._per_pid_attach = False
@@ -332,9 +333,17 @@ class Tracer:
                  "every process" if pid == -1 else f"pid {pid}", sorted(target.pids))
 
     def sweep_exited(self) -> None:
-        """Drops processes that exited without us seeing the event (lost, or before we started)."""
-        for pid in self.ledger.pids() | self._selected:
+        """Drops processes that exited without us seeing the event (lost, or before we started).
+
+        A pid chosen with -p stays selected after its process is gone (a new process with that pid
+        is followed too), so it is dropped once, not at every sweep: dropping reads the whole
+        kernel ledger."""
+        # (one that is alive again is a new process with that pid: swept again when it exits)
+        self._swept_exited = {pid for pid in self._swept_exited & self._selected if not psutil.pid_exists(pid)}
+        for pid in self.ledger.pids() | (self._selected - self._swept_exited):
             if not psutil.pid_exists(pid):
+                if pid in self._selected:
+                    self._swept_exited.add(pid)
                 now_ns = time.time_ns()
                 dropped = self.ledger.drop_process(pid, before_ns=now_ns)
                 self._drop_in_kernel(pid, now_ns)

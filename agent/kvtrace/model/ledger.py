@@ -175,11 +175,9 @@ class Ledger:
     def forget_counters(self, pid: int) -> None:
         """After the process is gone: its per-pid counters go too, or a host that runs many short
         CUDA processes would grow the agent without end. Its entries are dropped by drop_process."""
-        for counter in (self.allocations_total, self.frees_total):
+        for counter in (self.allocations_total, self.frees_total, self.unknown_frees_total):  # (pid, ...)
             for key in [key for key in counter if key[0] == pid]:
                 del counter[key]
-        for key in [key for key in self.unknown_frees_total if key[0] == pid]:
-            del self.unknown_frees_total[key]
         self.implicit_frees_total.pop(pid, None)
 
     def resync(self, entries: Iterable[Outstanding]) -> None:
