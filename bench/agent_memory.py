@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import ROOT, code_version, progress, require_bpf  # noqa: E402
+from benchlib import ROOT, CpuMeter, code_version, progress, require_bpf  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 from agent_process import AgentProcess  # noqa: E402
@@ -55,21 +55,12 @@ TARGET = textwrap.dedent("""
 """)
 
 
-def cpu_fraction(process, seconds: float) -> float:
-    before = process.cpu_times()
-    time.sleep(seconds)
-    after = process.cpu_times()
-    return (after.user + after.system - before.user - before.system) / seconds
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allocations", type=int, default=1_000_000)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     args = parser.parse_args()
     require_bpf()
-    import psutil
-
     from kvtrace.client import AgentClient
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
@@ -82,11 +73,11 @@ def main() -> int:
     entries = 2 * args.allocations
     with AgentProcess(work / "kvtrace.sock", "-p", str(target.pid), "--no-nvml",
                       "--max-ledger-entries", str(entries + 65536)) as agent:
-        process = psutil.Process(agent.process.pid)
+        meter = CpuMeter(agent.process.pid)
         time.sleep(2)
-        rss_before = process.memory_info().rss
+        rss_before = meter.rss_bytes()
         progress(f"agent RSS {rss_before >> 20} MiB; idle for {args.idle_seconds:.0f} s")
-        idle_before = cpu_fraction(process, args.idle_seconds)
+        idle_before = meter.over(args.idle_seconds)
         progress(f"{args.allocations} cudaMalloc calls")
         started = time.monotonic()
         target.stdin.write(f"{args.allocations} {SIZE_BYTES}\n")
@@ -103,10 +94,10 @@ def main() -> int:
                 time.sleep(1)
             counters = dict(client.info().counters)
         settled_seconds = time.monotonic() - started
-        rss_after = process.memory_info().rss
+        rss_after = meter.rss_bytes()
         progress(f"ledger settled after {settled_seconds:.0f} s; idle for {args.idle_seconds:.0f} s")
-        idle_after = cpu_fraction(process, args.idle_seconds)
-        rss_peak = max(rss_after, process.memory_info().rss)
+        idle_after = meter.over(args.idle_seconds)
+        rss_peak = max(rss_after, meter.rss_bytes())
         target.kill()
     exact = traced == args.allocations * SIZE_BYTES
     print(f"agent memory, {time.strftime('%Y-%m-%d %H:%M')}; measured: {code_version()}")

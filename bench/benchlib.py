@@ -25,8 +25,8 @@ from cuda_stubs import StubBuild, Workload, build_stubs  # noqa: E402
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings  # noqa: E402
 from kvtrace.tracer import Tracer, TracerOptions  # noqa: E402
 
-__all__ = ["EMPTY_PROGRAM", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "Pump", "median",
-           "progress", "require_bpf", "counters_delta", "foreign_uprobes", "Guard", "code_version",
+__all__ = ["EMPTY_PROGRAM", "empty_probes", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "Pump", "median",
+           "progress", "require_bpf", "counters_delta", "rotated", "CpuMeter", "foreign_uprobes", "Guard", "code_version",
            "bpf_stats", "program_ns", "body_ns_per_pair"]
 
 
@@ -35,6 +35,18 @@ EMPTY_PROGRAM = b"""
 int empty_entry(struct pt_regs *ctx) { return 0; }
 int empty_return(struct pt_regs *ctx) { return 0; }
 """
+
+
+def empty_probes(points):
+    """A loaded EMPTY_PROGRAM with an entry and a return probe on each (path, symbol, pid) of
+    `points` (pid -1: every process)."""
+    from bcc import BPF
+
+    bpf = BPF(text=EMPTY_PROGRAM)
+    for path, symbol, pid in points:
+        bpf.attach_uprobe(name=str(path).encode(), sym=symbol.encode(), fn_name=b"empty_entry", pid=pid)
+        bpf.attach_uretprobe(name=str(path).encode(), sym=symbol.encode(), fn_name=b"empty_return", pid=pid)
+    return bpf
 
 
 def code_version() -> str:
@@ -186,7 +198,42 @@ def body_ns_per_pair(bpf, run, pairs: int) -> tuple[float, dict[str, float]]:
 
 
 def median(values) -> float:
-    return statistics.median(values)
+    """The median; NaN for no values (a mode with no clean run), so reports print instead of fail."""
+    return statistics.median(values) if values else float("nan")
+
+
+def rotated(items, round_index: int) -> list:
+    """The items in round `round_index`'s order: rotated by one each round, so that no mode always
+    runs first (or right after the same other mode)."""
+    items = list(items)
+    shift = round_index % len(items)
+    return items[shift:] + items[:shift]
+
+
+class CpuMeter:
+    """CPU seconds a process used between start() and stop(), as a fraction of one core; its RSS."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.process = psutil.Process(pid)
+
+    def start(self) -> None:
+        times = self.process.cpu_times()
+        self._cpu, self._wall = times.user + times.system, time.monotonic()
+
+    def stop(self) -> float:
+        times = self.process.cpu_times()
+        return (times.user + times.system - self._cpu) / (time.monotonic() - self._wall)
+
+    def over(self, seconds: float) -> float:
+        """The fraction over the next `seconds` (sleeps that long)."""
+        self.start()
+        time.sleep(seconds)
+        return self.stop()
+
+    def rss_bytes(self) -> int:
+        return self.process.memory_info().rss
 
 
 def counters_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

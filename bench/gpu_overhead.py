@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ for _path in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "gpu" / "workload
     sys.path.insert(0, str(_path))
 
 from agent_process import AgentProcess  # noqa: E402
-from benchlib import EMPTY_PROGRAM, code_version, progress, require_bpf  # noqa: E402
+from benchlib import CpuMeter, code_version, empty_probes, median, progress, require_bpf, rotated  # noqa: E402
 from worker_client import TorchWorker  # noqa: E402
 
 PAIR_GOAL_RATIO = 1.5
@@ -83,51 +82,13 @@ def start_workers(names: list[str], new_tokens: int) -> dict[str, TorchWorker]:
 def attach_empty_probes(pids: list[int]):
     """Empty entry/return probes on every function kvtrace would probe in each process's libraries,
     for that process only."""
-    from bcc import BPF
-
     from kvtrace.sources.discovery import Discovery
 
-    bpf = BPF(text=EMPTY_PROGRAM)
-    count = 0
-    for pid in pids:
-        for target in Discovery().scan_pid(pid):
-            for symbol in target.symbols:
-                bpf.attach_uprobe(name=target.path.encode(), sym=symbol.encode(), fn_name=b"empty_entry", pid=pid)
-                bpf.attach_uretprobe(name=target.path.encode(), sym=symbol.encode(), fn_name=b"empty_return",
-                                     pid=pid)
-                count += 2
-    progress(f"empty probes: {count} attached for pids {pids}")
+    points = [(target.path, symbol, pid) for pid in pids
+              for target in Discovery().scan_pid(pid) for symbol in target.symbols]
+    bpf = empty_probes(points)
+    progress(f"empty probes: {2 * len(points)} attached for pids {pids}")
     return bpf
-
-
-class CpuMeter:
-    """CPU seconds a process used between start() and stop(), as a fraction of one core."""
-
-    def __init__(self, pid: int) -> None:
-        import psutil
-
-        self.process = psutil.Process(pid)
-
-    def start(self) -> None:
-        times = self.process.cpu_times()
-        self._cpu, self._wall = times.user + times.system, time.monotonic()
-
-    def stop(self) -> float:
-        times = self.process.cpu_times()
-        return (times.user + times.system - self._cpu) / (time.monotonic() - self._wall)
-
-    def rss_bytes(self) -> int:
-        return self.process.memory_info().rss
-
-
-def rotated(items, round_index):
-    items = list(items)
-    shift = round_index % len(items)
-    return items[shift:] + items[:shift]
-
-
-def median(values):
-    return statistics.median(values) if values else float("nan")
 
 
 def agent_counters(socket: Path) -> dict[str, int]:

@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (EMPTY_PROGRAM, Guard, Pump, Workload, body_ns_per_pair, bpf_stats,  # noqa: E402
-                      build_copies, code_version, counters_delta, median, progress, require_bpf,
-                      scoped_tracer)
+from benchlib import (Guard, Pump, Workload, body_ns_per_pair, bpf_stats,  # noqa: E402
+                      build_copies, code_version, counters_delta, empty_probes, median, progress,
+                      require_bpf, rotated, scoped_tracer)
 
 GOAL_RATIO = 1.25
 MODES = ("untraced", "empty", "kvtrace")
@@ -33,14 +33,8 @@ ATTACH_POINTS = (("libcudart", "cudaMalloc"), ("libcudart", "cudaFree"),
 
 
 def load_empty_probes(build):
-    from bcc import BPF
-
-    bpf = BPF(text=EMPTY_PROGRAM)
-    for library, symbol in ATTACH_POINTS:
-        path = str(build.libcudart if library == "libcudart" else build.libcuda).encode()
-        bpf.attach_uprobe(name=path, sym=symbol.encode(), fn_name=b"empty_entry", pid=-1)
-        bpf.attach_uretprobe(name=path, sym=symbol.encode(), fn_name=b"empty_return", pid=-1)
-    return bpf
+    return empty_probes((build.libcudart if library == "libcudart" else build.libcuda, symbol, -1)
+                        for library, symbol in ATTACH_POINTS)
 
 
 def run_loop(build, pairs: int, on_ready=None, on_done=None) -> float:
@@ -105,7 +99,7 @@ def main() -> int:
 
             hooks = {"untraced": {}, "empty": {}, "kvtrace": {"on_ready": follow, "on_done": check_ledger}}
             for round_index in range(args.rounds):
-                for mode in MODES[round_index % 3:] + MODES[:round_index % 3]:
+                for mode in rotated(MODES, round_index):
                     results[mode].append(guard.measure(
                         round_index, mode, lambda: run_loop(builds[mode], args.pairs, **hooks[mode])))
                 progress(f"round {round_index + 1}/{args.rounds}: " + ", ".join(

@@ -26,7 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from benchlib import (Guard, Pump, Workload, body_ns_per_pair, bpf_stats, build_copies,  # noqa: E402
-                      code_version, counters_delta, median, progress, require_bpf, scoped_tracer)
+                      code_version, counters_delta, median, progress, require_bpf, rotated,
+                      scoped_tracer)
 
 TARGET = HERE / "stack_target.py"
 DEPTHS = (5, 20, 60)
@@ -112,7 +113,7 @@ def main() -> int:
                 before = {mode: tracer.counters() for mode, tracer in tracers.items()}
             progress(f"stacks tracer sees the target as: {target_info}")
             for round_index in range(args.rounds):
-                order = MODES[round_index % 3:] + MODES[:round_index % 3]
+                order = rotated(MODES, round_index)
                 for mode in order:
                     runs = guard.measure(round_index, mode, lambda: [
                         targets[mode].run(frames, args.pairs) for frames in DEPTHS])

@@ -1,5 +1,6 @@
 """GPU tests: real CUDA through torch, run on the GPU machine (see README.md here)."""
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,16 @@ def source_line(marker: str, path: Path = WORKER) -> int:
         if marker in line:
             return number
     raise AssertionError(marker)
+
+
+def wait_for(predicate, timeout_seconds: float):
+    """predicate()'s first true value, polled every 0.5 s; its last value at the timeout."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
 
 
 @pytest.fixture

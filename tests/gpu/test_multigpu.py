@@ -9,12 +9,12 @@ agent puts NVML's per-process figure on the same pid and GPU (matched by UUID, n
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from agent_process import AgentProcess
+from conftest import wait_for
 
 MiB = 1 << 20
 
@@ -52,13 +52,12 @@ def growth_by_pid_device(socket: Path) -> dict[tuple[int, int], object]:
 
 def wait_for_rows(socket: Path, expected: dict[tuple[int, int], int], timeout_seconds: float = 30):
     """The agent's rows once each (pid, CUDA device) holds the expected bytes with an NVML figure."""
-    deadline = time.monotonic() + timeout_seconds
-    while True:
+    def settled():
         rows = growth_by_pid_device(socket)
-        if all(key in rows and rows[key].outstanding_bytes == size and rows[key].HasField("nvml_used_bytes")
-               for key, size in expected.items()) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.5)
+        return rows if all(key in rows and rows[key].outstanding_bytes == size
+                           and rows[key].HasField("nvml_used_bytes") for key, size in expected.items()) else None
+
+    return wait_for(settled, timeout_seconds) or growth_by_pid_device(socket)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent_process import AgentProcess, kvtrace
-from conftest import LLAMA, WORKER, source_line
+from conftest import LLAMA, WORKER, source_line, wait_for
 from harness import TracerHarness
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 
@@ -208,15 +208,6 @@ def nvml_processes() -> list[tuple[int, int | None]]:
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     return [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
-
-
-def wait_for(predicate, timeout_seconds: float):
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
 
 
 def test_two_titled_workers_are_attributed_apart_and_nvml_agrees(torch_worker, agent_socket):
