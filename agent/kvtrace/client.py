@@ -22,7 +22,7 @@ import grpc
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ConfigError, config_from_args
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.stacks import Frame, Stack

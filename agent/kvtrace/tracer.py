@@ -27,8 +27,8 @@ from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings
 from kvtrace.sources.discovery import Discovery, Target
-from kvtrace.sources.pyruntime import NoPython, PythonTarget, inspect_python
-from kvtrace.sources.pystacks import NativeSymbolizer, Symbolizer
+from kvtrace.sources.python.runtime import NoPython, PythonTarget, inspect_python
+from kvtrace.sources.python.symbolize import NativeSymbolizer, Symbolizer
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import pytest
 from cuda_stubs import Workload
 from kvtrace.model.events import Api, Event, Kind, Layer
 from kvtrace.model.stacks import UNKNOWN_FUNCTION
-from kvtrace.sources.pyruntime import NoPython, PythonTarget
+from kvtrace.sources.python.runtime import NoPython, PythonTarget
 
 PYENV_VERSIONS = Path("/root/.pyenv/versions")
 TARGET = Path(__file__).resolve().parent / "pytargets" / "alloc_target.py"

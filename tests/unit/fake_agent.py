@@ -16,11 +16,11 @@ from pathlib import Path
 
 from kvtrace.analysis.analyzer import Analyzer, ledger_view
 from kvtrace.analysis.leaks import LeakReport
-from kvtrace.analysis.state import AnalysisSnapshot
+from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.config import ApiConfig
-from kvtrace.export.backend import AgentInfo, ComponentHealth, OutstandingTotal, TrackedProcess
-from kvtrace.export.grpc_server import AgentServer, ServerLimits
-from kvtrace.export.hub import EventHub
+from kvtrace.servers.backend import AgentInfo, ComponentHealth, OutstandingTotal, TrackedProcess
+from kvtrace.servers.api import AgentServer, ServerLimits
+from kvtrace.servers.hub import EventHub
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import Ledger
 from kvtrace.model.processes import ProcessInfo

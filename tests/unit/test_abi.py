@@ -6,7 +6,7 @@ import pytest
 
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.attach import ALL_SYMBOLS
+from kvtrace.sources.bpf.symbols import ALL_SYMBOLS
 
 HEADER = (abi.probes_dir() / "kvtrace.h").read_text()
 SOURCE = (abi.probes_dir() / "kvtrace.bpf.c").read_text()

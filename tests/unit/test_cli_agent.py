@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from kvtrace.cli.errors import ExitCode
+from kvtrace.errors import ExitCode
 
 NO_SUCH_PID = "4194999"  # above the largest pid_max Linux allows (4194304)
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from fake_agent import MiB, FakeBackend, event, served
 from fake_nvml import GiB, FakeGpu, FakeNvml
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.cli.leaks import human_duration, human_rate
 from kvtrace.cli.main import main
 from kvtrace.cli.top import render_frame

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from kvtrace.cli.doctor import process_findings
-from kvtrace.cli.errors import ExitCode
+from kvtrace.errors import ExitCode
 
 
 def test_missing_process_is_a_usage_problem():

@@ -15,10 +15,10 @@ from fake_agent import MiB, FakeBackend, event, own_group, served, short_directo
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.client import AgentClient, event_from_proto, event_to_json_dict, stack_from_proto
 from kvtrace.config import ApiConfig
-from kvtrace.export.grpc_server import (SERVICE_NAME, AgentServer, ServerLimits, ServerSetupError,
+from kvtrace.servers.api import (SERVICE_NAME, AgentServer, ServerLimits, ServerSetupError,
                                         encode_page_token, event_to_proto)
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.stacks import Frame, Stack

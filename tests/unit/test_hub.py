@@ -4,7 +4,7 @@ import threading
 import time
 
 from fake_agent import MiB, event
-from kvtrace.export.hub import EventFilter, EventHub, Lost
+from kvtrace.servers.hub import EventFilter, EventHub, Lost
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from fake_nvml import GiB, FakeGpu, FakeNvml
-from kvtrace.analysis.state import GpuMemory
+from kvtrace.model.findings import GpuMemory
 from kvtrace.sources.nvml import (NvmlProcessMemory, NvmlSampler, PynvmlBackend, nvml_index_for_cuda_ordinal,
                                   read_cuda_visible_devices)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.cli.doctor import DoctorCommand
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.cli.main import main
 from kvtrace.sources.bpf import preflight
 from kvtrace.sources.bpf.preflight import Finding

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace import __version__
-from kvtrace.analysis.state import AnalysisSnapshot, ComponentStatus, GpuMemory, LeakSuspect, ProcessGpu
-from kvtrace.export.prometheus import (DEFAULT_LISTEN, METRIC_NAMES, METRICS, TITLE_MAX_CHARS,
+from kvtrace.model.findings import AnalysisSnapshot, ComponentStatus, GpuMemory, LeakSuspect, ProcessGpu
+from kvtrace.servers.prometheus import (DEFAULT_LISTEN, METRIC_NAMES, METRICS, TITLE_MAX_CHARS,
                                        KvtraceCollector, LedgerCounts, MetricsServer, MetricsSetupError,
                                        TracerMetricsSource, add_metrics_flags, metric_title,
                                        metrics_server_from_args, parse_listen)

@@ -24,7 +24,7 @@ from typing import Callable, Collection
 from kvtrace.analysis.growth import (LONG_WINDOW_SECONDS, MIN_FORECAST_HISTORY_SECONDS, NS_PER_SECOND, Growth,
                                      SlidingFit, WindowIncrease, free_ratio, time_to_oom_seconds)
 from kvtrace.analysis.leaks import LeakReport, SiteKey, find_suspects, rank_suspects, survey_sites
-from kvtrace.analysis.state import AnalysisSnapshot, ComponentStatus, LeakSuspect, ProcessGpu
+from kvtrace.model.findings import AnalysisSnapshot, ComponentStatus, LeakSuspect, ProcessGpu
 from kvtrace.model.events import Layer, Memory
 from kvtrace.model.ledger import Ledger, Outstanding, TotalsKey
 from kvtrace.model.stacks import Stack, StackTable

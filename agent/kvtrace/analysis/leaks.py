@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Mapping, NamedTuple
 
-from kvtrace.analysis.state import LeakSuspect
+from kvtrace.model.findings import LeakSuspect
 from kvtrace.model.events import Layer, Memory, ObjectKind
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.stacks import Stack

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.config import ConfigError, add_api_flags, config_from_args
 from kvtrace.model.events import Event, Layer, Memory
 
@@ -33,9 +33,9 @@ def _json_printer(tracer, out):
 
 
 def _serve(tracer, config, analyzer):
-    from kvtrace.export.grpc_server import AgentServer, ServerSetupError
-    from kvtrace.export.hub import EventHub
-    from kvtrace.export.tracer_backend import TracerBackend
+    from kvtrace.servers.api import AgentServer, ServerSetupError
+    from kvtrace.servers.hub import EventHub
+    from kvtrace.servers.tracer_backend import TracerBackend
 
     backend = TracerBackend(tracer, EventHub(), analyzer)
     server = AgentServer(backend, config)
@@ -92,7 +92,7 @@ class AgentCommand:
                             help="forecast time-to-OOM only from this much history of a process "
                                  "(default: %(default)g; less reads the start-up as a leak)")
         add_api_flags(parser)
-        from kvtrace.export.prometheus import add_metrics_flags
+        from kvtrace.servers.prometheus import add_metrics_flags
 
         add_metrics_flags(parser)
         parser.add_argument("-v", "--verbose", action="store_true", help="log attach/detach details")
@@ -153,7 +153,7 @@ class AgentCommand:
         from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
         from kvtrace.sources.nvml import NvmlSampler
 
-        from kvtrace.export.prometheus import (MetricsSetupError, TracerMetricsSource,
+        from kvtrace.servers.prometheus import (MetricsSetupError, TracerMetricsSource,
                                                metrics_server_from_args)
 
         nvml = NvmlSampler() if args.nvml else None

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from kvtrace.cli.errors import ExitCode
+from kvtrace.errors import ExitCode
 
 EPILOG = """examples:
   sudo kvtrace doctor          # run it as the agent would run: root sees what the agent sees
@@ -54,7 +54,7 @@ def process_findings(pid: int) -> list:
     from kvtrace.sources.bpf.preflight import (Finding, process_has_seccomp_filter,
                                                uretprobe_seccomp_risk)
     from kvtrace.sources.discovery import Discovery
-    from kvtrace.sources.pyruntime import NoPython, inspect_python
+    from kvtrace.sources.python.runtime import NoPython, inspect_python
 
     name = f"pid {pid}"
     if not os.path.exists(f"/proc/{pid}"):

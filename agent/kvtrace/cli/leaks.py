@@ -6,7 +6,7 @@ import json
 import sys
 
 from kvtrace.cli.agent import human_bytes
-from kvtrace.cli.errors import ExitCode
+from kvtrace.errors import ExitCode
 from kvtrace.cli.tail import add_pid_flag
 from kvtrace.client import AgentClient, leak_report_to_json_dict
 from kvtrace.config import add_socket_flag

@@ -8,7 +8,7 @@ import sys
 from typing import Protocol
 
 from kvtrace import __version__
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 
 # name -> module under kvtrace.cli; the module defines <Name>Command.
 COMMANDS = ("agent", "doctor", "tail", "snapshot", "ps", "top", "leaks")

@@ -7,7 +7,7 @@ import sys
 from collections import defaultdict
 
 from kvtrace.cli.agent import human_bytes
-from kvtrace.cli.errors import ExitCode
+from kvtrace.errors import ExitCode
 from kvtrace.client import AgentClient, process_to_json_dict
 from kvtrace.config import add_socket_flag
 from kvtrace.model.events import Layer, Memory

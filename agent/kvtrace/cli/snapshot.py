@@ -8,7 +8,7 @@ import time
 from collections import defaultdict
 
 from kvtrace.cli.agent import human_bytes
-from kvtrace.cli.errors import ExitCode
+from kvtrace.errors import ExitCode
 from kvtrace.cli.tail import add_pid_flag
 from kvtrace.client import AgentClient, outstanding_to_json_dict, wire_enum_name
 from kvtrace.config import add_socket_flag

@@ -8,7 +8,7 @@ import sys
 import time
 
 from kvtrace.cli.agent import human_bytes
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.client import AgentClient, event_from_proto, stack_from_proto
 from kvtrace.config import add_socket_flag
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind, Layer

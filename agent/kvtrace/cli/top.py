@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtrace.cli.agent import human_bytes
-from kvtrace.cli.errors import ExitCode
+from kvtrace.errors import ExitCode
 from kvtrace.cli.leaks import human_duration, signed_bytes
 from kvtrace.cli.tail import add_pid_flag
 from kvtrace.client import AgentClient, optional_field

@@ -15,7 +15,7 @@ from pathlib import Path
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from kvtrace.sources.bpf.attach import ALL_SYMBOLS, TRIGGER_SYMBOLS
+from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TRIGGER_SYMBOLS
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Callable, Protocol, Sequence
 
 import psutil
 
-from kvtrace.analysis.state import ComponentStatus, GpuMemory
+from kvtrace.model.findings import ComponentStatus, GpuMemory
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A Python target for the stack tests (tests/integration/test_pystacks.py): calls the stub
+"""A Python target for the stack tests (tests/integration/test_python_stacks.py): calls the stub
 cudaMalloc from known Python call sites and prints, for each call, the stack it expects the tracer
 to report.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.attach import entry_function, return_function
+from kvtrace.sources.bpf.symbols import entry_function, return_function
 
 log = logging.getLogger(__name__)
 

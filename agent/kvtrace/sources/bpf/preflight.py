@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvtrace.cli.errors import CommandError, ExitCode
+from kvtrace.errors import CommandError, ExitCode
 
 # Bit numbers from include/uapi/linux/capability.h.
 CAP_SYS_PTRACE = 19

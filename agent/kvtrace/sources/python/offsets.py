@@ -2,7 +2,7 @@
 
 Checked against the prototype (FACTS.md) and, at attach time, against the target's own
 PyCode_Type.tp_members / PyFrame_Type.tp_members and, on 3.13, _Py_DebugOffsets
-(sources/pyruntime.py). Anything not in this table is refused with a reason, never guessed.
+(sources/python/runtime.py). Anything not in this table is refused with a reason, never guessed.
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtrace.analysis.leaks import LeakReport
-from kvtrace.analysis.state import AnalysisSnapshot
-from kvtrace.export.hub import EventHub
+from kvtrace.model.findings import AnalysisSnapshot
+from kvtrace.servers.hub import EventHub
 from kvtrace.model.events import Layer, Memory
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import ProcessInfo

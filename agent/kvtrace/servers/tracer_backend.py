@@ -12,9 +12,9 @@ import time
 from kvtrace import __version__
 from kvtrace.analysis.analyzer import Analyzer
 from kvtrace.analysis.leaks import LeakReport
-from kvtrace.analysis.state import AnalysisSnapshot
-from kvtrace.export.backend import AgentInfo, ComponentHealth, OutstandingTotal, TrackedProcess
-from kvtrace.export.hub import EventHub
+from kvtrace.model.findings import AnalysisSnapshot
+from kvtrace.servers.backend import AgentInfo, ComponentHealth, OutstandingTotal, TrackedProcess
+from kvtrace.servers.hub import EventHub
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import ProcessInfo
 from kvtrace.model.stacks import Stack

@@ -23,7 +23,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame, NativeFrame
-from kvtrace.sources.pyoffsets import NOT_PRESENT, PyOffsets
+from kvtrace.sources.python.offsets import NOT_PRESENT, PyOffsets
 
 SUPPORTED_VERSIONS = ((3, 10), (3, 11), (3, 12), (3, 13))
 

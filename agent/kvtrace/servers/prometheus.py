@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_wsgi_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtrace import __version__
-from kvtrace.analysis.state import AnalysisSnapshot
+from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
 from kvtrace.model.ledger import Ledger, TotalsKey
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame, NativeFrame, Stack, StackTable
-from kvtrace.sources import pystacks
-from kvtrace.sources.pyoffsets import GLIBC_SPECIFIC_1STBLOCK, GLIBC_SPECIFIC_ENTRY_SIZE, OFFSETS
-from kvtrace.sources.pystacks import (MemoryReadError, NativeSymbolizer, ProcessMemory,
+from kvtrace.sources.python import symbolize
+from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK, GLIBC_SPECIFIC_ENTRY_SIZE, OFFSETS
+from kvtrace.sources.python.symbolize import (MemoryReadError, NativeSymbolizer, ProcessMemory,
                                       Symbolizer, UnsupportedPythonError, line_for_offset,
                                       read_unicode)
 
@@ -366,7 +366,7 @@ def test_line_tables_in_process():
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="co_positions is 3.11+")
 @pytest.mark.parametrize("function", [line_for_offset, Symbolizer.symbolize, inspect.getsource,
-                                      dis.dis, pystacks._line_location_table])
+                                      dis.dis, symbolize._line_location_table])
 def test_line_for_offset_every_instruction(function):
     code = function.__code__
     for unit, position in enumerate(code.co_positions()):

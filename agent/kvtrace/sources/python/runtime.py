@@ -17,7 +17,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from kvtrace.sources.pyoffsets import (GLIBC_SPECIFIC_1STBLOCK_KEYS, NOT_PRESENT, OFFSETS,
+from kvtrace.sources.python.offsets import (GLIBC_SPECIFIC_1STBLOCK_KEYS, NOT_PRESENT, OFFSETS,
                                        PyOffsets)
 
 log = logging.getLogger(__name__)

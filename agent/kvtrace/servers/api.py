@@ -42,10 +42,10 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.analysis.leaks import LeakReport
-from kvtrace.analysis.state import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
+from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
 from kvtrace.config import ApiConfig
-from kvtrace.export.backend import AgentBackend, AgentInfo, TrackedProcess
-from kvtrace.export.hub import EventFilter, Lost
+from kvtrace.servers.backend import AgentBackend, AgentInfo, TrackedProcess
+from kvtrace.servers.hub import EventFilter, Lost
 from kvtrace.model.events import Api, Event, Kind, Layer
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import ProcessInfo
