@@ -23,9 +23,12 @@ for _path in (ROOT / "tests", ROOT / "tests" / "integration", ROOT / "agent"):
 
 from cuda_stubs import StubBuild, Workload, build_stubs  # noqa: E402
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings  # noqa: E402
-from kvtrace.tracer import Tracer, TracerOptions  # noqa: E402
+from kvtrace.model.processes import ProcessTable  # noqa: E402
+from kvtrace.session import Session  # noqa: E402
+from kvtrace.sources import procfs  # noqa: E402
+from kvtrace.sources.bpf.source import BpfOptions, BpfSource  # noqa: E402
 
-__all__ = ["EMPTY_PROGRAM", "empty_probes", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "Pump", "median",
+__all__ = ["EMPTY_PROGRAM", "empty_probes", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "counters_of", "Pump", "median",
            "progress", "require_bpf", "counters_delta", "rotated", "CpuMeter", "foreign_uprobes", "Guard", "code_version",
            "bpf_stats", "program_ns", "body_ns_per_pair"]
 
@@ -56,11 +59,11 @@ def code_version() -> str:
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
 
-    measured = ("probes", "agent/kvtrace/tracer.py", "agent/kvtrace/sources", "agent/kvtrace/model")
+    measured = ("probes", "agent/kvtrace/session.py", "agent/kvtrace/sources", "agent/kvtrace/model")
     changed = git("status", "--porcelain", "--untracked-files=no", "--", *measured).splitlines()
     return f"commit {git('rev-parse', '--short', 'HEAD') or '?'}" + (
         f" + uncommitted changes in {len(changed)} files of the tracing path" if changed else
-        " (tracing path: probes/, tracer.py, sources/, model/ as committed)")
+        " (tracing path: probes/, session.py, sources/, model/ as committed)")
 
 
 def progress(message: str) -> None:
@@ -104,16 +107,39 @@ def _scoped_probes_factory(lib_dir: Path):
     return factory
 
 
-def scoped_tracer(build: StubBuild, python_stacks: bool = True, sinks=None) -> Tracer:
-    """A started Tracer that follows only pids given to follow() and probes only build's libraries."""
-    options = TracerOptions(only_selected=True, python_stacks=python_stacks,
-                            preattach_globs=(str(build.lib_dir / "*.so.*"),))
-    tracer = Tracer(options, sinks=sinks, probes_factory=_scoped_probes_factory(build.lib_dir))
+class _CallSink:
+    """A Session sink from a plain callable (the benchmarks count what they see)."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def publish(self, event) -> None:
+        self.call(event)
+
+    def publish_loss(self, lost_count: int) -> None:
+        pass
+
+
+def scoped_tracer(build: StubBuild, python_stacks: bool = True, sinks=None) -> BpfSource:
+    """A started BPF source (with its own Session) that follows only pids given to follow() and
+    probes only build's libraries; `sinks` are callables given every event."""
+    options = BpfOptions(only_selected=True, python_stacks=python_stacks,
+                         preattach_globs=(str(build.lib_dir / "*.so.*"),))
+    session = Session(ProcessTable(procfs.read_process))
+    for sink in sinks or ():
+        session.add_sink(_CallSink(sink))
+    tracer = BpfSource(session, options, probes_factory=_scoped_probes_factory(build.lib_dir))
     started = time.monotonic()
     tracer.start()
     progress(f"tracer (python_stacks={python_stacks}) started in {time.monotonic() - started:.1f} s, "
              f"attached: {sorted(tracer.probes.attached())}")
     return tracer
+
+
+def counters_of(tracer: BpfSource) -> dict[str, int]:
+    """The probes' counters now, with what the Session counted (events_seen, resyncs)."""
+    return {**tracer.counters(), "events_seen": tracer.session.events_total,
+            "resyncs": tracer.session.resyncs_total}
 
 
 class Pump:
@@ -123,7 +149,7 @@ class Pump:
     tracer bug does not end a long benchmark; the scripts print what was caught.
     """
 
-    def __init__(self, tracers: list[Tracer], timeout_ms: int = 50) -> None:
+    def __init__(self, tracers: list[BpfSource], timeout_ms: int = 50) -> None:
         self.tracers = tracers
         self.timeout_ms = timeout_ms
         self.lock = threading.Lock()
@@ -152,12 +178,12 @@ class Pump:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def drain(self, tracer: Tracer, seconds: float = 0.5) -> None:
+    def drain(self, tracer: BpfSource, seconds: float = 0.5) -> None:
         """Lets the pump run until nothing arrived for `seconds`."""
         last = -1
         while True:
             with self.lock:
-                seen = tracer.events_seen
+                seen = tracer.session.events_total
             if seen == last:
                 return
             last = seen

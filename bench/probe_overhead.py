@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (Guard, Pump, Workload, body_ns_per_pair, bpf_stats,  # noqa: E402
                       build_copies, code_version, counters_delta, empty_probes, median, progress,
-                      require_bpf, rotated, scoped_tracer)
+                      counters_of, require_bpf, rotated, scoped_tracer)
 
 GOAL_RATIO = 1.25
 MODES = ("untraced", "empty", "kvtrace")
@@ -75,19 +75,19 @@ def main() -> int:
     checked = {"runs": 0}
     failures: list[str] = []
     bodies = {}
-    base_counters = tracer.counters()
+    base_counters = counters_of(tracer)
     try:
         with Pump([tracer]) as pump:
             def follow(pid):
                 with pump.lock:
                     tracer.follow(pid)
-                    checked["before"] = tracer.counters()
+                    checked["before"] = counters_of(tracer)
 
             def check_ledger(pid):
                 # The loop has ended and the process is still alive: its ledger must be empty, and
                 # every call must have been counted (submitted or lost), 4 per pair.
                 with pump.lock:
-                    after = tracer.counters()
+                    after = counters_of(tracer)
                     left = [e for e in tracer.kernel_ledger() if e.key.pid == pid]
                 delta = counters_delta(after, checked["before"])
                 counted = delta["events_submitted"] + delta["events_lost"]
@@ -107,7 +107,7 @@ def main() -> int:
                     for mode in MODES) + " ns/pair")
             pump.drain(tracer)
             with pump.lock:
-                counters = counters_delta(tracer.counters(), base_counters)
+                counters = counters_delta(counters_of(tracer), base_counters)
             if args.bpf_stats:
                 with bpf_stats():
                     bodies["empty"] = body_ns_per_pair(

@@ -26,8 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from benchlib import (Guard, Pump, Workload, body_ns_per_pair, bpf_stats, build_copies,  # noqa: E402
-                      code_version, counters_delta, median, progress, require_bpf, rotated,
-                      scoped_tracer)
+                      code_version, counters_delta, counters_of, median, progress, require_bpf,
+                      rotated, scoped_tracer)
 
 TARGET = HERE / "stack_target.py"
 DEPTHS = (5, 20, 60)
@@ -70,12 +70,12 @@ class StackStats:
     """Sink: stack status of every allocation event, and the stack ids seen."""
 
     def __init__(self) -> None:
-        self.status: Counter[str] = Counter()
+        self.status: Counter[str] = Counter()  # by StackStatus name
         self.stack_ids: Counter[int] = Counter()
 
     def __call__(self, event) -> None:
         if event.kind.name == "ALLOC":
-            self.status[event.stack_status] += 1
+            self.status[event.stack_status.name.lower()] += 1
             if event.stack_id:
                 self.stack_ids[event.stack_id] += 1
 
@@ -110,7 +110,7 @@ def main() -> int:
                         tracers[mode].follow(targets[mode].pid)
             with pump.lock:
                 target_info = tracers["stacks"].python.get(targets["stacks"].pid)
-                before = {mode: tracer.counters() for mode, tracer in tracers.items()}
+                before = {mode: counters_of(tracer) for mode, tracer in tracers.items()}
             progress(f"stacks tracer sees the target as: {target_info}")
             for round_index in range(args.rounds):
                 order = rotated(MODES, round_index)
@@ -135,10 +135,10 @@ def main() -> int:
             for tracer in tracers.values():
                 pump.drain(tracer)
             with pump.lock:
-                counters = {mode: counters_delta(tracer.counters(), before[mode])
+                counters = {mode: counters_delta(counters_of(tracer), before[mode])
                             for mode, tracer in tracers.items()}
                 stacks_tracer = tracers["stacks"]
-                depth_of_stack = {stack_id: len(stacks_tracer.stacks.get(stack_id).frames)
+                depth_of_stack = {stack_id: len(stacks_tracer.session.stacks.get(stack_id).frames)
                                   for stack_id in stats["stacks"].stack_ids}
                 symbolizer = stacks_tracer.symbolizer
                 kernel_stacks_resolved = len(stacks_tracer._stack_ids)

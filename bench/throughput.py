@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (Guard, Workload, build_copies, code_version, counters_delta,  # noqa: E402
-                      median, progress, require_bpf, scoped_tracer)
+                      counters_of, median, progress, require_bpf, scoped_tracer)
 
 GOAL_CALLS_PER_SECOND = 500_000
 CALLS_PER_PAIR = 4
@@ -44,7 +44,7 @@ def traced_run(tracer, build, pairs: int) -> dict:
         pids = {workload.wait_ready() for workload in workloads}
         for pid in pids:
             tracer.follow(pid)
-        before = tracer.counters()
+        before = counters_of(tracer)
         outputs: list = [None] * PROCESSES
 
         def read(index):
@@ -65,22 +65,22 @@ def traced_run(tracer, build, pairs: int) -> dict:
             longest_loop = max(longest_loop, time.monotonic() - started)
         wall_seconds = time.monotonic() - wall_start
         consumer_cpu = (time.process_time() - cpu_start) / wall_seconds
-        during = counters_delta(tracer.counters(), before)
+        during = counters_delta(counters_of(tracer), before)
         # Drain what is still in the ring, then check the ledgers while both processes are alive.
         idle_since = time.monotonic()
         while time.monotonic() - idle_since < 0.5:
-            seen = tracer.events_seen
+            seen = tracer.session.events_total
             try:
                 tracer.run_once(50)
             except Exception as error:
                 loop_errors.append(f"{type(error).__name__}: {error}")
-            if tracer.events_seen != seen:
+            if tracer.session.events_total != seen:
                 idle_since = time.monotonic()
-        after = counters_delta(tracer.counters(), before)
+        after = counters_delta(counters_of(tracer), before)
         kernel = ledger_view(tracer.kernel_ledger(), pids)
-        python_before_resync = ledger_view(tracer.ledger, pids)
+        python_before_resync = ledger_view(tracer.session.ledger, pids)
         tracer.resync()
-        python = ledger_view(tracer.ledger, pids)
+        python = ledger_view(tracer.session.ledger, pids)
         for workload in workloads:
             if workload.finish() != 0:
                 raise RuntimeError(f"workload {workload.pid} failed: {workload.stderr_text()}")

@@ -1,6 +1,6 @@
-"""Runs the real tracer in the test's own thread and collects what it emits.
+"""Runs the real BPF source and Session in the test's own thread and collects what they emit.
 
-Integration and GPU tests drive a workload process, then pump the tracer until the expected events
+Integration and GPU tests drive a workload process, then pump the source until the expected events
 arrived (or a timeout says what did arrive).
 """
 from __future__ import annotations
@@ -12,7 +12,10 @@ from typing import Callable, Iterable
 import pytest
 
 from kvtrace.model.events import Api, Event, Kind
-from kvtrace.tracer import Tracer, TracerOptions
+from kvtrace.session import Session
+from kvtrace.sources import procfs
+from kvtrace.model.processes import ProcessTable
+from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 
 
 def require_tracing_here() -> None:
@@ -28,21 +31,36 @@ def require_tracing_here() -> None:
         pytest.skip("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
 
 
-class TracerHarness:
+class _Collect:
+    """A Session sink that keeps every event."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = events
+
+    def publish(self, event: Event) -> None:
+        self.events.append(event)
+
+    def publish_loss(self, lost_count: int) -> None:
+        pass
+
+
+class TracingHarness:
     def __init__(self, pids: Iterable[int] = (), **options) -> None:
         self.events: list[Event] = []
-        self.tracer = Tracer(TracerOptions(pids=set(pids), **options), sinks=[self.events.append])
-        self.tracer.start()
+        self.session = Session(ProcessTable(procfs.read_process))
+        self.session.add_sink(_Collect(self.events))
+        self.source = BpfSource(self.session, BpfOptions(pids=set(pids), **options))
+        self.source.start()
 
     def pump(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            self.tracer.run_once(20)
+            self.source.run_once(20)
 
     def pump_until(self, predicate: Callable[[], bool], timeout_seconds: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
-            self.tracer.run_once(20)
+            self.source.run_once(20)
             if predicate():
                 return True
         return predicate()
@@ -53,9 +71,9 @@ class TracerHarness:
                 and (api is None or e.api is api)]
 
     def close(self) -> None:
-        self.tracer.stop()
+        self.source.stop()
 
-    def __enter__(self) -> "TracerHarness":
+    def __enter__(self) -> "TracingHarness":
         return self
 
     def __exit__(self, *exc) -> None:

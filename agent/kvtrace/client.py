@@ -2,12 +2,11 @@
 
     with AgentClient() as agent:                    # unix:///run/kvtrace/kvtrace.sock
         for event in agent.stream_events(pids=[1234]):
-            print(event_to_json_dict(event))
+            print(message_to_json(event))
 
 Failures become `CommandError` with one line that says what to do (start the agent, join the
-group), so a command needs no handling of its own. This module also turns wire messages back into
-the model (`event_from_proto`) and into the JSON objects the CLI prints: the one place that knows
-those shapes on the client side.
+group), so a command needs no handling of its own. kvtrace.wire turns the messages back into the
+model and into the JSON objects the CLI prints.
 """
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ import grpc
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
-from kvtrace.errors import CommandError, ExitCode
 from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ConfigError, config_from_args
-from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
-from kvtrace.model.stacks import Frame, Stack
+from kvtrace.errors import CommandError, ExitCode
+from kvtrace.model.events import Kind, Layer
 
 DEFAULT_TARGET = f"unix://{DEFAULT_SOCKET}"
 # A snapshot page of 10000 entries with long process titles can pass gRPC's default 4 MiB.
@@ -198,118 +196,3 @@ class AgentClient:
 def _permission_denied(path: Path) -> str:
     return (f"permission denied on {path}: add yourself to group {DEFAULT_GROUP} "
             f"(`sudo usermod -aG {DEFAULT_GROUP} $USER`, then log in again), or use sudo")
-
-
-# ---- wire -> model and JSON ----
-
-def _member(enum_type, value: int):
-    """The model enum member for a wire value; None for UNSPECIFIED (0)."""
-    return enum_type(value) if value else None
-
-
-def event_from_proto(message: events_pb2.Event) -> Event | None:
-    """The model event of a wire event; None for events_lost, stack_definition, and events from
-    a newer agent that this client cannot represent."""
-    common = dict(pid=message.pid, tid=message.tid, timestamp_ns=message.timestamp_ns,
-                  comm=message.comm, title=message.title, container=message.container)
-    payload = message.WhichOneof("payload")
-    try:
-        if payload == "allocation":
-            allocation = message.allocation
-            api = Api(allocation.api)
-            aux = allocation.handle if api is Api.cuMemMap else \
-                allocation.freed_bytes if api is Api.cuMemUnmap else 0
-            return Event(kind=Kind(allocation.kind), api=api, layer=_member(Layer, allocation.layer),
-                         object=_member(ObjectKind, allocation.object),
-                         memory=_member(Memory, allocation.memory), size_bytes=allocation.size_bytes,
-                         address=allocation.address, device=allocation.device,
-                         error_code=allocation.error_code, caller_address=allocation.caller_address,
-                         aux=aux, stack_id=allocation.stack_id, stack_status=allocation.stack_status,
-                         **common)
-        if payload == "device_change":
-            change = message.device_change
-            return Event(kind=Kind.SET_DEVICE, api=Api(change.api), layer=_member(Layer, change.layer),
-                         device=change.device, error_code=change.error_code, address=change.context,
-                         caller_address=change.caller_address, **common)
-        if payload == "context_destroy":
-            destroy = message.context_destroy
-            return Event(kind=Kind.CONTEXT_DESTROY, api=Api(destroy.api), layer=_member(Layer, destroy.layer),
-                         device=destroy.device, error_code=destroy.error_code, address=destroy.context,
-                         caller_address=destroy.caller_address, **common)
-        if payload == "process_exit":
-            return Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, **common)
-    except ValueError:  # an enum value this client does not know: a newer agent
-        return None
-    return None
-
-
-def stack_from_proto(stack: events_pb2.Stack) -> tuple[int, Stack]:
-    """(stack_id, model Stack) of a stack_definition; later events refer to it by stack_id."""
-    return stack.stack_id, Stack(tuple(Frame(frame.function, frame.file, frame.line) for frame in stack.frames),
-                                 stack.truncated)
-
-
-def event_to_json_dict(message: events_pb2.Event) -> dict | None:
-    """The JSON object `kvtrace agent --json-events` prints for the same event (None: not an event)."""
-    event = event_from_proto(message)
-    return event.to_json_dict() if event is not None else None
-
-
-def wire_enum_name(enum_type, value: int) -> str | None:
-    """The lower-case model name of a wire enum value ("runtime"); None for UNSPECIFIED (0)."""
-    try:
-        return enum_type(value).name.lower() if value else None
-    except ValueError:
-        return str(value)
-
-
-def outstanding_to_json_dict(entry: service_pb2.OutstandingAllocation) -> dict:
-    """One outstanding object for `kvtrace snapshot --json`, named like the event JSON."""
-    return {
-        "pid": entry.pid, "tid": entry.tid, "comm": entry.comm, "title": entry.title,
-        "container": entry.container, "layer": wire_enum_name(Layer, entry.layer),
-        "object": wire_enum_name(ObjectKind, entry.object), "memory": wire_enum_name(Memory, entry.memory),
-        "api": entry.api_name, "size_bytes": entry.size_bytes, "address": entry.address,
-        "device": entry.device, "timestamp_ns": entry.timestamp_ns,
-        "caller_address": entry.caller_address, "stack_id": entry.stack_id,
-        **({"mapped_count": entry.mapped_count, "released": entry.released}
-           if entry.object == ObjectKind.VMM_HANDLE else {}),
-        **({"handle": entry.handle} if entry.object == ObjectKind.VMM_MAPPING else {}),
-    }
-
-
-def process_to_json_dict(process: service_pb2.Process) -> dict:
-    """One process for `kvtrace ps --json`."""
-    return {
-        "pid": process.pid, "title": process.title, "comm": process.comm, "container": process.container,
-        "totals": [{"device": total.device, "layer": wire_enum_name(Layer, total.layer),
-                    "memory": wire_enum_name(Memory, total.memory), "size_bytes": total.size_bytes,
-                    "object_count": total.object_count} for total in process.totals],
-    }
-
-
-def optional_field(message, name: str):
-    """An optional (has-presence) field's value, None when unset."""
-    return getattr(message, name) if message.HasField(name) else None
-
-
-def leak_report_to_json_dict(response: service_pb2.ListLeakSuspectsResponse) -> dict:
-    """The report of `kvtrace leaks --json`: one object, suspects most suspicious first."""
-    return {
-        "timestamp_ns": response.timestamp_ns, "min_age_seconds": response.min_age_seconds,
-        "allocations_considered": response.allocations_considered,
-        "suspect_allocations": response.suspect_allocations, "suspect_count": response.suspect_count,
-        "suspects": [{
-            "rank": suspect.rank, "pid": suspect.pid, "title": suspect.title, "device": suspect.device,
-            "outstanding_bytes": suspect.outstanding_bytes, "allocation_count": suspect.allocation_count,
-            "oldest_age_seconds": suspect.oldest_age_seconds,
-            "growth_bytes_per_second": suspect.growth_bytes_per_second, "stack_id": suspect.stack_id,
-            "stack": [frame.to_json_dict() for frame in stack_from_proto(suspect.stack)[1].frames]
-            if suspect.HasField("stack") else None,
-            "stack_truncated": suspect.stack.truncated,
-            "caller_address": suspect.caller_address,
-            "native_caller": {"module": suspect.native_caller.module, "symbol": suspect.native_caller.symbol,
-                              "offset": suspect.native_caller.offset}
-            if suspect.HasField("native_caller") else None,
-        } for suspect in response.suspects],
-    }

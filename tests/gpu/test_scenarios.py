@@ -15,7 +15,7 @@ import pytest
 
 from agent_process import AgentProcess, kvtrace
 from conftest import LLAMA, WORKER, source_line, wait_for
-from harness import TracerHarness
+from harness import TracingHarness
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 
 MiB = 1 << 20
@@ -23,23 +23,23 @@ GiB = 1 << 30
 LOAD_TIMEOUT_SECONDS = 300
 
 
-def quiesce(harness: TracerHarness, seconds: float = 0.5) -> None:
+def quiesce(harness: TracingHarness, seconds: float = 0.5) -> None:
     harness.pump(seconds)
 
 
-def runtime_entries(harness: TracerHarness, pid: int) -> dict[int, object]:
+def runtime_entries(harness: TracingHarness, pid: int) -> dict[int, object]:
     """Outstanding cudaMalloc'd blocks of `pid` by address."""
-    return {e.key.address: e for e in harness.tracer.ledger
+    return {e.key.address: e for e in harness.session.ledger
             if e.key.pid == pid and e.key.layer is Layer.RUNTIME and e.key.object is ObjectKind.ALLOCATION}
 
 
-def files_of(harness: TracerHarness, stack_id: int) -> list[str]:
+def files_of(harness: TracingHarness, stack_id: int) -> list[str]:
     if not stack_id:
         return []
-    return [frame.file for frame in harness.tracer.stacks.get(stack_id).frames]
+    return [frame.file for frame in harness.session.stacks.get(stack_id).frames]
 
 
-def through_cache_code(harness: TracerHarness, stack_id: int) -> bool:
+def through_cache_code(harness: TracingHarness, stack_id: int) -> bool:
     return any(Path(file).name == "cache_utils.py" for file in files_of(harness, stack_id))
 
 
@@ -51,13 +51,13 @@ def test_kv_cache_growth_is_attributed_to_transformers_cache_code(torch_worker):
     # GIVEN a Llama in a process without PyTorch's caching (every tensor is a cudaMalloc), warmed up
     worker = torch_worker({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
     failures = []
-    with TracerHarness([worker.pid]) as harness:
+    with TracingHarness([worker.pid]) as harness:
         worker.send(harness, op="init")
         worker.send(harness, LOAD_TIMEOUT_SECONDS, op="llama_load")
         worker.send(harness, op="decode", steps=8)
         worker.send(harness, op="drop_cache")
         quiesce(harness)
-        ledger = harness.tracer.ledger
+        ledger = harness.session.ledger
         baseline = ledger.physical_device_bytes(worker.pid)
         # WHEN it decodes 192 tokens for 4 sequences with transformers' dynamic KV cache
         kv = worker.send(harness, op="decode", steps=192)["kv"]
@@ -72,7 +72,7 @@ def test_kv_cache_growth_is_attributed_to_transformers_cache_code(torch_worker):
         example = next((e for e in blocks.values() if e.key.address == kv[0][0]), None) if kv else None
         if example is not None and example.stack_id:
             print("a KV tensor's stack: " + " <- ".join(
-                f"{f.function} ({Path(f.file).name}:{f.line})" for f in harness.tracer.stacks.get(example.stack_id).frames[:4]))
+                f"{f.function} ({Path(f.file).name}:{f.line})" for f in harness.session.stacks.get(example.stack_id).frames[:4]))
         # THEN every KV tensor is a traced block at its address, of its size, allocated in cache_utils.py
         for address, size in kv:
             entry = blocks.get(address)
@@ -105,18 +105,18 @@ def test_outstanding_equals_what_pytorch_holds_in_each_allocator_mode(torch_work
     # GIVEN the Llama generating (batch 8, 256 + 32 tokens) in one of PyTorch's allocator modes
     worker = torch_worker(MODES[mode])
     failures = []
-    with TracerHarness([worker.pid]) as harness:
+    with TracingHarness([worker.pid]) as harness:
         worker.send(harness, op="init")
         worker.send(harness, LOAD_TIMEOUT_SECONDS, op="llama_load")
         answer = worker.send(harness, op="generate", batch=8, prompt=256, new_tokens=32, calls=1)
         storages = worker.send(harness, op="live_storages")["storages"]
         quiesce(harness)
-        ledger = harness.tracer.ledger
+        ledger = harness.session.ledger
         reserved = answer["memory_reserved"]
         runtime = ledger.outstanding_bytes(worker.pid, layers=[Layer.RUNTIME])
         driver = ledger.outstanding_bytes(worker.pid, layers=[Layer.DRIVER])
         vmm = ledger.outstanding_bytes(worker.pid, layers=[Layer.VMM])
-        kernel = harness.tracer.kernel_ledger()
+        kernel = harness.source.kernel_ledger()
         kernel_physical = sum(e.size_bytes for e in kernel if e.key.pid == worker.pid
                               and e.key.layer in (Layer.DRIVER, Layer.VMM) and e.memory is Memory.DEVICE
                               and e.key.object in (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE))
@@ -148,7 +148,7 @@ def test_out_of_memory_is_reported_with_size_error_and_stack(torch_worker):
     # GIVEN a torch process with the default caching allocator
     worker = torch_worker()
     failures = []
-    with TracerHarness([worker.pid]) as harness:
+    with TracingHarness([worker.pid]) as harness:
         worker.send(harness, op="init")
         # WHEN it asks for 1 TiB (the H200 has 141 GB)
         answer = worker.send(harness, op="oom", size_bytes=1 << 40)
@@ -159,7 +159,7 @@ def test_out_of_memory_is_reported_with_size_error_and_stack(torch_worker):
               f"{[(e.size_bytes, e.error_code) for e in failed]}; failed cuMemAlloc_v2 "
               f"{[(e.size_bytes, e.error_code) for e in failed_driver]}")
         if failed and failed[0].stack_id:
-            frame = harness.tracer.stacks.get(failed[0].stack_id).frames[0]
+            frame = harness.session.stacks.get(failed[0].stack_id).frames[0]
             print(f"failed call's innermost frame: {frame}")
         # THEN the failed call is reported with its size, the CUDA error and the Python stack
         if not answer["oom"]:
@@ -167,7 +167,7 @@ def test_out_of_memory_is_reported_with_size_error_and_stack(torch_worker):
         if not failed:
             failures.append("no failed cudaMalloc reported")
         for event in failed:
-            frames = harness.tracer.stacks.get(event.stack_id).frames if event.stack_id else ()
+            frames = harness.session.stacks.get(event.stack_id).frames if event.stack_id else ()
             if (event.size_bytes, event.error_code) != (1 << 40, 2):  # cudaErrorMemoryAllocation
                 failures.append(f"failed call reported as size {event.size_bytes}, error {event.error_code}")
             if not frames or (frames[0].function, frames[0].line) != ("allocate_too_much", source_line("# OOM_LINE")):
@@ -178,8 +178,8 @@ def test_out_of_memory_is_reported_with_size_error_and_stack(torch_worker):
         if not harness.pump_until(lambda: any(e.address == address for e in harness.of(
                 worker.pid, Kind.ALLOC, Api.cudaMalloc)), 10):
             failures.append("the allocation after the OOM was not traced")
-        if harness.tracer.counters()["events_lost"]:
-            failures.append(f"events lost: {harness.tracer.counters()['events_lost']}")
+        if harness.source.counters()["events_lost"]:
+            failures.append(f"events lost: {harness.source.counters()['events_lost']}")
     check_all(failures)
 
 

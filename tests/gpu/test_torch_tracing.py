@@ -4,7 +4,7 @@ Outputs worth quoting are printed (run with -s).
 """
 from kvtrace.model.events import Api, Kind, Layer
 from conftest import source_line
-from harness import TracerHarness
+from harness import TracingHarness
 
 MiB = 1 << 20
 
@@ -15,7 +15,7 @@ def quiesce(harness, seconds=0.5):
 
 def test_no_caching_23_tensors_are_23_exact_allocations_then_freed(torch_worker):
     worker = torch_worker({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
-    with TracerHarness([worker.pid]) as harness:
+    with TracingHarness([worker.pid]) as harness:
         worker.send(harness, op="init")
         quiesce(harness)
         before = len(harness.of(worker.pid, Kind.ALLOC, Api.cudaMalloc))
@@ -30,26 +30,26 @@ def test_no_caching_23_tensors_are_23_exact_allocations_then_freed(torch_worker)
         assert len(driver) == 23
         # Python stacks name the allocating function and line.
         line = source_line("# ALLOC_LINE")
-        frames = [harness.tracer.stacks.get(e.stack_id).frames[0] for e in runtime]
+        frames = [harness.session.stacks.get(e.stack_id).frames[0] for e in runtime]
         print(f"innermost frame of the first: {frames[0]}")
         assert all(f.function == "allocate_tensors" and f.line == line for f in frames)
 
         addresses = {address for address, _ in expected}
         worker.send(harness, op="free")
         harness.pump_until(lambda: sum(e.address in addresses for e in harness.of(worker.pid, Kind.FREE, Api.cudaFree)) == 23)
-        ledger = harness.tracer.ledger
+        ledger = harness.session.ledger
         outstanding = [e for e in ledger if e.key.pid == worker.pid and e.key.address in addresses]
         assert outstanding == []
 
 
 def _reserved_vs_traced(torch_worker, env, layers):
     worker = torch_worker(env)
-    with TracerHarness([worker.pid]) as harness:
+    with TracingHarness([worker.pid]) as harness:
         worker.send(harness, op="init")
         answer = worker.send(harness, op="alloc", count=23, step_bytes=MiB)
         quiesce(harness)
-        traced = harness.tracer.ledger.outstanding_bytes(pid=worker.pid, layers=layers)
-        kernel = sum(e.size_bytes for e in harness.tracer.kernel_ledger()
+        traced = harness.session.ledger.outstanding_bytes(pid=worker.pid, layers=layers)
+        kernel = sum(e.size_bytes for e in harness.source.kernel_ledger()
                      if e.key.pid == worker.pid and e.key.layer in layers
                      and e.key.object.name in ("ALLOCATION", "VMM_HANDLE"))
         print(f"\n{env}: memory_reserved={answer['memory_reserved']} traced={traced} kernel={kernel}")

@@ -7,24 +7,24 @@ own workload's pid and looks only at that pid.
 import pytest
 
 from cuda_stubs import stub_build  # noqa: F401  (session fixture)
-from harness import TracerHarness, require_tracing_here
+from harness import TracingHarness, require_tracing_here
 
 
 @pytest.fixture(scope="session")
 def session_tracer(stub_build):
     require_tracing_here()
-    harness = TracerHarness(only_selected=True, preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+    harness = TracingHarness(only_selected=True, preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
     yield harness
     harness.close()
 
 
 @pytest.fixture
 def trace(session_tracer):
-    """trace(pid) -> the session's TracerHarness, now also following that pid."""
+    """trace(pid) -> the session's TracingHarness, now also following that pid."""
 
     def follow(*pids):
         for pid in pids:
-            session_tracer.tracer.follow(pid)
+            session_tracer.source.follow(pid)
         return session_tracer
 
     return follow

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent_process import KVTRACE, AgentProcess, kvtrace
 from cuda_stubs import Workload
-from kvtrace.client import AgentClient, event_from_proto
+from kvtrace.client import AgentClient
+from kvtrace.wire import event_from_proto
 from kvtrace.model.events import Api, Kind
 
 MiB = 1 << 20

@@ -7,7 +7,7 @@ outstanding allocations.
 import re
 
 from cuda_stubs import Workload
-from harness import TracerHarness
+from harness import TracingHarness
 from kvtrace.model.events import Api, Kind, Layer
 from kvtrace.sources.bpf.loader import ProbeSettings
 
@@ -16,32 +16,32 @@ def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_
     leaks = 5000  # 10 000 events (runtime + driver) into a 4 KiB ring: most are lost
     with Workload([stub_build.workload, "leak", str(leaks)]) as workload:
         pid = workload.wait_ready()
-        harness = TracerHarness([pid], settings=ProbeSettings(ringbuf_pages=1),
+        harness = TracingHarness([pid], settings=ProbeSettings(ringbuf_pages=1),
                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
         try:
             workload.go()
             calls = workload.read_calls(timeout_s=120)
             harness.pump(1.5)  # past resync_min_seconds: the resync runs
-            tracer = harness.tracer
+            tracer = harness.source
             counters = tracer.counters()
             print(f"\n{leaks} leaks: {counters['events_submitted']} events submitted, "
-                  f"{counters['events_lost']} lost, {tracer.resyncs} resyncs")
+                  f"{counters['events_lost']} lost, {tracer.session.resyncs_total} resyncs")
             assert counters["events_lost"] > 0
             assert counters["events_submitted"] + counters["events_lost"] == 2 * leaks
-            assert tracer.resyncs >= 1
+            assert tracer.session.resyncs_total >= 1
             expected = {c["address"]: c["size_bytes"] for c in calls}
             for layer in (Layer.RUNTIME, Layer.DRIVER):
-                for entries in (tracer.kernel_ledger(), tracer.ledger):
+                for entries in (tracer.kernel_ledger(), tracer.session.ledger):
                     got = {e.key.address: e.size_bytes for e in entries
                            if e.key.pid == pid and e.key.layer is layer}
                     assert got == expected, layer
-            assert tracer.ledger.physical_device_bytes(pid) == sum(expected.values())
+            assert tracer.session.ledger.physical_device_bytes(pid) == sum(expected.values())
         finally:
             harness.close()
 
 
 def test_cmdline_filter_selects_matching_processes_only(session_tracer, stub_build):
-    tracer = session_tracer.tracer
+    tracer = session_tracer.source
     tracer.options.cmdline = re.compile(r"workload hold$")
     try:
         with Workload([stub_build.workload, "hold"]) as wanted, \
@@ -58,7 +58,7 @@ def test_cmdline_filter_selects_matching_processes_only(session_tracer, stub_bui
             session_tracer.pump(0.3)
             assert len(session_tracer.of(wanted_pid, Kind.ALLOC, Api.cudaMalloc)) == 13
             assert session_tracer.of(unwanted_pid) == []
-            assert unwanted_pid not in tracer.ledger.pids()
+            assert unwanted_pid not in tracer.session.ledger.pids()
     finally:
         tracer.options.cmdline = None
 
@@ -69,9 +69,9 @@ def test_pid_option_puts_probes_on_that_process_only(bpf_here_unshared, stub_bui
             Workload([stub_build.workload, "leak", "40"]) as other:
         pid = chosen.wait_ready()
         other_pid = other.wait_ready()
-        harness = TracerHarness([pid], preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        harness = TracingHarness([pid], preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
         try:
-            tracer = harness.tracer
+            tracer = harness.source
             # THEN the probes are planted for that pid only
             attached = {path: tracer.probes.attached_pids(path) for path in tracer.probes.attached()}
             assert attached and all(pids == {pid} for pids in attached.values()), attached

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cuda_stubs import Workload
-from kvtrace.model.events import Api, Event, Kind, Layer
+from kvtrace.model.events import Api, Event, Kind, Layer, StackStatus
 from kvtrace.model.stacks import UNKNOWN_FUNCTION
 from kvtrace.sources.python.runtime import NoPython, PythonTarget
 
@@ -53,7 +53,7 @@ class TracedRun:
     version: str
     pid: int
     calls: list[dict]
-    harness: object  # tests/harness.TracerHarness
+    harness: object  # tests/harness.TracingHarness
 
     def allocs(self, api: Api = Api.cudaMalloc) -> list[Event]:
         return self.harness.of(self.pid, Kind.ALLOC, api)
@@ -68,9 +68,9 @@ class TracedRun:
         return matching[0]
 
     def stack_of(self, event: Event):
-        assert event.stack_status == "ok", event
+        assert event.stack_status is StackStatus.OK, event
         assert event.stack_id != 0, event
-        return self.harness.tracer.stacks.get(event.stack_id)
+        return self.harness.session.stacks.get(event.stack_id)
 
 
 def as_lists(stack) -> list[list]:
@@ -87,7 +87,7 @@ def run_to_done(harness, python: Path, stub_build, *args: str):
     workload = Workload([python, TARGET, stub_build.libcudart, *args])
     try:
         pid = workload.wait_ready()
-        harness.tracer.follow(pid)
+        harness.source.follow(pid)
         workload.go()
         calls = workload.read_calls()
     except BaseException:
@@ -114,7 +114,7 @@ def traced(request, session_tracer, stub_build):
 # ---- supported versions: exact stacks ----
 
 def test_target_is_recognized_and_every_call_traced(traced):
-    target = traced.harness.tracer.python[traced.pid]
+    target = traced.harness.source.python[traced.pid]
     assert isinstance(target, PythonTarget), target
     assert "%d.%d" % target.version == traced.version
     assert [(e.address, e.size_bytes) for e in traced.allocs()] == \
@@ -122,7 +122,7 @@ def test_target_is_recognized_and_every_call_traced(traced):
     assert len(traced.allocs(Api.cuMemAlloc_v2)) == len(traced.calls)
     assert len(traced.harness.of(traced.pid)) == 2 * len(traced.calls)
     assert Counter(e.stack_status for e in traced.harness.of(traced.pid)) == \
-        {"ok": 2 * len(traced.calls)}
+        {StackStatus.OK: 2 * len(traced.calls)}
 
 
 @pytest.mark.parametrize("via", VIAS)
@@ -196,10 +196,10 @@ def test_steady_call_site_is_one_interned_stack(traced, via):
     assert len(calls) == STEADY_CALLS
     assert len({tuple(map(tuple, c["expected"])) for c in calls}) == 1  # one call site
     events = [traced.event_of(call) for call in calls]
-    assert {e.stack_status for e in events} == {"ok"}
+    assert {e.stack_status for e in events} == {StackStatus.OK}
     stack_ids = {e.stack_id for e in events}
     assert len(stack_ids) == 1 and 0 not in stack_ids, stack_ids
-    assert as_lists(traced.harness.tracer.stacks.get(stack_ids.pop())) == calls[0]["expected"]
+    assert as_lists(traced.harness.session.stacks.get(stack_ids.pop())) == calls[0]["expected"]
 
 
 # ---- a process gone before its stacks are symbolized ----
@@ -221,7 +221,7 @@ def test_process_exiting_before_symbolization_gives_unknown_never_wrong_frames(
         assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) >= 2 * len(first))
         interned = {}
         for call, event in zip(first, harness.of(pid, Kind.ALLOC, Api.cudaMalloc)):
-            stack = harness.tracer.stacks.get(event.stack_id)
+            stack = harness.session.stacks.get(event.stack_id)
             assert as_lists(stack) == call["expected"]  # symbolized while alive
             interned[call["case"], call["via"]] = event.stack_id
 
@@ -231,22 +231,22 @@ def test_process_exiting_before_symbolization_gives_unknown_never_wrong_frames(
         assert not Path(f"/proc/{pid}").exists()
         assert harness.pump_until(lambda: harness.of(pid, Kind.PROCESS_EXIT), timeout_seconds=10)
         harness.pump(0.2)
-    tracer = harness.tracer
+    tracer = harness.source
     calls = first + second
     mallocs = harness.of(pid, Kind.ALLOC, Api.cudaMalloc)
     assert [(e.address, e.size_bytes) for e in mallocs] == \
         [(c["address"], c["size_bytes"]) for c in calls]
     assert len(harness.of(pid, Kind.ALLOC, Api.cuMemAlloc_v2)) == len(calls)
-    assert pid not in tracer.ledger.pids()
+    assert pid not in tracer.session.ledger.pids()
     assert [e for e in tracer.kernel_ledger() if e.key.pid == pid] == []
     assert pid not in tracer.python  # forgotten at its exit
     known = unknown = 0
     for call, event in zip(second, mallocs[len(first):]):
-        assert event.stack_status == "ok"
+        assert event.stack_status is StackStatus.OK
         assert event.stack_id != 0
         if call["case"] in seen_before:  # the same stack as in the first batch
             assert event.stack_id == interned[call["case"], call["via"]]
-        stack = tracer.stacks.get(event.stack_id)
+        stack = tracer.session.stacks.get(event.stack_id)
         expected = call["expected"][:MAX_FRAMES]
         assert len(stack.frames) == len(expected)
         for frame, (function, file, line) in zip(stack.frames, expected):
@@ -268,7 +268,7 @@ def test_unsupported_python_39_no_stack_reason_given_allocations_traced(session_
     with workload:
         assert harness.pump_until(lambda: len(harness.of(pid)) >= 2 * len(calls))
         harness.pump(0.2)
-        found = harness.tracer.python[pid]
+        found = harness.source.python[pid]
         assert isinstance(found, NoPython), found
         assert re.search(r"\b3\.9\b", found.reason), found.reason
         events = harness.of(pid)
@@ -277,4 +277,4 @@ def test_unsupported_python_39_no_stack_reason_given_allocations_traced(session_
         assert [(e.address, e.size_bytes) for e in mallocs] == \
             [(c["address"], c["size_bytes"]) for c in calls]
         assert all(e.layer is Layer.RUNTIME for e in mallocs)
-        assert {(e.stack_id, e.stack_status) for e in events} == {(0, "not_python")}
+        assert {(e.stack_id, e.stack_status) for e in events} == {(0, StackStatus.NOT_PYTHON)}

@@ -90,19 +90,19 @@ def test_counts_scenario_exact_events_and_ledger(trace, stub_build):
         host = harness.of(pid, Kind.ALLOC, Api.cudaMallocHost)
         assert all(e.memory is Memory.HOST for e in host) and len(host) == 5
 
-        tracer = harness.tracer
+        tracer = harness.source
         for layer in (Layer.RUNTIME, Layer.DRIVER):
             expected = outstanding_from_manifest(calls, layer)
             if layer is Layer.DRIVER:  # the runtime's allocations are the driver's too
                 expected.update(outstanding_from_manifest(calls, Layer.RUNTIME))
-            assert ledger_view(tracer.ledger, pid, layer) == expected, layer
+            assert ledger_view(tracer.session.ledger, pid, layer) == expected, layer
             assert ledger_view(tracer.kernel_ledger(), pid, layer) == expected, layer
         # 4 cudaMalloc of 20..23 MiB + 6 direct driver allocations of (i+1)*4 KiB, i = 5..10
         device_driver = sum(range(20, 24)) * MiB + sum((i + 1) * 4096 for i in range(5, 11)) + \
             2 * 7168 + 3 * 0  # pitch allocations are device memory; managed are not
         managed = sum(c["size_bytes"] for c in calls if c["api"] == "cudaMallocManaged")
-        assert tracer.ledger.physical_device_bytes(pid) == device_driver
-        assert tracer.ledger.outstanding_bytes(pid, memory=Memory.MANAGED, layers=[Layer.DRIVER]) == managed
+        assert tracer.session.ledger.physical_device_bytes(pid) == device_driver
+        assert tracer.session.ledger.outstanding_bytes(pid, memory=Memory.MANAGED, layers=[Layer.DRIVER]) == managed
         counters = tracer.counters()
         assert counters["events_lost"] == 0 and counters["returns_unpaired"] == 0
 
@@ -126,13 +126,13 @@ def test_vmm_lifecycle_physical_memory_until_released_and_unmapped(trace, stub_b
         assert [e.error_code for e in harness.of(pid, Kind.ALLOC_FAILED, Api.cuMemCreate)] == [2]
         assert len(harness.of(pid, Kind.RELEASE)) == 2  # released while mapped
         unmaps = harness.of(pid, Kind.UNMAP)
-        assert [e.aux for e in unmaps] == [4 * MiB, 0]  # the first unmap freed handles 0 and 1
-        for entries in (harness.tracer.ledger, harness.tracer.kernel_ledger()):
+        assert [e.freed_bytes for e in unmaps] == [4 * MiB, 0]  # the first unmap freed handles 0 and 1
+        for entries in (harness.session.ledger, harness.source.kernel_ledger()):
             handles = ledger_view(entries, pid, Layer.VMM, (ObjectKind.VMM_HANDLE,))
             assert handles == {0x1003: 2 * MiB, 0x1004: 2 * MiB}
             assert len(ledger_view(entries, pid, Layer.VMM, (ObjectKind.VMM_MAPPING,))) == 2
             assert ledger_view(entries, pid, Layer.VMM, (ObjectKind.VMM_RESERVE,)) == {0x7D1000000000: 64 * MiB}
-        assert harness.tracer.ledger.physical_device_bytes(pid, device=3) == 4 * MiB
+        assert harness.session.ledger.physical_device_bytes(pid, device=3) == 4 * MiB
 
 
 def test_context_destroy_frees_what_the_context_held(trace, stub_build):
@@ -140,17 +140,17 @@ def test_context_destroy_frees_what_the_context_held(trace, stub_build):
     with scenario(trace, [stub_build.workload, "context"], 1 + 14 + 3 + 1) as (pid, harness, calls):
         destroy = harness.of(pid, Kind.CONTEXT_DESTROY)
         assert [(e.device, e.error_code) for e in destroy] == [(1, 0)]
-        for entries in (harness.tracer.ledger, harness.tracer.kernel_ledger()):
+        for entries in (harness.session.ledger, harness.source.kernel_ledger()):
             driver = ledger_view(entries, pid, Layer.DRIVER)
             assert len(driver) == 7  # the device-0 allocations stay
             assert all(e.device == 0 for e in entries if e.key.pid == pid)
-        assert harness.tracer.ledger.physical_device_bytes(pid, device=1) == 0
-        assert harness.tracer.ledger.implicit_frees_total[pid] == 3
+        assert harness.session.ledger.physical_device_bytes(pid, device=1) == 0
+        assert harness.session.ledger.implicit_frees_total[pid] == 3
 
 
 def test_statically_linked_executable_is_traced(trace, stub_build):
     with scenario(trace, [stub_build.workload_static, "hold"], 26) as (pid, harness, calls):
-        libraries = [lib for lib in harness.tracer.attached_libraries() if pid in lib.pids]
+        libraries = [lib for lib in harness.source.attached_libraries() if pid in lib.pids]
         assert [lib.path for lib in libraries] == [str(stub_build.workload_static)]
         assert len(harness.of(pid, Kind.ALLOC, Api.cudaMalloc)) == 13
         assert len(harness.of(pid, Kind.ALLOC, Api.cuMemAlloc_v2)) == 13
@@ -163,13 +163,13 @@ def test_library_dlopened_later_under_another_name_is_attached_within_a_second(t
     with Workload([stub_build.dlopen_workload, renamed]) as workload:
         pid = workload.wait_ready()
         harness = trace(pid)
-        assert str(renamed) not in {lib.path for lib in harness.tracer.attached_libraries()}
+        assert str(renamed) not in {lib.path for lib in harness.source.attached_libraries()}
         workload.go()
         workload.expect_line("loaded")
         mapped_at = time.monotonic()
         attached = harness.pump_until(
             lambda: {str(renamed), str(tmp_path / "libcuda.so.1")}
-            <= {lib.path for lib in harness.tracer.attached_libraries()}, timeout_seconds=5)
+            <= {lib.path for lib in harness.source.attached_libraries()}, timeout_seconds=5)
         attach_seconds = time.monotonic() - mapped_at
         print(f"\nlate dlopen attached in {attach_seconds * 1000:.0f} ms")
         assert attached and attach_seconds < 1.0
@@ -186,10 +186,10 @@ def test_killed_process_ledger_empties(trace, stub_build):
         harness = trace(pid)
         workload.go()
         workload.read_calls()
-        assert harness.pump_until(lambda: harness.tracer.ledger.physical_device_bytes(pid) == 13 * MiB)
+        assert harness.pump_until(lambda: harness.session.ledger.physical_device_bytes(pid) == 13 * MiB)
         workload.kill()
-        assert harness.pump_until(lambda: pid not in harness.tracer.ledger.pids(), timeout_seconds=3)
-    assert [e for e in harness.tracer.kernel_ledger() if e.key.pid == pid] == []
+        assert harness.pump_until(lambda: pid not in harness.session.ledger.pids(), timeout_seconds=3)
+    assert [e for e in harness.source.kernel_ledger() if e.key.pid == pid] == []
     assert len(harness.of(pid, Kind.PROCESS_EXIT)) == 1
 
 
@@ -215,14 +215,14 @@ def test_real_libcudart_wheel_attach_size_and_error_35(trace, tmp_path):
     try:
         assert process.stdout.readline().strip() == "ready"
         harness = trace(process.pid)
-        assert any(lib.path.endswith("libcudart.so.12") for lib in harness.tracer.attached_libraries())
+        assert any(lib.path.endswith("libcudart.so.12") for lib in harness.source.attached_libraries())
         process.stdin.write("\n")
         process.stdin.flush()
         assert process.stdout.readline().strip() == "[35]"  # cudaErrorInsufficientDriver: no GPU
         harness.pump_until(lambda: len(harness.of(process.pid)) >= 23)
         failed = harness.of(process.pid, Kind.ALLOC_FAILED, Api.cudaMalloc)
         assert [(e.size_bytes, e.error_code) for e in failed] == [(4096 * (i + 1), 35) for i in range(23)]
-        assert harness.tracer.ledger.failures_total[(Api.cudaMalloc, 35)] == 23
+        assert harness.session.ledger.failures_total[(Api.cudaMalloc, 35)] == 23
     finally:
         process.kill()
         process.wait()

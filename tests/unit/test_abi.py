@@ -75,9 +75,11 @@ def test_every_attached_symbol_has_entry_and_return_probe():
 
 
 def test_stack_status_names_match_header():
+    from kvtrace.model.events import StackStatus
+
     header = defines("KVT_STACK_")
-    assert {name.lower(): value for name, value in header.items()} == \
-        {name: index for index, name in enumerate(abi.STACK_STATUS)}
+    # UNRESOLVED is user space's own verdict: walked, but its frames were gone before they were read
+    assert header == {status.name: status.value for status in StackStatus if status is not StackStatus.UNRESOLVED}
 
 
 def test_stack_struct_matches_header():
@@ -86,7 +88,7 @@ def test_stack_struct_matches_header():
 
 
 def test_event_struct_decodes_the_ctypes_record():
-    from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
+    from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind, StackStatus
     from kvtrace.sources.bpf.decode import Clock, decode_event
 
     assert abi.EVENT_STRUCT.size == ctypes.sizeof(abi.RawEvent)
@@ -94,11 +96,13 @@ def test_event_struct_decodes_the_ctypes_record():
                        aux=9, stack_id=77, pid=42, tid=43, device=-1, error_code=2, api=1, kind=3,
                        layer=1, object=1, memory=1, stack_status=1, comm=b"VLLM::Worker_TP")
     clock = Clock()
-    event, stack_id = decode_event(bytes(raw), clock, None)
+    event, stack_id = decode_event(bytes(raw), clock)
     assert stack_id == 77
     assert (event.kind, event.api, event.layer, event.object, event.memory) == \
         (Kind.ALLOC_FAILED, Api.cudaMalloc, Layer.RUNTIME, ObjectKind.ALLOCATION, Memory.DEVICE)
     assert (event.pid, event.tid, event.address, event.size_bytes, event.device, event.error_code,
-            event.caller_address, event.aux) == (42, 43, 0x7F00, 1 << 20, -1, 2, 0x401000, 9)
+            event.caller_address, event.handle, event.freed_bytes) == (42, 43, 0x7F00, 1 << 20, -1, 2, 0x401000, 0, 0)
     assert event.timestamp_ns == 5 + clock.offset_ns
-    assert event.comm == "VLLM::Worker_TP" and event.stack_status == "ok"
+    assert event.comm == "VLLM::Worker_TP" and event.stack_status is StackStatus.OK
+    raw.api, raw.kind = 42, 6  # cuMemMap: aux is the handle mapped
+    assert decode_event(bytes(raw), clock)[0].handle == 9

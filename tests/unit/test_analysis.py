@@ -7,12 +7,13 @@ import pytest
 
 from fake_agent import TITLES, event
 from fake_nvml import GiB, FakeGpu, FakeNvml
-from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer, ledger_view
+from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
 from kvtrace.analysis.growth import SlidingFit, WindowIncrease, time_to_oom_seconds
 from kvtrace.analysis.leaks import SiteKey, find_suspects, survey_sites
 from kvtrace.model.events import Api, Kind, Layer, Memory
-from kvtrace.model.ledger import Ledger
-from kvtrace.model.stacks import Frame, Stack, StackTable
+from kvtrace.model.ledger import Ledger, ledger_view
+from kvtrace.model.stacks import Frame, Stack
+from kvtrace.session import Session
 from kvtrace.sources.nvml import NvmlSampler
 
 NS = 1_000_000_000
@@ -28,11 +29,12 @@ class Timeline:
 
     def __init__(self, nvml: FakeNvml | None = None, visible: dict[int, str] | None = None,
                  traced_only: bool = False, **options) -> None:
-        self.ledger = Ledger()
-        self.stacks = StackTable()
+        self.session = Session()
+        self.ledger = self.session.ledger
+        self.stacks = self.session.stacks
         self.nvml = nvml
-        sampler = NvmlSampler(nvml) if nvml is not None else None
-        self.analyzer = Analyzer(AnalysisOptions(**options), self.stacks, sampler,
+        self.sampler = NvmlSampler(self.session, nvml) if nvml is not None else None
+        self.analyzer = Analyzer(self.session, AnalysisOptions(**options),
                                  visible_devices=lambda pid: (visible or {}).get(pid))
         self.traced_only = traced_only
         self.second = 0
@@ -62,8 +64,8 @@ class Timeline:
                                 ts=self.now_ns))
 
     def tick(self):
-        if self.analyzer.nvml is not None:
-            self.analyzer.nvml.sample_once()
+        if self.sampler is not None:
+            self.sampler.sample_once()
         snapshot = self.analyzer.update(ledger_view(self.ledger, self.now_ns, self.second * NS,
                                                     titles=dict(TITLES), traced_only=self.traced_only))
         self.second += 1
@@ -311,12 +313,13 @@ def test_a_process_that_exits_leaves_the_analysis():
 def test_a_hung_nvml_does_not_block_the_analysis():
     # GIVEN the sampler's thread stuck in an NVML call
     nvml = FakeNvml(FakeGpu(UUIDS[0]))
-    sampler = NvmlSampler(nvml, interval_seconds=0.01, call_timeout_seconds=0.2)
+    session = Session()
+    sampler = NvmlSampler(session, nvml, interval_seconds=0.01, call_timeout_seconds=0.2)
     sampler.sample_once()
     nvml.hang()
     sampler.start()
-    analyzer = Analyzer(stacks=StackTable(), nvml=sampler, visible_devices=lambda pid: None)
-    ledger = Ledger()
+    analyzer = Analyzer(session, visible_devices=lambda pid: None)
+    ledger = session.ledger
     ledger.apply(event(size=GiB))
     try:
         deadline = time.monotonic() + 5
@@ -327,8 +330,8 @@ def test_a_hung_nvml_does_not_block_the_analysis():
         started = time.monotonic()
         snapshot = analyzer.update(ledger_view(ledger, T0_NS, 0))
         assert time.monotonic() - started < 0.05
-        assert [(c.name, c.up, c.reason.split(" (")[0]) for c in snapshot.components] == [
-            ("nvml", False, "nvml call timed out")]
+        assert [(c.name, c.up, c.reason.split(" (")[0]) for c in session.components()
+                if c.name == "nvml"] == [("nvml", False, "nvml call timed out")]
         assert snapshot.gpus == () and only_row(snapshot).outstanding_bytes == GiB
     finally:
         nvml.release()
@@ -368,14 +371,14 @@ def test_a_report_counts_what_it_considered_and_honours_age_and_pids():
     for second in (0, 30, 60, 90):
         timeline.second = second
         timeline.alloc(MiB, stack_id=site)
-    report = timeline.analyzer.leak_report(list(timeline.ledger), timeline.now_ns, dict(TITLES), 60, pids={200})
+    report = timeline.analyzer.leak_report({200}, 60, wall_ns=timeline.now_ns)
     # THEN "at least 60 s" takes the one exactly 60 s old; the other pid is left out
     assert (report.allocations_considered, report.suspect_allocations, report.suspect_count) == (4, 2, 1)
     assert report.suspects[0].count == 2 and report.suspects[0].oldest_age_seconds == 90.0
-    everything = timeline.analyzer.leak_report(list(timeline.ledger), timeline.now_ns, dict(TITLES), 0)
+    everything = timeline.analyzer.leak_report((), 0, wall_ns=timeline.now_ns)
     assert (everything.allocations_considered, everything.suspect_allocations) == (5, 5)
     assert [s.pid for s in everything.suspects] == [200, 100]  # 4 MiB before 1 MiB
-    default = timeline.analyzer.leak_report(list(timeline.ledger), timeline.now_ns, dict(TITLES))
+    default = timeline.analyzer.leak_report(wall_ns=timeline.now_ns)
     assert default.min_age_seconds == 60.0
 
 

@@ -8,14 +8,15 @@ import time
 import pytest
 from rich.console import Console
 
-from fake_agent import MiB, FakeBackend, event, served
+from fake_agent import MiB, FakeAgent, event, served
 from fake_nvml import GiB, FakeGpu, FakeNvml
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace.errors import CommandError, ExitCode
-from kvtrace.cli.leaks import human_duration, human_rate
+from kvtrace.human import human_duration, human_rate
 from kvtrace.cli.main import main
 from kvtrace.cli.top import render_frame
-from kvtrace.client import AgentClient, optional_field
+from kvtrace.client import AgentClient
+from kvtrace.wire import optional_field
 from kvtrace.model.events import Api, Kind
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.sources.nvml import NvmlSampler
@@ -25,10 +26,11 @@ T0_NS = 1_700_000_000 * NS
 SECONDS = 121
 
 
-def leaky_backend(nvml: NvmlSampler | None = None) -> FakeBackend:
+def leaky_backend(nvml: FakeNvml | None = None) -> FakeAgent:
     """Two minutes of an agent's life: pid 200's `leak_kv` keeps 1 MiB a second, `load_weights` took
     4 GiB at the start, and `forward` allocates and frees; pid 100 holds 1 GiB from native code."""
-    backend = FakeBackend(nvml=nvml)
+    backend = FakeAgent()
+    sampler = NvmlSampler(backend.session, nvml) if nvml is not None else None
     leak = backend.stacks.intern(Stack((Frame("leak_kv", "/app/leak.py", 12), Frame("step", "/app/serve.py", 40))))
     weights = backend.stacks.intern(Stack((Frame("load_weights", "/app/model.py", 7),)))
     forward = backend.stacks.intern(Stack((Frame("forward", "/app/model.py", 30),)))
@@ -39,10 +41,10 @@ def leaky_backend(nvml: NvmlSampler | None = None) -> FakeBackend:
         backend.apply(event(address=0x1000 + second, size=MiB, ts=now_ns, stack_id=leak),
                       event(address=0x9000, size=64 * MiB, ts=now_ns, stack_id=forward),
                       event(kind=Kind.FREE, api=Api.cuMemFree_v2, address=0x9000, size=0, ts=now_ns))
-        if nvml is not None:
-            nvml.sample_once()
+        if sampler is not None:
+            sampler.sample_once()
         backend.analyze(now_ns, second * NS)
-    backend.wall_ns = T0_NS + (SECONDS - 1) * NS
+    backend.freeze_clock(T0_NS + (SECONDS - 1) * NS)
     return backend
 
 
@@ -82,12 +84,13 @@ def test_list_leak_suspects_refuses_bad_requests(arguments, field):
 
 def test_get_growth_before_and_after_the_first_analysis():
     nvml = FakeNvml(FakeGpu("GPU-8e6f0000", processes=[(200, 8 * GiB), (300, None)]))
-    backend = FakeBackend(nvml=NvmlSampler(nvml))
+    backend = FakeAgent()
+    sampler = NvmlSampler(backend.session, nvml)
     with served(backend) as (server, _):
         with AgentClient.for_socket(server.config.socket) as agent:
             before = agent.growth()
             backend.apply(event(size=GiB, ts=T0_NS))
-            backend.analyzer.nvml.sample_once()
+            sampler.sample_once()
             backend.analyze(T0_NS, 0)
             after = agent.growth()
             one = agent.growth(pids=[300])
@@ -107,10 +110,10 @@ def test_get_growth_before_and_after_the_first_analysis():
 def test_the_agent_keeps_serving_while_nvml_hangs():
     # GIVEN the NVML sampler's thread stuck in a call
     nvml = FakeNvml(FakeGpu("GPU-8e6f0000"))
-    sampler = NvmlSampler(nvml, interval_seconds=0.01, call_timeout_seconds=0.1)
+    backend = FakeAgent()
+    sampler = NvmlSampler(backend.session, nvml, interval_seconds=0.01, call_timeout_seconds=0.1)
     nvml.hang()
     sampler.start()
-    backend = FakeBackend(nvml=sampler)
     try:
         with served(backend) as (server, _):
             with AgentClient.for_socket(server.config.socket, timeout_seconds=2) as agent:
@@ -128,7 +131,7 @@ def test_the_agent_keeps_serving_while_nvml_hangs():
         nvml.release()
         sampler.stop()
     assert growth.timestamp_ns == T0_NS and not growth.gpus and info.version
-    assert [(c.name, c.up) for c in backend.analysis().components] == [("nvml", False)]
+    assert [(c.name, c.up) for c in info.components] == [("bpf", True), ("nvml", False), ("analysis", True)]
 
 
 # ---- kvtrace leaks ----
@@ -179,15 +182,15 @@ def test_leaks_without_an_agent_says_how_to_start_it(capsys):
 
 def test_top_once_prints_health_gpus_and_rows_sorted(capsys):
     nvml = FakeNvml(FakeGpu("GPU-8e6f0000", processes=[(200, 6 * GiB), (300, 2 * GiB)]))
-    with served(leaky_backend(NvmlSampler(nvml))) as (server, _):
+    with served(leaky_backend(nvml)) as (server, _):
         assert main(["top", "--once", "--socket", str(server.config.socket)]) == 0
         by_growth = capsys.readouterr().out.splitlines()
         assert main(["top", "--once", "--sort", "outstanding", "--socket", str(server.config.socket)]) == 0
         by_size = capsys.readouterr().out.splitlines()
     assert by_growth[0].startswith("kvtrace 0.1.0 | data ") and by_growth[0].endswith("| sort: growth")
     assert ", NVML 0." in by_growth[0]  # sampled just now; the fake agent's clock is 2023
-    # The fake agent's info: no loss, bpf up, nvml down (its canned reason)
-    assert by_growth[1] == "lost events 0, resyncs 0 | bpf, nvml DOWN: no GPU"
+    # The agent's info: no loss, every component up
+    assert by_growth[1] == "lost events 0, resyncs 0 | bpf, nvml, analysis"
     assert by_growth[2] == "GPU 0 NVIDIA H200: used 20.0 GiB of 140.0 GiB, free 119.0 GiB"
     assert by_growth[4].split() == ["PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s", "1m", "GROW/s", "15m",
                                     "OOM", "IN", "TITLE"]

@@ -8,10 +8,12 @@ import time
 
 import pytest
 
-from fake_agent import MiB, FakeBackend, event, served
+from fake_agent import MiB, TITLES, FakeAgent, event, served
 from kvtrace.cli.main import main
-from kvtrace.cli.tail import HEADER, format_event, parse_size
+from kvtrace.cli.flags import parse_size
+from kvtrace.cli.tail import HEADER, format_event
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
+from kvtrace.wire import event_to_json
 
 
 @pytest.mark.parametrize("text, size_bytes", [
@@ -29,7 +31,7 @@ def test_parse_size_refuses(text):
 
 def test_format_event_fits_the_header_columns():
     line = format_event(event(pid=200, api=Api.cudaMalloc, layer=Layer.RUNTIME, size=MiB,
-                              address=0x7F0000001000, device=1))
+                              address=0x7F0000001000, device=1, title=TITLES[200]))
     clock = time.strftime("%H:%M:%S", time.localtime(1_700_000_000))
     assert line == f"{clock}.000     200 cudaMalloc         runtime    1.0 MiB   1 0x7f0000001000 VLLM::Worker_TP0"
     assert line.index("VLLM") == HEADER.index("TITLE")
@@ -64,12 +66,12 @@ def test_tail_json_prints_the_agent_json_of_the_selected_pid_only():
             for item in wanted:
                 backend.apply(event(pid=100, address=item.address), item)
             lines = [json.loads(tail.stdout.readline()) for _ in range(22)]
-            backend.hub.publish_kernel_loss(7)
+            backend.lose(7)
             assert tail.stderr.readline() == "-- 7 events lost in the kernel ring buffer --\n"
         finally:
             tail.terminate()
             tail.wait(10)
-    assert lines == [item.to_json_dict() for item in wanted[1:]]  # the 1 MiB one is under --min-size
+    assert lines == [event_to_json(item) for item in wanted[1:]]  # the 1 MiB one is under --min-size
 
 
 def test_tail_prints_one_line_per_event_for_people():
@@ -84,7 +86,7 @@ def test_tail_prints_one_line_per_event_for_people():
         finally:
             tail.terminate()
             tail.wait(10)
-    assert line == format_event(event(pid=200, address=0xABC000)) + "\n"
+    assert line == format_event(event(pid=200, address=0xABC000, title=TITLES[200])) + "\n"
 
 
 def test_tail_without_agent_says_what_to_do(tmp_path, capsys):
@@ -108,7 +110,7 @@ def test_tail_refuses_a_bad_regex_before_connecting(capsys):
 
 
 def vmm_and_driver_backend():
-    backend = FakeBackend()
+    backend = FakeAgent()
     backend.apply(
         event(pid=200, address=0x1000, size=2 * MiB, device=0),
         event(pid=200, api=Api.cudaMalloc, layer=Layer.RUNTIME, address=0x1000, size=2 * MiB, device=0),

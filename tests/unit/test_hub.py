@@ -3,7 +3,7 @@ import re
 import threading
 import time
 
-from fake_agent import MiB, event
+from fake_agent import TITLES, MiB, event
 from kvtrace.servers.hub import EventFilter, EventHub, Lost
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 
@@ -58,10 +58,9 @@ def test_kernel_losses_reach_every_subscriber_once():
     first, second = hub.subscribe(), hub.subscribe(max_queued_events=1)
     hub.publish(event(address=1))
     hub.publish(event(address=2))  # second: dropped
-    hub.publish_kernel_loss(5)
-    hub.publish_kernel_loss(5)  # the cumulative counter did not move: nothing new
+    hub.publish_loss(5)
     hub.publish(event(address=3))
-    hub.publish_kernel_loss(8)
+    hub.publish_loss(3)
     assert drain(first) == [event(address=1), event(address=2), Lost(kernel_lost_count=5),
                             event(address=3), Lost(kernel_lost_count=3)]
     # Losses next to each other merge into one marker.
@@ -138,7 +137,7 @@ def test_pid_filter():
 
 
 def test_title_filter_searches_the_title():
-    events = [event(pid=100), event(pid=200), event(pid=300)]
+    events = [event(pid=pid, title=TITLES[pid]) for pid in (100, 200, 300)]
     assert filtered(EventFilter(title_regex=re.compile("Worker_TP\\d")), events) == [events[1]]
     assert filtered(EventFilter(title_regex=re.compile("^VLLM")), events) == events[:2]
 

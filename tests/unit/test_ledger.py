@@ -1,16 +1,17 @@
 """Ledger semantics on synthetic events: layers, VMM lifecycle, implicit and unknown frees."""
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import Ledger, LedgerKey
+from kvtrace.wire import event_to_json
 
 MiB = 1 << 20
 PID = 100
 
 
 def ev(kind, api, layer, address=0, size=0, pid=PID, ts=0, device=0, obj=ObjectKind.ALLOCATION,
-       memory=Memory.DEVICE, aux=0, error=0):
+       memory=Memory.DEVICE, handle=0, error=0):
     return Event(kind=kind, api=api, pid=pid, tid=pid, timestamp_ns=ts, layer=layer, object=obj,
                  memory=memory, size_bytes=size, address=address, device=device, error_code=error,
-                 aux=aux)
+                 handle=handle)
 
 
 def malloc(ledger, address, size, ts=0, pid=PID, device=0):
@@ -53,9 +54,9 @@ def test_failures_are_counted_per_api_and_error_code():
     assert len(ledger) == 0
 
 
-def vmm(kind, api, address, size=0, aux=0, obj=ObjectKind.VMM_HANDLE, device=3, ts=0):
+def vmm(kind, api, address, size=0, handle=0, obj=ObjectKind.VMM_HANDLE, device=3, ts=0):
     memory = Memory.DEVICE if obj is ObjectKind.VMM_HANDLE else Memory.NONE
-    return ev(kind, api, Layer.VMM, address, size, device=device, obj=obj, memory=memory, aux=aux, ts=ts)
+    return ev(kind, api, Layer.VMM, address, size, device=device, obj=obj, memory=memory, handle=handle, ts=ts)
 
 
 def test_vmm_physical_memory_lives_until_released_and_unmapped():
@@ -64,7 +65,7 @@ def test_vmm_physical_memory_lives_until_released_and_unmapped():
     ledger.apply(vmm(Kind.ALLOC, Api.cuMemAddressReserve, base, 64 * MiB, obj=ObjectKind.VMM_RESERVE))
     for i in range(5):
         ledger.apply(vmm(Kind.ALLOC, Api.cuMemCreate, 0x1000 + i, 2 * MiB))
-        ledger.apply(vmm(Kind.MAP, Api.cuMemMap, base + i * 2 * MiB, 2 * MiB, aux=0x1000 + i,
+        ledger.apply(vmm(Kind.MAP, Api.cuMemMap, base + i * 2 * MiB, 2 * MiB, handle=0x1000 + i,
                          obj=ObjectKind.VMM_MAPPING))
     assert ledger.physical_device_bytes(device=3) == 10 * MiB
     # Released while mapped: still held.
@@ -131,7 +132,7 @@ def test_host_and_managed_memory_are_kept_apart_from_device():
 
 def test_json_shape_has_the_documented_keys():
     event = ev(Kind.ALLOC, Api.cudaMalloc, Layer.RUNTIME, 0x1000, MiB)
-    data = event.to_json_dict()
+    data = event_to_json(event)
     for key in ("kind", "pid", "tid", "comm", "title", "api", "layer", "size_bytes", "address",
                 "device", "error_code", "timestamp_ns"):
         assert key in data

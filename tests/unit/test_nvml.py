@@ -8,9 +8,8 @@ import time
 import pytest
 
 from fake_nvml import GiB, FakeGpu, FakeNvml
-from kvtrace.model.findings import GpuMemory
-from kvtrace.sources.nvml import (NvmlProcessMemory, NvmlSampler, PynvmlBackend, nvml_index_for_cuda_ordinal,
-                                  read_cuda_visible_devices)
+from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, nvml_index_for_cuda_ordinal
+from kvtrace.sources.nvml import NvmlSampler, PynvmlBackend, read_cuda_visible_devices
 
 UUIDS = ["GPU-8e6f0a5c-0000-0000-0000-000000000000", "GPU-11aa22bb-0000-0000-0000-000000000000",
          "GPU-11ff0000-0000-0000-0000-000000000000", "GPU-c0ffee00-0000-0000-0000-000000000000"]
@@ -21,7 +20,7 @@ def test_a_round_reports_every_gpu_and_process_with_or_without_a_figure():
     # GIVEN two GPUs; on the second, NVML gives no figure for pid 300 (usedGpuMemory None)
     nvml = FakeNvml(FakeGpu(UUIDS[0], processes=[(200, 3 * GiB)]),
                     FakeGpu(UUIDS[1], used_bytes=5 * GiB, processes=[(300, None), (200, GiB)]))
-    sampler = NvmlSampler(nvml, **FAST)
+    sampler = NvmlSampler(None, nvml, **FAST)
     # WHEN it samples once
     sampler.sample_once()
     # THEN the component is up and the figures are NVML's, None kept as None
@@ -37,7 +36,7 @@ def test_a_lost_gpu_is_down_with_the_reason_and_comes_back_on_its_own():
     # GIVEN two GPUs, and the second is lost
     nvml = FakeNvml(FakeGpu(UUIDS[0]), FakeGpu(UUIDS[1]))
     nvml.gpus[1].lost = True
-    sampler = NvmlSampler(nvml, **FAST)
+    sampler = NvmlSampler(None, nvml, **FAST)
     # WHEN it samples
     sampler.sample_once()
     # THEN nvml is down, saying which GPU, and the other GPU is still reported
@@ -53,7 +52,7 @@ def test_a_lost_gpu_is_down_with_the_reason_and_comes_back_on_its_own():
 
 def test_the_only_gpu_lost_leaves_no_figures_and_reinitialises_when_back():
     nvml = FakeNvml(FakeGpu(UUIDS[0]))
-    sampler = NvmlSampler(nvml, **FAST)
+    sampler = NvmlSampler(None, nvml, **FAST)
     sampler.sample_once()
     nvml.gpus[0].lost = True
     sampler.sample_once()
@@ -68,7 +67,7 @@ def test_the_only_gpu_lost_leaves_no_figures_and_reinitialises_when_back():
 def test_a_hung_call_times_out_marks_nvml_down_and_is_not_called_again_until_it_returns():
     # GIVEN a sampler that has sampled, and then NVML hangs in every call
     nvml = FakeNvml(FakeGpu(UUIDS[0]))
-    sampler = NvmlSampler(nvml, **FAST)
+    sampler = NvmlSampler(None, nvml, **FAST)
     sampler.sample_once()
     nvml.hang()
     try:
@@ -95,7 +94,7 @@ def test_a_hung_call_times_out_marks_nvml_down_and_is_not_called_again_until_it_
 
 def test_the_sampler_thread_keeps_sampling_and_stops():
     nvml = FakeNvml(FakeGpu(UUIDS[0]))
-    sampler = NvmlSampler(nvml, interval_seconds=0.01, **FAST)
+    sampler = NvmlSampler(None, nvml, interval_seconds=0.01, **FAST)
     sampler.start()
     try:
         deadline = time.monotonic() + 5
@@ -116,7 +115,7 @@ def test_the_sampler_thread_keeps_sampling_and_stops():
 def test_no_nvml_or_no_gpu_is_a_state_with_a_reason(setup, reason):
     nvml = FakeNvml(FakeGpu(UUIDS[0]))
     setup(nvml)
-    sampler = NvmlSampler(nvml, **FAST)
+    sampler = NvmlSampler(None, nvml, **FAST)
     sampler.sample_once()
     assert not sampler.status.up and sampler.status.reason == reason and sampler.latest is None
 
@@ -124,7 +123,7 @@ def test_no_nvml_or_no_gpu_is_a_state_with_a_reason(setup, reason):
 def test_a_bug_in_the_backend_marks_nvml_down_rather_than_ending_the_thread():
     nvml = FakeNvml(FakeGpu(UUIDS[0]))
     nvml.device_count = lambda: 1 / 0
-    sampler = NvmlSampler(nvml, **FAST)
+    sampler = NvmlSampler(None, nvml, **FAST)
     sampler.sample_once()
     assert not sampler.status.up and "division by zero" in sampler.status.reason
 
@@ -139,7 +138,7 @@ def test_pynvml_without_the_library_says_so():
         pytest.skip("this machine has NVML")
     except pynvml.NVMLError_LibraryNotFound:
         pass
-    sampler = NvmlSampler(PynvmlBackend(), **{**FAST, "init_timeout_seconds": 10})
+    sampler = NvmlSampler(None, PynvmlBackend(), **{**FAST, "init_timeout_seconds": 10})
     sampler.sample_once()
     assert not sampler.status.up
     assert sampler.status.reason == "NVML library not found (libnvidia-ml.so.1: is the NVIDIA driver installed?)"
@@ -181,7 +180,7 @@ def fake_pynvml(monkeypatch):
 
 
 def test_pynvml_backend_reads_memory_v2_and_falls_back_to_v1(fake_pynvml):
-    sampler = NvmlSampler(PynvmlBackend(), **FAST)
+    sampler = NvmlSampler(None, PynvmlBackend(), **FAST)
     sampler.sample_once()
     assert sampler.status.up
     assert sampler.latest.gpus == (GpuMemory(0, UUIDS[0], "NVIDIA H200", 140 * GiB, 20 * GiB, 119 * GiB, GiB),)
@@ -194,7 +193,7 @@ def test_pynvml_backend_reads_memory_v2_and_falls_back_to_v1(fake_pynvml):
 
 def test_pynvml_backend_names_a_lost_gpu(fake_pynvml):
     fake_pynvml["lost"] = True
-    sampler = NvmlSampler(PynvmlBackend(), **FAST)
+    sampler = NvmlSampler(None, PynvmlBackend(), **FAST)
     sampler.sample_once()
     assert not sampler.status.up
     assert sampler.status.reason == "GPU 0: GPU is lost (NVML_ERROR_GPU_IS_LOST: fallen off the bus or needs a reset)"

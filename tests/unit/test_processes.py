@@ -2,6 +2,7 @@
 import os
 
 from kvtrace.model.processes import ProcessTable, container_id
+from kvtrace.sources.procfs import read_process
 
 ID = "4f2c" * 16
 
@@ -20,7 +21,7 @@ def test_host_processes_have_no_container():
 
 
 def test_title_is_the_full_command_line():
-    info = ProcessTable().get(os.getpid())
+    info = ProcessTable(read_process).get(os.getpid())
     assert info is not None and info.pid == os.getpid()
     assert "pytest" in info.title or "python" in info.title
     assert len(info.comm) <= 15

@@ -1,6 +1,6 @@
-"""The Prometheus exporter over a fake source, scraped over HTTP on 127.0.0.1 (ephemeral port) and
-parsed with prometheus_client's own parser: exact values, label hygiene, degraded states, the
-listener's safety rules and the tracer adapter."""
+"""The Prometheus exporter over a fake agent state, scraped over HTTP on 127.0.0.1 (ephemeral port)
+and parsed with prometheus_client's own parser: exact values, label hygiene, degraded states, the
+listener's safety rules and the real Session as its source."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import math
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -17,15 +18,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace import __version__
-from kvtrace.model.findings import AnalysisSnapshot, ComponentStatus, GpuMemory, LeakSuspect, ProcessGpu
-from kvtrace.servers.prometheus import (DEFAULT_LISTEN, METRIC_NAMES, METRICS, TITLE_MAX_CHARS,
-                                       KvtraceCollector, LedgerCounts, MetricsServer, MetricsSetupError,
-                                       TracerMetricsSource, add_metrics_flags, metric_title,
-                                       metrics_server_from_args, parse_listen)
-from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
-from kvtrace.model.ledger import Ledger, TotalsKey
-from kvtrace.model.processes import ProcessInfo
+from kvtrace.model.agent import ComponentStatus
+from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, ObjectKind
+from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
+from kvtrace.model.ledger import LedgerCounts, TotalsKey
+from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import Frame, Stack
+from kvtrace.servers.prometheus import (DEFAULT_LISTEN, METRIC_NAMES, METRICS, TITLE_MAX_CHARS, KvtraceCollector,
+                                        MetricsServer, MetricsSetupError, add_metrics_flags, check_listen,
+                                        metric_title, parse_listen)
+from kvtrace.session import Session
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -42,7 +44,7 @@ LEAKY_STACK = Stack((Frame("KVCache.grow_forever", "/srv/app/leaky_cache.py", 87
                      Frame("Engine.step", "/srv/app/engine.py", 12)))
 
 
-def synthetic_snapshot(timestamp_ns: int = NOW_NS, components=None) -> AnalysisSnapshot:
+def synthetic_snapshot(timestamp_ns: int = NOW_NS) -> AnalysisSnapshot:
     h200 = 150_754_820_096
     return AnalysisSnapshot(
         timestamp_ns=timestamp_ns,
@@ -59,11 +61,11 @@ def synthetic_snapshot(timestamp_ns: int = NOW_NS, components=None) -> AnalysisS
             LeakSuspect(2, WORKER, TITLES[WORKER], 0, 9, None, CALLER + 64, 2 * GiB, 3, 700.0, 0.0),
             LeakSuspect(3, ENGINE, TITLES[ENGINE], 1, 0, None, CALLER + 128, 512 * MiB, 1, 650.0, 0.0),
         ),
-        components=components if components is not None else (
-            ComponentStatus("bpf", True), ComponentStatus("nvml", True),
-            ComponentStatus("python_stacks", True)),
-        counters={"events_seen": 1, "events_lost": 1},
     )
+
+
+UP = [ComponentStatus("bpf", True), ComponentStatus("nvml", True), ComponentStatus("python_stacks", True),
+      ComponentStatus("analysis", True)]
 
 
 def synthetic_ledger() -> LedgerCounts:
@@ -90,25 +92,31 @@ TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full"
 
 @dataclass
 class FakeSource:
-    """A MetricsSource whose parts can be swapped or made to fail."""
+    """The agent's state and analysis as the exporter reads them; parts can be swapped or fail."""
 
     snapshot_value: AnalysisSnapshot | None = field(default_factory=synthetic_snapshot)
     ledger_value: LedgerCounts = field(default_factory=synthetic_ledger)
     counters_value: dict = field(default_factory=lambda: dict(TRACER_COUNTERS))
     titles: dict = field(default_factory=lambda: dict(TITLES))
+    components_value: list = field(default_factory=lambda: list(UP))
     broken: set = field(default_factory=set)
 
     def _check(self, part):
         if part in self.broken:
             raise RuntimeError(f"{part} is broken")
 
-    def snapshot(self):
+    @property
+    def latest(self):
         self._check("snapshot")
         return self.snapshot_value
 
-    def ledger(self):
+    def ledger_counts(self):
         self._check("ledger")
         return self.ledger_value
+
+    def components(self):
+        self._check("components")
+        return self.components_value
 
     def counters(self):
         self._check("counters")
@@ -121,8 +129,7 @@ class FakeSource:
 
 @contextmanager
 def served(source):
-    collector = KvtraceCollector(source, clock_ns=lambda: NOW_NS + 5 * 10**9)
-    server = MetricsServer(source, "127.0.0.1:0", collector=collector)
+    server = MetricsServer(source, source, "127.0.0.1:0")
     server.start()
     try:
         yield server
@@ -134,12 +141,17 @@ class ProxySource:
     """Lets one served exporter read a different source in each test (a stop takes 0.5 s)."""
 
     target = None
+    analysis = None
 
-    def snapshot(self):
-        return self.target.snapshot()
+    @property
+    def latest(self):
+        return (self.analysis or self.target).latest
 
-    def ledger(self):
-        return self.target.ledger()
+    def ledger_counts(self):
+        return self.target.ledger_counts()
+
+    def components(self):
+        return self.target.components()
 
     def counters(self):
         return self.target.counters()
@@ -166,13 +178,14 @@ def scrape_text(server) -> str:
         return response.read().decode()
 
 
-def scrape(source):
-    """{family name: family} as prometheus_client's parser reads the /metrics text."""
-    _PROXY.target = source
+def scrape(source, analysis=None):
+    """{family name: family} as prometheus_client's parser reads the /metrics text; `source` is the
+    agent's state (and its analysis too, unless `analysis` is given)."""
+    _PROXY.target, _PROXY.analysis = source, analysis
     try:
         text = scrape_text(_SERVED[0])
     finally:
-        _PROXY.target = None
+        _PROXY.target = _PROXY.analysis = None
     return {family.name: family for family in text_string_to_metric_families(text)}
 
 
@@ -299,21 +312,16 @@ def test_no_label_carries_an_address_or_a_stack():
 
 
 def test_component_down_is_exported_as_zero():
-    snapshot = synthetic_snapshot(components=(ComponentStatus("bpf", True),
-                                              ComponentStatus("nvml", False, "NVML library not found")))
-    families = scrape(FakeSource(snapshot_value=snapshot))
+    components = [ComponentStatus("bpf", True), ComponentStatus("nvml", False, "NVML library not found")]
+    families = scrape(FakeSource(components_value=components))
     up = samples(families, "kvtrace_component_up")
     assert up[labels(component="nvml")] == 0
     assert up[labels(component="bpf")] == 1
     assert all("reason" not in dict(key) for key in up)  # reasons are free text: not labels
 
 
-def test_stale_or_missing_snapshot_reports_analysis_down_and_keeps_the_ledger():
-    stale = synthetic_snapshot(timestamp_ns=NOW_NS - 120 * 10**9)
-    families = scrape(FakeSource(snapshot_value=stale))
-    assert samples(families, "kvtrace_component_up")[labels(component="analysis")] == 0
-
-    families = scrape(FakeSource(snapshot_value=None))
+def test_missing_analysis_reports_analysis_down_and_keeps_the_ledger():
+    families = scrape(FakeSource(snapshot_value=None, components_value=[]))
     assert samples(families, "kvtrace_component_up") == {
         labels(component="analysis"): 0, labels(component="exporter"): 1}
     assert len(samples(families, "kvtrace_outstanding_bytes")) == 5
@@ -324,18 +332,24 @@ def test_stale_or_missing_snapshot_reports_analysis_down_and_keeps_the_ledger():
         labels(pid="4242", title=WORKER_TITLE, layer="driver")] == 230
 
 
-def test_analysis_is_up_only_when_fresh_and_not_reported_down():
-    says_down = synthetic_snapshot(components=(ComponentStatus("analysis", False, "stuck"),))
-    families = scrape(FakeSource(snapshot_value=says_down))
-    assert samples(families, "kvtrace_component_up")[labels(component="analysis")] == 0
+def test_analysis_is_up_only_while_it_keeps_reporting():
+    # GIVEN the Session the agent serves: analysis reported up once, then silent past its heartbeat
+    session = Session()
+    session.report_component("analysis", True, stale_after_seconds=0.05, stale_reason="stuck")
+    collector = KvtraceCollector(session, FakeSource(snapshot_value=None))
+    assert _up(collector)["analysis"] == 1
+    time.sleep(0.1)
+    # THEN it is down, in /metrics and in the API alike (one computation)
+    assert _up(collector)["analysis"] == 0
+    assert [(c.name, c.up, c.reason) for c in session.info().components] == [("analysis", False, "stuck")]
 
-    stale_says_up = synthetic_snapshot(timestamp_ns=NOW_NS - 3600 * 10**9,
-                                       components=(ComponentStatus("analysis", True),))
-    families = scrape(FakeSource(snapshot_value=stale_says_up))
-    assert samples(families, "kvtrace_component_up")[labels(component="analysis")] == 0
+
+def _up(collector) -> dict[str, float]:
+    family = next(f for f in collector.collect() if f.name == "kvtrace_component_up")
+    return {sample.labels["component"]: sample.value for sample in family.samples}
 
 
-@pytest.mark.parametrize("part", ["snapshot", "ledger", "counters", "titles"])
+@pytest.mark.parametrize("part", ["snapshot", "ledger", "counters", "titles", "components"])
 def test_a_failing_part_of_the_source_still_gives_a_scrape(part, caplog):
     families = scrape(FakeSource(broken={part}))
     assert samples(families, "kvtrace_component_up")[labels(component="exporter")] == 0
@@ -387,15 +401,15 @@ def test_metric_title(title, expected):
 @pytest.mark.parametrize("listen", ["0.0.0.0:9464", "[::]:9464", "10.1.2.3:9464", "192.168.0.10:0"])
 def test_a_non_loopback_address_is_refused_unless_allowed(listen):
     with pytest.raises(MetricsSetupError, match="--metrics-allow-remote"):
-        MetricsServer(FakeSource(), listen)
-    MetricsServer(FakeSource(), listen, allow_remote=True)  # not started: nothing is bound
+        MetricsServer(FakeSource(), FakeSource(), listen)
+    MetricsServer(FakeSource(), FakeSource(), listen, allow_remote=True)  # not started: nothing is bound
 
 
 @pytest.mark.parametrize("listen, address", [
     ("127.0.0.1:9464", ("127.0.0.1", 9464)), ("[::1]:9500", ("::1", 9500)),
     ("localhost:0", ("localhost", 0)), ("127.0.0.2:9464", ("127.0.0.2", 9464))])
 def test_loopback_addresses_are_accepted(listen, address):
-    assert MetricsServer(FakeSource(), listen).address == address
+    assert MetricsServer(FakeSource(), FakeSource(), listen).address == address
 
 
 @pytest.mark.parametrize("listen", ["9464", "127.0.0.1", "127.0.0.1:http", ":9464", "127.0.0.1:70000"])
@@ -413,14 +427,14 @@ def _refused(host, port) -> bool:
 
 
 def test_stop_closes_the_port_and_it_can_be_served_again():
-    server = MetricsServer(FakeSource(), "127.0.0.1:0", process_metrics=False)
+    server = MetricsServer(FakeSource(), FakeSource(), "127.0.0.1:0", process_metrics=False)
     server.start()
     host, port = server.address
     assert port != 0
     assert "kvtrace_build_info" in scrape_text(server)
     server.stop()
     assert _refused(host, port)
-    again = MetricsServer(FakeSource(), f"127.0.0.1:{port}", process_metrics=False)
+    again = MetricsServer(FakeSource(), FakeSource(), f"127.0.0.1:{port}", process_metrics=False)
     again.start()
     try:
         assert "kvtrace_build_info" in scrape_text(again)
@@ -432,7 +446,7 @@ def test_stop_closes_the_port_and_it_can_be_served_again():
 def test_a_port_in_use_is_one_clear_error(shared_server):
     port = shared_server.address[1]
     with pytest.raises(MetricsSetupError, match=f"cannot serve metrics on 127.0.0.1:{port}.*--metrics-listen"):
-        MetricsServer(FakeSource(), f"127.0.0.1:{port}").start()
+        MetricsServer(FakeSource(), FakeSource(), f"127.0.0.1:{port}").start()
 
 
 def test_concurrent_scrapes(shared_server):
@@ -456,34 +470,14 @@ def test_flags():
     add_metrics_flags(parser)
     args = parser.parse_args([])
     assert args.metrics_listen == DEFAULT_LISTEN == "127.0.0.1:9464" and not args.metrics_allow_remote
-    assert metrics_server_from_args(args, FakeSource()).address == ("127.0.0.1", 9464)
-    assert metrics_server_from_args(parser.parse_args(["--metrics-listen", "off"]), FakeSource()) is None
+    assert check_listen(args.metrics_listen, args.metrics_allow_remote) == ("127.0.0.1", 9464)
     with pytest.raises(MetricsSetupError):
-        metrics_server_from_args(parser.parse_args(["--metrics-listen", "0.0.0.0:9464"]), FakeSource())
-    server = metrics_server_from_args(
-        parser.parse_args(["--metrics-listen", "0.0.0.0:9464", "--metrics-allow-remote"]), FakeSource())
-    assert server.address == ("0.0.0.0", 9464)
+        check_listen("0.0.0.0:9464", False)
+    remote = parser.parse_args(["--metrics-listen", "0.0.0.0:9464", "--metrics-allow-remote"])
+    assert check_listen(remote.metrics_listen, remote.metrics_allow_remote) == ("0.0.0.0", 9464)
 
 
-# ---- the tracer adapter ----
-
-class FakeProcesses:
-    def known(self):
-        return {pid: ProcessInfo(pid, title, title[:15], "", "", 0.0, 0.0) for pid, title in TITLES.items()}
-
-
-class FakeTracer:
-    """What TracerMetricsSource uses of kvtrace.tracer.Tracer: lock, ledger, counters(), processes."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ledger = Ledger()
-        self.processes = FakeProcesses()
-
-    def counters(self):
-        assert self.lock.locked()
-        return dict(TRACER_COUNTERS)
-
+# ---- the Session as the source ----
 
 def _event(kind, api, layer, address, size=0, pid=WORKER, error=0):
     return Event(kind=kind, api=api, pid=pid, tid=pid, timestamp_ns=NOW_NS, layer=layer,
@@ -491,19 +485,23 @@ def _event(kind, api, layer, address, size=0, pid=WORKER, error=0):
                  address=address, device=0, error_code=error)
 
 
-def test_tracer_source_over_a_real_ledger():
-    # GIVEN a ledger that saw 23 cuMemAlloc_v2 of 1 MiB, 7 frees and 2 out-of-memory failures
-    tracer = FakeTracer()
-    for i in range(23):
-        tracer.ledger.apply(_event(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, ADDRESS + i * MiB, MiB))
-    for i in range(7):
-        tracer.ledger.apply(_event(Kind.FREE, Api.cuMemFree_v2, Layer.DRIVER, ADDRESS + i * MiB))
-    for _ in range(2):
-        tracer.ledger.apply(_event(Kind.ALLOC_FAILED, Api.cuMemAlloc_v2, Layer.DRIVER, 0, 80 * GiB, error=2))
-    source = TracerMetricsSource(tracer, snapshot=lambda: None)
+def _titled(pid: int) -> ProcessInfo | None:
+    title = TITLES.get(pid)
+    return ProcessInfo(pid, title, title[:15], "", "", 0.0, time.monotonic()) if title else None
+
+
+def test_the_session_as_source():
+    # GIVEN a Session that took 23 cuMemAlloc_v2 of 1 MiB, 7 frees and 2 out-of-memory failures
+    session = Session(ProcessTable(_titled))
+    session.ingest_many([_event(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, ADDRESS + i * MiB, MiB)
+                         for i in range(23)])
+    session.ingest_many([_event(Kind.FREE, Api.cuMemFree_v2, Layer.DRIVER, ADDRESS + i * MiB) for i in range(7)])
+    session.ingest_many([_event(Kind.ALLOC_FAILED, Api.cuMemAlloc_v2, Layer.DRIVER, 0, 80 * GiB, error=2)] * 2)
+    session.report_counters({"events_submitted": 32, "events_lost": 23})
+    session.ingest(EventsLost(23, NOW_NS))
 
     # WHEN it is scraped
-    families = scrape(source)
+    families = scrape(session, FakeSource(snapshot_value=None))
 
     # THEN the exporter shows the ledger exactly
     w = dict(pid="4242", title=WORKER_TITLE)
@@ -516,16 +514,17 @@ def test_tracer_source_over_a_real_ledger():
     assert samples(families, "kvtrace_allocation_failures_total") == {
         labels(api="cuMemAlloc_v2", error_code="2"): 2}
     assert samples(families, "kvtrace_events_lost_total") == {(): 23}
+    assert samples(families, "kvtrace_events_total") == {(): 32}
     # the copy is a copy: later events do not change what was read
-    counts = source.ledger()
-    tracer.ledger.apply(_event(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, ADDRESS + 99 * MiB, MiB))
+    counts = session.ledger_counts()
+    session.ingest(_event(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, ADDRESS + 99 * MiB, MiB))
     assert counts.allocations_total[(WORKER, Layer.DRIVER)] == 23
     assert counts.totals[TotalsKey(WORKER, 0, Layer.DRIVER, Memory.DEVICE)] == (16 * MiB, 16)
 
 
 def test_collector_works_without_http():
     # the same collector can feed another registry (e.g. a multiprocess or pushgateway setup)
-    collector = KvtraceCollector(FakeSource(), clock_ns=lambda: NOW_NS)
+    collector = KvtraceCollector(FakeSource(), FakeSource())
     names = {family.name for family in collector.collect()}
     assert names == {spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
                      for spec in METRICS}

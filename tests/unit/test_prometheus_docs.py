@@ -38,11 +38,13 @@ def test_the_table_is_exactly_the_exporters_metrics():
 
 def test_the_table_is_exactly_what_a_scrape_shows():
     class Empty:  # an agent with no snapshot yet still describes every metric
-        def snapshot(self):
-            return None
+        latest = None
 
-        def ledger(self):
+        def ledger_counts(self):
             raise RuntimeError("unused")
+
+        def components(self):
+            return []
 
         def counters(self):
             return {}
@@ -51,7 +53,7 @@ def test_the_table_is_exactly_what_a_scrape_shows():
             return {}
 
     registry = CollectorRegistry()
-    registry.register(KvtraceCollector(Empty()))
+    registry.register(KvtraceCollector(Empty(), Empty()))
     scraped = {}
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         name = family.name + "_total" if family.type == "counter" else family.name

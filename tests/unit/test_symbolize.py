@@ -20,9 +20,10 @@ import pytest
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame, NativeFrame, Stack, StackTable
 from kvtrace.sources.python import symbolize
 from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK, GLIBC_SPECIFIC_ENTRY_SIZE, OFFSETS
-from kvtrace.sources.python.symbolize import (MemoryReadError, NativeSymbolizer, ProcessMemory,
-                                      Symbolizer, UnsupportedPythonError, line_for_offset,
-                                      read_unicode)
+from kvtrace.sources.native import NativeSymbolizer
+from kvtrace.wire import frame_to_json
+from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
+from kvtrace.sources.python.symbolize import Symbolizer, UnsupportedPythonError, line_for_offset, read_unicode
 
 PYENV_VERSIONS = Path("/root/.pyenv/versions")
 TARGET_VERSIONS = [(3, 10), (3, 11), (3, 12), (3, 13)]
@@ -523,4 +524,4 @@ def test_stack_table_interns_by_content():
         table.get(0)
     with pytest.raises(KeyError):
         table.get(4)
-    assert inner.to_json_dict() == {"function": "Cls.method", "file": "/a.py", "line": 3}
+    assert frame_to_json(inner) == {"function": "Cls.method", "file": "/a.py", "line": 3}

@@ -1,8 +1,10 @@
-"""The analyzer: turns the ledger and NVML into an AnalysisSnapshot once per interval.
+"""The analyzer: turns the Session's ledger and NVML samples into an AnalysisSnapshot once per
+interval.
 
-The agent calls `tick(tracer)` in the tracer thread after each poll. Once per interval it copies
-what it needs under the tracer's lock (a `LedgerView`) and analyses the copy without the lock.
-Exporters read `latest` from any thread: one immutable snapshot, replaced whole.
+The agent loop calls `tick()` after each poll. Once per interval it copies what it needs from the
+Session (a `LedgerView`, taken under the Session's lock) and analyses the copy without the lock.
+Servers read `latest` from any thread: one immutable snapshot, replaced whole; and ask for leak
+reports at any age (`leak_report`).
 
 Per process and GPU it keeps a series of traced physical bytes (driver + VMM layers), one sample a
 tick from the ledger's running totals, and fits growth over 1 and 15 min (growth.py). Allocation
@@ -16,20 +18,28 @@ agent started).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Collection
 
-from kvtrace.analysis.growth import (LONG_WINDOW_SECONDS, MIN_FORECAST_HISTORY_SECONDS, NS_PER_SECOND, Growth,
-                                     SlidingFit, WindowIncrease, free_ratio, time_to_oom_seconds)
-from kvtrace.analysis.leaks import LeakReport, SiteKey, find_suspects, rank_suspects, survey_sites
-from kvtrace.model.findings import AnalysisSnapshot, ComponentStatus, LeakSuspect, ProcessGpu
-from kvtrace.model.events import Layer, Memory
-from kvtrace.model.ledger import Ledger, Outstanding, TotalsKey
-from kvtrace.model.stacks import Stack, StackTable
-from kvtrace.sources.nvml import NvmlSample, NvmlSampler, nvml_index_for_cuda_ordinal, read_cuda_visible_devices
-
+from kvtrace.analysis.growth import (
+    LONG_WINDOW_SECONDS,
+    MIN_FORECAST_HISTORY_SECONDS,
+    NS_PER_SECOND,
+    Growth,
+    SlidingFit,
+    WindowIncrease,
+    free_ratio,
+    time_to_oom_seconds,
+)
+from kvtrace.analysis.leaks import SiteKey, find_suspects, rank_suspects, survey_sites
+from kvtrace.model.events import PHYSICAL_LAYERS, Memory
+from kvtrace.model.findings import AnalysisSnapshot, LeakReport, LeakSuspect, ProcessGpu
+from kvtrace.model.gpus import NvmlSample, nvml_index_for_cuda_ordinal
+from kvtrace.model.ledger import LedgerView
+from kvtrace.session import Session
 
 # Site samples may take at most this share of a core; with millions of live allocations they come
 # less often than site_sample_seconds.
@@ -45,60 +55,21 @@ class AnalysisOptions:
     forecast_min_history_seconds: float = MIN_FORECAST_HISTORY_SECONDS
 
 
-@dataclass(frozen=True)
-class LedgerView:
-    """What one analysis copies out of the tracer (or a test builds by hand)."""
-
-    wall_ns: int  # time.time_ns() of the copy: allocation ages are wall-clock
-    monotonic_ns: int  # time.monotonic_ns() of the copy: series are immune to clock steps
-    totals: dict[TotalsKey, tuple[int, int]]  # Ledger.totals(): (bytes, count)
-    entries: list[Outstanding] | None  # every outstanding entry; None: not copied this time
-    allocations_total: dict[int, int]  # per pid, driver + VMM layers (as outstanding bytes)
-    frees_total: dict[int, int]
-    titles: dict[int, str] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)
-    components: tuple[ComponentStatus, ...] = ()
-    traced_only: bool = False  # the tracer follows chosen processes only: leave NVML's others out
+# Analysis reports in every interval_seconds; silent this long, its figures are stale.
+STALE_AFTER_SECONDS = 60.0
 
 
-def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: bool = True,
-                **fields) -> LedgerView:
-    """A view of `ledger`; call it under the lock that guards the ledger."""
-    allocations: dict[int, int] = defaultdict(int)
-    frees: dict[int, int] = defaultdict(int)
-    for (pid, layer), count in ledger.allocations_total.items():
-        if layer is not Layer.RUNTIME:  # the runtime call and the driver call inside it are one
-            allocations[pid] += count
-    for (pid, layer), count in ledger.frees_total.items():
-        if layer is not Layer.RUNTIME:
-            frees[pid] += count
-    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), list(ledger) if with_entries else None,
-                      dict(allocations), dict(frees), **fields)
-
-
-def tracer_view(tracer, nvml_pids: Collection[int] = (), with_entries: bool = True) -> LedgerView:
-    """The view of a running kvtrace.tracer.Tracer, copied under its lock (in the tracer thread)."""
-    with tracer.lock:
-        titles = {}
-        for pid in {key.pid for key in tracer.ledger.totals()} | set(nvml_pids):
-            info = tracer.processes.get(pid)  # cached; /proc is read at most every few seconds
-            if info is not None:
-                titles[pid] = info.title
-        components = (ComponentStatus("bpf", True),  # up: this runs in the tracer loop, so it turns
-                      ComponentStatus("python_stacks", not tracer.python_stacks_down,
-                                      tracer.python_stacks_down))
-        return ledger_view(tracer.ledger, time.time_ns(), time.monotonic_ns(), with_entries, titles=titles,
-                           counters=tracer.counters(), components=components,
-                           traced_only=tracer.filtering)
+def _no_visible_devices(pid: int) -> str | None:
+    return None
 
 
 class Analyzer:
-    def __init__(self, options: AnalysisOptions = AnalysisOptions(), stacks: StackTable | None = None,
-                 nvml: NvmlSampler | None = None,
-                 visible_devices: Callable[[int], str | None] = read_cuda_visible_devices) -> None:
+    def __init__(self, session: Session, options: AnalysisOptions = AnalysisOptions(),
+                 visible_devices: Callable[[int], str | None] = _no_visible_devices) -> None:
+        """`visible_devices(pid)`: the process's CUDA_VISIBLE_DEVICES as started (the agent reads
+        /proc/PID/environ), to match its CUDA ordinals with NVML's GPUs."""
+        self.session = session
         self.options = options
-        self.stacks = stacks if stacks is not None else StackTable()
-        self.nvml = nvml  # None: NVML disabled (--no-nvml); no component then
         self.latest: AnalysisSnapshot | None = None
         # Bytes per second of each site's outstanding bytes over 15 min; replaced whole, so that
         # ListLeakSuspects reads it from gRPC threads without a lock.
@@ -112,16 +83,16 @@ class Analyzer:
         self._next_tick_monotonic = 0.0
         self._next_site_sample_ns = 0
 
-    def tick(self, tracer) -> None:
-        """Called by the agent loop after each poll (tracer thread); analyses once per interval."""
+    def tick(self) -> None:
+        """Called by the agent loop after each poll; analyses once per interval."""
         now = time.monotonic()
         if now < self._next_tick_monotonic:
             return
         self._next_tick_monotonic = now + self.options.interval_seconds
-        sample = self.nvml.latest if self.nvml is not None else None
+        sample = self._nvml()
         started_ns = time.monotonic_ns()
         sites_due = started_ns >= self._next_site_sample_ns
-        self.update(tracer_view(tracer, {p.pid for p in sample.processes} if sample else (), sites_due))
+        self.update(self.session.ledger_view(sites_due, {p.pid for p in sample.processes} if sample else ()))
         if sites_due:
             now_ns = time.monotonic_ns()
             self.pace_site_samples(now_ns - started_ns, now_ns)
@@ -132,16 +103,18 @@ class Analyzer:
         earliest = now_ns + int(spent_ns / SITE_SAMPLE_MAX_CPU)
         self._next_site_sample_ns = max(self._next_site_sample_ns, earliest)
 
-    def components(self) -> tuple[ComponentStatus, ...]:
-        return (self.nvml.status,) if self.nvml is not None else ()
+    def _nvml(self) -> NvmlSample | None:
+        """The latest NVML figures; None when there are none (NVML off, down, or no GPU answered)."""
+        sample = self.session.nvml_sample()
+        return sample if sample is not None and sample.gpus else None
 
     def update(self, view: LedgerView) -> AnalysisSnapshot:
         """Adds one sample of every series and publishes a new snapshot as `latest`."""
-        sample = self.nvml.latest if self.nvml is not None else None
+        sample = self._nvml()
         now_ns = view.monotonic_ns
         traced: dict[tuple[int, int], int] = defaultdict(int)
         for key, (size_bytes, _) in view.totals.items():
-            if key.layer is not Layer.RUNTIME and key.memory is Memory.DEVICE:
+            if key.layer in PHYSICAL_LAYERS and key.memory is Memory.DEVICE:
                 traced[(key.pid, key.device)] += size_bytes
         nvml_used = _nvml_used(sample)
         alive = {key.pid for key in view.totals} | {pid for pid, _ in nvml_used}
@@ -158,36 +131,42 @@ class Analyzer:
             self._counts.setdefault(pid, WindowIncrease()).add(
                 now_ns, (view.allocations_total.get(pid, 0), view.frees_total.get(pid, 0)))
         if view.entries is not None and now_ns >= self._next_site_sample_ns:
-            self._sample_sites(view, now_ns)
+            self._sample_sites(view, view.entries, now_ns)
         self.latest = AnalysisSnapshot(
             timestamp_ns=view.wall_ns, gpus=sample.gpus if sample else (),
             processes=self._rows(view, traced, nvml_used, sample), suspects=self._suspects,
-            components=view.components + self.components(), counters=dict(view.counters),
             nvml_timestamp_ns=sample.timestamp_ns if sample else 0)
+        self.session.report_component("analysis", True, stale_after_seconds=STALE_AFTER_SECONDS,
+                                      stale_reason="no analysis for a minute (the agent loop is stuck)")
         return self.latest
 
-    def leak_report(self, entries: list[Outstanding], wall_ns: int, titles: dict[int, str],
-                    min_age_seconds: float | None = None, pids: Collection[int] = ()) -> LeakReport:
-        """Suspects at any age threshold (None: the configured one), ranked with the site growth of
-        the latest analysis. Safe from any thread: it reads only `site_growth` and the stacks."""
+    def leak_report(self, pids: Collection[int] = (), min_age_seconds: float | None = None,
+                    limit: int | None = None, wall_ns: int | None = None) -> LeakReport:
+        """Suspects of `pids` (empty: all) at any age threshold (None: the configured one), ranked
+        with the site growth of the latest analysis, cut to `limit`, with native callers named.
+        Safe from any thread: the ledger is copied under the Session's lock, ranked outside it."""
+        entries = self.session.outstanding()
+        titles = self.session.process_titles()
         min_age = self.options.leak_min_age_seconds if min_age_seconds is None else min_age_seconds
-        return find_suspects(entries, wall_ns, min_age, self.site_growth, titles, self.stack, pids)
+        report = find_suspects(entries, time.time_ns() if wall_ns is None else wall_ns, min_age,
+                               self.site_growth, titles, self.session.stack, pids)
+        # Only the suspects returned are named: the first lookup in a library reads its symbols.
+        suspects = tuple(
+            dataclasses.replace(suspect, native_caller=self.session.native_caller(
+                suspect.pid, suspect.native_caller_address))
+            if suspect.native_caller_address else suspect
+            for suspect in report.suspects[:limit])
+        return dataclasses.replace(report, suspects=suspects)
 
-    def stack(self, stack_id: int) -> Stack | None:
-        try:
-            return self.stacks.get(stack_id)
-        except KeyError:
-            return None
-
-    def _sample_sites(self, view: LedgerView, now_ns: int) -> None:
+    def _sample_sites(self, view: LedgerView, entries: list, now_ns: int) -> None:
         self._next_site_sample_ns = now_ns + int(self.options.site_sample_seconds * NS_PER_SECOND)
-        survey = survey_sites(view.entries, view.wall_ns, self.options.leak_min_age_seconds)
+        survey = survey_sites(entries, view.wall_ns, self.options.leak_min_age_seconds)
         for site in [site for site in self._sites if site not in survey.site_bytes]:
             del self._sites[site]  # all freed: a site that comes back starts a new series
         for site, size_bytes in survey.site_bytes.items():
             self._sites.setdefault(site, SlidingFit(LONG_WINDOW_SECONDS)).add(now_ns, size_bytes)
         self.site_growth = {site: fit.slope_per_second() for site, fit in self._sites.items()}
-        self._suspects = rank_suspects(survey, self.site_growth, view.titles, self.stack).suspects
+        self._suspects = rank_suspects(survey, self.site_growth, view.titles, self.session.stack).suspects
 
     def _rows(self, view: LedgerView, traced: dict[tuple[int, int], int],
               nvml_used: dict[tuple[int, int], int | None], sample: NvmlSample | None) -> tuple[ProcessGpu, ...]:

@@ -17,15 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Mapping, NamedTuple
 
-from kvtrace.model.findings import LeakSuspect
-from kvtrace.model.events import Layer, Memory, ObjectKind
-from kvtrace.model.ledger import Outstanding
+from kvtrace.model.events import Layer, ObjectKind
+from kvtrace.model.findings import LeakReport, LeakSuspect
+from kvtrace.model.ledger import Outstanding, holds_device_memory
 from kvtrace.model.stacks import Stack
 
 NS_PER_SECOND = 1_000_000_000
 # Looked up once: these run per ledger entry, and an enum attribute costs a lookup each time.
-_MEMORY_OBJECTS = (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE)
-_RUNTIME, _DRIVER, _ALLOCATION, _DEVICE = Layer.RUNTIME, Layer.DRIVER, ObjectKind.ALLOCATION, Memory.DEVICE
+_RUNTIME, _DRIVER, _ALLOCATION = Layer.RUNTIME, Layer.DRIVER, ObjectKind.ALLOCATION
 
 
 class SiteKey(NamedTuple):
@@ -36,25 +35,6 @@ class SiteKey(NamedTuple):
     device: int
     stack_id: int
     caller_address: int  # 0 when stack_id is set: the stack alone names the site
-
-
-@dataclass(frozen=True)
-class LeakReport:
-    """The suspects of one moment, ranked, with how many allocations were looked at."""
-
-    timestamp_ns: int  # wall clock of the ledger copy
-    min_age_seconds: float
-    allocations_considered: int  # outstanding device allocations of the selected processes
-    suspect_allocations: int  # of those, at least min_age_seconds old
-    suspects: tuple[LeakSuspect, ...]  # most suspicious first; possibly cut to a limit
-    suspect_count: int  # suspects before any limit
-
-
-def holds_device_memory(entry: Outstanding) -> bool:
-    """Physical device memory: a driver allocation or a VMM handle (the runtime layer is the same
-    bytes seen from cudaMalloc's side, reservations and mappings are address space only)."""
-    key = entry.key
-    return key.layer is not _RUNTIME and key.object in _MEMORY_OBJECTS and entry.memory is _DEVICE
 
 
 def runtime_allocations(entries: Iterable[Outstanding]) -> dict[tuple[int, int], Outstanding]:

@@ -5,59 +5,18 @@ import argparse
 import json
 import sys
 
-from kvtrace.cli.agent import human_bytes
-from kvtrace.errors import ExitCode
-from kvtrace.cli.tail import add_pid_flag
-from kvtrace.client import AgentClient, leak_report_to_json_dict
+from kvtrace.cli.flags import add_pid_flag, non_negative_seconds, positive_count
+from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
+from kvtrace.errors import ExitCode
+from kvtrace.human import human_bytes, human_duration, human_rate
+from kvtrace.wire import leak_report_to_json_dict
 
 EPILOG = """examples:
   kvtrace leaks                         # suspects of every process, 60 s and older
   kvtrace leaks -p 1234 --min-age 600   # one process, 10 min and older
   kvtrace leaks --json | jq '.suspects[0].stack'
 """
-
-
-def human_duration(seconds: float) -> str:
-    """42 s, 5m12s, 3h04m, 2d03h: two units at most, as an operator reads an age."""
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m{seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-def signed_bytes(value: float) -> str:
-    """+1.2 MiB, -512 B, 0 B: a change, rounded to whole bytes."""
-    value = round(value)
-    return f"-{human_bytes(-value)}" if value < 0 else f"+{human_bytes(value)}" if value else "0 B"
-
-
-def human_rate(bytes_per_second: float) -> str:
-    """+1.2 MiB/s, -512 B/s, 0 B/s."""
-    return f"{signed_bytes(bytes_per_second)}/s"
-
-
-def non_negative_seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= 365 * 24 * 3600:
-        raise argparse.ArgumentTypeError(f"not a number of seconds from 0 to one year: {text!r}")
-    return seconds
-
-
-def positive_count(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) <= 10000:
-        raise argparse.ArgumentTypeError(f"not a count from 1 to 10000: {text!r}")
-    return int(text)
 
 
 def format_report(response) -> str:

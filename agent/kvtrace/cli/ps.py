@@ -6,11 +6,12 @@ import json
 import sys
 from collections import defaultdict
 
-from kvtrace.cli.agent import human_bytes
-from kvtrace.errors import ExitCode
-from kvtrace.client import AgentClient, process_to_json_dict
+from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
+from kvtrace.errors import ExitCode
+from kvtrace.human import human_bytes
 from kvtrace.model.events import Layer, Memory
+from kvtrace.wire import process_to_json_dict
 
 HEADER = f"{'PID':>7} {'GPU':>3} {'DEVICE':>10} {'MANAGED':>10} {'PINNED':>10} {'OBJECTS':>8} TITLE"
 

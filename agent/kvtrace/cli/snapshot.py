@@ -7,12 +7,13 @@ import sys
 import time
 from collections import defaultdict
 
-from kvtrace.cli.agent import human_bytes
-from kvtrace.errors import ExitCode
-from kvtrace.cli.tail import add_pid_flag
-from kvtrace.client import AgentClient, outstanding_to_json_dict, wire_enum_name
+from kvtrace.cli.flags import add_pid_flag
+from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
+from kvtrace.errors import ExitCode
+from kvtrace.human import human_age, human_bytes
 from kvtrace.model.events import Layer, Memory, ObjectKind
+from kvtrace.wire import outstanding_to_json_dict, wire_enum_name
 
 EPILOG = """examples:
   kvtrace snapshot               # every process, largest objects first
@@ -21,17 +22,6 @@ EPILOG = """examples:
 """
 
 HEADER = f"  {'DEV':>3} {'LAYER':<7} {'OBJECT':<11} {'MEMORY':<7} {'SIZE':>10} {'AGE':>8} {'ADDRESS':<14} API"
-
-
-def human_age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 def _column(enum_type, value: int) -> str:

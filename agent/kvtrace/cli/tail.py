@@ -7,12 +7,14 @@ import re
 import sys
 import time
 
-from kvtrace.cli.agent import human_bytes
-from kvtrace.errors import CommandError, ExitCode
-from kvtrace.client import AgentClient, event_from_proto, stack_from_proto
+from kvtrace.cli.flags import add_pid_flag, parse_size
+from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
+from kvtrace.errors import CommandError, ExitCode
+from kvtrace.human import human_bytes
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind, Layer
 from kvtrace.model.stacks import Stack
+from kvtrace.wire import event_from_proto, event_to_json, stack_from_proto
 
 EPILOG = """examples:
   kvtrace tail                          # every event on this host
@@ -22,31 +24,6 @@ EPILOG = """examples:
 """
 
 HEADER = f"{'TIME':<12} {'PID':>7} {'API':<18} {'LAYER':<7} {'SIZE':>10} {'DEV':>3} {'ADDRESS':<14} TITLE"
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
-_UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "123", "512k", "1MiB", "1.5GB": units are binary (1k = 1024), as GPU memory is."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 123, 512k, 1MiB, 2G)")
-    number, unit = match.groups()
-    return int(float(number) * (1 << _UNIT_SHIFT[unit.lower()]))
-
-
-def positive_pid(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"not a process id: {text!r}")
-    return int(text)
-
-
-def add_pid_flag(parser: argparse.ArgumentParser) -> None:
-    """-p/--pid, repeatable, as every reading command takes it."""
-    parser.add_argument("-p", "--pid", type=positive_pid, action="append", default=[],
-                        help="only this process id (repeatable)")
-
 
 def format_event(event: Event) -> str:
     """One line for people: time, pid, API, layer, size, device, address, title."""
@@ -116,7 +93,7 @@ class TailCommand:
                         continue
                     stack = stacks.get(event.stack_id)
                     if args.json:
-                        out.write(json.dumps(event.to_json_dict(stack), separators=(",", ":"),
+                        out.write(json.dumps(event_to_json(event, stack), separators=(",", ":"),
                                              ensure_ascii=False) + "\n")
                         continue
                     out.write(format_event(event) + "\n")

@@ -14,12 +14,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvtrace.cli.agent import human_bytes
-from kvtrace.errors import ExitCode
-from kvtrace.cli.leaks import human_duration, signed_bytes
-from kvtrace.cli.tail import add_pid_flag
-from kvtrace.client import AgentClient, optional_field
+from kvtrace.cli.flags import add_pid_flag, positive_seconds
+from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
+from kvtrace.errors import ExitCode
+from kvtrace.human import human_bytes, human_duration, signed_bytes
+from kvtrace.wire import optional_field
 
 EPILOG = """examples:
   kvtrace top                           # every process on every GPU, fastest growing first
@@ -96,16 +96,6 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
     for cells in rows:
         table.add_row(*cells)
     return Group(Text("\n".join(header)), Text(""), table)
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not 0.1 <= seconds <= 3600:
-        raise argparse.ArgumentTypeError(f"not an interval from 0.1 to 3600 seconds: {text!r}")
-    return seconds
 
 
 class TopCommand:

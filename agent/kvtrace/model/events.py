@@ -7,7 +7,7 @@ test checks the two stay in step.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class Layer(enum.IntEnum):
@@ -90,8 +90,30 @@ class Api(enum.IntEnum):
 DEVICE_UNKNOWN = -1
 
 
-def _lower(value: enum.IntEnum | None) -> str | None:
-    return value.name.lower() if value is not None else None
+class StackStatus(enum.IntEnum):
+    """Why an event has (or lacks) a Python stack. The probes' KVT_STACK_* values, plus what user
+    space decides (UNRESOLVED)."""
+
+    NOT_WALKED = 0  # not an allocation call: no walk was tried
+    OK = 1
+    NOT_PYTHON = 2  # no supported Python runtime registered for this process
+    NO_THREAD_STATE = 3  # this thread has no Python thread state
+    READ_ERROR = 4  # the target's memory could not be read
+    EMPTY = 5  # a thread state with no Python frame
+    UNRESOLVED = 6  # walked, but its frames were gone before user space could read them
+
+
+DEVICE_UNKNOWN = -1
+
+# Physical memory is held at the driver and VMM layers. The runtime layer shows the same bytes from
+# the side of the API the program called (cudaMalloc -> cuMemAlloc_v2), so it is never added to them.
+PHYSICAL_LAYERS = frozenset({Layer.DRIVER, Layer.VMM})
+# Ledger objects that hold memory; VMM reservations and mappings are address space only.
+MEMORY_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE})
+
+# Kinds whose events describe an object with a size (the wire's Allocation payload).
+SIZED_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.ALLOC_FAILED, Kind.FREE_FAILED, Kind.FREE_UNKNOWN,
+                         Kind.MAP, Kind.UNMAP, Kind.RELEASE})
 
 
 @dataclass(slots=True)
@@ -99,8 +121,7 @@ class Event:
     """One traced call (or a process exit), with its attribution.
 
     `address` is the pointer, VMM handle or virtual address the call returned or took; for
-    context events it is the context. `aux` is the handle for cuMemMap and the physical bytes an
-    unmap freed for cuMemUnmap.
+    context events it is the context.
     """
 
     kind: Kind
@@ -116,46 +137,18 @@ class Event:
     device: int = DEVICE_UNKNOWN
     error_code: int = 0
     caller_address: int = 0
-    aux: int = 0
+    handle: int = 0  # cuMemMap: the physical-memory handle mapped at `address`
+    freed_bytes: int = 0  # cuMemUnmap: physical bytes freed (handles released earlier, now unmapped)
     comm: str = ""
-    title: str = ""  # full process title from /proc/PID/cmdline
+    title: str = ""  # full process title from /proc/PID/cmdline (the Session fills it in)
     container: str = ""  # container id from the cgroup path, "" on the host
     stack_id: int = 0  # interned Python stack (model/stacks.py); 0 = none
-    stack_status: str = ""  # why there is or is not a stack: ok, not_python, no_thread_state, ...
-    extra: dict = field(default_factory=dict)
+    stack_status: StackStatus = StackStatus.NOT_WALKED
 
-    def to_json_dict(self, stack=None, native_caller=None) -> dict:
-        """The stable JSON shape of `kvtrace agent --json-events` (one object per line).
 
-        `stack` (model.stacks.Stack) adds "stack": [{function, file, line}, ...] innermost first
-        and "stack_truncated"; `native_caller` (model.stacks.NativeFrame) adds "native_caller".
-        """
-        extra = dict(self.extra)
-        if stack is not None:
-            extra["stack"] = [frame.to_json_dict() for frame in stack.frames]
-            extra["stack_truncated"] = stack.truncated
-        if self.stack_status:
-            extra["stack_status"] = self.stack_status
-        if native_caller is not None:
-            extra["native_caller"] = native_caller.to_json_dict()
-        return {
-            "kind": self.kind.name.lower(),
-            "pid": self.pid,
-            "tid": self.tid,
-            "comm": self.comm,
-            "title": self.title,
-            "api": self.api.name,
-            "layer": _lower(self.layer),
-            "object": _lower(self.object),
-            "memory": _lower(self.memory),
-            "size_bytes": self.size_bytes,
-            "address": self.address,
-            "device": self.device,
-            "error_code": self.error_code,
-            "timestamp_ns": self.timestamp_ns,
-            "caller_address": self.caller_address,
-            "container": self.container,
-            **({"handle": self.aux} if self.api is Api.cuMemMap else {}),
-            **({"freed_bytes": self.aux} if self.api is Api.cuMemUnmap else {}),
-            **extra,
-        }
+@dataclass(frozen=True, slots=True)
+class EventsLost:
+    """Events a source could not deliver (its ring buffer was full), reported where the gap is."""
+
+    count: int
+    timestamp_ns: int

@@ -6,22 +6,10 @@ allocation site whose memory is old and growing, not proof of a leak.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvtrace.model.gpus import GpuMemory
 from kvtrace.model.stacks import NativeFrame, Stack
-
-
-@dataclass(frozen=True)
-class GpuMemory:
-    """One GPU as NVML sees it (NVML index order, not CUDA ordinals)."""
-
-    index: int
-    uuid: str
-    name: str
-    total_bytes: int
-    used_bytes: int
-    free_bytes: int
-    reserved_bytes: int
 
 
 @dataclass(frozen=True)
@@ -65,18 +53,21 @@ class LeakSuspect:
 
 
 @dataclass(frozen=True)
-class ComponentStatus:
-    name: str  # bpf, nvml, python_stacks, ...
-    up: bool
-    reason: str = ""
-
-
-@dataclass(frozen=True)
 class AnalysisSnapshot:
     timestamp_ns: int
     gpus: tuple[GpuMemory, ...] = ()
     processes: tuple[ProcessGpu, ...] = ()
     suspects: tuple[LeakSuspect, ...] = ()
-    components: tuple[ComponentStatus, ...] = ()
-    counters: dict[str, int] = field(default_factory=dict)  # events_seen, events_lost, ...
     nvml_timestamp_ns: int = 0  # when the NVML figures (gpus, nvml_used_bytes) were sampled; 0: none
+
+
+@dataclass(frozen=True)
+class LeakReport:
+    """The suspects of one moment, ranked, with how many allocations were looked at."""
+
+    timestamp_ns: int  # wall clock of the ledger copy
+    min_age_seconds: float
+    allocations_considered: int  # outstanding device allocations of the selected processes
+    suspect_allocations: int  # of those, at least min_age_seconds old
+    suspects: tuple[LeakSuspect, ...]  # most suspicious first; possibly cut to a limit
+    suspect_count: int  # suspects before any limit

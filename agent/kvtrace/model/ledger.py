@@ -15,13 +15,22 @@ Rules:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
-from kvtrace.model.events import DEVICE_UNKNOWN, Api, Event, Kind, Layer, Memory, ObjectKind
+from kvtrace.model.events import (
+    DEVICE_UNKNOWN,
+    MEMORY_OBJECTS,
+    PHYSICAL_LAYERS,
+    Api,
+    Event,
+    Kind,
+    Layer,
+    Memory,
+    ObjectKind,
+)
 
-# Objects that hold memory; reservations and mappings are address space only.
-_MEMORY_OBJECTS = (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE)
+_MEMORY_OBJECTS = MEMORY_OBJECTS  # a local name: these run per ledger entry
 
 
 class LedgerKey(NamedTuple):  # a tuple: hashed in C, on the hot path of every event
@@ -135,13 +144,13 @@ class Ledger:
         self._remove(entry)
 
     def _on_map(self, event: Event) -> None:
-        handle = self._entries.get(LedgerKey(event.pid, Layer.VMM, ObjectKind.VMM_HANDLE, event.aux))
+        handle = self._entries.get(LedgerKey(event.pid, Layer.VMM, ObjectKind.VMM_HANDLE, event.handle))
         if handle is not None:
             handle.mapped_count += 1
         self._insert(Outstanding(
             key=self._key(event), size_bytes=event.size_bytes, timestamp_ns=event.timestamp_ns,
             device=event.device, api=event.api, memory=Memory.NONE, tid=event.tid,
-            caller_address=event.caller_address, handle=event.aux))
+            caller_address=event.caller_address, handle=event.handle))
 
     def _on_unmap(self, event: Event) -> None:
         # One cuMemUnmap may cover several consecutive mappings.
@@ -225,8 +234,7 @@ class Ledger:
         totals: dict[tuple[int, int], list[int]] = {}
         for entry in list(self._entries.values()):
             key = entry.key
-            if (key.layer is Layer.RUNTIME or key.object not in _MEMORY_OBJECTS
-                    or entry.memory is not Memory.DEVICE or (pid is not None and key.pid != pid)):
+            if not holds_device_memory(entry) or (pid is not None and key.pid != pid):
                 continue
             total = totals.setdefault((key.pid, entry.stack_id), [0, 0])
             total[0] += entry.size_bytes
@@ -235,4 +243,55 @@ class Ledger:
 
     def physical_device_bytes(self, pid: int | None = None, device: int | None = None) -> int:
         """Device memory actually held: the driver and VMM layers (the runtime sits on top)."""
-        return self.outstanding_bytes(pid, device, layers=(Layer.DRIVER, Layer.VMM))
+        return self.outstanding_bytes(pid, device, layers=PHYSICAL_LAYERS)
+
+
+def holds_device_memory(entry: Outstanding) -> bool:
+    """Physical device memory: a driver allocation or a VMM handle (the runtime layer is the same
+    bytes seen from cudaMalloc's side, reservations and mappings are address space only)."""
+    key = entry.key
+    return key.layer in PHYSICAL_LAYERS and key.object in _MEMORY_OBJECTS and entry.memory is Memory.DEVICE
+
+
+@dataclass(frozen=True)
+class LedgerCounts:
+    """A consistent copy of the ledger's totals and counters (what /metrics exports)."""
+
+    totals: Mapping[TotalsKey, tuple[int, int]]  # (pid, device, layer, memory) -> (bytes, count)
+    allocations_total: Mapping[tuple[int, Layer], int]
+    frees_total: Mapping[tuple[int, Layer], int]
+    failures_total: Mapping[tuple[Api, int], int]  # (api, CUDA error code)
+
+    @classmethod
+    def of(cls, ledger: Ledger) -> LedgerCounts:
+        return cls(ledger.totals(), dict(ledger.allocations_total), dict(ledger.frees_total),
+                   dict(ledger.failures_total))
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """What one analysis copies out of the ledger (or a test builds by hand)."""
+
+    wall_ns: int  # time.time_ns() of the copy: allocation ages are wall-clock
+    monotonic_ns: int  # time.monotonic_ns() of the copy: series are immune to clock steps
+    totals: dict[TotalsKey, tuple[int, int]]  # Ledger.totals(): (bytes, count)
+    entries: list[Outstanding] | None  # every outstanding entry; None: not copied this time
+    allocations_total: dict[int, int]  # per pid, physical layers (as outstanding bytes)
+    frees_total: dict[int, int]
+    titles: dict[int, str] = field(default_factory=dict)
+    traced_only: bool = False  # the agent follows chosen processes only: leave NVML's others out
+
+
+def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: bool = True,
+                titles: dict[int, str] | None = None, traced_only: bool = False) -> LedgerView:
+    """A view of `ledger`; call it under the lock that guards the ledger."""
+    allocations: dict[int, int] = defaultdict(int)
+    frees: dict[int, int] = defaultdict(int)
+    for (pid, layer), count in ledger.allocations_total.items():
+        if layer in PHYSICAL_LAYERS:  # the runtime call and the driver call inside it are one
+            allocations[pid] += count
+    for (pid, layer), count in ledger.frees_total.items():
+        if layer in PHYSICAL_LAYERS:
+            frees[pid] += count
+    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), list(ledger) if with_entries else None,
+                      dict(allocations), dict(frees), titles or {}, traced_only)

@@ -1,16 +1,14 @@
 """Who a pid is: process title, comm, container. Cached per pid, refreshed on exec and by age.
 
 vLLM renames its processes with setproctitle (`VLLM::Worker_TP0`); comm is cut at 15 characters,
-so the title comes from /proc/PID/cmdline.
+so the title comes from /proc/PID/cmdline (sources/procfs.py reads it).
 """
 from __future__ import annotations
 
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
-
-import psutil
+from typing import Callable
 
 # Container ids in cgroup paths: docker-<id>.scope, cri-containerd-<id>.scope, crio-<id>,
 # /docker/<id>, /kubepods/.../<id>
@@ -40,36 +38,27 @@ def container_id(cgroup_text: str) -> str:
     return ""
 
 
-def read_process(pid: int, proc: Path = Path("/proc")) -> ProcessInfo | None:
-    try:
-        process = psutil.Process(pid)
-        with process.oneshot():
-            cmdline = process.cmdline()
-            comm = process.name()
-            start_time = process.create_time()
-    except (psutil.Error, OSError):
-        return None
-    try:
-        cgroup = (proc / str(pid) / "cgroup").read_text()
-    except OSError:
-        cgroup = ""
-    # setproctitle may leave one argv element holding the whole title, padded with NULs/spaces.
-    title = " ".join(part for part in cmdline if part).strip() or comm
-    return ProcessInfo(pid, title, comm, container_id(cgroup), cgroup.strip().split(":")[-1],
-                       start_time, time.monotonic())
+ProcessReader = Callable[[int], "ProcessInfo | None"]
+
+
+def _unknown(pid: int) -> ProcessInfo | None:
+    return None
 
 
 class ProcessTable:
-    """pid -> ProcessInfo with a short cache; forgets pids that exit."""
+    """pid -> ProcessInfo with a short cache; forgets pids that exit.
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
-        self._proc = proc
+    `reader` reads a live process (sources/procfs.read_process in the agent); without one the table
+    knows only what was put in it (replayed recordings, tests)."""
+
+    def __init__(self, reader: ProcessReader = _unknown) -> None:
+        self._reader = reader
         self._cache: dict[int, ProcessInfo] = {}
 
     def get(self, pid: int) -> ProcessInfo | None:
         info = self._cache.get(pid)
         if info is None or time.monotonic() - info.read_at > TITLE_MAX_AGE_SECONDS:
-            fresh = read_process(pid, self._proc)
+            fresh = self._reader(pid)
             if fresh is not None:
                 self._cache[pid] = info = fresh
         return info

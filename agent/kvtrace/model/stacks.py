@@ -20,9 +20,6 @@ class Frame:
     file: str
     line: int
 
-    def to_json_dict(self) -> dict:
-        return {"function": self.function, "file": self.file, "line": self.line}
-
 
 # A frame whose code object could not be read: shown as unknown rather than guessed.
 UNKNOWN_FRAME = Frame(UNKNOWN_FUNCTION, "", 0)
@@ -45,9 +42,6 @@ class NativeFrame(NamedTuple):
     module: str
     symbol: str
     offset: int
-
-    def to_json_dict(self) -> dict:
-        return {"module": self.module, "symbol": self.symbol, "offset": self.offset}
 
 
 class StackTable:

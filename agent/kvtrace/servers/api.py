@@ -9,7 +9,8 @@ Secure by default and fail closed:
 
 Usage (the agent command):
 
-    server = AgentServer(backend, config)   # config: kvtrace.config.ApiConfig
+    server = AgentServer(session, analyzer, config)   # config: kvtrace.config.ApiConfig
+    session.add_sink(server.hub)            # events reach the streams
     server.start()                          # raises ServerSetupError with one clear line
     ...
     server.stop(grace_seconds=5)            # on SIGTERM
@@ -41,15 +42,22 @@ from grpc_reflection.v1alpha import reflection
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
-from kvtrace.analysis.leaks import LeakReport
-from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
 from kvtrace.config import ApiConfig
-from kvtrace.servers.backend import AgentBackend, AgentInfo, TrackedProcess
-from kvtrace.servers.hub import EventFilter, Lost
-from kvtrace.model.events import Api, Event, Kind, Layer
+from kvtrace.model.events import Event, Kind, Layer
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import ProcessInfo
-from kvtrace.model.stacks import Stack
+from kvtrace.servers.backend import AgentAnalysis, AgentState
+from kvtrace.servers.hub import EventFilter, EventHub, Lost
+from kvtrace.wire import (
+    event_to_proto,
+    growth_to_proto,
+    info_to_proto,
+    leak_report_to_proto,
+    lost_to_proto,
+    outstanding_to_proto,
+    process_to_proto,
+    stack_to_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,146 +96,6 @@ class InvalidArgument(Exception):
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
-
-
-# ---- model -> kvtrace.v1 ----
-
-def event_to_proto(event: Event) -> events_pb2.Event:
-    """One model event as the wire Event; the payload follows the kind.
-
-    Fields are set on the payload in place: about twice as fast as building it with keyword
-    arguments and copying it in, and this runs for every event of every stream."""
-    message = events_pb2.Event(timestamp_ns=event.timestamp_ns, pid=event.pid, tid=event.tid,
-                               comm=event.comm, title=event.title, container=event.container)
-    kind = event.kind
-    if kind is Kind.PROCESS_EXIT:
-        message.process_exit.SetInParent()
-        return message
-    if kind is Kind.SET_DEVICE:
-        payload = message.device_change
-        payload.context = event.address
-    elif kind is Kind.CONTEXT_DESTROY:
-        payload = message.context_destroy
-        payload.context = event.address
-    else:
-        payload = message.allocation
-        payload.kind = kind
-        payload.object = event.object or 0
-        payload.memory = event.memory or 0
-        payload.size_bytes = event.size_bytes
-        payload.address = event.address
-        if event.api is Api.cuMemMap:
-            payload.handle = event.aux
-        elif event.api is Api.cuMemUnmap:
-            payload.freed_bytes = event.aux
-        payload.stack_id = event.stack_id
-        payload.stack_status = event.stack_status
-    payload.SetInParent()
-    payload.api = event.api
-    payload.api_name = event.api.name
-    payload.layer = event.layer or 0
-    payload.device = event.device
-    payload.error_code = event.error_code
-    payload.caller_address = event.caller_address
-    return message
-
-
-def stack_message(stack_id: int, stack: Stack) -> events_pb2.Stack:
-    return events_pb2.Stack(
-        stack_id=stack_id, truncated=stack.truncated,
-        frames=[events_pb2.StackFrame(function=frame.function, file=frame.file, line=frame.line)
-                for frame in stack.frames])
-
-
-def stack_to_proto(stack_id: int, stack: Stack) -> events_pb2.Event:
-    return events_pb2.Event(timestamp_ns=time.time_ns(), stack_definition=stack_message(stack_id, stack))
-
-
-def lost_to_proto(lost: Lost) -> events_pb2.Event:
-    return events_pb2.Event(timestamp_ns=time.time_ns(), events_lost=events_pb2.EventsLost(
-        dropped_count=lost.dropped_count, kernel_lost_count=lost.kernel_lost_count))
-
-
-def outstanding_to_proto(entry: Outstanding, process: ProcessInfo | None) -> service_pb2.OutstandingAllocation:
-    key = entry.key
-    return service_pb2.OutstandingAllocation(
-        pid=key.pid, tid=entry.tid, comm=process.comm if process else "",
-        title=process.title if process else "", container=process.container if process else "",
-        layer=key.layer, object=key.object, memory=entry.memory, api=entry.api,
-        api_name=entry.api.name, size_bytes=entry.size_bytes, address=key.address,
-        device=entry.device, timestamp_ns=entry.timestamp_ns, caller_address=entry.caller_address,
-        stack_id=entry.stack_id, mapped_count=entry.mapped_count, released=entry.released,
-        handle=entry.handle)
-
-
-def process_to_proto(process: TrackedProcess) -> service_pb2.Process:
-    return service_pb2.Process(
-        pid=process.pid, title=process.title, comm=process.comm, container=process.container,
-        totals=[service_pb2.OutstandingTotal(device=t.device, layer=t.layer, memory=t.memory,
-                                             size_bytes=t.size_bytes, object_count=t.object_count)
-                for t in process.totals])
-
-
-def info_to_proto(info: AgentInfo) -> service_pb2.GetAgentInfoResponse:
-    return service_pb2.GetAgentInfoResponse(
-        version=info.version, kernel_release=info.kernel_release,
-        attached_libraries=[service_pb2.AttachedLibrary(
-            path=library.path, file_device=library.device, inode=library.inode,
-            symbols=sorted(library.symbols), pids=sorted(library.pids)) for library in info.libraries],
-        components=[service_pb2.ComponentHealth(name=c.name, up=c.up, reason=c.reason)
-                    for c in info.components],
-        counters=info.counters)
-
-
-def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
-    message = service_pb2.LeakSuspect(
-        rank=suspect.rank, pid=suspect.pid, title=suspect.title, device=suspect.device,
-        stack_id=suspect.stack_id, caller_address=suspect.native_caller_address,
-        outstanding_bytes=suspect.outstanding_bytes, allocation_count=suspect.count,
-        oldest_age_seconds=suspect.oldest_age_seconds, growth_bytes_per_second=suspect.growth_bytes_per_second)
-    if suspect.stack is not None:
-        message.stack.CopyFrom(stack_message(suspect.stack_id, suspect.stack))
-    if suspect.native_caller is not None:
-        caller = suspect.native_caller
-        message.native_caller.CopyFrom(
-            service_pb2.NativeFrame(module=caller.module, symbol=caller.symbol, offset=caller.offset))
-    return message
-
-
-def leak_report_to_proto(report: LeakReport) -> service_pb2.ListLeakSuspectsResponse:
-    return service_pb2.ListLeakSuspectsResponse(
-        suspects=[suspect_to_proto(suspect) for suspect in report.suspects],
-        suspect_count=report.suspect_count, allocations_considered=report.allocations_considered,
-        suspect_allocations=report.suspect_allocations, min_age_seconds=report.min_age_seconds,
-        timestamp_ns=report.timestamp_ns)
-
-
-def gpu_to_proto(gpu: GpuMemory) -> service_pb2.GpuMemory:
-    return service_pb2.GpuMemory(index=gpu.index, uuid=gpu.uuid, name=gpu.name, total_bytes=gpu.total_bytes,
-                                 used_bytes=gpu.used_bytes, free_bytes=gpu.free_bytes,
-                                 reserved_bytes=gpu.reserved_bytes)
-
-
-def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
-    # None leaves an optional field unset: "not known" stays apart from 0.
-    optional = {name: value for name, value in (
-        ("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
-        ("unattributed_bytes", row.unattributed_bytes), ("time_to_oom_seconds", row.time_to_oom_seconds),
-        ("free_ratio_1m", row.free_ratio_1m)) if value is not None}
-    return service_pb2.ProcessGrowth(
-        pid=row.pid, title=row.title, device=row.device, outstanding_bytes=row.outstanding_bytes,
-        growth_bytes_per_second_1m=row.growth_bytes_per_second_1m,
-        growth_bytes_per_second_15m=row.growth_bytes_per_second_15m, history_seconds=row.history_seconds,
-        allocations_1m=row.allocations_1m, frees_1m=row.frees_1m, **optional)
-
-
-def growth_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int]) -> service_pb2.GetGrowthResponse:
-    if snapshot is None:
-        return service_pb2.GetGrowthResponse()
-    return service_pb2.GetGrowthResponse(
-        timestamp_ns=snapshot.timestamp_ns, nvml_timestamp_ns=snapshot.nvml_timestamp_ns,
-        gpus=[gpu_to_proto(gpu) for gpu in snapshot.gpus],
-        processes=[process_growth_to_proto(row) for row in snapshot.processes if not pids or row.pid in pids])
 
 
 # ---- requests -> model filters ----
@@ -292,8 +160,11 @@ def decode_page_token(token: str) -> tuple[int, int, int, int]:
 # ---- the service ----
 
 class AgentServicer(service_grpc.AgentServiceServicer):
-    def __init__(self, backend: AgentBackend, limits: ServerLimits) -> None:
-        self._backend = backend
+    def __init__(self, state: AgentState, analysis: AgentAnalysis, hub: EventHub,
+                 limits: ServerLimits) -> None:
+        self._state = state
+        self._analysis = analysis
+        self._hub = hub
         self._limits = limits
         self._streams_lock = threading.Lock()
         self._streams = 0
@@ -318,7 +189,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         if not self._try_open_stream():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the agent already serves {self._limits.max_streams} event streams (its limit)")
-        subscription = self._backend.hub.subscribe(event_filter)
+        subscription = self._hub.subscribe(event_filter)
         context.add_callback(subscription.close)  # a cancel or an expired deadline wakes the reader
         sent_stacks: set[int] = set()
         try:
@@ -335,7 +206,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             if self.stopping.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the kvtrace agent is shutting down")
         finally:
-            self._backend.hub.unsubscribe(subscription)
+            self._hub.unsubscribe(subscription)
             self._close_stream()
 
     def _messages(self, items: list[Event | Lost], sent_stacks: set[int]) -> list[events_pb2.Event]:
@@ -343,11 +214,11 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         messages = []
         for item in items:
             if isinstance(item, Lost):
-                messages.append(lost_to_proto(item))
+                messages.append(lost_to_proto(item.dropped_count, item.kernel_lost_count))
                 continue
             if item.stack_id and item.stack_id not in sent_stacks:
                 sent_stacks.add(item.stack_id)
-                stack = self._backend.stack(item.stack_id)
+                stack = self._state.stack(item.stack_id)
                 if stack is not None:
                     messages.append(stack_to_proto(item.stack_id, stack))
             messages.append(event_to_proto(item))
@@ -364,7 +235,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         timestamp_ns = time.time_ns()
-        candidates = [entry for entry in self._backend.outstanding()
+        candidates = [entry for entry in self._state.outstanding()
                       if (not pids or entry.key.pid in pids) and (not layers or entry.key.layer in layers)
                       and (after is None or _ledger_order(entry) > after)]
         # One more than a page tells whether another page follows; nsmallest avoids a full sort.
@@ -375,17 +246,21 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         for entry in page[:page_size]:
             pid = entry.key.pid
             if pid not in processes:
-                processes[pid] = self._backend.process(pid)
+                processes[pid] = self._state.process(pid)
             allocations.append(outstanding_to_proto(entry, processes[pid]))
         return service_pb2.GetSnapshotResponse(allocations=allocations, next_page_token=next_token,
                                                timestamp_ns=timestamp_ns)
 
     def ListProcesses(self, request, context):
-        processes = sorted(self._backend.processes(), key=lambda process: process.pid)
+        processes = sorted(self._state.processes_holding_memory(), key=lambda process: process.pid)
         return service_pb2.ListProcessesResponse(processes=[process_to_proto(p) for p in processes])
 
     def GetAgentInfo(self, request, context):
-        return info_to_proto(self._backend.info())
+        info = self._state.info()
+        # The API's own figures: how many streams it feeds and how many events it offered them.
+        info.counters["subscribers"] = self._hub.subscriber_count()
+        info.counters["events_published"] = self._hub.published_total
+        return info_to_proto(info)
 
     def ListLeakSuspects(self, request, context):
         try:
@@ -397,7 +272,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                 raise InvalidArgument("limit", f"{request.limit} is not in 0..{MAX_SUSPECTS}")
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        report = self._backend.leak_suspects(pids, min_age_seconds, request.limit or DEFAULT_SUSPECTS)
+        report = self._analysis.leak_report(pids, min_age_seconds, request.limit or DEFAULT_SUSPECTS)
         return leak_report_to_proto(report)
 
     def GetGrowth(self, request, context):
@@ -405,7 +280,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             pids = _pids("pids", request.pids)
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        return growth_to_proto(self._backend.analysis(), pids)
+        return growth_to_proto(self._analysis.latest, pids)
 
 
 # ---- the Unix socket ----
@@ -483,11 +358,14 @@ def _secure_port_credentials(config: ApiConfig) -> grpc.ServerCredentials:
 class AgentServer:
     """The gRPC endpoints of the agent: the Unix socket, and TCP with mTLS when configured."""
 
-    def __init__(self, backend: AgentBackend, config: ApiConfig, limits: ServerLimits = ServerLimits()) -> None:
-        self.backend = backend
+    def __init__(self, state: AgentState, analysis: AgentAnalysis, config: ApiConfig,
+                 limits: ServerLimits = ServerLimits(), max_queued_events: int | None = None) -> None:
+        self.state = state
+        # Each stream's bounded queue; the agent adds this as a Session sink.
+        self.hub = EventHub(max_queued_events) if max_queued_events else EventHub()
         self.config = config
         self.limits = limits
-        self.servicer = AgentServicer(backend, limits)
+        self.servicer = AgentServicer(state, analysis, self.hub, limits)
         self.health = health.HealthServicer()
         self.tcp_port: int | None = None
         self._servers: list[grpc.Server] = []
@@ -518,7 +396,7 @@ class AgentServer:
         except BaseException:
             self.stop(grace_seconds=0)
             raise
-        self._set_health(self._backend_healthy())
+        self._set_health(self._state_healthy())
         self._poller = threading.Thread(target=self._poll_health, name="kvtrace-health", daemon=True)
         self._poller.start()
 
@@ -558,11 +436,11 @@ class AgentServer:
         server.start()
         log.info("serving kvtrace.v1 on %s with mutual TLS", self.config.tcp_listen)
 
-    def _backend_healthy(self) -> bool:
+    def _state_healthy(self) -> bool:
         try:
-            return bool(self.backend.healthy())
+            return bool(self.state.healthy())
         except Exception:  # a broken health check is itself unhealthy, never a dead poller
-            log.exception("backend health check failed")
+            log.exception("health check failed")
             return False
 
     def _set_health(self, healthy: bool) -> None:
@@ -572,7 +450,7 @@ class AgentServer:
 
     def _poll_health(self) -> None:
         while not self._stop_polling.wait(self.limits.health_poll_seconds):
-            self._set_health(self._backend_healthy())
+            self._set_health(self._state_healthy())
 
     def stop(self, grace_seconds: float = 5.0) -> None:
         """Stops accepting calls, ends the event streams (UNAVAILABLE), and waits up to
@@ -580,7 +458,7 @@ class AgentServer:
         self._stop_polling.set()
         self.health.enter_graceful_shutdown()
         self.servicer.stopping.set()
-        self.backend.hub.close_all()
+        self.hub.close_all()
         done = [server.stop(grace_seconds) for server in self._servers]
         for event in done:
             event.wait()

@@ -1,11 +1,12 @@
 """Fan-out of model events to subscribers (gRPC streams), each with its own bounded queue.
 
-The tracer thread calls `publish()` for every event; it never blocks and costs O(subscribers).
+The hub is a Session sink: the Session calls `publish()` for every event; it never blocks and costs
+O(subscribers).
 Each subscriber filters at publish time, so its queue holds only events it wants and its loss
 counts are exact counts of wanted events. When a queue is full the subscriber's new events are
 dropped and counted in a `Lost` marker placed in the queue where the gap is; the reader gets the
-marker in order with the events, so the client learns exactly where it missed how many. Kernel
-ring-buffer losses (`publish_kernel_loss`) go into every queue the same way.
+marker in order with the events, so the client learns exactly where it missed how many. Events a
+source lost (`publish_loss`: its kernel ring buffer was full) go into every queue the same way.
 
 Memory per subscriber is bounded: at most `max_queued_events` events, and markers are never
 adjacent (a new drop adds to the last marker), so at most as many markers as events plus one.
@@ -18,13 +19,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvtrace.model.events import Event, Kind, Layer
+from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
 
 DEFAULT_MAX_QUEUED_EVENTS = 65536
-
-# Kinds whose events carry a size that min_size_bytes constrains (the Allocation payload).
-SIZED_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.ALLOC_FAILED, Kind.FREE_FAILED, Kind.FREE_UNKNOWN,
-                         Kind.MAP, Kind.UNMAP, Kind.RELEASE})
 
 # The title regex result is cached per title: titles are few, and the regex then runs once per
 # title instead of once per event in the tracer thread. Bounded so an exec storm cannot grow it.
@@ -147,7 +144,6 @@ class EventHub:
         self._lock = threading.Lock()
         # Replaced, never mutated, so publish() iterates it without taking the lock.
         self._subscriptions: tuple[Subscription, ...] = ()
-        self._kernel_lost_total = 0
         self.published_total = 0
 
     def subscribe(self, event_filter: EventFilter | None = None,
@@ -167,21 +163,16 @@ class EventHub:
         return len(self._subscriptions)
 
     def publish(self, event: Event) -> None:
-        """Offers the event to every subscriber that wants it. Never blocks. Usable as a tracer sink."""
+        """Offers the event to every subscriber that wants it. Never blocks."""
         self.published_total += 1
         for subscription in self._subscriptions:
             if subscription.wants(event):
                 subscription.offer(event)
 
-    def publish_kernel_loss(self, lost_total: int) -> None:
-        """Reports the kernel's cumulative lost-event counter; the increase goes to every subscriber."""
-        with self._lock:
-            increase = lost_total - self._kernel_lost_total
-            if increase <= 0:
-                return
-            self._kernel_lost_total = lost_total
+    def publish_loss(self, lost_count: int) -> None:
+        """`lost_count` events never reached the agent here: every subscriber is told in-band."""
         for subscription in self._subscriptions:
-            subscription.offer_kernel_loss(increase)
+            subscription.offer_kernel_loss(lost_count)
 
     def close_all(self) -> None:
         """Wakes every reader so that streams end (at shutdown)."""

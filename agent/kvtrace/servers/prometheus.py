@@ -1,7 +1,7 @@
 """Prometheus exporter: `/metrics` on 127.0.0.1:9464 from the ledger and the latest analysis snapshot.
 
-A custom collector builds every sample at scrape time from a `MetricsSource` (the agent adapts the
-tracer and the analyzer to it; tests use a fake), so nothing is kept or updated on the event path.
+A custom collector builds every sample at scrape time from the Session (`AgentState`) and the
+Analyzer's latest snapshot, so nothing is kept or updated on the event path.
 
 Labels are bounded: pid, title, gpu, layer, memory, window, api, error_code, component, uuid,
 version. Stacks and addresses are never labels (`kvtrace leaks` and the gRPC API have them). Series
@@ -24,25 +24,23 @@ import math
 import re
 import socket
 import threading
-import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_wsgi_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtrace import __version__
-from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
-from kvtrace.model.ledger import Ledger, TotalsKey
+from kvtrace.model.findings import AnalysisSnapshot
+from kvtrace.model.ledger import LedgerCounts
+from kvtrace.servers.backend import AgentAnalysis, AgentState
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:9464"
 # A title is a command line: long, and sometimes carrying secrets. Labels get a redacted, cut copy.
 TITLE_MAX_CHARS = 64
-# The analysis component is reported down when its latest snapshot is older than this.
-SNAPSHOT_STALE_AFTER_SECONDS = 60.0
 
 
 # ---- what is exported (docs/metrics.md has the same table; a unit test keeps them equal) ----
@@ -116,71 +114,13 @@ METRICS: tuple[MetricSpec, ...] = (
 METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in METRICS)
 _SPECS = {spec.name: spec for spec in METRICS}
 
-# Tracer.counters() key -> unlabelled counter.
-_TRACER_COUNTERS = {
+# Session.counters() key -> unlabelled counter.
+_SESSION_COUNTERS = {
     "kvtrace_events_total": "events_submitted",
     "kvtrace_events_lost_total": "events_lost",
     "kvtrace_ledger_full_total": "ledger_full",
     "kvtrace_unknown_frees_total": "unknown_frees",
 }
-
-
-# ---- what it reads ----
-
-@dataclass(frozen=True)
-class LedgerCounts:
-    """A consistent copy of the ledger's totals and counters (take it under the tracer's lock)."""
-
-    totals: Mapping[TotalsKey, tuple[int, int]]  # (pid, device, layer, memory) -> (bytes, count)
-    allocations_total: Mapping[tuple[int, Layer], int]
-    frees_total: Mapping[tuple[int, Layer], int]
-    failures_total: Mapping[tuple[Api, int], int]  # (api, CUDA error code)
-
-    @classmethod
-    def of(cls, ledger: Ledger) -> LedgerCounts:
-        return cls(ledger.totals(), dict(ledger.allocations_total), dict(ledger.frees_total),
-                   dict(ledger.failures_total))
-
-
-class MetricsSource(Protocol):
-    """What the exporter reads at each scrape. Every call must be quick and thread-safe: it runs in
-    the HTTP server's thread while the tracer applies events."""
-
-    def snapshot(self) -> AnalysisSnapshot | None:
-        """The analyzer's latest snapshot; None before the first one."""
-
-    def ledger(self) -> LedgerCounts:
-        """Ledger totals and counters, copied consistently."""
-
-    def counters(self) -> Mapping[str, int]:
-        """Tracer.counters(): events_submitted, events_lost, ledger_full, unknown_frees, ..."""
-
-    def process_titles(self) -> Mapping[int, str]:
-        """pid -> full process title of the processes the tracer knows (alive)."""
-
-
-class TracerMetricsSource:
-    """The MetricsSource of `kvtrace agent`: the running Tracer plus the analyzer's latest snapshot."""
-
-    def __init__(self, tracer, snapshot: Callable[[], AnalysisSnapshot | None] = lambda: None) -> None:
-        self.tracer = tracer
-        self._snapshot = snapshot
-
-    def snapshot(self) -> AnalysisSnapshot | None:
-        return self._snapshot()
-
-    def ledger(self) -> LedgerCounts:
-        with self.tracer.lock:
-            return LedgerCounts.of(self.tracer.ledger)
-
-    def counters(self) -> Mapping[str, int]:
-        with self.tracer.lock:
-            return self.tracer.counters()
-
-    def process_titles(self) -> Mapping[int, str]:
-        with self.tracer.lock:
-            known = self.tracer.processes.known()
-        return {pid: info.title for pid, info in known.items()}
 
 
 # ---- label values ----
@@ -214,19 +154,16 @@ def _finite(value: float | None) -> bool:
 # ---- the collector ----
 
 class KvtraceCollector:
-    """Builds every kvtrace_* sample from a MetricsSource at scrape time.
+    """Builds every kvtrace_* sample from the agent's state and analysis at scrape time.
 
-    A part that fails (the source raised) is left out of that scrape and reported as
-    kvtrace_component_up{component="exporter"} 0, so a broken source never fails the whole scrape.
+    A part that fails (a read raised) is left out of that scrape and reported as
+    kvtrace_component_up{component="exporter"} 0, so a broken part never fails the whole scrape.
     """
 
-    def __init__(self, source: MetricsSource, version: str = __version__,
-                 stale_after_seconds: float = SNAPSHOT_STALE_AFTER_SECONDS,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
-        self.source = source
+    def __init__(self, state: AgentState, analysis: AgentAnalysis, version: str = __version__) -> None:
+        self.state = state
+        self.analysis = analysis
         self.version = version
-        self.stale_after_seconds = stale_after_seconds
-        self._clock_ns = clock_ns
 
     def describe(self) -> Iterable[Metric]:
         return [self._family(spec.name) for spec in METRICS]
@@ -241,7 +178,7 @@ class KvtraceCollector:
         families = {spec.name: self._family(spec.name) for spec in METRICS}
         failed: list[str] = []
 
-        def read(what: str, call: Callable[[], object], default: object) -> object:
+        def read(what: str, call: Callable[[], Any], default: Any) -> Any:
             try:
                 return call()
             except Exception:  # a scrape must not die of one broken part
@@ -249,10 +186,11 @@ class KvtraceCollector:
                 failed.append(what)
                 return default
 
-        snapshot = read("snapshot", self.source.snapshot, None)
-        ledger = read("ledger", self.source.ledger, None)
-        counters = read("counters", self.source.counters, {})
-        raw_titles = read("process titles", self.source.process_titles, {})
+        snapshot: AnalysisSnapshot | None = read("snapshot", lambda: self.analysis.latest, None)
+        ledger: LedgerCounts | None = read("ledger", self.state.ledger_counts, None)
+        counters: Mapping[str, int] = read("counters", self.state.counters, {})
+        raw_titles: Mapping[int, str] = read("process titles", self.state.process_titles, {})
+        components = {c.name: c.up for c in read("components", self.state.components, [])}
 
         live = set(raw_titles)
         if ledger is not None:
@@ -274,17 +212,12 @@ class KvtraceCollector:
             self._ledger(families, ledger, live, title)
         if snapshot is not None:
             self._snapshot(families, snapshot, title)
-        for name, key in _TRACER_COUNTERS.items():
+        for name, key in _SESSION_COUNTERS.items():
             if key in counters:
                 families[name].add_metric([], counters[key])
 
         up = families["kvtrace_component_up"]
-        components = {} if snapshot is None else {c.name: c.up for c in snapshot.components}
-        # A snapshot that stopped coming (the agent loop is stuck, or no analyzer runs) is down,
-        # whatever its own components said when it was made.
-        age = None if snapshot is None else (self._clock_ns() - snapshot.timestamp_ns) / 1e9
-        fresh = age is not None and age <= self.stale_after_seconds
-        components["analysis"] = fresh and components.get("analysis", True)
+        components.setdefault("analysis", False)  # none has run yet
         components["exporter"] = not failed
         for name in sorted(components):
             up.add_metric([name], 1.0 if components[name] else 0.0)
@@ -385,18 +318,24 @@ def is_loopback(host: str) -> bool:
                                for info in infos)
 
 
+def check_listen(listen: str, allow_remote: bool) -> tuple[str, int]:
+    """(host, port) of a --metrics-listen value, refused unless loopback or allowed remote."""
+    host, port = parse_listen(listen)
+    if not allow_remote and not is_loopback(host):
+        raise MetricsSetupError(
+            f"refusing to serve metrics on {listen}: it is not a loopback address and the metrics "
+            "carry process command lines; add --metrics-allow-remote if that is intended")
+    return host, port
+
+
 class MetricsServer:
     """Serves /metrics over HTTP in a daemon thread; stoppable (tests start and stop many)."""
 
-    def __init__(self, source: MetricsSource, listen: str = DEFAULT_LISTEN, allow_remote: bool = False,
-                 collector: KvtraceCollector | None = None, process_metrics: bool = True) -> None:
-        self.host, self.port = parse_listen(listen)
-        if not allow_remote and not is_loopback(self.host):
-            raise MetricsSetupError(
-                f"refusing to serve metrics on {listen}: it is not a loopback address and the metrics "
-                "carry process command lines; add --metrics-allow-remote if that is intended")
+    def __init__(self, state: AgentState, analysis: AgentAnalysis, listen: str = DEFAULT_LISTEN,
+                 allow_remote: bool = False, process_metrics: bool = True) -> None:
+        self.host, self.port = check_listen(listen, allow_remote)
         self.registry = CollectorRegistry()
-        self.collector = collector or KvtraceCollector(source)
+        self.collector = KvtraceCollector(state, analysis)
         self.registry.register(self.collector)
         if process_metrics:  # the agent's own CPU, memory and file descriptors (process_*)
             ProcessCollector(registry=self.registry)
@@ -440,10 +379,3 @@ def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus /metrics here (default: %(default)s; 'off': not at all)")
     parser.add_argument("--metrics-allow-remote", action="store_true",
                         help="allow a non-loopback --metrics-listen (the metrics carry process titles)")
-
-
-def metrics_server_from_args(args: argparse.Namespace, source: MetricsSource) -> MetricsServer | None:
-    """The server the flags ask for (not started), or None for --metrics-listen off."""
-    if args.metrics_listen in ("off", ""):
-        return None
-    return MetricsServer(source, args.metrics_listen, allow_remote=args.metrics_allow_remote)

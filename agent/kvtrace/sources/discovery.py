@@ -7,23 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-
+from kvtrace.sources import procfs
 from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TRIGGER_SYMBOLS
+from kvtrace.sources.elf import find_symbols
 
 log = logging.getLogger(__name__)
-
-# "7f..-7f.. r-xp 00000000 fd:01 1234  /usr/lib/libcudart.so.12" (the path may contain spaces)
-_MAPS_LINE = re.compile(
-    r"^[0-9a-f]+-[0-9a-f]+ (?P<perms>\S{4}) [0-9a-f]+ (?P<major>[0-9a-f]+):(?P<minor>[0-9a-f]+) "
-    r"(?P<inode>\d+)\s+(?P<path>/.*)$")
-
 
 @dataclass(frozen=True, slots=True)
 class FileId:
@@ -43,61 +34,19 @@ class Target:
     pids: set[int] = field(default_factory=set)
 
 
-def executable_mappings(pid: int, proc: Path = Path("/proc")) -> dict[FileId, str]:
+def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, str]:
     """File-backed executable mappings of a process, as {file id: path as the process sees it}."""
     found: dict[FileId, str] = {}
-    try:
-        text = (proc / str(pid) / "maps").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return found
-    for line in text.splitlines():
-        match = _MAPS_LINE.match(line)
-        if not match or "x" not in match["perms"] or match["inode"] == "0":
-            continue
-        file_id = FileId(os.makedev(int(match["major"], 16), int(match["minor"], 16)),
-                         int(match["inode"]))
-        found.setdefault(file_id, match["path"].removesuffix(" (deleted)"))
+    for mapping in procfs.read_maps(pid, proc):
+        if mapping.executable and mapping.inode:
+            found.setdefault(FileId(mapping.device, mapping.inode), mapping.path)
     return found
 
 
-_ELF64_SYM = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx, st_value, st_size
-_STT_FUNC, _STT_GNU_IFUNC = 2, 10
-
-
-def defined_symbols(path: str, wanted=ALL_SYMBOLS) -> tuple[str, ...]:
-    """The wanted function symbols the ELF file defines (.dynsym or .symtab), in `wanted` order.
-
-    Discovery asks this of every executable file any process maps, so it must be fast: a symbol
-    table whose string table does not even contain a trigger name is skipped without parsing, and
-    the rest is decoded with struct (pyelftools' per-symbol parsing takes seconds on a large
-    library).
-    """
-    names = set(wanted)
-    triggers = [name.encode() + b"\0" for name in TRIGGER_SYMBOLS]
-    found: set[str] = set()
-    try:
-        with open(path, "rb") as stream:
-            elf = ELFFile(stream)
-            if elf.elfclass != 64 or not elf.little_endian:
-                return ()
-            for section in elf.iter_sections():
-                if section["sh_type"] not in ("SHT_SYMTAB", "SHT_DYNSYM"):
-                    continue
-                strtab = elf.get_section(section["sh_link"]).data()
-                if not any(trigger in strtab for trigger in triggers):
-                    continue
-                for st_name, st_info, _other, st_shndx, st_value, _size in \
-                        _ELF64_SYM.iter_unpack(section.data()):
-                    if st_shndx == 0 or st_value == 0 or (st_info & 0xF) not in (_STT_FUNC, _STT_GNU_IFUNC):
-                        continue
-                    end = strtab.find(b"\0", st_name)
-                    # Versioned names ("cudaMalloc@@libcudart.so.12") only appear in some tools.
-                    name = strtab[st_name:end].decode("ascii", "replace").split("@", 1)[0]
-                    if name in names:
-                        found.add(name)
-    except (OSError, ELFError, ValueError, struct.error) as error:
-        log.debug("not an ELF we can read: %s (%s)", path, error)
-        return ()
+def defined_symbols(path: str, wanted: tuple[str, ...] = ALL_SYMBOLS) -> tuple[str, ...]:
+    """The wanted function symbols the file defines, in `wanted` order; () unless it defines one of
+    the trigger symbols' string (a quick filter: most mapped files are not CUDA libraries)."""
+    found = find_symbols(path, wanted, functions_only=True, triggers=TRIGGER_SYMBOLS)
     return tuple(name for name in wanted if name in found)
 
 
@@ -107,14 +56,13 @@ class Discovery:
     ELF verdicts are cached per (device, inode, size, mtime), so a rescan reads only /proc/PID/maps.
     """
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = procfs.PROC) -> None:
         self._proc = proc
         self._verdicts: dict[tuple, tuple[str, ...]] = {}
         self.targets: dict[FileId, Target] = {}
 
     def _open_path(self, pid: int, path: str) -> str | None:
-        # Through the process's root, so files inside containers resolve from the host.
-        candidate = self._proc / str(pid) / "root" / path.lstrip("/")
+        candidate = procfs.path_in_root(pid, path, self._proc)
         try:
             os.stat(candidate)
             return str(candidate)

@@ -21,13 +21,16 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin one before 3.11
+from concurrent.futures import (
+    TimeoutError as FutureTimeout,  # not the builtin one before 3.11
+)
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
-import psutil
-
-from kvtrace.model.findings import ComponentStatus, GpuMemory
+from kvtrace.model.agent import ComponentStatus
+from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, NvmlSample
+from kvtrace.session import Session
+from kvtrace.sources.procfs import environ_value
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +62,6 @@ class DeviceMemory:
     used_bytes: int
     free_bytes: int
     reserved_bytes: int
-
-
-@dataclass(frozen=True)
-class NvmlProcessMemory:
-    """One compute process on one GPU, as NVML reports it. `used_bytes` includes the CUDA context
-    and memory the process's allocator caches; None when NVML does not say (some drivers, vGPU)."""
-
-    gpu_index: int  # NVML index
-    pid: int  # in the host's pid namespace
-    used_bytes: int | None
-
-
-@dataclass(frozen=True)
-class NvmlSample:
-    """One round of sampling: the GPUs that answered and their compute processes."""
-
-    timestamp_ns: int  # wall clock, when the round ended
-    gpus: tuple[GpuMemory, ...]
-    processes: tuple[NvmlProcessMemory, ...]
 
 
 class NvmlBackend(Protocol):
@@ -219,18 +203,23 @@ class _CallThread:
 
 
 class NvmlSampler:
-    """Samples NVML every `interval_seconds` in its own thread; `latest` and `status` are read from
-    any thread (each is one immutable object, replaced whole)."""
+    """Samples NVML every `interval_seconds` in its own thread and hands each sample and its
+    health to the Session (a round with no figures as a sample with no GPUs: no stale figures).
+    `latest` and `status` are read from any thread (each is one immutable object, replaced whole)."""
 
-    def __init__(self, backend: NvmlBackend | None = None, interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
+    def __init__(self, session: Session | None = None, backend: NvmlBackend | None = None,
+                 interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
                  call_timeout_seconds: float = DEFAULT_CALL_TIMEOUT_SECONDS,
                  init_timeout_seconds: float = DEFAULT_INIT_TIMEOUT_SECONDS) -> None:
+        self.session = session
         self.backend = backend if backend is not None else PynvmlBackend()
         self.interval_seconds = interval_seconds
         self.call_timeout_seconds = call_timeout_seconds
         self.init_timeout_seconds = init_timeout_seconds
         self.latest: NvmlSample | None = None  # None: no figures (down, or not sampled yet)
         self.status = ComponentStatus(COMPONENT, False, "not sampled yet")
+        if session is not None:
+            session.report_component(COMPONENT, False, self.status.reason)
         self._calls = _CallThread()
         self._initialized = False
         self._identities: dict[int, tuple[str, str]] = {}  # uuid and name do not change while initialised
@@ -243,11 +232,12 @@ class NvmlSampler:
         self._thread = threading.Thread(target=self._run, name="kvtrace-nvml", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stops sampling; does not wait for a hung call (its thread is a daemon)."""
+    def stop(self, timeout_seconds: float = 0.5) -> None:
+        """Stops sampling; waits at most `timeout_seconds` for a round in progress and never for a
+        hung call (its thread is a daemon): the agent's stop must stay quick."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.call_timeout_seconds + self.interval_seconds)
+            self._thread.join(timeout=timeout_seconds)
         self._calls.close()
 
     def _run(self) -> None:
@@ -292,6 +282,8 @@ class NvmlSampler:
         if not gpus:
             raise NvmlError("; ".join(failures))
         self.latest = NvmlSample(time.time_ns(), tuple(gpus), tuple(processes))
+        if self.session is not None:
+            self.session.ingest(self.latest)
         if failures:  # the backend asks for a lost GPU afresh next round; the others keep going
             self._set_status(False, f"{'; '.join(failures)} ({len(gpus)} of {count} GPUs sampled)")
         else:
@@ -320,6 +312,8 @@ class NvmlSampler:
 
     def _down(self, reason: str) -> None:
         self.latest = None  # no stale figures: a forecast from them would mislead
+        if self.session is not None:
+            self.session.ingest(NvmlSample(time.time_ns(), (), ()))
         self._initialized = False
         self._set_status(False, reason)
 
@@ -331,52 +325,12 @@ class NvmlSampler:
             else:
                 log.warning("nvml down: %s", reason)
         self.status = ComponentStatus(COMPONENT, up, reason)
+        if self.session is not None:
+            self.session.report_component(COMPONENT, up, reason)
 
 
 # ---- CUDA ordinals and NVML indices ----
 
 def read_cuda_visible_devices(pid: int) -> str | None:
-    """CUDA_VISIBLE_DEVICES as the process was started with (/proc/PID/environ); None when unset or
-    unreadable. A value set later inside the process (os.environ) is not visible here."""
-    try:
-        return psutil.Process(pid).environ().get("CUDA_VISIBLE_DEVICES")
-    except (psutil.Error, OSError):
-        return None
-
-
-def nvml_index_for_cuda_ordinal(ordinal: int, visible_devices: str | None,
-                                gpu_uuids: Sequence[str]) -> int | None:
-    """The NVML index of CUDA device `ordinal` in a process started with this CUDA_VISIBLE_DEVICES.
-
-    CUDA numbers only the visible GPUs, in the order listed: with "2,0" ordinal 0 is NVML's GPU 2.
-    Entries are NVML indices or UUIDs ("GPU-8e6f…"; a unique prefix is enough, "GPU-" may be left
-    out). Like CUDA, the list ends at the first entry that names no GPU (so "-1" hides them all); a
-    MIG instance is not a whole GPU, so it ends the list too. Unset (None): ordinal = NVML index.
-    `gpu_uuids` are NVML's, in index order. None: the ordinal names no GPU.
-
-    Assumes CUDA's device order equals NVML's (PCI bus order): true with CUDA_DEVICE_ORDER=PCI_BUS_ID
-    and on hosts of identical GPUs, where CUDA's default "fastest first" falls back to PCI order.
-    """
-    if ordinal < 0:
-        return None
-    if visible_devices is None:
-        return ordinal if ordinal < len(gpu_uuids) else None
-    visible: list[int] = []
-    for entry in visible_devices.split(","):
-        index = _visible_entry_index(entry.strip(), gpu_uuids)
-        if index is None or index in visible:
-            break
-        visible.append(index)
-    return visible[ordinal] if ordinal < len(visible) else None
-
-
-def _visible_entry_index(entry: str, gpu_uuids: Sequence[str]) -> int | None:
-    if entry.isdigit():
-        index = int(entry)
-        return index if index < len(gpu_uuids) else None
-    if not entry or entry.upper().startswith("MIG-"):
-        return None
-    wanted = entry.lower().removeprefix("gpu-")
-    matches = [index for index, uuid in enumerate(gpu_uuids)
-               if uuid.lower().removeprefix("gpu-").startswith(wanted)]
-    return matches[0] if len(matches) == 1 else None
+    """CUDA_VISIBLE_DEVICES as the process was started with; None when unset or unreadable."""
+    return environ_value(pid, "CUDA_VISIBLE_DEVICES")

@@ -96,9 +96,6 @@ class RawStack(ctypes.Structure):
     ]
 
 
-# KVT_STACK_*: why an event has (or lacks) a Python stack.
-STACK_STATUS = ("not_walked", "ok", "not_python", "no_thread_state", "read_error", "empty")
-
 # Per-CPU counter indexes (KVT_COUNTER_*).
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
             "filtered")
@@ -106,6 +103,11 @@ CONFIG_FILTER_ENABLED = 0
 
 NOTIFY_EXEC = 1
 NOTIFY_MMAP_EXEC = 2
+
+
+def program_text() -> str:
+    """The BPF program's source, as `kvtrace agent --ebpf` prints it."""
+    return (probes_dir() / "kvtrace.bpf.c").read_text()
 
 
 def probes_dir() -> Path:

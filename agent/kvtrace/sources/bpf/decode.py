@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import time
 
-from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
+from kvtrace.model.events import (
+    Api,
+    Event,
+    Kind,
+    Layer,
+    Memory,
+    ObjectKind,
+    StackStatus,
+)
 from kvtrace.model.ledger import LedgerKey, Outstanding
-from kvtrace.model.processes import ProcessTable
 from kvtrace.sources.bpf import abi
 
 
@@ -28,11 +35,13 @@ def _lookup(enum_type) -> dict:
 
 _KINDS, _APIS, _LAYERS = _lookup(Kind), _lookup(Api), _lookup(Layer)
 _OBJECTS, _MEMORIES = _lookup(ObjectKind), _lookup(Memory)
-_STACK_STATUS = dict(enumerate(abi.STACK_STATUS))
+_STACK_STATUS = {member.value: member for member in StackStatus}
+_MAP, _UNMAP = Api.cuMemMap.value, Api.cuMemUnmap.value
 
 
-def decode_event(record: bytes, clock: Clock, processes: ProcessTable | None) -> tuple[Event, int]:
-    """(event, kernel stack id) of one ring-buffer record (struct kvt_event)."""
+def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
+    """(event, kernel stack id) of one ring-buffer record (struct kvt_event). The record's `aux`
+    is the handle of a cuMemMap and the physical bytes a cuMemUnmap freed."""
     (timestamp_ns, address, size_bytes, caller_address, aux, kernel_stack_id, pid, tid, device,
      error_code, api, kind, layer, object_kind, memory, stack_status, _reserved,
      comm) = abi.EVENT_STRUCT.unpack_from(record)
@@ -41,16 +50,11 @@ def decode_event(record: bytes, clock: Clock, processes: ProcessTable | None) ->
         timestamp_ns=timestamp_ns + clock.offset_ns,
         layer=_LAYERS[layer], object=_OBJECTS[object_kind], memory=_MEMORIES[memory],
         size_bytes=size_bytes, address=address, device=device, error_code=error_code,
-        caller_address=caller_address, aux=aux,
+        caller_address=caller_address, handle=aux if api == _MAP else 0,
+        freed_bytes=aux if api == _UNMAP else 0,
         comm=comm.split(b"\0", 1)[0].decode("utf-8", "replace"),
-        stack_status=_STACK_STATUS.get(stack_status, ""),
+        stack_status=_STACK_STATUS.get(stack_status, StackStatus.NOT_WALKED),
     )
-    info = processes.get(pid) if processes is not None else None
-    if info is not None:
-        event.title = info.title
-        event.container = info.container
-    else:
-        event.title = event.comm
     return event, kernel_stack_id
 
 

@@ -71,10 +71,6 @@ class BpfProbes:
         self._epoll = None
         self._polled = 0
 
-    @property
-    def source_text(self) -> str:
-        return (abi.probes_dir() / "kvtrace.bpf.c").read_text()
-
     # ---- attach ----
 
     def attach(self, path: str, symbols: Iterable[str], pid: int = -1) -> list[str]:
@@ -225,6 +221,10 @@ class BpfProbes:
         except KeyError:
             return None
         return abi.RawStack.from_buffer_copy(value)
+
+    def tracked_pids(self) -> set[int]:
+        """Processes the probes have put into the ledger and not yet seen exit."""
+        return {key.value for key in self._bpf[b"tracked_pids"].keys()}
 
     def forget_tracked(self, pid: int) -> None:
         try:

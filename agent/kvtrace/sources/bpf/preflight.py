@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvtrace.errors import CommandError, ExitCode
+from kvtrace.sources.procfs import status_field
 
 # Bit numbers from include/uapi/linux/capability.h.
 CAP_SYS_PTRACE = 19
@@ -49,22 +50,9 @@ def _problem(name: str, message: str, exit_code: ExitCode) -> Finding:
     return Finding(name, False, message, exit_code)
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
-
-
-def _status_field(text: str, field: str) -> str | None:
-    match = re.search(rf"^{field}:\s*(\S+)", text, re.MULTILINE)
-    return match.group(1) if match else None
-
-
 def effective_capabilities(root: Path = Path("/")) -> int:
     """CapEff of this process as a bit mask; 0 when it cannot be read (assume nothing)."""
-    text = _read(root / "proc/self/status") or ""
-    value = _status_field(text, "CapEff")
+    value = status_field("self", "CapEff", root / "proc")
     try:
         return int(value, 16) if value else 0
     except ValueError:
@@ -176,8 +164,7 @@ def uretprobe_seccomp_risk(kernel_release: str) -> bool:
 
 def process_has_seccomp_filter(pid: int, root: Path = Path("/")) -> bool:
     """True when the process runs under a seccomp filter (mode 2); False if gone or unreadable."""
-    text = _read(root / "proc" / str(pid) / "status")
-    return text is not None and _status_field(text, "Seccomp") == "2"
+    return status_field(pid, "Seccomp", root / "proc") == "2"
 
 
 def check_uretprobe_seccomp(release: str | None = None) -> Finding:

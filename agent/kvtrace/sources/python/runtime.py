@@ -13,12 +13,15 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
-
-from kvtrace.sources.python.offsets import (GLIBC_SPECIFIC_1STBLOCK_KEYS, NOT_PRESENT, OFFSETS,
-                                       PyOffsets)
+from kvtrace.sources import procfs
+from kvtrace.sources.elf import READ_ERRORS, find_symbols, first_load_vaddr
+from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
+from kvtrace.sources.python.offsets import (
+    GLIBC_SPECIFIC_1STBLOCK_KEYS,
+    NOT_PRESENT,
+    OFFSETS,
+    PyOffsets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,86 +55,33 @@ class NoPython:
     reason: str
 
 
-class _Memory:
-    def __init__(self, pid: int) -> None:
-        self._fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-
-    def read(self, address: int, size: int) -> bytes:
-        data = os.pread(self._fd, size, address)
-        if len(data) != size:
-            raise OSError(f"short read at {address:#x}")
-        return data
-
-    def u64(self, address: int) -> int:
-        return struct.unpack("<Q", self.read(address, 8))[0]
-
-    def cstring(self, address: int, limit: int = 64) -> str:
-        return self.read(address, limit).split(b"\0", 1)[0].decode("ascii", "replace")
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-def _elf_symbols(path: str) -> tuple[dict[str, int], int]:
-    """Wanted symbol values from .dynsym (else .symtab), and the first PT_LOAD vaddr."""
-    values: dict[str, int] = {}
-    with open(path, "rb") as stream:
-        elf = ELFFile(stream)
-        first_load = min(seg["p_vaddr"] for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD")
-        for section_name in (".dynsym", ".symtab"):
-            section = elf.get_section_by_name(section_name)
-            if not isinstance(section, SymbolTableSection):
-                continue
-            for name in _SYMBOLS:
-                if name in values:
-                    continue
-                found = section.get_symbol_by_name(name)
-                if found and found[0]["st_shndx"] != "SHN_UNDEF":
-                    values[name] = found[0]["st_value"]
-    return values, first_load & ~0xFFF
-
-
 def _load_bias(pid: int, path: str, first_load_vaddr: int, proc: Path) -> int | None:
     """Where the file is loaded: lowest mapping start of that file minus its first PT_LOAD vaddr."""
-    starts = []
-    try:
-        maps = (proc / str(pid) / "maps").read_text()
-    except OSError:  # the process exited meanwhile
-        return None
-    for line in maps.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5] == path and int(parts[2], 16) == 0:
-            starts.append(int(parts[0].split("-")[0], 16))
+    starts = [mapping.start for mapping in procfs.read_maps(pid, proc)
+              if mapping.path == path and mapping.file_offset == 0]
     return min(starts) - first_load_vaddr if starts else None
 
 
 def _candidates(pid: int, proc: Path) -> list[str]:
     """The executable and any mapped libpython, as the process names them."""
-    paths = []
-    try:
-        paths.append(os.readlink(proc / str(pid) / "exe"))
-    except OSError:
-        pass
-    try:
-        for line in (proc / str(pid) / "maps").read_text().splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and "libpython" in os.path.basename(parts[5]) and parts[5] not in paths:
-                paths.append(parts[5])
-    except OSError:
-        pass
+    executable = procfs.executable_path(pid, proc)
+    paths = [executable] if executable else []
+    for mapping in procfs.read_maps(pid, proc):
+        if "libpython" in os.path.basename(mapping.path) and mapping.path not in paths:
+            paths.append(mapping.path)
     return paths
 
 
-def _members(mem: _Memory, type_address: int) -> dict[str, int]:
+def _members(mem: ProcessMemory, type_address: int) -> dict[str, int]:
     """name -> offset from a type object's tp_members table (PyMemberDef[])."""
-    table = mem.u64(type_address + _TP_MEMBERS)
+    table = mem.read_u64(type_address + _TP_MEMBERS)
     members: dict[str, int] = {}
     for index in range(64):
         entry = mem.read(table + index * _MEMBERDEF_SIZE, _MEMBERDEF_SIZE)
         name_ptr, offset = struct.unpack_from("<Q", entry)[0], struct.unpack_from("<q", entry, 16)[0]
         if name_ptr == 0:
             break
-        members[mem.cstring(name_ptr)] = offset
+        members[mem.read_cstring(name_ptr)] = offset
     return members
 
 
@@ -163,7 +113,7 @@ _DEBUG_313 = {
 }
 
 
-def _check_debug_offsets(mem: _Memory, runtime: int, offsets: PyOffsets) -> str | None:
+def _check_debug_offsets(mem: ProcessMemory, runtime: int, offsets: PyOffsets) -> str | None:
     header = mem.read(runtime, 8 + 8 * 64)
     if header[:8] != _DEBUG_COOKIE:
         return "_Py_DebugOffsets cookie not found at _PyRuntime"
@@ -189,15 +139,16 @@ def _check_debug_offsets(mem: _Memory, runtime: int, offsets: PyOffsets) -> str 
     return None
 
 
-def inspect_python(pid: int, proc: Path = Path("/proc")) -> PythonTarget | NoPython:
+def inspect_python(pid: int, proc: Path = procfs.PROC) -> PythonTarget | NoPython:
     """Finds and validates the CPython runtime of a process."""
     for path in _candidates(pid, proc):
-        open_path = str(proc / str(pid) / "root" / path.lstrip("/"))
-        try:
-            symbols, first_load = _elf_symbols(open_path)
-        except (OSError, ELFError, ValueError):
-            continue
+        open_path = procfs.path_in_root(pid, path, proc)
+        symbols = find_symbols(open_path, _SYMBOLS)
         if "_PyRuntime" not in symbols:
+            continue
+        try:
+            first_load = first_load_vaddr(open_path)
+        except READ_ERRORS:
             continue
         return _validate(pid, path, symbols, first_load, proc)
     return NoPython(pid, "not a CPython process (no _PyRuntime in the executable or a libpython)")
@@ -210,12 +161,12 @@ def _validate(pid: int, path: str, symbols: dict[str, int], first_load: int,
     if bias is None:
         return NoPython(pid, f"cannot find where {path} is loaded")
     try:
-        mem = _Memory(pid)
-    except OSError as error:
-        return NoPython(pid, f"cannot read /proc/{pid}/mem: {error} (needs root or CAP_SYS_PTRACE)")
+        mem = ProcessMemory(pid, proc)
+    except MemoryReadError as error:
+        return NoPython(pid, f"{error} (needs root or CAP_SYS_PTRACE)")
     try:
         if "Py_Version" in symbols:
-            hexversion = mem.u64(bias + symbols["Py_Version"]) & 0xFFFFFFFF
+            hexversion = mem.read_u64(bias + symbols["Py_Version"]) & 0xFFFFFFFF
             version = (hexversion >> 24, (hexversion >> 16) & 0xFF)
         elif name_match:
             version = (int(name_match[1]), int(name_match[2]))
@@ -236,7 +187,7 @@ def _validate(pid: int, path: str, symbols: dict[str, int], first_load: int,
                               "co_qualname": offsets.code_qualname,
                               "co_linetable": offsets.code_linetable}, members, "PyCodeObject")
             if problem is None and version >= (3, 11):
-                basicsize = mem.u64(code_type + _TP_BASICSIZE)
+                basicsize = mem.read_u64(code_type + _TP_BASICSIZE)
                 if basicsize != offsets.code_bytecode:
                     problem = f"PyCode_Type.tp_basicsize is {basicsize}, kvtrace expects {offsets.code_bytecode}"
         else:
@@ -255,7 +206,7 @@ def _validate(pid: int, path: str, symbols: dict[str, int], first_load: int,
             return NoPython(pid, f"pthread key {key} is beyond glibc's first block (< 32)")
         return PythonTarget(pid, version, offsets, path, runtime, tss + 4,
                             bias + symbols["PyCode_Type"])
-    except OSError as error:
+    except MemoryReadError as error:
         return NoPython(pid, f"cannot read the Python runtime of pid {pid}: {error}")
     finally:
         mem.close()

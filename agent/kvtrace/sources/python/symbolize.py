@@ -1,11 +1,10 @@
-"""User-space symbolization of the stacks the probes record.
+"""User-space symbolization of the Python stacks the probes record.
 
 The probe walks a thread's CPython frames inside the uprobe and records, per frame, the raw pair
 (code object address, instruction value): on 3.10 the frame's `f_lasti` (an index in 2-byte code
 units), on 3.11+ the address of the current instruction (`prev_instr`, `instr_ptr` on 3.13).
 Here those pairs become (qualified name, file, line) by reading the code objects out of the live
-process through /proc/PID/mem, and a native return address becomes (module, symbol, offset)
-through /proc/PID/maps and the module's ELF symbol tables.
+process through /proc/PID/mem (sources/native.py does the same for native return addresses).
 
 Code objects are long-lived, so each is read once per process and cached; see `Symbolizer` for
 how a cache entry is checked against the address being reused by another code object.
@@ -13,23 +12,14 @@ how a cache entry is checked against the address being reused by another code ob
 from __future__ import annotations
 
 import array
-import bisect
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-
-from kvtrace.model.stacks import UNKNOWN_FRAME, Frame, NativeFrame
+from kvtrace.model.stacks import UNKNOWN_FRAME, Frame
+from kvtrace.sources.procfs import PROC, MemoryReadError, ProcessMemory
 from kvtrace.sources.python.offsets import NOT_PRESENT, PyOffsets
 
 SUPPORTED_VERSIONS = ((3, 10), (3, 11), (3, 12), (3, 13))
-
-# x86_64 user space ends below 2**47 (4-level paging) or 2**56 (5-level); anything above is a
-# kernel address or garbage, and /proc/PID/mem offsets are signed.
-USER_ADDRESS_LIMIT = 1 << 56
 
 # Bounds on what is read for one name or line table, so that a garbage pointer cannot make us read
 # megabytes. Real names are short; the largest line tables are a few KiB.
@@ -58,11 +48,6 @@ STATE_ASCII = 1 << 6
 STATE_READY_BEFORE_3_12 = 1 << 7
 
 
-class MemoryReadError(Exception):
-    """Another process's memory could not be read: unmapped, the process is gone (or exec'd, and
-    the file was opened for its old image), or no permission."""
-
-
 class UnsupportedPythonError(ValueError):
     """A CPython version or offsets table this module does not decode."""
 
@@ -73,64 +58,6 @@ def _check_version(version: tuple[int, ...]) -> tuple[int, int]:
         raise UnsupportedPythonError(
             f"CPython {version[0]}.{version[1]} is not supported (3.10 to 3.13 are)")
     return minor_version
-
-
-class ProcessMemory:
-    """Reads another process's memory with pread on /proc/PID/mem, opened once.
-
-    The open file stays bound to the address space the process had when it was opened: after the
-    process exits or execs, reads fail (they never read the new image or a new process that got
-    the same pid), so open a new ProcessMemory after an exec.
-    """
-
-    def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
-        self.pid = pid
-        path = proc / str(pid) / "mem"
-        try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as error:
-            raise MemoryReadError(f"cannot open {path}: {error.strerror}") from error
-
-    def read(self, address: int, size: int) -> bytes:
-        if not 0 < address < USER_ADDRESS_LIMIT - size or size < 0:
-            raise MemoryReadError(f"pid {self.pid}: bad address {address:#x} (+{size} bytes)")
-        try:
-            data = os.pread(self._fd, size, address)
-        except OSError as error:
-            raise MemoryReadError(
-                f"pid {self.pid}: cannot read {size} bytes at {address:#x}: {error.strerror}"
-            ) from error
-        if len(data) != size:
-            # The kernel returns 0 bytes once the address space is gone.
-            raise MemoryReadError(f"pid {self.pid}: read {len(data)} of {size} bytes at "
-                                  f"{address:#x} (process exited or exec'd)")
-        return data
-
-    def read_u64(self, address: int) -> int:
-        return int.from_bytes(self.read(address, 8), "little")
-
-    def read_i64(self, address: int) -> int:
-        return int.from_bytes(self.read(address, 8), "little", signed=True)
-
-    def read_u32(self, address: int) -> int:
-        return int.from_bytes(self.read(address, 4), "little")
-
-    def read_i32(self, address: int) -> int:
-        return int.from_bytes(self.read(address, 4), "little", signed=True)
-
-    def read_u8(self, address: int) -> int:
-        return self.read(address, 1)[0]
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> ProcessMemory:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _sizeof_compact_unicode(offsets: PyOffsets) -> int:
@@ -347,7 +274,7 @@ class Symbolizer:
     Call `forget(pid)` when a process exits or execs.
     """
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = PROC) -> None:
         self._proc = proc
         self._memories: dict[int, ProcessMemory] = {}
         self._codes: dict[int, dict[int, _CodeEntry]] = {}
@@ -441,184 +368,3 @@ def _read_code(mem: ProcessMemory, offsets: PyOffsets,
     file = read_unicode(mem, fingerprint.filename_address, offsets)
     linetable = read_bytes_object(mem, fingerprint.linetable_address, MAX_LINETABLE_BYTES)
     return _CodeEntry(fingerprint, function, file, linetable)
-
-
-# --- native frames -----------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class _Mapping:
-    """One line of /proc/PID/maps."""
-
-    start: int
-    end: int
-    file_offset: int
-    device: str  # "major:minor" in hex, as maps gives it
-    inode: int  # 0: not backed by a file ([heap], [vdso], anonymous)
-    path: str
-
-
-def read_maps(pid: int, proc: Path = Path("/proc")) -> list[_Mapping]:
-    """The process's mappings in address order; [] if it is gone."""
-    try:
-        text = (proc / str(pid) / "maps").read_text(errors="surrogateescape")
-    except OSError:
-        return []
-    mappings = []
-    for line in text.splitlines():
-        # start-end perms offset dev inode [path, which may contain spaces]
-        parts = line.split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        start, end = (int(value, 16) for value in parts[0].split("-"))
-        mappings.append(_Mapping(start, end, int(parts[2], 16), parts[3], int(parts[4]),
-                                 parts[5] if len(parts) > 5 else ""))
-    return mappings
-
-
-class _MapsIndex:
-    """A process's mappings with their start addresses, for bisection."""
-
-    __slots__ = ("mappings", "starts")
-
-    def __init__(self, mappings: list[_Mapping]) -> None:
-        self.mappings = mappings
-        self.starts = [mapping.start for mapping in mappings]
-
-
-def _mapping_at(index: _MapsIndex, address: int) -> _Mapping | None:
-    position = bisect.bisect_right(index.starts, address) - 1
-    if position >= 0 and address < index.mappings[position].end:
-        return index.mappings[position]
-    return None
-
-
-@dataclass(slots=True)
-class _SymbolTable:
-    """A module's function symbols (from .symtab and .dynsym) sorted by start address, and its
-    loadable segments to turn a file offset into an ELF virtual address."""
-
-    starts: list[int]
-    ends: list[int]
-    names: list[str]
-    segments: list[tuple[int, int, int]]  # (file offset, virtual address, size in the file)
-
-    def virtual_address(self, file_offset: int) -> int:
-        for segment_offset, segment_vaddr, segment_size in self.segments:
-            if segment_offset <= file_offset < segment_offset + segment_size:
-                return file_offset - segment_offset + segment_vaddr
-        return file_offset
-
-    def lookup(self, vaddr: int) -> tuple[str, int] | None:
-        """(symbol, offset into it) of the nearest preceding symbol that contains `vaddr`."""
-        index = bisect.bisect_right(self.starts, vaddr) - 1
-        # A symbol nested in a larger one can precede vaddr without containing it: look back a
-        # little for the one that does.
-        for candidate in range(index, max(index - 16, -1), -1):
-            if vaddr < self.ends[candidate]:
-                return self.names[candidate], vaddr - self.starts[candidate]
-        return None
-
-
-_BINDING_PREFERENCE = {"STB_GLOBAL": 0, "STB_WEAK": 1}
-
-
-def _symbol_preference(name: str, binding: str) -> tuple:
-    """Among aliases at one address, the name to show: the public one (`getpid` over `__getpid`,
-    `malloc` over `__libc_malloc`), then global over weak over local, then the shortest."""
-    return name.startswith("_"), _BINDING_PREFERENCE.get(binding, 2), len(name), name
-
-
-def load_symbol_table(file: BinaryIO) -> _SymbolTable:
-    """Read an ELF file's function symbols; raises ELFError on a file that is not ELF."""
-    elf = ELFFile(file)
-    segments = [(segment["p_offset"], segment["p_vaddr"], segment["p_filesz"])
-                for segment in elf.iter_segments() if segment["p_type"] == "PT_LOAD"]
-    best: dict[int, tuple[tuple, str, int]] = {}  # start -> (preference, name, size)
-    for section_name in (".symtab", ".dynsym"):
-        section = elf.get_section_by_name(section_name)
-        if section is None:
-            continue
-        for symbol in section.iter_symbols():
-            info = symbol["st_info"]
-            if info["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or not symbol.name:
-                continue
-            if symbol["st_shndx"] == "SHN_UNDEF":
-                continue
-            start = symbol["st_value"]
-            preference = _symbol_preference(symbol.name, info["bind"])
-            current = best.get(start)
-            if current is None or preference < current[0]:
-                # Keep the largest size seen at this address: aliases may omit it.
-                size = max(symbol["st_size"], current[2] if current else 0)
-                best[start] = (preference, symbol.name, size)
-            elif symbol["st_size"] > current[2]:
-                best[start] = (current[0], current[1], symbol["st_size"])
-    starts = sorted(best)
-    ends = []
-    for index, start in enumerate(starts):
-        size = best[start][2]
-        if size == 0:  # assembly without .size: assume it runs up to the next symbol
-            size = (starts[index + 1] - start) if index + 1 < len(starts) else 1
-        ends.append(start + size)
-    return _SymbolTable(starts, ends, [best[start][1] for start in starts], segments)
-
-
-class NativeSymbolizer:
-    """Native return addresses as (module, symbol, offset), from /proc/PID/maps and the modules'
-    ELF symbol tables (.symtab where not stripped, else .dynsym), cached per file (device, inode).
-
-    A process's maps are cached and read again when an address is in none of them (a library
-    loaded since); call `forget(pid)` when it exits or execs.
-    """
-
-    def __init__(self, proc: Path = Path("/proc")) -> None:
-        self._proc = proc
-        self._maps: dict[int, _MapsIndex] = {}
-        self._tables: dict[tuple[str, int], _SymbolTable | None] = {}
-
-    def symbolize(self, pid: int, address: int) -> NativeFrame:
-        mapping = self._find_mapping(pid, address)
-        if mapping is None:
-            return NativeFrame("", "", address)
-        file_offset = address - mapping.start + mapping.file_offset
-        if mapping.inode == 0:
-            return NativeFrame(mapping.path, "", address - mapping.start)
-        table = self._symbol_table(pid, mapping)
-        if table is None:  # unreadable or not ELF: the file offset is the best we can say
-            return NativeFrame(mapping.path, "", file_offset)
-        vaddr = table.virtual_address(file_offset)
-        found = table.lookup(vaddr)
-        if found is None:
-            return NativeFrame(mapping.path, "", vaddr)
-        symbol, offset = found
-        return NativeFrame(mapping.path, symbol, offset)
-
-    def forget(self, pid: int) -> None:
-        self._maps.pop(pid, None)
-
-    def _find_mapping(self, pid: int, address: int) -> _Mapping | None:
-        cached = self._maps.get(pid)
-        mapping = _mapping_at(cached, address) if cached is not None else None
-        if mapping is None:
-            fresh = self._maps[pid] = _MapsIndex(read_maps(pid, self._proc))
-            mapping = _mapping_at(fresh, address)
-        return mapping
-
-    def _symbol_table(self, pid: int, mapping: _Mapping) -> _SymbolTable | None:
-        key = (mapping.device, mapping.inode)
-        if key not in self._tables:
-            self._tables[key] = self._load(pid, mapping)
-        return self._tables[key]
-
-    def _load(self, pid: int, mapping: _Mapping) -> _SymbolTable | None:
-        # map_files reaches the very file mapped, also in another mount namespace (containers)
-        # or deleted since; the path as seen from the process's root is the fallback.
-        candidates = [self._proc / str(pid) / "map_files" / f"{mapping.start:x}-{mapping.end:x}",
-                      self._proc / str(pid) / "root" / mapping.path.lstrip("/")]
-        for candidate in candidates:
-            try:
-                with open(candidate, "rb") as file:
-                    return load_symbol_table(file)
-            except (OSError, ELFError):
-                continue
-        return None

@@ -78,6 +78,16 @@ class Api(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     API_CU_MEM_ADDRESS_RESERVE: _ClassVar[Api]
     API_CU_MEM_ADDRESS_FREE: _ClassVar[Api]
     API_PROCESS_EXIT: _ClassVar[Api]
+
+class StackStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STACK_STATUS_UNSPECIFIED: _ClassVar[StackStatus]
+    STACK_STATUS_OK: _ClassVar[StackStatus]
+    STACK_STATUS_NOT_PYTHON: _ClassVar[StackStatus]
+    STACK_STATUS_NO_THREAD_STATE: _ClassVar[StackStatus]
+    STACK_STATUS_READ_ERROR: _ClassVar[StackStatus]
+    STACK_STATUS_EMPTY: _ClassVar[StackStatus]
+    STACK_STATUS_UNRESOLVED: _ClassVar[StackStatus]
 LAYER_UNSPECIFIED: Layer
 LAYER_RUNTIME: Layer
 LAYER_DRIVER: Layer
@@ -135,6 +145,13 @@ API_CU_MEM_UNMAP: Api
 API_CU_MEM_ADDRESS_RESERVE: Api
 API_CU_MEM_ADDRESS_FREE: Api
 API_PROCESS_EXIT: Api
+STACK_STATUS_UNSPECIFIED: StackStatus
+STACK_STATUS_OK: StackStatus
+STACK_STATUS_NOT_PYTHON: StackStatus
+STACK_STATUS_NO_THREAD_STATE: StackStatus
+STACK_STATUS_READ_ERROR: StackStatus
+STACK_STATUS_EMPTY: StackStatus
+STACK_STATUS_UNRESOLVED: StackStatus
 
 class Event(_message.Message):
     __slots__ = ("timestamp_ns", "pid", "tid", "comm", "title", "container", "allocation", "device_change", "context_destroy", "process_exit", "events_lost", "stack_definition")
@@ -165,7 +182,7 @@ class Event(_message.Message):
     def __init__(self, timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ..., device_change: _Optional[_Union[DeviceChange, _Mapping]] = ..., context_destroy: _Optional[_Union[ContextDestroy, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., events_lost: _Optional[_Union[EventsLost, _Mapping]] = ..., stack_definition: _Optional[_Union[Stack, _Mapping]] = ...) -> None: ...
 
 class Allocation(_message.Message):
-    __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status")
+    __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stack_status_code")
     KIND_FIELD_NUMBER: _ClassVar[int]
     API_FIELD_NUMBER: _ClassVar[int]
     API_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +198,7 @@ class Allocation(_message.Message):
     FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
     STACK_ID_FIELD_NUMBER: _ClassVar[int]
     STACK_STATUS_FIELD_NUMBER: _ClassVar[int]
+    STACK_STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     api: Api
     api_name: str
@@ -196,7 +214,8 @@ class Allocation(_message.Message):
     freed_bytes: int
     stack_id: int
     stack_status: str
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., object: _Optional[_Union[ObjectKind, str]] = ..., memory: _Optional[_Union[Memory, str]] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ..., handle: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack_status: _Optional[str] = ...) -> None: ...
+    stack_status_code: StackStatus
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., object: _Optional[_Union[ObjectKind, str]] = ..., memory: _Optional[_Union[Memory, str]] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ..., handle: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack_status: _Optional[str] = ..., stack_status_code: _Optional[_Union[StackStatus, str]] = ...) -> None: ...
 
 class DeviceChange(_message.Message):
     __slots__ = ("api", "api_name", "layer", "device", "error_code", "context", "caller_address")

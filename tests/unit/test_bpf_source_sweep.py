@@ -1,5 +1,6 @@
-"""Tracer.sweep_exited with a stand-in for the BPF side: a gone -p process is dropped once."""
-from kvtrace.tracer import Tracer, TracerOptions
+"""BpfSource.sweep_exited with a stand-in for the BPF side: a gone -p process is dropped once."""
+from kvtrace.session import Session
+from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 
 GONE_PID = 4194999  # above the largest pid_max Linux allows: never a running process
 
@@ -20,6 +21,9 @@ class CountingProbes:
     def delete_ledger_keys(self, keys) -> None:
         pass
 
+    def tracked_pids(self) -> set[int]:
+        return set()
+
     def forget_tracked(self, pid: int) -> None:
         pass
 
@@ -31,8 +35,8 @@ class CountingProbes:
 
 
 def test_a_chosen_process_that_is_gone_is_dropped_once_not_every_sweep():
-    # GIVEN a tracer following -p GONE_PID, whose process is not running
-    tracer = Tracer(TracerOptions(pids={GONE_PID}))
+    # GIVEN a source following -p GONE_PID, whose process is not running
+    tracer = BpfSource(Session(), BpfOptions(pids={GONE_PID}))
     tracer.probes = CountingProbes()
     tracer._selected.add(GONE_PID)
     # WHEN it sweeps for exited processes ten times (once a second in the agent)

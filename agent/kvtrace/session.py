@@ -1,0 +1,286 @@
+"""The Session: the one entrance for what sources see, and the one place everything else reads.
+
+    sources ──ingest()──▶ Session (ledger, stacks, processes, health) ──reads──▶ analysis, servers
+                              └──▶ sinks (the API's event hub, --json-events, recordings)
+
+Sources (the BPF probes, NVML, later PyTorch's allocator, vLLM, CUPTI, a recording) turn what they
+see into model records and call `ingest`. Ingesting applies an event to the ledger, fills in the
+process's title and container (attribution written once, for every source), and hands it to every
+sink in order. Sources also report their health, counters and attached libraries here, so that
+`kvtrace doctor`, the gRPC API and /metrics all tell the same story.
+
+Readers (analysis, the gRPC server, /metrics) run on other threads: every read method returns a
+consistent copy taken under `lock`, never a live view. Writers hold the lock for a whole batch
+(`ingest_many`), so a copy waits at most one batch.
+"""
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Union
+
+from kvtrace import __version__
+from kvtrace.model.agent import (
+    AgentInfo,
+    AttachedLibrary,
+    ComponentStatus,
+    OutstandingTotal,
+    TrackedProcess,
+)
+from kvtrace.model.events import Api, Event, EventsLost, Kind
+from kvtrace.model.gpus import NvmlSample
+from kvtrace.model.ledger import (
+    Ledger,
+    LedgerCounts,
+    LedgerView,
+    Outstanding,
+    ledger_view,
+)
+from kvtrace.model.processes import ProcessInfo, ProcessTable
+from kvtrace.model.stacks import NativeFrame, Stack, StackTable
+
+Record = Union[Event, EventsLost, NvmlSample]
+
+
+class NativeNames(Protocol):
+    """Names native code addresses (kvtrace.sources.native.NativeSymbolizer in the agent)."""
+
+    def symbolize(self, pid: int, address: int) -> NativeFrame: ...
+
+    def forget(self, pid: int) -> None: ...
+
+
+class Sink(Protocol):
+    """Receives every event in order (called under the Session's lock: never block)."""
+
+    def publish(self, event: Event) -> None: ...
+
+    def publish_loss(self, lost_count: int) -> None:
+        """`lost_count` events never reached the agent at this point of the stream."""
+        ...
+
+
+@dataclass
+class _Component:
+    status: ComponentStatus
+    reported_monotonic: float
+    stale_after_seconds: float | None  # None: holds until reported again
+    stale_reason: str
+
+
+class Session:
+    def __init__(self, processes: ProcessTable | None = None, native_names: NativeNames | None = None) -> None:
+        """`processes` reads titles of live processes (the agent passes one over procfs);
+        `native_names` names native callers for reports."""
+        self.lock = threading.Lock()
+        self.ledger = Ledger()
+        self.stacks = StackTable()
+        self.processes = processes if processes is not None else ProcessTable()
+        self.traced_only = False  # a source follows chosen processes only (NVML's others are left out)
+        self._native_names = native_names
+        self._native_frames: dict[tuple[int, int], NativeFrame] = {}
+        self._sinks: list[Sink] = []
+        self._components: dict[str, _Component] = {}
+        self._counters: dict[str, int] = {}
+        self._libraries: tuple[AttachedLibrary, ...] = ()
+        self._nvml: NvmlSample | None = None
+        self.events_total = 0
+        self.lost_total = 0
+        self.resyncs_total = 0
+
+    # ---- writing: sources ----
+
+    def add_sink(self, sink: Sink) -> None:
+        with self.lock:
+            self._sinks.append(sink)
+
+    def ingest(self, record: Record) -> None:
+        self.ingest_many((record,))
+
+    def ingest_many(self, records: Iterable[Record]) -> None:
+        """The one entrance: events go to the ledger and the sinks, in order; a loss report goes to
+        the sinks where the gap is; an NVML sample replaces the last one."""
+        with self.lock:
+            sinks = self._sinks
+            for record in records:
+                if type(record) is Event:
+                    self._attribute(record)
+                    self.events_total += 1
+                    self.ledger.apply(record)
+                    if record.kind is Kind.PROCESS_EXIT:
+                        self._forget_process(record.pid)
+                    for sink in sinks:
+                        sink.publish(record)
+                elif type(record) is EventsLost:
+                    self.lost_total += record.count
+                    for sink in sinks:
+                        sink.publish_loss(record.count)
+                elif type(record) is NvmlSample:
+                    self._nvml = record
+                else:
+                    raise TypeError(f"not a record a Session takes: {type(record).__name__}")
+
+    def _attribute(self, event: Event) -> None:
+        if event.title:
+            return  # a source that knows better (a recording) already said
+        info = self.processes.get(event.pid)
+        if info is not None:
+            event.title = info.title
+            event.container = info.container
+        else:
+            event.title = event.comm
+
+    def _forget_process(self, pid: int) -> None:
+        self.ledger.forget_counters(pid)
+        self.processes.forget(pid)
+        for key in [key for key in self._native_frames if key[0] == pid]:
+            del self._native_frames[key]
+        if self._native_names is not None:
+            self._native_names.forget(pid)
+
+    def process_execed(self, pid: int) -> None:
+        """The process exec'd: its title is read afresh at its next event."""
+        with self.lock:
+            self.processes.forget(pid)
+
+    def read_process(self, pid: int) -> ProcessInfo | None:
+        """Who `pid` is, read from the system if not known or no longer fresh."""
+        with self.lock:
+            return self.processes.get(pid)
+
+    def intern_stack(self, stack: Stack) -> int:
+        """The id of a symbolized stack (interned: equal stacks, one id). Ids never change."""
+        with self.lock:
+            return self.stacks.intern(stack)
+
+    def resync(self, entries: Iterable[Outstanding]) -> None:
+        """Replaces the outstanding set with an exact copy (a source's kernel ledger, after loss)."""
+        with self.lock:
+            self.ledger.resync(entries)
+            self.resyncs_total += 1
+
+    def forget_process(self, pid: int) -> None:
+        """A process found gone without an exit event: drop what it held and what is known of it."""
+        self.ingest(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=pid, tid=pid,
+                          timestamp_ns=time.time_ns()))
+
+    def report_component(self, name: str, up: bool, reason: str = "",
+                         stale_after_seconds: float | None = None, stale_reason: str = "") -> None:
+        """A component's health. With `stale_after_seconds` the report is a heartbeat: unrepeated
+        for that long, the component is down with `stale_reason`."""
+        with self.lock:
+            self._components[name] = _Component(ComponentStatus(name, up, reason), time.monotonic(),
+                                                stale_after_seconds, stale_reason or f"{name} stopped reporting")
+
+    def report_counters(self, counters: dict[str, int]) -> None:
+        """A source's counters (the probes' events_submitted, events_lost, ...), merged by name."""
+        with self.lock:
+            self._counters.update(counters)
+
+    def report_libraries(self, libraries: Iterable[AttachedLibrary]) -> None:
+        with self.lock:
+            self._libraries = tuple(libraries)
+
+    # ---- reading: analysis and servers ----
+
+    def outstanding(self) -> list[Outstanding]:
+        """Every live ledger entry, as a copy."""
+        with self.lock:
+            return list(self.ledger)
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        """Title, comm and container of `pid` as last read (no /proc read here), None if unknown."""
+        with self.lock:
+            return self.processes.known().get(pid)
+
+    def process_titles(self) -> dict[int, str]:
+        """pid -> full title of the processes the Session knows (alive)."""
+        with self.lock:
+            known = self.processes.known()
+        return {pid: info.title for pid, info in known.items()}
+
+    def stack(self, stack_id: int) -> Stack | None:
+        """The interned stack with this id, None if unknown. The table only grows: no lock."""
+        try:
+            return self.stacks.get(stack_id)
+        except KeyError:
+            return None
+
+    def native_caller(self, pid: int, address: int) -> NativeFrame | None:
+        """(module, symbol, offset) of the native code at `address` in `pid`; cached."""
+        if not address or self._native_names is None:
+            return None
+        key = (pid, address)
+        frame = self._native_frames.get(key)
+        if frame is None:
+            frame = self._native_frames[key] = self._native_names.symbolize(pid, address)
+        return frame
+
+    def processes_holding_memory(self) -> list[TrackedProcess]:
+        """Processes holding traced objects, with their totals per (device, layer, memory)."""
+        with self.lock:
+            totals = self.ledger.totals()
+            known = self.processes.known()
+        processes: dict[int, TrackedProcess] = {}
+        for key, (size_bytes, count) in sorted(totals.items(), key=lambda item: (
+                item[0].pid, item[0].device, item[0].layer, item[0].memory)):
+            process = processes.get(key.pid)
+            if process is None:
+                info = known.get(key.pid)
+                process = processes[key.pid] = TrackedProcess(
+                    key.pid, info.title if info else "", info.comm if info else "",
+                    info.container if info else "")
+            process.totals.append(OutstandingTotal(key.device, key.layer, key.memory, size_bytes, count))
+        return list(processes.values())
+
+    def ledger_counts(self) -> LedgerCounts:
+        with self.lock:
+            return LedgerCounts.of(self.ledger)
+
+    def ledger_view(self, with_entries: bool, extra_pids: Iterable[int] = ()) -> LedgerView:
+        """What an analysis needs, copied at once: totals, counts, titles of the processes holding
+        memory and of `extra_pids` (NVML's), and every entry when `with_entries`."""
+        with self.lock:
+            titles = {}
+            for pid in {key.pid for key in self.ledger.totals()} | set(extra_pids):
+                info = self.processes.get(pid)  # cached; /proc is read at most every few seconds
+                if info is not None:
+                    titles[pid] = info.title
+            return ledger_view(self.ledger, time.time_ns(), time.monotonic_ns(), with_entries, titles,
+                               self.traced_only)
+
+    def nvml_sample(self) -> NvmlSample | None:
+        return self._nvml
+
+    def counters(self) -> dict[str, int]:
+        with self.lock:
+            counters = dict(self._counters)
+            counters["events_seen"] = self.events_total
+            counters["resyncs"] = self.resyncs_total
+        return counters
+
+    def components(self) -> list[ComponentStatus]:
+        """Every component's health, in report order; a heartbeat not repeated in time is down."""
+        now = time.monotonic()
+        with self.lock:
+            components = list(self._components.values())
+        statuses = []
+        for component in components:
+            status = component.status
+            if (component.stale_after_seconds is not None and status.up
+                    and now - component.reported_monotonic > component.stale_after_seconds):
+                status = ComponentStatus(status.name, False, component.stale_reason)
+            statuses.append(status)
+        return statuses
+
+    def healthy(self) -> bool:
+        """False while the BPF event loop is stalled (gRPC health then says NOT_SERVING)."""
+        return all(status.up for status in self.components() if status.name == "bpf")
+
+    def info(self) -> AgentInfo:
+        with self.lock:
+            libraries = list(self._libraries)
+        return AgentInfo(__version__, platform.release(), libraries, self.components(), self.counters())
+

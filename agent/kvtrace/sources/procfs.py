@@ -1,0 +1,194 @@
+"""/proc: the one module that reads other processes — their mappings, memory, root, title,
+environment and status. Everything else asks here.
+
+Every function takes `proc` so tests can point it at a fake tree, and treats a process that is gone
+(or exec'd, or out of reach) as a normal answer (`[]`, None), never an exception, except where a
+caller must tell "gone" from "empty" (`ProcessMemory` raises MemoryReadError).
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from kvtrace.model.processes import ProcessInfo, container_id
+
+PROC = Path("/proc")
+
+# x86_64 user space ends below 2**47 (4-level paging) or 2**56 (5-level); anything above is a
+# kernel address or garbage, and /proc/PID/mem offsets are signed.
+USER_ADDRESS_LIMIT = 1 << 56
+
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """One line of /proc/PID/maps."""
+
+    start: int
+    end: int
+    perms: str  # "r-xp"
+    file_offset: int
+    device: int  # os.makedev(major, minor): with `inode`, the file as the kernel knows it
+    inode: int  # 0: not backed by a file ([heap], [vdso], anonymous)
+    path: str  # as the process sees it; " (deleted)" removed (see `deleted`)
+    deleted: bool = False
+
+    @property
+    def executable(self) -> bool:
+        return "x" in self.perms
+
+
+def read_maps(pid: int, proc: Path = PROC) -> list[Mapping]:
+    """The process's mappings in address order; [] if it is gone or unreadable."""
+    try:
+        text = (proc / str(pid) / "maps").read_text(errors="surrogateescape")
+    except OSError:
+        return []
+    mappings = []
+    for line in text.splitlines():
+        # start-end perms offset major:minor inode [path, which may contain spaces]
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        try:
+            start, end = (int(value, 16) for value in parts[0].split("-"))
+            major, minor = (int(value, 16) for value in parts[3].split(":"))
+            offset, inode = int(parts[2], 16), int(parts[4])
+        except ValueError:
+            continue
+        path = parts[5] if len(parts) > 5 else ""
+        deleted = path.endswith(_DELETED)
+        mappings.append(Mapping(start, end, parts[1], offset, os.makedev(major, minor), inode,
+                                path.removesuffix(_DELETED), deleted))
+    return mappings
+
+
+def path_in_root(pid: int, path: str, proc: Path = PROC) -> Path:
+    """`path` as the process sees it, opened from here: through its root, so files inside a
+    container (another mount namespace) resolve from the host."""
+    return proc / str(pid) / "root" / path.lstrip("/")
+
+
+def mapped_file(pid: int, mapping: Mapping, proc: Path = PROC) -> Path:
+    """The very file behind a mapping, also when deleted since or in another mount namespace."""
+    return proc / str(pid) / "map_files" / f"{mapping.start:x}-{mapping.end:x}"
+
+
+def executable_path(pid: int, proc: Path = PROC) -> str | None:
+    """The executable as the process names it (/proc/PID/exe), None if gone."""
+    try:
+        return os.readlink(proc / str(pid) / "exe")
+    except OSError:
+        return None
+
+
+def status_field(pid: int | str, field: str, proc: Path = PROC) -> str | None:
+    """One field of /proc/PID/status ("Seccomp" -> "2"; pid "self" for this process); None if
+    gone or absent."""
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{re.escape(field)}:\s*(\S+)", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    """An environment variable as the process was started with (/proc/PID/environ); None when
+    unset or unreadable. A value set later inside the process is not visible here."""
+    try:
+        return psutil.Process(pid).environ().get(name)
+    except (psutil.Error, OSError):
+        return None
+
+
+def read_process(pid: int, proc: Path = PROC) -> ProcessInfo | None:
+    """Title, comm, container and start time of a process; None if it is gone."""
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            cmdline = process.cmdline()
+            comm = process.name()
+            start_time = process.create_time()
+    except (psutil.Error, OSError):
+        return None
+    try:
+        cgroup = (proc / str(pid) / "cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    # setproctitle may leave one argv element holding the whole title, padded with NULs/spaces.
+    title = " ".join(part for part in cmdline if part).strip() or comm
+    return ProcessInfo(pid, title, comm, container_id(cgroup), cgroup.strip().split(":")[-1],
+                       start_time, time.monotonic())
+
+
+class MemoryReadError(Exception):
+    """Another process's memory could not be read: unmapped, the process is gone (or exec'd, and
+    the file was opened for its old image), or no permission."""
+
+
+class ProcessMemory:
+    """Reads another process's memory with pread on /proc/PID/mem, opened once.
+
+    The open file stays bound to the address space the process had when it was opened: after the
+    process exits or execs, reads fail (they never read the new image or a new process that got
+    the same pid), so open a new ProcessMemory after an exec.
+    """
+
+    def __init__(self, pid: int, proc: Path = PROC) -> None:
+        self.pid = pid
+        path = proc / str(pid) / "mem"
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as error:
+            raise MemoryReadError(f"cannot open {path}: {error.strerror}") from error
+
+    def read(self, address: int, size: int) -> bytes:
+        if not 0 < address < USER_ADDRESS_LIMIT - size or size < 0:
+            raise MemoryReadError(f"pid {self.pid}: bad address {address:#x} (+{size} bytes)")
+        try:
+            data = os.pread(self._fd, size, address)
+        except OSError as error:
+            raise MemoryReadError(
+                f"pid {self.pid}: cannot read {size} bytes at {address:#x}: {error.strerror}"
+            ) from error
+        if len(data) != size:
+            # The kernel returns 0 bytes once the address space is gone.
+            raise MemoryReadError(f"pid {self.pid}: read {len(data)} of {size} bytes at "
+                                  f"{address:#x} (process exited or exec'd)")
+        return data
+
+    def read_u64(self, address: int) -> int:
+        return int.from_bytes(self.read(address, 8), "little")
+
+    def read_i64(self, address: int) -> int:
+        return int.from_bytes(self.read(address, 8), "little", signed=True)
+
+    def read_u32(self, address: int) -> int:
+        return int.from_bytes(self.read(address, 4), "little")
+
+    def read_i32(self, address: int) -> int:
+        return int.from_bytes(self.read(address, 4), "little", signed=True)
+
+    def read_u8(self, address: int) -> int:
+        return self.read(address, 1)[0]
+
+    def read_cstring(self, address: int, limit: int = 64) -> str:
+        return self.read(address, limit).split(b"\0", 1)[0].decode("ascii", "replace")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ProcessMemory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
