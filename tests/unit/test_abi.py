@@ -9,7 +9,7 @@ from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.symbols import ALL_SYMBOLS
 
 HEADER = (abi.probes_dir() / "kvtrace.h").read_text()
-SOURCE = (abi.probes_dir() / "kvtrace.bpf.c").read_text()
+SOURCE = abi.program_text()
 
 
 def defines(prefix: str) -> dict[str, int]:

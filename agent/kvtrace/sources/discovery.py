@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvtrace.sources import procfs
 from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TRIGGER_SYMBOLS
-from kvtrace.sources.elf import find_symbols
+from kvtrace.sources.elf import FUNCTION_TYPES, find_symbols
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, str]
 def defined_symbols(path: str, wanted: tuple[str, ...] = ALL_SYMBOLS) -> tuple[str, ...]:
     """The wanted function symbols the file defines, in `wanted` order; () unless it defines one of
     the trigger symbols' string (a quick filter: most mapped files are not CUDA libraries)."""
-    found = find_symbols(path, wanted, functions_only=True, triggers=TRIGGER_SYMBOLS)
+    found = find_symbols(path, wanted, types=FUNCTION_TYPES, triggers=TRIGGER_SYMBOLS)
     return tuple(name for name in wanted if name in found)
 
 

@@ -19,17 +19,18 @@ from elftools.elf.elffile import ELFFile
 log = logging.getLogger(__name__)
 
 _ELF64_SYM = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx, st_value, st_size
-_STT_OBJECT, _STT_FUNC, _STT_GNU_IFUNC = 1, 2, 10
-_FUNCTION_TYPES = (_STT_FUNC, _STT_GNU_IFUNC)
+STT_OBJECT, STT_FUNC, STT_GNU_IFUNC = 1, 2, 10
+FUNCTION_TYPES = (STT_FUNC, STT_GNU_IFUNC)
 
 # What reading a damaged or foreign file can raise; the callers treat all of it as "no symbols".
 READ_ERRORS = (OSError, ELFError, ValueError, struct.error)
 
 
-def find_symbols(path: str | Path, wanted: Collection[str], *, functions_only: bool = False,
+def find_symbols(path: str | Path, wanted: Collection[str], *, types: Collection[int] = (),
                  triggers: Iterable[str] = ()) -> dict[str, int]:
-    """{name: st_value} of the wanted symbols the file defines (.symtab or .dynsym); {} for a file
-    that is not a 64-bit little-endian ELF or cannot be read.
+    """{name: st_value} of the wanted symbols the file defines (.symtab or .dynsym), of the given
+    symbol types (STT_*; empty: any); {} for a file that is not a 64-bit little-endian ELF or cannot
+    be read.
 
     Discovery asks this of every executable file any process maps, so it must be fast: a symbol
     table whose string table contains none of `triggers` (when given) is skipped without parsing,
@@ -52,8 +53,7 @@ def find_symbols(path: str | Path, wanted: Collection[str], *, functions_only: b
                     continue
                 for st_name, st_info, _other, st_shndx, st_value, _size in \
                         _ELF64_SYM.iter_unpack(section.data()):
-                    kind = st_info & 0xF
-                    if st_shndx == 0 or st_value == 0 or (functions_only and kind not in _FUNCTION_TYPES):
+                    if st_shndx == 0 or st_value == 0 or (types and st_info & 0xF not in types):
                         continue
                     end = strtab.find(b"\0", st_name)
                     name = strtab[st_name:end].decode("ascii", "replace").split("@", 1)[0]
@@ -103,8 +103,16 @@ def first_load_vaddr(path: str | Path) -> int:
 
 
 def function_file_offsets(path: str | Path, names: Collection[str]) -> dict[str, int]:
-    """{name: file offset} of the function symbols the file defines: where a uprobe goes."""
-    values = find_symbols(path, names, functions_only=True)
+    """{name: file offset} of the functions the file defines: where a uprobe goes. An
+    STT_GNU_IFUNC is left out on purpose: its value is the resolver, not the function a call
+    reaches."""
+    return symbol_file_offsets(path, names, (STT_FUNC,))
+
+
+def symbol_file_offsets(path: str | Path, names: Collection[str], types: Collection[int]) -> dict[str, int]:
+    """{name: file offset} of the symbols of these types the file defines: st_value through the
+    PT_LOAD segment that holds it, as bcc does (a uprobe's offset, a USDT semaphore's ref_ctr)."""
+    values = find_symbols(path, names, types=types)
     if not values:
         return {}
     with open(path, "rb") as stream:
@@ -115,6 +123,13 @@ def function_file_offsets(path: str | Path, names: Collection[str]) -> dict[str,
         if offset is not None:
             offsets[name] = offset
     return offsets
+
+
+def entry_point_file_offset(path: str | Path) -> int | None:
+    """The file offset of the ELF entry point (_start): code that runs once, at process start."""
+    with open(path, "rb") as stream:
+        elf = ELFFile(stream)
+        return vaddr_to_file_offset(load_segments(elf), elf.header["e_entry"])
 
 
 # ---- every function symbol, for symbolizing native addresses ----

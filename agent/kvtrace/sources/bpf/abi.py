@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 from pathlib import Path
 
@@ -105,9 +106,40 @@ NOTIFY_EXEC = 1
 NOTIFY_MMAP_EXEC = 2
 
 
-def program_text() -> str:
-    """The BPF program's source, as `kvtrace agent --ebpf` prints it."""
-    return (probes_dir() / "kvtrace.bpf.c").read_text()
+PROGRAM = "kvtrace.bpf.c"
+_OWN_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
+
+
+def program_text(directory: Path | None = None) -> str:
+    """The one compile unit: kvtrace.bpf.c with its own headers (`#include "x.h"` of a file in
+    probes/) expanded in place, each once, between #line markers so that compiler messages name the
+    right file and line.
+
+    Why not let clang include them: bcc rewrites its map syntax (`ledger.lookup(&key)`) in the main
+    file only, so code that uses a map must reach bcc as main-file text. Nothing is substituted:
+    the text is the files', in order; what changes per host comes as -D flags (ProbeSettings).
+    """
+    directory = directory or probes_dir()
+    expanded: set[str] = set()
+
+    def expand(name: str) -> str:
+        text = (directory / name).read_text()
+        parts, position = [f'#line 1 "{name}"\n'], 0
+        for match in _OWN_INCLUDE.finditer(text):
+            header = match.group(1)
+            if not (directory / header).is_file():
+                continue  # a system or bcc header: clang finds it
+            parts.append(text[position:match.start()])
+            line_after = text.count("\n", 0, match.end()) + 2
+            if header not in expanded:
+                expanded.add(header)
+                parts.append(expand(header))
+            parts.append(f'\n#line {line_after} "{name}"\n')
+            position = match.end() + 1
+        parts.append(text[position:])
+        return "".join(parts)
+
+    return expand(PROGRAM)
 
 
 def probes_dir() -> Path:

@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf import abi, links
+from kvtrace.sources.elf import function_file_offsets
+from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK
 from kvtrace.sources.bpf.symbols import entry_function, return_function
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,11 @@ class ProbeSettings:
     max_stacks: int = 16384
     task_fsbase_offset: int = -1  # from BTF; -1 disables Python stacks
     wakeup_events: int = 512  # events a CPU submits before it wakes the reader; else its timer takes them
+    # How probes go in: uprobe_multi links (Linux 6.6+: detaching waits for one grace period per
+    # link, in parallel, where a perf-event uprobe waits for its own, one after another, under a
+    # global lock: minutes to stop with a few hundred probes), or bcc's perf-event uprobes.
+    # None: links where the kernel takes them.
+    uprobe_links: bool | None = None
 
     def cflags(self) -> list[str]:
         return [
@@ -38,7 +45,7 @@ class ProbeSettings:
             f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
             f"-DKVT_MAX_THREADS={self.max_threads}",
             f"-DKVT_WAKEUP_EVENTS={self.wakeup_events}",
-            "-Wno-macro-redefined",
+            f"-DKVT_GLIBC_SPECIFIC_1STBLOCK={GLIBC_SPECIFIC_1STBLOCK:#x}",
         ]
 
 
@@ -62,12 +69,19 @@ class BpfProbes:
         from bcc import BPF  # imported here so that everything else works without bcc
 
         self.settings = settings
-        source = abi.probes_dir() / "kvtrace.bpf.c"
         started = time.monotonic()
-        self._bpf = BPF(src_file=str(source).encode(), cflags=settings.cflags())
+        self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
         self.compile_seconds = time.monotonic() - started
         _return_freed_heap()
         self._attached: dict[str, dict[int, list[str]]] = {}  # path -> pid (-1: all) -> symbols
+        self._links: dict[str, list[links.Link]] = {}  # path -> its links (uprobe_multi mode)
+        self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
+        self.uprobe_links = settings.uprobe_links
+        if self.uprobe_links is None:
+            why_not = links.uprobe_multi_supported()
+            self.uprobe_links = not why_not
+            if why_not:
+                log.warning("probes go in as perf-event uprobes (stopping takes ~0.1 s per probe): %s", why_not)
         self._epoll = None
         self._polled = 0
 
@@ -79,6 +93,10 @@ class BpfProbes:
 
         Returns the symbols attached; a symbol that fails is logged and skipped.
         """
+        if self.uprobe_links:
+            done = self._attach_links(path, list(symbols), pid)
+            self._attached.setdefault(path, {})[pid] = done
+            return done
         done = []
         for symbol in symbols:
             try:
@@ -95,6 +113,35 @@ class BpfProbes:
         self._attached.setdefault(path, {})[pid] = done
         return done
 
+    def _attach_links(self, path: str, symbols: list[str], pid: int) -> list[str]:
+        """One entry and one return link per symbol (each program handles one API)."""
+        offsets = function_file_offsets(path, symbols)
+        done = []
+        for symbol in symbols:
+            offset = offsets.get(symbol)
+            if offset is None:
+                log.warning("cannot attach to %s in %s: no function symbol with a file offset", symbol, path)
+                continue
+            made: list[links.Link] = []
+            try:
+                for function, retprobe in ((entry_function(symbol), False), (return_function(symbol), True)):
+                    made.append(links.attach_uprobe_multi(self._program(function), path, [offset],
+                                                          retprobe=retprobe, pid=pid))
+            except Exception as error:  # LinkError; bcc raises plain Exception when a load fails
+                log.warning("cannot attach to %s in %s%s: %s", symbol, path,
+                            f" for pid {pid}" if pid != -1 else "", error)
+                links.close_links(made)
+                continue
+            self._links.setdefault(path, []).extend(made)
+            done.append(symbol)
+        return done
+
+    def _program(self, function: str) -> int:
+        fd = self._programs.get(function)
+        if fd is None:
+            fd = self._programs[function] = links.load_uprobe_multi(self._bpf, function)
+        return fd
+
     def _detach_symbol(self, path: str, symbol: str, pid: int) -> None:
         for detach in (self._bpf.detach_uprobe, self._bpf.detach_uretprobe):
             try:
@@ -103,7 +150,11 @@ class BpfProbes:
                 pass
 
     def detach(self, path: str) -> None:
-        for pid, symbols in self._attached.pop(path, {}).items():
+        attached = self._attached.pop(path, {})
+        if self.uprobe_links:
+            links.close_links(self._links.pop(path, []))
+            return
+        for pid, symbols in attached.items():
             for symbol in symbols:
                 self._detach_symbol(path, symbol, pid)
 
@@ -232,5 +283,14 @@ class BpfProbes:
         except KeyError:
             pass
 
-    def close(self) -> None:
+    def close(self) -> float:
+        """Takes every probe down and frees the program; returns the seconds detaching took.
+
+        Links close in parallel (their grace periods overlap): well under a second for hundreds of
+        probes, where perf-event uprobes take ~0.1 s each."""
+        started = time.monotonic()
+        all_links = [link for path_links in self._links.values() for link in path_links]
+        self._links.clear()
+        links.close_links(all_links)
         self._bpf.cleanup()
+        return time.monotonic() - started

@@ -1,0 +1,222 @@
+/* context.h — the context of a traced call: whether its process is traced (the pid filter), the
+ * arguments saved at entry for the return probe, the calling thread's current device (cudaSetDevice,
+ * cuCtxSetCurrent) and each context's device, and the Python stack of the call (walked once per
+ * cudaMalloc: the cuMemAlloc_v2 inside it reuses it). */
+#ifndef KVT_CONTEXT_H
+#define KVT_CONTEXT_H
+
+struct kvt_args_key {
+    u32 tid;
+    u32 api;
+};
+
+struct kvt_args {
+    u64 arg[4];
+    u64 caller_address;
+    u64 stack_id;
+    u64 stack_status;
+};
+
+struct kvt_ctx_key {
+    u32 pid;
+    u32 reserved;
+    u64 ctx;
+};
+
+BPF_TABLE("lru_hash", struct kvt_args_key, struct kvt_args, saved_args, KVT_MAX_THREADS);
+BPF_TABLE("lru_hash", u32, s32, thread_device, KVT_MAX_THREADS);
+BPF_TABLE("lru_hash", struct kvt_ctx_key, s32, context_device, 4096);
+BPF_HASH(pid_filter, u32, u8, 65536);
+BPF_ARRAY(config, u64, KVT_CONFIG_COUNT);
+
+static __always_inline int selected(u32 pid) {
+    u32 index = KVT_CONFIG_FILTER_ENABLED;
+    u64 *enabled = config.lookup(&index);
+    if (!enabled || *enabled == 0)
+        return 1;
+    return pid_filter.lookup(&pid) != 0;
+}
+
+/* 1 when this process is not to be traced (filter mode and pid not selected). */
+static __always_inline int filtered_out(u32 pid) {
+    if (selected(pid))
+        return 0;
+    count(KVT_COUNTER_FILTERED);
+    return 1;
+}
+
+
+/* The stack of a runtime allocation in progress on this thread: the driver allocation it makes
+ * (cudaMalloc -> cuMemAlloc_v2) has the same Python stack, so it is walked once, not twice. */
+struct kvt_outer_stack {
+    u64 stack_id;
+    u64 stack_status;
+    u64 timestamp_ns;
+};
+BPF_TABLE("lru_hash", u32, struct kvt_outer_stack, outer_stack, KVT_MAX_THREADS);
+/* Older than this, an outer entry is stale (its return was never seen) and is not reused. */
+#define KVT_OUTER_STACK_MAX_AGE_NS 1000000000ULL
+
+static __always_inline int is_runtime_api(u32 api) { return api < 20; }
+
+static __always_inline void python_stack_for_call(u32 api, u32 tid, struct kvt_args *args) {
+    u64 now = bpf_ktime_get_ns();
+    if (!is_runtime_api(api)) {
+        struct kvt_outer_stack *outer = outer_stack.lookup(&tid);
+        if (outer && now - outer->timestamp_ns < KVT_OUTER_STACK_MAX_AGE_NS) {
+            args->stack_id = outer->stack_id;
+            args->stack_status = outer->stack_status;
+            return;
+        }
+    }
+    args->stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &args->stack_status);
+    if (is_runtime_api(api)) {
+        struct kvt_outer_stack outer = {args->stack_id, args->stack_status, now};
+        outer_stack.update(&tid, &outer);
+    }
+}
+
+static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    if (filtered_out(pid_tgid >> 32))
+        return 0;
+    struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
+    struct kvt_args args = {};
+    if (with_stack)
+        python_stack_for_call(api, (u32)pid_tgid, &args);
+    args.arg[0] = PT_REGS_PARM1(ctx);
+    args.arg[1] = PT_REGS_PARM2(ctx);
+    args.arg[2] = PT_REGS_PARM3(ctx);
+    args.arg[3] = PT_REGS_PARM4(ctx);
+    /* At function entry the return address is on top of the stack. */
+    bpf_probe_read_user(&args.caller_address, sizeof(args.caller_address), (void *)PT_REGS_SP(ctx));
+    saved_args.update(&key, &args);
+    return 0;
+}
+
+static __always_inline int save_entry(struct pt_regs *ctx, u32 api) {
+    return save_entry_common(ctx, api, 0);
+}
+
+/* Entry of an allocation call: also walks the Python stack of the calling thread. */
+static __always_inline int save_alloc_entry(struct pt_regs *ctx, u32 api) {
+    return save_entry_common(ctx, api, 1);
+}
+
+/* Takes the saved entry of this (thread, API) into *out; 0 when there was none. */
+static __always_inline int take_entry(u32 api, struct kvt_args *out) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
+    struct kvt_args *args = saved_args.lookup(&key);
+    if (!args) {
+        if (selected(pid_tgid >> 32))
+            count(KVT_COUNTER_RETURNS_UNPAIRED);
+        return 0;
+    }
+    __builtin_memcpy(out, args, sizeof(*out));
+    saved_args.delete(&key);
+    return 1;
+}
+
+static __always_inline s32 current_device(u32 tid) {
+    s32 *device = thread_device.lookup(&tid);
+    return device ? *device : KVT_DEVICE_UNKNOWN;
+}
+
+static __always_inline void set_thread_device(u32 tid, s32 device) {
+    thread_device.update(&tid, &device);
+}
+
+/* (CUcontext *pctx, ..., CUdevice dev): remember which device a context belongs to. */
+static __always_inline void remember_context(u64 pctx, s32 device) {
+    u64 context = 0;
+    bpf_probe_read_user(&context, sizeof(context), (void *)pctx);
+    struct kvt_ctx_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .ctx = context};
+    context_device.update(&key, &device);
+}
+
+static __always_inline s32 context_to_device(u64 context) {
+    struct kvt_ctx_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .ctx = context};
+    s32 *device = context_device.lookup(&key);
+    return device ? *device : KVT_DEVICE_UNKNOWN;
+}
+
+/* ---- probes: the current device of a thread, and the device of each context ---- */
+
+int entry_cudaSetDevice(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cudaSetDevice); }
+int return_cudaSetDevice(struct pt_regs *ctx) {
+    struct kvt_args args;
+    if (!take_entry(KVT_API_cudaSetDevice, &args))
+        return 0;
+    s32 rc = (s32)PT_REGS_RC(ctx);
+    s32 device = (s32)args.arg[0];
+    if (rc == 0)
+        set_thread_device((u32)bpf_get_current_pid_tgid(), device);
+    emit(KVT_KIND_SET_DEVICE, KVT_API_cudaSetDevice, KVT_LAYER_RUNTIME, 0, 0, 0, 0, device, rc,
+         args.caller_address, 0);
+    return 0;
+}
+
+
+int entry_cuDevicePrimaryCtxRetain(struct pt_regs *ctx) {
+    return save_entry(ctx, KVT_API_cuDevicePrimaryCtxRetain);
+}
+int return_cuDevicePrimaryCtxRetain(struct pt_regs *ctx) {
+    struct kvt_args args;
+    if (!take_entry(KVT_API_cuDevicePrimaryCtxRetain, &args))
+        return 0;
+    if ((s32)PT_REGS_RC(ctx) == 0)
+        remember_context(args.arg[0], (s32)args.arg[1]);
+    return 0;
+}
+
+int entry_cuCtxCreate_v2(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuCtxCreate_v2); }
+int return_cuCtxCreate_v2(struct pt_regs *ctx) {
+    struct kvt_args args;
+    if (!take_entry(KVT_API_cuCtxCreate_v2, &args))
+        return 0;
+    if ((s32)PT_REGS_RC(ctx) != 0)
+        return 0;
+    /* cuCtxCreate(CUcontext *pctx, unsigned flags, CUdevice dev) also makes it current. */
+    remember_context(args.arg[0], (s32)args.arg[2]);
+    set_thread_device((u32)bpf_get_current_pid_tgid(), (s32)args.arg[2]);
+    return 0;
+}
+
+
+int entry_cuCtxSetCurrent(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuCtxSetCurrent); }
+int return_cuCtxSetCurrent(struct pt_regs *ctx) {
+    struct kvt_args args;
+    if (!take_entry(KVT_API_cuCtxSetCurrent, &args))
+        return 0;
+    if ((s32)PT_REGS_RC(ctx) != 0 || args.arg[0] == 0)
+        return 0;
+    s32 device = context_to_device(args.arg[0]);
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (device != KVT_DEVICE_UNKNOWN && device != current_device(tid)) {
+        set_thread_device(tid, device);
+        emit(KVT_KIND_SET_DEVICE, KVT_API_cuCtxSetCurrent, KVT_LAYER_DRIVER, 0, 0, args.arg[0], 0,
+             device, 0, args.caller_address, 0);
+    }
+    return 0;
+}
+
+/* The ledger entries of a destroyed context are dropped by user space (it can iterate the map);
+ * the event carries the context's device and the timestamp that bounds which entries go. */
+int entry_cuCtxDestroy_v2(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuCtxDestroy_v2); }
+int return_cuCtxDestroy_v2(struct pt_regs *ctx) {
+    struct kvt_args args;
+    if (!take_entry(KVT_API_cuCtxDestroy_v2, &args))
+        return 0;
+    s32 rc = (s32)PT_REGS_RC(ctx);
+    s32 device = context_to_device(args.arg[0]);
+    if (rc == 0) {
+        struct kvt_ctx_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .ctx = args.arg[0]};
+        context_device.delete(&key);
+    }
+    emit(KVT_KIND_CONTEXT_DESTROY, KVT_API_cuCtxDestroy_v2, KVT_LAYER_DRIVER, 0, 0, args.arg[0], 0,
+         device, rc, args.caller_address, 0);
+    return 0;
+}
+
+#endif

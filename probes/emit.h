@@ -1,0 +1,75 @@
+/* emit.h — what the probes hand to user space: the event and discovery rings, per-CPU counters
+ * (lost events among them), and when a CPU wakes the reader. */
+#ifndef KVT_EMIT_H
+#define KVT_EMIT_H
+
+BPF_RINGBUF_OUTPUT(events, KVT_RINGBUF_PAGES);
+BPF_RINGBUF_OUTPUT(notify, 16);
+BPF_PERCPU_ARRAY(counters, u64, KVT_COUNTER_COUNT);
+BPF_PERCPU_ARRAY(unwoken_events, u64, 1);  /* events since this CPU last woke the reader */
+
+static __always_inline u64 wakeup_flag(void) {
+    u32 zero = 0;
+    u64 *unwoken = unwoken_events.lookup(&zero);
+    if (!unwoken || ++*unwoken >= KVT_WAKEUP_EVENTS) {
+        if (unwoken)
+            *unwoken = 0;
+        return BPF_RB_FORCE_WAKEUP;
+    }
+    return BPF_RB_NO_WAKEUP;
+}
+
+static __always_inline void count(u32 index) {
+    u64 *value = counters.lookup(&index);
+    if (value)
+        *value += 1;
+}
+
+static __always_inline void emit_stack(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
+                                       u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux,
+                                       u64 stack_id, u8 stack_status) {
+    struct kvt_event *e = events.ringbuf_reserve(sizeof(struct kvt_event));
+    if (!e) {
+        count(KVT_COUNTER_EVENTS_LOST);
+        return;
+    }
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    e->timestamp_ns = bpf_ktime_get_ns();
+    e->address = address;
+    e->size_bytes = size_bytes;
+    e->caller_address = caller;
+    e->aux = aux;
+    e->pid = pid_tgid >> 32;
+    e->tid = (u32)pid_tgid;
+    e->device = device;
+    e->error_code = error_code;
+    e->api = api;
+    e->kind = kind;
+    e->layer = layer;
+    e->object = object;
+    e->memory = memory;
+    e->stack_id = stack_id;
+    e->stack_status = stack_status;
+    e->reserved = 0;
+    bpf_get_current_comm(&e->comm, sizeof(e->comm));
+    events.ringbuf_submit(e, wakeup_flag());
+    count(KVT_COUNTER_EVENTS_SUBMITTED);
+}
+
+static __always_inline void emit(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
+                                 u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux) {
+    emit_stack(kind, api, layer, object, memory, address, size_bytes, device, error_code, caller, aux,
+               0, KVT_STACK_NOT_WALKED);
+}
+
+/* Discovery: tell user space when a process may have new CUDA code to attach to. */
+static __always_inline void notify_user(u32 reason) {
+    struct kvt_notify *n = notify.ringbuf_reserve(sizeof(struct kvt_notify));
+    if (!n)
+        return; /* user space also rescans periodically */
+    n->pid = bpf_get_current_pid_tgid() >> 32;
+    n->reason = reason;
+    notify.ringbuf_submit(n, 0);
+}
+
+#endif

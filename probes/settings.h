@@ -1,0 +1,34 @@
+/* settings.h — the values user space owns, passed as defines (sources/bpf/loader.py
+ * ProbeSettings.cflags). Compiling without one is a mistake, not a default. */
+#ifndef KVT_SETTINGS_H
+#define KVT_SETTINGS_H
+
+#ifndef KVT_MAX_LEDGER_ENTRIES
+#error "KVT_MAX_LEDGER_ENTRIES: outstanding objects the in-kernel ledger holds"
+#endif
+#ifndef KVT_RINGBUF_PAGES
+#error "KVT_RINGBUF_PAGES: pages of the event ring buffer"
+#endif
+#ifndef KVT_MAX_THREADS
+#error "KVT_MAX_THREADS: threads with a call in flight at once"
+#endif
+#ifndef KVT_MAX_STACKS
+#error "KVT_MAX_STACKS: Python stacks kept for user space to read"
+#endif
+/* Offset of thread.fsbase in task_struct, from this kernel's BTF (sources/bpf/btf.py); the
+ * headers bcc compiles with may describe another kernel. -1: no Python stacks. */
+#ifndef KVT_TASK_FSBASE_OFFSET
+#error "KVT_TASK_FSBASE_OFFSET: task_struct.thread.fsbase from BTF, or -1"
+#endif
+/* Events submitted on a CPU before the reader is woken; the rest the reader takes on its timer.
+ * Every wakeup costs the traced thread an interrupt on the spot (on a virtual machine, an exit to
+ * the hypervisor): one per event was a large part of a probe's cost. */
+#ifndef KVT_WAKEUP_EVENTS
+#error "KVT_WAKEUP_EVENTS: events a CPU submits before it wakes the reader"
+#endif
+/* glibc struct pthread: specific_1stblock[32] of {seq, data} (sources/python/offsets.py). */
+#ifndef KVT_GLIBC_SPECIFIC_1STBLOCK
+#error "KVT_GLIBC_SPECIFIC_1STBLOCK: offset of specific_1stblock in glibc's struct pthread"
+#endif
+
+#endif

@@ -1,0 +1,106 @@
+"""Stopping: the agent exits within 2 s of SIGINT or SIGTERM however many libraries it has probes
+in (systemd's stop timeout and a person's Ctrl-C wait on it), and the perf-event path that older
+kernels get still traces exactly.
+
+GIVEN a process that maps 30 distinct copies of the real libcudart (30 inodes: 30 x 20 probes),
+WHEN the agent follows it and is then signalled, THEN it is gone within 2 s."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent_process import KVTRACE
+from cuda_stubs import Workload
+from harness import TracingHarness, require_tracing_here
+from kvtrace.model.events import Api, Kind
+from kvtrace.sources.bpf.loader import ProbeSettings
+
+COPIES = 30
+STOP_LIMIT_SECONDS = 2.0
+
+
+def libcudart() -> str:
+    import nvidia.cuda_runtime
+
+    for directory in nvidia.cuda_runtime.__path__:
+        path = os.path.join(directory, "lib", "libcudart.so.12")
+        if os.path.exists(path):
+            return path
+    pytest.skip("the nvidia-cuda-runtime-cu12 wheel is not installed (`make setup` installs it)")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process that has dlopen'ed COPIES distinct copies of libcudart, and waits."""
+    require_tracing_here()
+    original = libcudart()
+    copies = []
+    for index in range(COPIES):
+        copy = tmp_path / f"copy{index:02d}" / "libcudart.so.12"
+        copy.parent.mkdir()
+        shutil.copy2(original, copy)
+        copies.append(str(copy))
+    script = tmp_path / "holder.py"
+    script.write_text("import ctypes, sys\n"
+                      f"libraries = [ctypes.CDLL(path) for path in {copies!r}]\n"
+                      "print('ready', flush=True)\n"
+                      "sys.stdin.readline()\n")
+    process = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_agent_stops_within_two_seconds_with_30_libraries(holder, tmp_path, stop_signal):
+    agent = subprocess.Popen([*KVTRACE, "agent", "-p", str(holder.pid), "--socket", str(tmp_path / "k.sock"),
+                              "--group", "root", "--metrics-listen", "off", "--no-nvml"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = agent.stderr.readline()
+        while "Hit Ctrl-C" not in line:
+            assert line, "the agent exited before tracing"
+            line = agent.stderr.readline()
+        attached = int(line.split("(")[1].split()[0])
+        assert attached >= COPIES, line
+        started = time.monotonic()
+        agent.send_signal(stop_signal)
+        code = agent.wait(timeout=120)
+        stop_seconds = time.monotonic() - started
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    print(f"agent with {attached} libraries ({attached * 20}+ probes) stopped {stop_signal.name} "
+          f"in {stop_seconds:.2f} s")
+    assert code == 0
+    assert stop_seconds <= STOP_LIMIT_SECONDS
+
+
+def test_perf_event_probes_still_trace_exactly(stub_build):
+    """Kernels before 6.6 have no uprobe_multi links: bcc's perf-event uprobes, exact the same."""
+    require_tracing_here()
+    with Workload([stub_build.workload, "hold"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], settings=ProbeSettings(uprobe_links=False),
+                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            assert harness.source.probes.uprobe_links is False
+            workload.go()
+            calls = workload.read_calls()
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) >= 26)
+            harness.pump(0.2)
+            mallocs = harness.of(pid, Kind.ALLOC, Api.cudaMalloc)
+            assert sorted((e.address, e.size_bytes) for e in mallocs) == \
+                sorted((c["address"], c["size_bytes"]) for c in calls if c["api"] == "cudaMalloc")
+            assert len(mallocs) == 13
+        finally:
+            harness.close()

@@ -1,0 +1,59 @@
+"""The package's imports flow one way: each module imports only from its own layer or the ones
+below it (model at the bottom, the CLI at the top), as ARCHITECTURE.md draws the data flow."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "agent" / "kvtrace"
+
+# Bottom to top. A module's layer is the first prefix that matches its dotted name.
+LAYERS = (
+    ("kvtrace", "kvtrace.errors", "kvtrace.human", "kvtrace.config", "kvtrace._proto", "kvtrace.model"),
+    ("kvtrace.session",),
+    ("kvtrace.sources", "kvtrace.analysis"),
+    ("kvtrace.wire",),
+    ("kvtrace.servers", "kvtrace.client", "kvtrace.reports"),
+    ("kvtrace.daemon",),
+    ("kvtrace.cli",),
+)
+# Beside each other on one layer, yet never importing each other: sources do not read analysis
+# and analysis reads no source (it reads the Session).
+APART = (("kvtrace.sources", "kvtrace.analysis"), ("kvtrace.servers", "kvtrace.client"))
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    assert best is not None, module
+    return best[0]
+
+
+def imports() -> list[tuple[str, str]]:
+    """(importing module, imported kvtrace module) for every import in the package, also the ones
+    inside functions (imported late is still a dependency)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if "_proto" in path.parts:
+            continue
+        module = ".".join(("kvtrace", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvtrace"):
+                found.append((module, node.module))
+            elif isinstance(node, ast.Import):
+                found += [(module, alias.name) for alias in node.names if alias.name.startswith("kvtrace")]
+    return found
+
+
+def test_no_import_runs_back_up():
+    upward = [f"{source} imports {target}" for source, target in imports()
+              if layer_of(target) > layer_of(source)]
+    assert upward == []
+
+
+def test_neighbours_that_must_not_know_each_other():
+    crossing = [f"{source} imports {target}" for source, target in imports()
+                for a, b in APART for x, y in ((a, b), (b, a))
+                if (source == x or source.startswith(x + ".")) and (target == y or target.startswith(y + "."))]
+    assert crossing == []
