@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import struct
 from pathlib import Path
@@ -143,13 +144,7 @@ def program_text(directory: Path | None = None) -> str:
 
 
 def probes_dir() -> Path:
-    """Where probes/*.bpf.c live: $KVTRACE_PROBES_DIR, the source checkout, or the package copy."""
-    import os
-
+    """Where kvtrace.bpf.c and its headers are: $KVTRACE_PROBES_DIR, else the package's probes/
+    (in a checkout a link to the top-level probes/, in a wheel a copy)."""
     override = os.environ.get("KVTRACE_PROBES_DIR")
-    if override:
-        return Path(override)
-    checkout = Path(__file__).resolve().parents[4] / "probes"
-    if (checkout / "kvtrace.bpf.c").exists():
-        return checkout
-    return Path(__file__).resolve().parents[2] / "probes"
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "probes"
