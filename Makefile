@@ -4,7 +4,11 @@ KVTRACE := $(VENV)/bin/kvtrace
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup run test test-unit test-integration test-gpu bench install-service promtool clean
+# buf (protobuf lint and breaking-change check) comes from npm, pinned; npm from the distribution.
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+
+.PHONY: setup run test test-unit test-integration test-gpu lint proto-release bench install-service promtool clean
 
 setup: $(STAMP)
 	@# tracefs does not survive a reboot; the rest does.
@@ -20,6 +24,23 @@ promtool:
 	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null && \
 	  { systemctl disable --now prometheus >/dev/null 2>&1 || true; }; }
+
+$(BUF):
+	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends npm >/dev/null; }
+	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION)
+
+# The gate CI runs before the tests: ruff, mypy over the package, buf lint, and buf breaking against
+# kvtrace.v1 as last released (proto/released.binpb; a breaking change needs a new package, v2).
+lint: setup $(BUF)
+	$(VENV)/bin/ruff check agent tests bench proto
+	$(VENV)/bin/mypy
+	cd proto && ../$(BUF) lint
+	$(BUF) breaking proto --against proto/released.binpb
+
+# At a release: the proto as it is now becomes the baseline that later changes must not break.
+proto-release: $(BUF)
+	$(BUF) build proto -o proto/released.binpb
 
 run: setup
 	$(KVTRACE) agent $(ARGS)
@@ -54,4 +75,4 @@ install-service:
 	@echo "now: systemctl enable --now kvtrace"
 
 clean:
-	rm -rf $(VENV) build agent/*.egg-info .pytest_cache
+	rm -rf $(VENV) .tools build agent/*.egg-info .pytest_cache

@@ -103,11 +103,13 @@ def main() -> int:
     print(f"agent memory, {time.strftime('%Y-%m-%d %H:%M')}; measured: {code_version()}")
     print(f"  live allocations             {args.allocations} ({entries} ledger entries: runtime + driver), "
           f"made in {made_seconds:.1f} s, in the agent's ledger after {settled_seconds:.1f} s")
-    print(f"  agent ledger exact           {'yes' if exact else 'NO'} ({traced} of {args.allocations * SIZE_BYTES} bytes)")
+    expected_bytes = args.allocations * SIZE_BYTES
+    print(f"  agent ledger exact           {'yes' if exact else 'NO'} ({traced} of {expected_bytes} bytes)")
     print(f"  agent RSS before             {rss_before / 2**20:.0f} MiB")
     print(f"  agent RSS with them live     {rss_peak / 2**20:.0f} MiB  goal <= {RSS_GOAL_BYTES >> 20} MiB "
           f"({'met' if rss_peak <= RSS_GOAL_BYTES else f'MISSED by {(rss_peak - RSS_GOAL_BYTES) / 2**20:.0f} MiB'})")
-    print(f"  agent CPU idle, before       {idle_before * 100:.2f} % of a core  goal <= {IDLE_GOAL_CORE_FRACTION * 100:.0f} % "
+    print(f"  agent CPU idle, before       {idle_before * 100:.2f} % of a core  "
+          f"goal <= {IDLE_GOAL_CORE_FRACTION * 100:.0f} % "
           f"({'met' if idle_before <= IDLE_GOAL_CORE_FRACTION else 'MISSED'})")
     print(f"  agent CPU idle, with them    {idle_after * 100:.2f} % of a core (suspects sampled every 10 s)")
     print(f"  events                       submitted {counters.get('events_submitted')}, lost "

@@ -22,14 +22,15 @@ for _path in (ROOT / "tests", ROOT / "tests" / "integration", ROOT / "agent"):
         sys.path.insert(0, str(_path))
 
 from cuda_stubs import StubBuild, Workload, build_stubs  # noqa: E402
-from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings  # noqa: E402
 from kvtrace.model.processes import ProcessTable  # noqa: E402
 from kvtrace.session import Session  # noqa: E402
 from kvtrace.sources import procfs  # noqa: E402
+from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings  # noqa: E402
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource  # noqa: E402
 
-__all__ = ["EMPTY_PROGRAM", "empty_probes", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer", "counters_of", "Pump", "median",
-           "progress", "require_bpf", "counters_delta", "rotated", "CpuMeter", "foreign_uprobes", "Guard", "code_version",
+__all__ = ["EMPTY_PROGRAM", "empty_probes", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer",
+           "counters_of", "Pump", "median", "progress", "require_bpf", "counters_delta", "rotated", "CpuMeter",
+           "foreign_uprobes", "Guard", "code_version",
            "bpf_stats", "program_ns", "body_ns_per_pair"]
 
 
@@ -167,7 +168,7 @@ class Pump:
                         self.errors.append(f"{type(error).__name__}: {error}")
                         progress(f"WARNING: tracer.run_once raised {self.errors[-1]}")
 
-    def __enter__(self) -> "Pump":
+    def __enter__(self) -> Pump:
         self._thread.start()
         return self
 

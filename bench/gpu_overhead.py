@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 for _path in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "gpu" / "workloads", ROOT / "agent"):
     sys.path.insert(0, str(_path))
 
+from worker_client import TorchWorker  # noqa: E402
+
 from agent_process import AgentProcess  # noqa: E402
 from benchlib import CpuMeter, code_version, empty_probes, median, progress, require_bpf, rotated  # noqa: E402
-from worker_client import TorchWorker  # noqa: E402
 
 PAIR_GOAL_RATIO = 1.5
 CACHED_GOAL_SLOWDOWN = 0.005
@@ -172,7 +173,7 @@ def main() -> int:
             results["tokens_per_second"] = tokens_per_second
             results["agent_counters"] = agent_counters(socket)
             results["extra_agent_counters"] = {role: agent_counters(extra.socket)
-                                               for role, extra in zip(EXTRA_PAIR_AGENTS, extra_agents)}
+                                               for role, extra in zip(EXTRA_PAIR_AGENTS, extra_agents, strict=True)}
             report(results, args)
             if args.json_out:
                 args.json_out.write_text(json.dumps(results, indent=1))
@@ -187,7 +188,7 @@ def main() -> int:
 
 
 def paired(values: list[float], baseline: list[float], how) -> list[float]:
-    return [how(value, base) for value, base in zip(values, baseline)]
+    return [how(value, base) for value, base in zip(values, baseline, strict=True)]
 
 
 def report(results: dict, args) -> None:
@@ -204,14 +205,16 @@ def report(results: dict, args) -> None:
     for role, value in added.items():
         print(f"   {role:<18} adds {value:>8.0f} ns/pair")
     ratio = added["kvtrace"] / added["empty"] if added["empty"] > 0 else float("nan")
-    print(f"   kvtrace (stacks) added / empty added = {ratio:.2f}  goal <= {PAIR_GOAL_RATIO} ({verdict(ratio <= PAIR_GOAL_RATIO)})")
+    print(f"   kvtrace (stacks) added / empty added = {ratio:.2f}  goal <= {PAIR_GOAL_RATIO} "
+          f"({verdict(ratio <= PAIR_GOAL_RATIO)})")
     results["pair_ratio"] = ratio
 
     tps = results["tokens_per_second"]
     if args.only == "pairs":
         tps = {}
     if tps:
-        print(f"2. generation, {args.gen_rounds} rounds x {8 * args.new_tokens} tokens per process; median tokens/s, and the "
+        print(f"2. generation, {args.gen_rounds} rounds x {8 * args.new_tokens} tokens per process; "
+              "median tokens/s, and the "
               f"median of each round's slowdown against untraced")
     for mode, roles in ROLES.items() if tps else ():
         base = tps[f"{mode}/untraced"]
@@ -232,7 +235,8 @@ def report(results: dict, args) -> None:
         results[f"slowdown_{mode}"] = slowdown
     idle = results["agent_idle_core_fraction"]
     print(f"3. agent: idle {idle * 100:.2f} % of a core (goal <= {IDLE_GOAL_CORE_FRACTION * 100:.0f} %, "
-          f"{verdict(idle <= IDLE_GOAL_CORE_FRACTION)}), while generating {results['agent_busy_core_fraction'] * 100:.1f} %"
+          f"{verdict(idle <= IDLE_GOAL_CORE_FRACTION)}), "
+          f"while generating {results['agent_busy_core_fraction'] * 100:.1f} %"
           f"; RSS idle {results['agent_rss_idle_bytes'] / 2**20:.0f} MiB, after generating "
           f"{results['agent_rss_busy_bytes'] / 2**20:.0f} MiB")
     counters = results["agent_counters"]

@@ -22,9 +22,23 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (Guard, Pump, Workload, body_ns_per_pair, bpf_stats,  # noqa: E402
-                      build_copies, code_version, counters_delta, empty_probes, median, progress,
-                      counters_of, require_bpf, rotated, scoped_tracer)
+from benchlib import (  # noqa: E402
+    Guard,
+    Pump,
+    Workload,
+    body_ns_per_pair,
+    bpf_stats,
+    build_copies,
+    code_version,
+    counters_delta,
+    counters_of,
+    empty_probes,
+    median,
+    progress,
+    require_bpf,
+    rotated,
+    scoped_tracer,
+)
 
 GOAL_RATIO = 1.25
 MODES = ("untraced", "empty", "kvtrace")
@@ -101,7 +115,7 @@ def main() -> int:
             for round_index in range(args.rounds):
                 for mode in rotated(MODES, round_index):
                     results[mode].append(guard.measure(
-                        round_index, mode, lambda: run_loop(builds[mode], args.pairs, **hooks[mode])))
+                        round_index, mode, lambda mode=mode: run_loop(builds[mode], args.pairs, **hooks[mode])))
                 progress(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
                     f"{mode} {results[mode][-1]:.0f}" + ("" if guard.ok(round_index, mode) else " (dropped)")
                     for mode in MODES) + " ns/pair")
@@ -122,7 +136,7 @@ def main() -> int:
 
     # Added cost: a mode's run minus the untraced run of the same round, where both were clean.
     untraced = [u for r, u in enumerate(results["untraced"]) if guard.ok(r, "untraced")]
-    added = {mode: [v - u for r, (v, u) in enumerate(zip(results[mode], results["untraced"]))
+    added = {mode: [v - u for r, (v, u) in enumerate(zip(results[mode], results["untraced"], strict=True))
                     if guard.ok(r, mode, "untraced")] for mode in ("empty", "kvtrace")}
     print(f"probe overhead: {args.rounds} rounds x {args.pairs} pairs (cudaMalloc+cudaFree, "
           f"4 traced calls each), medians over clean runs")

@@ -25,9 +25,22 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchlib import (Guard, Pump, Workload, body_ns_per_pair, bpf_stats, build_copies,  # noqa: E402
-                      code_version, counters_delta, counters_of, median, progress, require_bpf,
-                      rotated, scoped_tracer)
+from benchlib import (  # noqa: E402
+    Guard,
+    Pump,
+    Workload,
+    body_ns_per_pair,
+    bpf_stats,
+    build_copies,
+    code_version,
+    counters_delta,
+    counters_of,
+    median,
+    progress,
+    require_bpf,
+    rotated,
+    scoped_tracer,
+)
 
 TARGET = HERE / "stack_target.py"
 DEPTHS = (5, 20, 60)
@@ -115,9 +128,9 @@ def main() -> int:
             for round_index in range(args.rounds):
                 order = rotated(MODES, round_index)
                 for mode in order:
-                    runs = guard.measure(round_index, mode, lambda: [
+                    runs = guard.measure(round_index, mode, lambda mode=mode: [
                         targets[mode].run(frames, args.pairs) for frames in DEPTHS])
-                    for frames, result in zip(DEPTHS, runs):
+                    for frames, result in zip(DEPTHS, runs, strict=True):
                         results[(mode, frames)].append(result["ns_per_pair"])
                 progress(f"round {round_index + 1}/{args.rounds}: " + "; ".join(
                     f"{mode} " + "/".join(f"{results[(mode, d)][-1]:.0f}" for d in DEPTHS)
@@ -129,7 +142,8 @@ def main() -> int:
                     for frames in DEPTHS:
                         for mode, tracer in tracers.items():
                             _, per_run = body_ns_per_pair(
-                                tracer.probes._bpf, lambda: targets[mode].run(frames, args.pairs), args.pairs)
+                                tracer.probes._bpf,
+                                lambda mode=mode, frames=frames: targets[mode].run(frames, args.pairs), args.pairs)
                             alloc_entry_ns[(mode, frames)] = (per_run["entry_cudaMalloc"]
                                                               + per_run["entry_cuMemAlloc_v2"])
             for tracer in tracers.values():
@@ -153,7 +167,8 @@ def main() -> int:
         return [v for r, v in enumerate(results[(mode, frames)]) if guard.ok(r, mode)]
 
     def stacks_added(frames):
-        return [s - n for r, (s, n) in enumerate(zip(results[("stacks", frames)], results[("nostacks", frames)]))
+        pairs = zip(results[("stacks", frames)], results[("nostacks", frames)], strict=True)
+        return [s - n for r, (s, n) in enumerate(pairs)
                 if guard.ok(r, "stacks", "nostacks")]
 
     if not all(clean(mode, DEPTHS[0]) for mode in MODES) or not stacks_added(DEPTHS[0]):

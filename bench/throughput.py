@@ -21,8 +21,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (Guard, Workload, build_copies, code_version, counters_delta,  # noqa: E402
-                      counters_of, median, progress, require_bpf, scoped_tracer)
+from benchlib import (  # noqa: E402
+    Guard,
+    Workload,
+    build_copies,
+    code_version,
+    counters_delta,
+    counters_of,
+    median,
+    progress,
+    require_bpf,
+    scoped_tracer,
+)
 
 GOAL_CALLS_PER_SECOND = 500_000
 CALLS_PER_PAIR = 4
@@ -52,7 +62,7 @@ def traced_run(tracer, build, pairs: int) -> dict:
 
         readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(PROCESSES)]
         cpu_start, wall_start = time.process_time(), time.monotonic()
-        for workload, reader in zip(workloads, readers):
+        for workload, reader in zip(workloads, readers, strict=True):
             workload.go()
             reader.start()
         longest_loop = 0.0

@@ -57,6 +57,6 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv (sees the system's bcc module)"
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,lint]"
 .venv/bin/python -c 'import bcc, kvtrace' || die "the virtualenv cannot import bcc and kvtrace"
 log "ready: .venv/bin/kvtrace"

@@ -44,7 +44,7 @@ class AgentProcess:
                 self.process.kill()
         return self.process.wait()
 
-    def __enter__(self) -> "AgentProcess":
+    def __enter__(self) -> AgentProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import pytest
 
 from kvtrace.model.events import Api, Event, Kind
+from kvtrace.model.processes import ProcessTable
 from kvtrace.session import Session
 from kvtrace.sources import procfs
-from kvtrace.model.processes import ProcessTable
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 
 
@@ -73,7 +73,7 @@ class TracingHarness:
     def close(self) -> None:
         self.source.stop()
 
-    def __enter__(self) -> "TracingHarness":
+    def __enter__(self) -> TracingHarness:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import grpc
 
@@ -24,6 +24,7 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ConfigError, config_from_args
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import Kind, Layer
+from kvtrace.wire import wire_numbers
 
 DEFAULT_TARGET = f"unix://{DEFAULT_SOCKET}"
 # A snapshot page of 10000 entries with long process titles can pass gRPC's default 4 MiB.
@@ -49,7 +50,7 @@ class AgentClient:
                  timeout_seconds: float = 10.0) -> None:
         self.target = target
         self.timeout_seconds = timeout_seconds
-        options = [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
+        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
         self._socket_path = Path(target.removeprefix("unix://").removeprefix("unix:")) \
             if target.startswith("unix:") else None
         if self._socket_path is not None:
@@ -107,8 +108,8 @@ class AgentClient:
             raise CommandError("the minimum size cannot be negative", ExitCode.USAGE)
         self._check_socket()
         request = service_pb2.StreamEventsRequest(
-            pids=list(pids), title_regex=title_regex, kinds=[int(k) for k in kinds],
-            layers=[int(layer) for layer in layers], min_size_bytes=min_size_bytes)
+            pids=list(pids), title_regex=title_regex, kinds=wire_numbers(kinds),
+            layers=wire_numbers(layers), min_size_bytes=min_size_bytes)
         return self._batches(self._stub.StreamEvents(request))
 
     def _batches(self, responses) -> Iterator[list[events_pb2.Event]]:
@@ -121,7 +122,7 @@ class AgentClient:
     def snapshot(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
                  page_size: int = 1000) -> Iterator[service_pb2.OutstandingAllocation]:
         """Every outstanding object, following the pages."""
-        request = service_pb2.GetSnapshotRequest(pids=list(pids), layers=[int(layer) for layer in layers],
+        request = service_pb2.GetSnapshotRequest(pids=list(pids), layers=wire_numbers(layers),
                                                  page_size=page_size)
         while True:
             response = self._call(self._stub.GetSnapshot, request)
@@ -156,7 +157,7 @@ class AgentClient:
     # ---- errors ----
 
     def _command_error(self, error: grpc.RpcError) -> CommandError:
-        code, details = error.code(), error.details()
+        code, details = error.code(), error.details() or ""
         if code is grpc.StatusCode.UNAVAILABLE:
             return CommandError(self._unreachable(details), ExitCode.AGENT_UNREACHABLE)
         if code is grpc.StatusCode.INVALID_ARGUMENT:

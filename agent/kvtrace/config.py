@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Mapping
 
 if sys.version_info >= (3, 11):
     import tomllib

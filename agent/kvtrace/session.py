@@ -18,8 +18,9 @@ from __future__ import annotations
 import platform
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Union
+from typing import Protocol
 
 from kvtrace import __version__
 from kvtrace.model.agent import (
@@ -41,7 +42,7 @@ from kvtrace.model.ledger import (
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import NativeFrame, Stack, StackTable
 
-Record = Union[Event, EventsLost, NvmlSample]
+Record = Event | EventsLost | NvmlSample
 
 
 class NativeNames(Protocol):

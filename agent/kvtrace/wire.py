@@ -8,8 +8,10 @@ the same object for the same event.
 """
 from __future__ import annotations
 
+import enum
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
@@ -36,6 +38,16 @@ from kvtrace.model.processes import ProcessInfo
 from kvtrace.model.stacks import Frame, NativeFrame, Stack
 
 _STACK_STATUS_NAMES = {status: status.name.lower() for status in StackStatus}
+
+
+def wire_number(value: enum.IntEnum | None) -> Any:
+    """A model enum as the wire's: the numbers are the same by design (tests check each enum), so
+    the conversion is a number copy; None is the wire's UNSPECIFIED (0)."""
+    return int(value) if value is not None else 0
+
+
+def wire_numbers(values: Iterable[enum.IntEnum]) -> list[Any]:
+    return [int(value) for value in values]
 _STACK_STATUS_BY_NAME = {name: status for status, name in _STACK_STATUS_NAMES.items()}
 
 
@@ -49,6 +61,7 @@ def event_to_proto(event: Event) -> events_pb2.Event:
     message = events_pb2.Event(timestamp_ns=event.timestamp_ns, pid=event.pid, tid=event.tid,
                                comm=event.comm, title=event.title, container=event.container)
     kind = event.kind
+    payload: events_pb2.Allocation | events_pb2.DeviceChange | events_pb2.ContextDestroy
     if kind is Kind.PROCESS_EXIT:
         message.process_exit.SetInParent()
         return message
@@ -59,21 +72,21 @@ def event_to_proto(event: Event) -> events_pb2.Event:
         payload = message.context_destroy
         payload.context = event.address
     else:
-        payload = message.allocation
-        payload.kind = kind
-        payload.object = event.object or 0
-        payload.memory = event.memory or 0
-        payload.size_bytes = event.size_bytes
-        payload.address = event.address
-        payload.handle = event.handle
-        payload.freed_bytes = event.freed_bytes
-        payload.stack_id = event.stack_id
-        payload.stack_status_code = event.stack_status
-        payload.stack_status = _STACK_STATUS_NAMES[event.stack_status]  # for 0.1 clients
+        allocation = payload = message.allocation
+        allocation.kind = wire_number(kind)
+        allocation.object = wire_number(event.object)
+        allocation.memory = wire_number(event.memory)
+        allocation.size_bytes = event.size_bytes
+        allocation.address = event.address
+        allocation.handle = event.handle
+        allocation.freed_bytes = event.freed_bytes
+        allocation.stack_id = event.stack_id
+        allocation.stack_status_code = wire_number(event.stack_status)
+        allocation.stack_status = _STACK_STATUS_NAMES[event.stack_status]  # for 0.1 clients
     payload.SetInParent()
-    payload.api = event.api
+    payload.api = wire_number(event.api)
     payload.api_name = event.api.name
-    payload.layer = event.layer or 0
+    payload.layer = wire_number(event.layer)
     payload.device = event.device
     payload.error_code = event.error_code
     payload.caller_address = event.caller_address
@@ -101,7 +114,8 @@ def outstanding_to_proto(entry: Outstanding, process: ProcessInfo | None) -> ser
     return service_pb2.OutstandingAllocation(
         pid=key.pid, tid=entry.tid, comm=process.comm if process else "",
         title=process.title if process else "", container=process.container if process else "",
-        layer=key.layer, object=key.object, memory=entry.memory, api=entry.api,
+        layer=wire_number(key.layer), object=wire_number(key.object), memory=wire_number(entry.memory),
+        api=wire_number(entry.api),
         api_name=entry.api.name, size_bytes=entry.size_bytes, address=key.address,
         device=entry.device, timestamp_ns=entry.timestamp_ns, caller_address=entry.caller_address,
         stack_id=entry.stack_id, mapped_count=entry.mapped_count, released=entry.released,
@@ -111,7 +125,7 @@ def outstanding_to_proto(entry: Outstanding, process: ProcessInfo | None) -> ser
 def process_to_proto(process: TrackedProcess) -> service_pb2.Process:
     return service_pb2.Process(
         pid=process.pid, title=process.title, comm=process.comm, container=process.container,
-        totals=[service_pb2.OutstandingTotal(device=t.device, layer=t.layer, memory=t.memory,
+        totals=[service_pb2.OutstandingTotal(device=t.device, layer=wire_number(t.layer), memory=wire_number(t.memory),
                                              size_bytes=t.size_bytes, object_count=t.object_count)
                 for t in process.totals])
 
@@ -157,16 +171,18 @@ def gpu_to_proto(gpu: GpuMemory) -> service_pb2.GpuMemory:
 
 
 def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
-    # None leaves an optional field unset: "not known" stays apart from 0.
-    optional = {name: value for name, value in (
-        ("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
-        ("unattributed_bytes", row.unattributed_bytes), ("time_to_oom_seconds", row.time_to_oom_seconds),
-        ("free_ratio_1m", row.free_ratio_1m)) if value is not None}
-    return service_pb2.ProcessGrowth(
+    message = service_pb2.ProcessGrowth(
         pid=row.pid, title=row.title, device=row.device, outstanding_bytes=row.outstanding_bytes,
         growth_bytes_per_second_1m=row.growth_bytes_per_second_1m,
         growth_bytes_per_second_15m=row.growth_bytes_per_second_15m, history_seconds=row.history_seconds,
-        allocations_1m=row.allocations_1m, frees_1m=row.frees_1m, **optional)
+        allocations_1m=row.allocations_1m, frees_1m=row.frees_1m)
+    # None leaves an optional field unset: "not known" stays apart from 0.
+    for name, value in (("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
+                        ("unattributed_bytes", row.unattributed_bytes),
+                        ("time_to_oom_seconds", row.time_to_oom_seconds), ("free_ratio_1m", row.free_ratio_1m)):
+        if value is not None:
+            setattr(message, name, value)
+    return message
 
 
 def growth_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int]) -> service_pb2.GetGrowthResponse:
@@ -181,7 +197,10 @@ def growth_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int]) -> 
 
 # ---- wire -> model and JSON ----
 
-def _member(enum_type, value: int):
+_E = TypeVar("_E", bound=enum.IntEnum)
+
+
+def _member(enum_type: type[_E], value: int) -> _E | None:
     """The model enum member for a wire value; None for UNSPECIFIED (0)."""
     return enum_type(value) if value else None
 
@@ -189,34 +208,36 @@ def _member(enum_type, value: int):
 def event_from_proto(message: events_pb2.Event) -> Event | None:
     """The model event of a wire event; None for events_lost, stack_definition, and events from
     a newer agent that this client cannot represent."""
-    common = dict(pid=message.pid, tid=message.tid, timestamp_ns=message.timestamp_ns,
-                  comm=message.comm, title=message.title, container=message.container)
     payload = message.WhichOneof("payload")
+    call: events_pb2.Allocation | events_pb2.DeviceChange | events_pb2.ContextDestroy
     try:
         if payload == "allocation":
-            allocation = message.allocation
-            return Event(kind=Kind(allocation.kind), api=Api(allocation.api),
-                         layer=_member(Layer, allocation.layer), object=_member(ObjectKind, allocation.object),
-                         memory=_member(Memory, allocation.memory), size_bytes=allocation.size_bytes,
-                         address=allocation.address, device=allocation.device,
-                         error_code=allocation.error_code, caller_address=allocation.caller_address,
-                         handle=allocation.handle, freed_bytes=allocation.freed_bytes,
-                         stack_id=allocation.stack_id, stack_status=_stack_status(allocation), **common)
-        if payload == "device_change":
-            change = message.device_change
-            return Event(kind=Kind.SET_DEVICE, api=Api(change.api), layer=_member(Layer, change.layer),
-                         device=change.device, error_code=change.error_code, address=change.context,
-                         caller_address=change.caller_address, **common)
-        if payload == "context_destroy":
-            destroy = message.context_destroy
-            return Event(kind=Kind.CONTEXT_DESTROY, api=Api(destroy.api), layer=_member(Layer, destroy.layer),
-                         device=destroy.device, error_code=destroy.error_code, address=destroy.context,
-                         caller_address=destroy.caller_address, **common)
-        if payload == "process_exit":
-            return Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, **common)
+            call = allocation = message.allocation
+            event = Event(kind=Kind(allocation.kind), api=Api(allocation.api), pid=message.pid, tid=message.tid,
+                          timestamp_ns=message.timestamp_ns, object=_member(ObjectKind, allocation.object),
+                          memory=_member(Memory, allocation.memory), size_bytes=allocation.size_bytes,
+                          address=allocation.address, handle=allocation.handle, freed_bytes=allocation.freed_bytes,
+                          stack_id=allocation.stack_id, stack_status=_stack_status(allocation))
+        elif payload == "device_change":
+            call = message.device_change
+            event = Event(kind=Kind.SET_DEVICE, api=Api(call.api), pid=message.pid, tid=message.tid,
+                          timestamp_ns=message.timestamp_ns, address=call.context)
+        elif payload == "context_destroy":
+            call = message.context_destroy
+            event = Event(kind=Kind.CONTEXT_DESTROY, api=Api(call.api), pid=message.pid, tid=message.tid,
+                          timestamp_ns=message.timestamp_ns, address=call.context)
+        elif payload == "process_exit":
+            event = Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=message.pid, tid=message.tid,
+                          timestamp_ns=message.timestamp_ns)
+        else:
+            return None
+        if payload != "process_exit":
+            event.layer = _member(Layer, call.layer)
+            event.device, event.error_code, event.caller_address = call.device, call.error_code, call.caller_address
     except ValueError:  # an enum value this client does not know: a newer agent
         return None
-    return None
+    event.comm, event.title, event.container = message.comm, message.title, message.container
+    return event
 
 
 def _stack_status(allocation: events_pb2.Allocation) -> StackStatus:

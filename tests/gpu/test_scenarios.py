@@ -72,7 +72,8 @@ def test_kv_cache_growth_is_attributed_to_transformers_cache_code(torch_worker):
         example = next((e for e in blocks.values() if e.key.address == kv[0][0]), None) if kv else None
         if example is not None and example.stack_id:
             print("a KV tensor's stack: " + " <- ".join(
-                f"{f.function} ({Path(f.file).name}:{f.line})" for f in harness.session.stacks.get(example.stack_id).frames[:4]))
+                f"{f.function} ({Path(f.file).name}:{f.line})"
+                for f in harness.session.stacks.get(example.stack_id).frames[:4]))
         # THEN every KV tensor is a traced block at its address, of its size, allocated in cache_utils.py
         for address, size in kv:
             entry = blocks.get(address)
@@ -216,7 +217,7 @@ def test_two_titled_workers_are_attributed_apart_and_nvml_agrees(torch_worker, a
         # WHEN two such workers allocate different amounts
         workers = {title: torch_worker(title=title) for title in ("VLLM::Worker_TP0", "VLLM::Worker_TP1")}
         reserved = {}
-        for (title, worker), (count, step) in zip(workers.items(), [(23, MiB), (10, 8 * MiB)]):
+        for (_title, worker), (count, step) in zip(workers.items(), [(23, MiB), (10, 8 * MiB)], strict=True):
             worker.send(op="init")
             reserved[worker.pid] = worker.send(op="alloc", count=count, step_bytes=step)["memory_reserved"]
 

@@ -2,9 +2,9 @@
 
 Outputs worth quoting are printed (run with -s).
 """
-from kvtrace.model.events import Api, Kind, Layer
 from conftest import source_line
 from harness import TracingHarness
+from kvtrace.model.events import Api, Kind, Layer
 
 MiB = 1 << 20
 
@@ -36,7 +36,8 @@ def test_no_caching_23_tensors_are_23_exact_allocations_then_freed(torch_worker)
 
         addresses = {address for address, _ in expected}
         worker.send(harness, op="free")
-        harness.pump_until(lambda: sum(e.address in addresses for e in harness.of(worker.pid, Kind.FREE, Api.cudaFree)) == 23)
+        harness.pump_until(lambda: sum(e.address in addresses
+                                       for e in harness.of(worker.pid, Kind.FREE, Api.cudaFree)) == 23)
         ledger = harness.session.ledger
         outstanding = [e for e in ledger if e.key.pid == worker.pid and e.key.address in addresses]
         assert outstanding == []

@@ -23,9 +23,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import pytest
 

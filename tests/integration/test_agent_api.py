@@ -6,10 +6,10 @@ WHEN clients connect, THEN they see exactly the workload's events and outstandin
 import json
 import os
 import re
-import urllib.request
 import subprocess
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -18,8 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_process import KVTRACE, AgentProcess, kvtrace
 from cuda_stubs import Workload
 from kvtrace.client import AgentClient
-from kvtrace.wire import event_from_proto
-from kvtrace.model.events import Api, Kind
 
 MiB = 1 << 20
 

@@ -170,7 +170,8 @@ def target(tmp_path_factory, bpf) -> Target:
     source.write_text(TARGET_SOURCE)
     binary = directory / "target"
     subprocess.run(["gcc", "-O0", "-fno-inline", "-o", str(binary), str(source)], check=True)
-    offsets = elf.symbol_file_offsets(binary, ["kvt_work", "kvt_other", "kvt_semaphore"], (elf.STT_FUNC, elf.STT_OBJECT))
+    offsets = elf.symbol_file_offsets(binary, ["kvt_work", "kvt_other", "kvt_semaphore"],
+                                      (elf.STT_FUNC, elf.STT_OBJECT))
     return Target(binary, offsets["kvt_work"], offsets["kvt_other"], offsets["kvt_semaphore"])
 
 

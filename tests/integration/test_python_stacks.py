@@ -116,7 +116,7 @@ def traced(request, session_tracer, stub_build):
 def test_target_is_recognized_and_every_call_traced(traced):
     target = traced.harness.source.python[traced.pid]
     assert isinstance(target, PythonTarget), target
-    assert "%d.%d" % target.version == traced.version
+    assert "{}.{}".format(*target.version) == traced.version
     assert [(e.address, e.size_bytes) for e in traced.allocs()] == \
         [(c["address"], c["size_bytes"]) for c in traced.calls]
     assert len(traced.allocs(Api.cuMemAlloc_v2)) == len(traced.calls)
@@ -220,7 +220,7 @@ def test_process_exiting_before_symbolization_gives_unknown_never_wrong_frames(
     with workload:
         assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) >= 2 * len(first))
         interned = {}
-        for call, event in zip(first, harness.of(pid, Kind.ALLOC, Api.cudaMalloc)):
+        for call, event in zip(first, harness.of(pid, Kind.ALLOC, Api.cudaMalloc), strict=True):
             stack = harness.session.stacks.get(event.stack_id)
             assert as_lists(stack) == call["expected"]  # symbolized while alive
             interned[call["case"], call["via"]] = event.stack_id
@@ -241,7 +241,7 @@ def test_process_exiting_before_symbolization_gives_unknown_never_wrong_frames(
     assert [e for e in tracer.kernel_ledger() if e.key.pid == pid] == []
     assert pid not in tracer.python  # forgotten at its exit
     known = unknown = 0
-    for call, event in zip(second, mallocs[len(first):]):
+    for call, event in zip(second, mallocs[len(first):], strict=True):
         assert event.stack_status is StackStatus.OK
         assert event.stack_id != 0
         if call["case"] in seen_before:  # the same stack as in the first batch
@@ -249,7 +249,7 @@ def test_process_exiting_before_symbolization_gives_unknown_never_wrong_frames(
         stack = tracer.session.stacks.get(event.stack_id)
         expected = call["expected"][:MAX_FRAMES]
         assert len(stack.frames) == len(expected)
-        for frame, (function, file, line) in zip(stack.frames, expected):
+        for frame, (function, file, line) in zip(stack.frames, expected, strict=True):
             if frame.function == UNKNOWN_FUNCTION:
                 unknown += 1
             else:

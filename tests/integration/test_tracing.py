@@ -7,7 +7,6 @@ manifest leaves outstanding — in user space and in the kernel.
 import contextlib
 import os
 import shutil
-import signal
 import time
 from collections import Counter
 

@@ -6,12 +6,12 @@ import time
 import pytest
 
 from fake_agent import TITLES, event
-from fake_nvml import GiB, FakeGpu, FakeNvml
+from fake_nvml import FakeGpu, FakeNvml, GiB
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
 from kvtrace.analysis.growth import SlidingFit, WindowIncrease, time_to_oom_seconds
 from kvtrace.analysis.leaks import SiteKey, find_suspects, survey_sites
 from kvtrace.model.events import Api, Kind, Layer, Memory
-from kvtrace.model.ledger import Ledger, ledger_view
+from kvtrace.model.ledger import ledger_view
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.session import Session
 from kvtrace.sources.nvml import NvmlSampler
@@ -132,7 +132,7 @@ def test_a_model_load_is_not_forecast_as_an_oom():
     # THEN growth is the least-squares slope, about 1/7 of the endpoints' (first to last sample)
     endpoints = (values[-1][1] - values[0][1]) / 300
     assert row.growth_bytes_per_second_15m == pytest.approx(
-        statistics.linear_regression(*zip(*values)).slope, rel=1e-12)
+        statistics.linear_regression(*zip(*values, strict=True)).slope, rel=1e-12)
     assert row.growth_bytes_per_second_15m < endpoints / 6
     # AND the forecast is over half an hour, where the endpoints' would say under 5 minutes
     assert 60 * GiB / endpoints < 300 and row.time_to_oom_seconds > 1800
@@ -389,7 +389,8 @@ def test_without_a_stack_the_cudamalloc_caller_groups_not_libcudart():
         timeline.alloc(MiB, caller=0xC0DA, runtime_caller=0xAAA)
     timeline.alloc(MiB, caller=0xC0DA, runtime_caller=0xBBB)
     # THEN the sites are the two callers of cudaMalloc
-    assert survey_sites(timeline.ledger, timeline.now_ns, 0).site_bytes == {SiteKey(200, 0, 0, 0xAAA): 3 * MiB, SiteKey(200, 0, 0, 0xBBB): MiB}
+    assert survey_sites(timeline.ledger, timeline.now_ns, 0).site_bytes == {
+        SiteKey(200, 0, 0, 0xAAA): 3 * MiB, SiteKey(200, 0, 0, 0xBBB): MiB}
     report = find_suspects(timeline.ledger, timeline.now_ns, 0, {}, {}, lambda stack_id: None)
     assert [(s.native_caller_address, s.count) for s in report.suspects] == [(0xAAA, 3), (0xBBB, 1)]
 

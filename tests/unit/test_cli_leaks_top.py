@@ -8,18 +8,18 @@ import time
 import pytest
 from rich.console import Console
 
-from fake_agent import MiB, FakeAgent, event, served
-from fake_nvml import GiB, FakeGpu, FakeNvml
+from fake_agent import FakeAgent, MiB, event, served
+from fake_nvml import FakeGpu, FakeNvml, GiB
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
-from kvtrace.errors import CommandError, ExitCode
-from kvtrace.human import human_duration, human_rate
 from kvtrace.cli.main import main
 from kvtrace.cli.top import render_frame
 from kvtrace.client import AgentClient
-from kvtrace.wire import optional_field
+from kvtrace.errors import CommandError, ExitCode
+from kvtrace.human import human_duration, human_rate
 from kvtrace.model.events import Api, Kind
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.sources.nvml import NvmlSampler
+from kvtrace.wire import optional_field
 
 NS = 1_000_000_000
 T0_NS = 1_700_000_000 * NS
@@ -103,7 +103,8 @@ def test_get_growth_before_and_after_the_first_analysis():
     # Unknown is unset, not 0: one sample makes no forecast and no ratio; NVML has no figure for 300
     assert optional_field(traced, "time_to_oom_seconds") is None and optional_field(traced, "free_ratio_1m") is None
     assert (untraced.pid, untraced.device, untraced.nvml_index) == (300, -1, 0)
-    assert optional_field(untraced, "nvml_used_bytes") is None and optional_field(untraced, "unattributed_bytes") is None
+    assert optional_field(untraced, "nvml_used_bytes") is None
+    assert optional_field(untraced, "unattributed_bytes") is None
     assert [row.pid for row in one.processes] == [300]
 
 
@@ -140,7 +141,8 @@ def test_leaks_json_puts_the_leaking_function_first(capsys):
     with served(leaky_backend()) as (server, _):
         assert main(["leaks", "--socket", str(server.config.socket), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["allocations_considered"], report["suspect_allocations"], report["min_age_seconds"]) == (123, 63, 60.0)
+    assert (report["allocations_considered"], report["suspect_allocations"],
+            report["min_age_seconds"]) == (123, 63, 60.0)
     first = report["suspects"][0]
     assert first["stack"][0] == {"function": "leak_kv", "file": "/app/leak.py", "line": 12}
     assert {key: first[key] for key in ("rank", "pid", "device", "outstanding_bytes", "allocation_count",

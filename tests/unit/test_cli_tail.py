@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from fake_agent import MiB, TITLES, FakeAgent, event, served
-from kvtrace.cli.main import main
+from fake_agent import TITLES, FakeAgent, MiB, event, served
 from kvtrace.cli.flags import parse_size
+from kvtrace.cli.main import main
 from kvtrace.cli.tail import HEADER, format_event
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.wire import event_to_json

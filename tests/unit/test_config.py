@@ -4,8 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.config import (DEFAULT_GROUP, DEFAULT_SOCKET, ApiConfig, ConfigError, add_api_flags,
-                            config_from_args, load_config)
+from kvtrace.config import (
+    DEFAULT_GROUP,
+    DEFAULT_SOCKET,
+    ApiConfig,
+    ConfigError,
+    add_api_flags,
+    config_from_args,
+    load_config,
+)
 
 TLS_ENV = {"KVTRACE_TLS_CERT": "/env/server.crt", "KVTRACE_TLS_KEY": "/env/server.key",
            "KVTRACE_TLS_CLIENT_CA": "/env/clients.crt"}

@@ -1,7 +1,6 @@
 """`kvtrace doctor --pid`: what the agent can trace in one process, or why not."""
 import os
 import subprocess
-import sys
 
 from kvtrace.cli.doctor import process_findings
 from kvtrace.errors import ExitCode

@@ -12,17 +12,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fake_agent import MiB, FakeAgent, event, own_group, served, short_directory
+from fake_agent import FakeAgent, MiB, event, own_group, served, short_directory
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
-from kvtrace.errors import CommandError, ExitCode
 from kvtrace.client import AgentClient
 from kvtrace.config import ApiConfig
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind, StackStatus
+from kvtrace.model.stacks import Frame, Stack
 from kvtrace.servers.api import SERVICE_NAME, AgentServer, ServerLimits, ServerSetupError, encode_page_token
 from kvtrace.wire import event_from_proto, event_to_json, event_to_proto, message_to_json, stack_from_proto
-from kvtrace.model.stacks import Frame, Stack
 
 FAST_HEALTH = ServerLimits(health_poll_seconds=0.05)
 
@@ -175,7 +175,7 @@ def test_slow_stream_loses_only_its_own_events_and_is_told_exactly():
         for i in range(published):
             backend.hub.publish(event(address=i))
             if i % 500 == 0:  # the fast reader keeps up within its queue; the slow one reads nothing
-                wait_for(lambda: len(fast_got) >= i - 1000)
+                wait_for(lambda i=i: len(fast_got) >= i - 1000)
         reader.join(30)
         # Only now does the slow one read: what gRPC buffered, then its queue, then the gap.
         received, dropped = 0, 0
@@ -476,12 +476,12 @@ def test_missing_group_falls_back_to_roots_group(caplog):
 def pki(tmp_path_factory):
     """A CA, a server certificate for localhost, a client of that CA and a client of another CA."""
     import datetime
+    import ipaddress
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
 
     directory = tmp_path_factory.mktemp("pki")
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -4,8 +4,8 @@ import threading
 import time
 
 from fake_agent import TITLES, MiB, event
-from kvtrace.servers.hub import EventFilter, EventHub, Lost
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
+from kvtrace.servers.hub import EventFilter, EventHub, Lost
 
 
 def drain(subscription):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fake_nvml import GiB, FakeGpu, FakeNvml
+from fake_nvml import FakeGpu, FakeNvml, GiB
 from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, nvml_index_for_cuda_ordinal
 from kvtrace.sources.nvml import NvmlSampler, PynvmlBackend, read_cuda_visible_devices
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvtrace.cli.doctor import DoctorCommand
-from kvtrace.errors import CommandError, ExitCode
 from kvtrace.cli.main import main
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.sources.bpf import preflight
 from kvtrace.sources.bpf.preflight import Finding
 

@@ -24,9 +24,19 @@ from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, Pro
 from kvtrace.model.ledger import LedgerCounts, TotalsKey
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import Frame, Stack
-from kvtrace.servers.prometheus import (DEFAULT_LISTEN, METRIC_NAMES, METRICS, TITLE_MAX_CHARS, KvtraceCollector,
-                                        MetricsServer, MetricsSetupError, add_metrics_flags, check_listen,
-                                        metric_title, parse_listen)
+from kvtrace.servers.prometheus import (
+    DEFAULT_LISTEN,
+    METRIC_NAMES,
+    METRICS,
+    TITLE_MAX_CHARS,
+    KvtraceCollector,
+    MetricsServer,
+    MetricsSetupError,
+    add_metrics_flags,
+    check_listen,
+    metric_title,
+    parse_listen,
+)
 from kvtrace.session import Session
 
 GiB = 1 << 30

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame, NativeFrame, Stack, StackTable
+from kvtrace.sources.native import NativeSymbolizer
+from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
 from kvtrace.sources.python import symbolize
 from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK, GLIBC_SPECIFIC_ENTRY_SIZE, OFFSETS
-from kvtrace.sources.native import NativeSymbolizer
-from kvtrace.wire import frame_to_json
-from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
 from kvtrace.sources.python.symbolize import Symbolizer, UnsupportedPythonError, line_for_offset, read_unicode
+from kvtrace.wire import frame_to_json
 
 PYENV_VERSIONS = Path("/root/.pyenv/versions")
 TARGET_VERSIONS = [(3, 10), (3, 11), (3, 12), (3, 13)]
@@ -433,7 +433,8 @@ def test_address_reuse_is_detected():
         del second
     else:
         pytest.skip("the allocator did not reuse the code object's address")
-    [frame] = symbolizer.symbolize(os.getpid(), sys.version_info, offsets, [own_frame(second)])
+    [frame] = symbolizer.symbolize(os.getpid(), sys.version_info, offsets,
+                                   [own_frame(second)])  # noqa: F821 (bound when the loop broke)
     assert frame.function == name
     assert symbolizer.replaced == 1
 

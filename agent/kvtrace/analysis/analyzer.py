@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable, Collection
 
 from kvtrace.analysis.growth import (
     LONG_WINDOW_SECONDS,
@@ -119,10 +119,10 @@ class Analyzer:
         nvml_used = _nvml_used(sample)
         alive = {key.pid for key in view.totals} | {pid for pid, _ in nvml_used}
 
-        for key in [key for key in self._growth if key[0] not in alive]:
-            del self._growth[key]
-        for key in set(traced) | set(self._growth):
-            self._growth.setdefault(key, Growth()).add(now_ns, traced.get(key, 0))
+        for series in [series for series in self._growth if series[0] not in alive]:
+            del self._growth[series]
+        for series in set(traced) | set(self._growth):
+            self._growth.setdefault(series, Growth()).add(now_ns, traced.get(series, 0))
         for pid in [pid for pid in self._counts if pid not in alive]:
             del self._counts[pid]
         for pid in [pid for pid in self._environ if pid not in alive]:
@@ -175,17 +175,18 @@ class Analyzer:
         for pid, device in self._growth:
             devices_of[pid].add(device)
         nvml_gpus_of: dict[int, set[int]] = defaultdict(set)
-        for pid, index in nvml_used:
-            nvml_gpus_of[pid].add(index)
-        rows, claimed = [], set()
+        for pid, gpu_index in nvml_used:
+            nvml_gpus_of[pid].add(gpu_index)
+        rows: list[ProcessGpu] = []
+        claimed: set[tuple[int, int | None]] = set()
         for (pid, device), growth in sorted(self._growth.items()):
             index = self._nvml_index(pid, device, sample, devices_of[pid], nvml_gpus_of[pid])
             claimed.add((pid, index))
             outstanding = traced.get((pid, device), 0)
-            used = nvml_used.get((pid, index))
+            used = nvml_used.get((pid, index)) if index is not None else None
             allocations, frees = self._counts[pid].increase()
             history = growth.long.span_seconds()
-            gpu = gpus.get(index)
+            gpu = gpus.get(index) if index is not None else None
             rows.append(ProcessGpu(
                 pid=pid, title=view.titles.get(pid, ""), device=device, outstanding_bytes=outstanding,
                 nvml_used_bytes=used, unattributed_bytes=used - outstanding if used is not None else None,
@@ -240,8 +241,7 @@ def _nvml_used(sample: NvmlSample | None) -> dict[tuple[int, int], int | None]:
         key = (process.pid, process.gpu_index)
         if key not in used:
             used[key] = process.used_bytes
-        elif used[key] is None or process.used_bytes is None:
-            used[key] = None
-        else:
-            used[key] += process.used_bytes
+            continue
+        so_far = used[key]
+        used[key] = None if so_far is None or process.used_bytes is None else so_far + process.used_bytes
     return used

@@ -86,7 +86,7 @@ class WindowIncrease:
 
     def increase(self) -> tuple[int, ...]:
         (_, first), (_, last) = self._samples[0], self._samples[-1]
-        return tuple(new - old for new, old in zip(last, first))
+        return tuple(new - old for new, old in zip(last, first, strict=True))
 
 
 def time_to_oom_seconds(free_bytes: int | None, growth_bytes_per_second: float, history_seconds: float,

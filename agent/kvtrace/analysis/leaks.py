@@ -9,13 +9,15 @@ cache are old and outstanding too. What separates a leak is growth, so the ranki
 3. then their count, then the oldest age (older first), then pid, device and site (a stable order).
 
 A site is, in one process and on one GPU, the Python stack of the allocation; without one (no
-Python, or the walk failed), the native code that called CUDA. Only physical device memory counts: the driver and VMM layers, as in
+Python, or the walk failed), the native code that called CUDA. Only physical device memory counts:
+the driver and VMM layers, as in
 the ledger's totals, so that a cudaMalloc and the cuMemAlloc_v2 inside it are one allocation.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable, Mapping, NamedTuple
+from typing import NamedTuple
 
 from kvtrace.model.events import Layer, ObjectKind
 from kvtrace.model.findings import LeakReport, LeakSuspect

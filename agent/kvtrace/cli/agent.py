@@ -80,7 +80,10 @@ class AgentCommand:
         daemon = Daemon(options)
         signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
         try:
-            daemon.start()
+            daemon.start()  # Ctrl-C here raises KeyboardInterrupt: stop what started
+            # From now on both signals ask the loop to end (within 0.1 s). An exception raised by
+            # the signal instead could land in bcc's ring-buffer callback, which swallows it.
+            signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
             daemon.announce()
             daemon.run()
         except KeyboardInterrupt:
@@ -101,7 +104,7 @@ class AgentCommand:
         try:
             cmdline = re.compile(args.cmdline) if args.cmdline else None
         except re.error as error:
-            raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE)
+            raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None
         if not 1 <= args.wakeup_events <= 65536:
             raise CommandError("--wakeup-events takes 1 to 65536", ExitCode.USAGE)
         if args.max_ledger_entries < 1024:

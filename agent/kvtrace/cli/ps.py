@@ -42,9 +42,10 @@ class PsCommand:
             return ExitCode.OK
         print(HEADER, file=out)
         for process in processes:
-            per_device = defaultdict(lambda: {"device": 0, "managed": 0, "pinned": 0, "objects": 0})
+            per_device: defaultdict[int, dict[str, int]] = defaultdict(
+                lambda: {"device": 0, "managed": 0, "pinned": 0, "objects": 0})
             for total in process.totals:
-                column = _COLUMNS.get(total.memory)
+                column = _COLUMNS.get(Memory(total.memory)) if total.memory else None
                 if total.layer in _PHYSICAL_LAYERS and column:
                     row = per_device[total.device]
                     row[column] += total.size_bytes

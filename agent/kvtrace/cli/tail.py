@@ -70,7 +70,8 @@ class TailCommand:
             try:
                 re.compile(args.cmdline)
             except re.error as error:
-                raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE)
+                raise CommandError(f"--cmdline is not a valid regular expression: {error}",
+                                   ExitCode.USAGE) from None
         layers = [Layer[name.upper()] for name in args.layer]
         out = sys.stdout
         with AgentClient.from_args(args) as agent:
@@ -91,14 +92,14 @@ class TailCommand:
                     event = event_from_proto(message)
                     if event is None:
                         continue
-                    stack = stacks.get(event.stack_id)
+                    event_stack = stacks.get(event.stack_id)
                     if args.json:
-                        out.write(json.dumps(event_to_json(event, stack), separators=(",", ":"),
+                        out.write(json.dumps(event_to_json(event, event_stack), separators=(",", ":"),
                                              ensure_ascii=False) + "\n")
                         continue
                     out.write(format_event(event) + "\n")
-                    if args.stacks and stack is not None:
-                        for frame in stack.frames:
+                    if args.stacks and event_stack is not None:
+                        for frame in event_stack.frames:
                             out.write(f"    {frame.function} ({frame.file}:{frame.line})\n")
                 out.flush()  # once per batch: `kvtrace tail | grep` sees events promptly
         return ExitCode.OK

@@ -89,7 +89,7 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
     columns = ("PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s 1m", "GROW/s 15m", "OOM IN")
     widths = [max(len(name), *(len(cells[i]) for cells in rows)) for i, name in enumerate(columns)]
     table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1), header_style="bold")
-    for name, column_width in zip(columns, widths):
+    for name, column_width in zip(columns, widths, strict=True):
         table.add_column(name, justify="right", no_wrap=True, min_width=column_width)
     table.add_column("TITLE", no_wrap=True, overflow="ellipsis",
                      max_width=max(8, width - sum(widths) - len(columns) - 1))
@@ -150,7 +150,7 @@ class _Keys:
 
     def __init__(self) -> None:
         self.enabled = sys.stdin.isatty()
-        self._saved = None
+        self._saved: list | None = None
 
     def __enter__(self) -> _Keys:
         if self.enabled:

@@ -7,8 +7,8 @@ samples NVML into these shapes; analysis matches a traced ordinal to an NVML GPU
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ Rules:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, NamedTuple
+from typing import NamedTuple
 
 from kvtrace.model.events import (
     DEVICE_UNKNOWN,
@@ -107,7 +108,8 @@ class Ledger:
 
     @staticmethod
     def _key(event: Event) -> LedgerKey:
-        return LedgerKey(event.pid, event.layer, event.object, event.address)
+        layer, object_kind, _ = _placed(event)
+        return LedgerKey(event.pid, layer, object_kind, event.address)
 
     def _insert(self, entry: Outstanding) -> None:
         old = self._entries.get(entry.key)
@@ -129,18 +131,20 @@ class Ledger:
                 del self._bytes[totals], self._counts[totals]
 
     def _on_alloc(self, event: Event) -> None:
-        self.allocations_total[(event.pid, event.layer)] += 1
+        layer, object_kind, memory = _placed(event)
+        self.allocations_total[(event.pid, layer)] += 1
         self._insert(Outstanding(
-            key=self._key(event), size_bytes=event.size_bytes, timestamp_ns=event.timestamp_ns,
-            device=event.device, api=event.api, memory=event.memory, tid=event.tid,
+            key=LedgerKey(event.pid, layer, object_kind, event.address), size_bytes=event.size_bytes,
+            timestamp_ns=event.timestamp_ns, device=event.device, api=event.api, memory=memory, tid=event.tid,
             caller_address=event.caller_address, stack_id=event.stack_id))
 
     def _on_free(self, event: Event) -> None:
-        entry = self._entries.get(self._key(event))
+        key = self._key(event)
+        entry = self._entries.get(key)
         if entry is None:
             self.unknown_frees_total[(event.pid, event.api)] += 1
             return
-        self.frees_total[(event.pid, event.layer)] += 1
+        self.frees_total[(event.pid, key.layer)] += 1
         self._remove(entry)
 
     def _on_map(self, event: Event) -> None:
@@ -244,6 +248,13 @@ class Ledger:
     def physical_device_bytes(self, pid: int | None = None, device: int | None = None) -> int:
         """Device memory actually held: the driver and VMM layers (the runtime sits on top)."""
         return self.outstanding_bytes(pid, device, layers=PHYSICAL_LAYERS)
+
+
+def _placed(event: Event) -> tuple[Layer, ObjectKind, Memory]:
+    """Layer, object and memory of an event about an object; every source sets all three."""
+    if event.layer is None or event.object is None or event.memory is None:
+        raise ValueError(f"a {event.kind.name.lower()} event of {event.api.name} without layer, object or memory")
+    return event.layer, event.object, event.memory
 
 
 def holds_device_memory(entry: Outstanding) -> bool:

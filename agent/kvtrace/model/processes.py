@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # Container ids in cgroup paths: docker-<id>.scope, cri-containerd-<id>.scope, crio-<id>,
 # /docker/<id>, /kubepods/.../<id>

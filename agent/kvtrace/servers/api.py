@@ -337,16 +337,18 @@ def prepare_socket_path(path: Path, gid: int) -> None:
 def _secure_port_credentials(config: ApiConfig) -> grpc.ServerCredentials:
     """Mutual TLS credentials; the files are checked here so that a bad one stops the start."""
     contents = {}
+    files: dict[str, Path] = {}
     for name in ("tls_cert", "tls_key", "tls_client_ca"):
         file = getattr(config, name)
         try:
             contents[name] = file.read_bytes()
         except (OSError, AttributeError) as error:
             raise ServerSetupError(f"cannot read {name} {file}: {getattr(error, 'strerror', error)}") from None
+        files[name] = file
     try:
         check = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        check.load_cert_chain(config.tls_cert, config.tls_key)
-        check.load_verify_locations(cafile=config.tls_client_ca)
+        check.load_cert_chain(files["tls_cert"], files["tls_key"])
+        check.load_verify_locations(cafile=files["tls_client_ca"])
     except (ssl.SSLError, ValueError) as error:
         raise ServerSetupError(f"the TLS files do not load ({config.tls_cert}, {config.tls_key}, "
                                f"{config.tls_client_ca}): {error}") from None

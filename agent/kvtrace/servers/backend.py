@@ -7,7 +7,8 @@ consistent copy, never a live view, and must be quick.
 """
 from __future__ import annotations
 
-from typing import Collection, Protocol
+from collections.abc import Collection
+from typing import Protocol
 
 from kvtrace.model.agent import AgentInfo, ComponentStatus, TrackedProcess
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport

@@ -98,9 +98,11 @@ class Subscription:
 
     def _lost_marker(self) -> Lost:
         """The marker at the tail of the queue, added if the tail is an event. Holds the lock."""
-        if not self._queue or not isinstance(self._queue[-1], Lost):
-            self._queue.append(Lost())
-        return self._queue[-1]
+        tail = self._queue[-1] if self._queue else None
+        if not isinstance(tail, Lost):
+            tail = Lost()
+            self._queue.append(tail)
+        return tail
 
     def _wake(self) -> None:
         # Setting a threading.Event takes its condition lock; skip it when the reader is not waiting.

@@ -24,8 +24,10 @@ import math
 import re
 import socket
 import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_wsgi_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -198,9 +200,10 @@ class KvtraceCollector:
         if snapshot is not None:
             live.update(process.pid for process in snapshot.processes)
             live.update(suspect.pid for suspect in snapshot.suspects)
-        fallback = {}
+        fallback: dict[int, str] = {}
         if snapshot is not None:
-            fallback = {item.pid: item.title for item in (*snapshot.processes, *snapshot.suspects)}
+            fallback = {item.pid: item.title for item in snapshot.processes}
+            fallback.update({item.pid: item.title for item in snapshot.suspects})
         titles: dict[int, str] = {}
 
         def title(pid: int) -> str:
@@ -253,8 +256,9 @@ class KvtraceCollector:
                                   ("15m", process.growth_bytes_per_second_15m)):
                 if _finite(value):
                     growth.add_metric(labels + [window], value)
-            if _finite(process.time_to_oom_seconds) and process.time_to_oom_seconds >= 0:
-                families["kvtrace_time_to_oom_seconds"].add_metric(labels, process.time_to_oom_seconds)
+            ttoom = process.time_to_oom_seconds
+            if ttoom is not None and math.isfinite(ttoom) and ttoom >= 0:
+                families["kvtrace_time_to_oom_seconds"].add_metric(labels, ttoom)
             if process.unattributed_bytes is not None:
                 families["kvtrace_unattributed_bytes"].add_metric(labels, process.unattributed_bytes)
             if process.nvml_used_bytes is not None:
@@ -314,7 +318,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback
                                for info in infos)
 
 
@@ -339,7 +343,7 @@ class MetricsServer:
         self.registry.register(self.collector)
         if process_metrics:  # the agent's own CPU, memory and file descriptors (process_*)
             ProcessCollector(registry=self.registry)
-        self._server = None
+        self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -368,8 +372,10 @@ class MetricsServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server = None
+        if self._thread is not None:
             self._thread.join(timeout=5)
-            self._server = self._thread = None
+            self._thread = None
 
 
 # ---- command line (`kvtrace agent`) ----

@@ -9,12 +9,14 @@ from __future__ import annotations
 import bisect
 import logging
 import struct
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Collection, Iterable
+from typing import BinaryIO
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +175,7 @@ def load_symbol_table(file: BinaryIO) -> SymbolTable:
     best: dict[int, tuple[tuple, str, int]] = {}  # start -> (preference, name, size)
     for section_name in (".symtab", ".dynsym"):
         section = elf.get_section_by_name(section_name)
-        if section is None:
+        if not isinstance(section, SymbolTableSection):
             continue
         for symbol in section.iter_symbols():
             info = symbol["st_info"]

@@ -20,12 +20,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import (
     TimeoutError as FutureTimeout,  # not the builtin one before 3.11
 )
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Protocol
 
 from kvtrace.model.agent import ComponentStatus
 from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, NvmlSample
@@ -99,7 +100,7 @@ class PynvmlBackend:
     """NVML through pynvml, imported at `init` so that a host without it still runs the agent."""
 
     def __init__(self) -> None:
-        self._pynvml = None
+        self._pynvml: Any = None  # the pynvml module once imported
         self._handles: dict[int, object] = {}
         self._memory_v2 = True  # until the driver says it has no nvmlDeviceGetMemoryInfo_v2
 

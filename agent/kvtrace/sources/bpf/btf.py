@@ -47,11 +47,11 @@ class Btf:
             self._types.append((kind, name_off, size_or_type, members))
 
     @classmethod
-    def from_file(cls, path: Path = VMLINUX_BTF) -> "Btf":
+    def from_file(cls, path: Path = VMLINUX_BTF) -> Btf:
         try:
             return cls(path.read_bytes())
         except OSError as error:
-            raise BtfError(f"cannot read {path}: {error} (kernel built without CONFIG_DEBUG_INFO_BTF?)")
+            raise BtfError(f"cannot read {path}: {error} (kernel built without CONFIG_DEBUG_INFO_BTF?)") from error
 
     def _name(self, offset: int) -> str:
         end = self._strings.index(b"\0", offset)

@@ -208,7 +208,8 @@ def attach_uprobe_multi(prog_fd: int, path: str | os.PathLike[str], offsets: Seq
     """One link with a probe at each file offset of `path` (see elf.function_file_offsets).
 
     pid -1 probes every process that maps the file; a process id (not a thread id: ESRCH) limits
-    the breakpoints to that process. ref_ctr_offsets are USDT semaphore file offsets (0 = none), one per offset; the kernel
+    the breakpoints to that process. ref_ctr_offsets are USDT semaphore file offsets (0 = none), one
+    per offset; the kernel
     increments each semaphore while the probe is in. cookies (u64, one per offset) reach the program
     through bpf_get_attach_cookie(ctx), so one program can tell its attach points apart.
     """

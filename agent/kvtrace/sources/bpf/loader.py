@@ -8,14 +8,15 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import select
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 from kvtrace.sources.bpf import abi, links
+from kvtrace.sources.bpf.symbols import entry_function, return_function
 from kvtrace.sources.elf import function_file_offsets
 from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK
-from kvtrace.sources.bpf.symbols import entry_function, return_function
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class BpfProbes:
             self.uprobe_links = not why_not
             if why_not:
                 log.warning("probes go in as perf-event uprobes (stopping takes ~0.1 s per probe): %s", why_not)
-        self._epoll = None
+        self._epoll: select.epoll | None = None
         self._polled = 0
 
     # ---- attach ----
@@ -216,8 +217,6 @@ class BpfProbes:
 
     def wait(self, timeout_ms: int) -> None:
         """Waits until a ring has data or timeout_ms passes, without consuming anything."""
-        import select
-
         if self._epoll is None:
             self._epoll = select.epoll()
             for name in (b"events", b"notify"):

@@ -11,9 +11,9 @@ import importlib
 import platform
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.sources.procfs import status_field

@@ -15,8 +15,8 @@ import platform
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
 
 import psutil
 
