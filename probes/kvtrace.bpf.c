@@ -8,7 +8,8 @@
  *
  * Each concern lives in a header, included in dependency order: what reaches user space (emit.h),
  * the Python stack walk (pystack.h), the context of a call and the device probes (context.h), the
- * ledger with the allocation and free returns (ledger.h), VMM (vmm.h). This file lists the plain
+ * ledger with the allocation and free returns (ledger.h), VMM (vmm.h), PyTorch's allocator
+ * through its USDT probes (usdt.h). This file lists the plain
  * allocation and free probes and the tracepoints. Settings Python owns arrive as defines
  * (sources/bpf/loader.py ProbeSettings.cflags); settings.h refuses to compile without them.
  */
@@ -20,6 +21,7 @@
 #include "context.h"
 #include "ledger.h"
 #include "vmm.h"
+#include "usdt.h"
 
 #define KVT_ALLOC_API(name, layer, memory)                                                        \
     int entry_##name(struct pt_regs *ctx) { return save_alloc_entry(ctx, KVT_API_##name); }       \

@@ -10,12 +10,14 @@
 #define KVT_LAYER_RUNTIME 1
 #define KVT_LAYER_DRIVER  2
 #define KVT_LAYER_VMM     3
+#define KVT_LAYER_TORCH   4 /* PyTorch's caching allocator: blocks (tensors) inside the segments */
 
 /* What a ledger entry is. */
 #define KVT_OBJECT_ALLOCATION  1 /* cudaMalloc*, cuMemAlloc*: an address with a size */
 #define KVT_OBJECT_VMM_HANDLE  2 /* cuMemCreate: physical memory, keyed by handle */
 #define KVT_OBJECT_VMM_RESERVE 3 /* cuMemAddressReserve: virtual address range, no memory */
 #define KVT_OBJECT_VMM_MAPPING 4 /* cuMemMap: a VA range backed by a handle */
+#define KVT_OBJECT_BLOCK       5 /* pytorch:malloc: a tensor's block inside a segment */
 
 /* Where the memory lives. */
 #define KVT_MEMORY_DEVICE  1
@@ -67,6 +69,9 @@
 #define KVT_API_cuMemAddressReserve 44
 #define KVT_API_cuMemAddressFree    45
 #define KVT_API_PROCESS_EXIT        60
+/* USDT probes of PyTorch's caching allocator (libc10_cuda.so, provider `pytorch`). */
+#define KVT_API_pytorch_malloc      70
+#define KVT_API_pytorch_free        71
 
 #define KVT_DEVICE_UNKNOWN (-1)
 
@@ -77,11 +82,14 @@
 #define KVT_COUNTER_UNKNOWN_FREES    3
 #define KVT_COUNTER_RETURNS_UNPAIRED 4 /* a return without its saved entry (LRU evicted) */
 #define KVT_COUNTER_FILTERED         5
-#define KVT_COUNTER_COUNT            6
+#define KVT_COUNTER_BLOCKS_UNSENT    6 /* block events over a process's rate: ledger kept, event not sent */
+#define KVT_COUNTER_USDT_UNREADABLE  7 /* a USDT probe whose site or arguments could not be read */
+#define KVT_COUNTER_COUNT            8
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
-#define KVT_CONFIG_COUNT          1
+#define KVT_CONFIG_BLOCK_EVENTS_PER_SECOND 1 /* per process; 0: no limit */
+#define KVT_CONFIG_COUNT          2
 
 #define KVT_COMM_LEN 16
 
@@ -152,6 +160,31 @@ struct kvt_stack {
     u8 truncated;
     u8 reserved;
     struct kvt_frame frames[KVT_MAX_FRAMES];
+};
+
+/* A USDT probe site, registered by user space under the link cookie that reaches the probe: what the
+ * site is and where each argument is (sources/usdt.py parses the note's operands). */
+#define KVT_USDT_MAX_ARGS 4
+#define KVT_USDT_ARG_NONE     0
+#define KVT_USDT_ARG_CONSTANT 1 /* value = displacement */
+#define KVT_USDT_ARG_REGISTER 2 /* the pt_regs slot at reg_offset */
+#define KVT_USDT_ARG_MEMORY   3 /* user memory at (pt_regs slot at reg_offset) + displacement */
+
+struct kvt_usdt_arg {
+    s64 displacement;
+    s16 reg_offset;  /* byte offset in struct pt_regs */
+    u8 kind;         /* KVT_USDT_ARG_* */
+    u8 size_bytes;   /* 1, 2, 4 or 8 */
+    u8 is_signed;    /* sign-extend from size_bytes */
+    u8 reserved;
+    u16 reserved2;
+};
+
+struct kvt_usdt_site {
+    u16 api;         /* KVT_API_pytorch_malloc or KVT_API_pytorch_free */
+    u16 reserved;
+    u32 arg_count;
+    struct kvt_usdt_arg args[KVT_USDT_MAX_ARGS];
 };
 
 /* In-kernel ledger: the exact set of outstanding objects, maintained where no event can be lost. */

@@ -81,6 +81,7 @@ def event_to_proto(event: Event) -> events_pb2.Event:
         allocation.handle = event.handle
         allocation.freed_bytes = event.freed_bytes
         allocation.stack_id = event.stack_id
+        allocation.stream = event.stream
         allocation.stack_status_code = wire_number(event.stack_status)
         allocation.stack_status = _STACK_STATUS_NAMES[event.stack_status]  # for 0.1 clients
     payload.SetInParent()
@@ -119,7 +120,7 @@ def outstanding_to_proto(entry: Outstanding, process: ProcessInfo | None) -> ser
         api_name=entry.api.name, size_bytes=entry.size_bytes, address=key.address,
         device=entry.device, timestamp_ns=entry.timestamp_ns, caller_address=entry.caller_address,
         stack_id=entry.stack_id, mapped_count=entry.mapped_count, released=entry.released,
-        handle=entry.handle)
+        handle=entry.handle, stream=entry.stream)
 
 
 def process_to_proto(process: TrackedProcess) -> service_pb2.Process:
@@ -176,6 +177,13 @@ def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
         growth_bytes_per_second_1m=row.growth_bytes_per_second_1m,
         growth_bytes_per_second_15m=row.growth_bytes_per_second_15m, history_seconds=row.history_seconds,
         allocations_1m=row.allocations_1m, frees_1m=row.frees_1m)
+    if row.fragmentation is not None:
+        row_fragmentation = row.fragmentation
+        message.fragmentation.CopyFrom(service_pb2.Fragmentation(
+            reserved_bytes=row_fragmentation.reserved_bytes, allocated_bytes=row_fragmentation.allocated_bytes,
+            largest_free_bytes=row_fragmentation.largest_free_bytes, ratio=row_fragmentation.ratio,
+            segments=row_fragmentation.segments, blocks=row_fragmentation.blocks,
+            blocks_outside_segments=row_fragmentation.blocks_outside_segments))
     # None leaves an optional field unset: "not known" stays apart from 0.
     for name, value in (("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
                         ("unattributed_bytes", row.unattributed_bytes),
@@ -217,7 +225,8 @@ def event_from_proto(message: events_pb2.Event) -> Event | None:
                           timestamp_ns=message.timestamp_ns, object=_member(ObjectKind, allocation.object),
                           memory=_member(Memory, allocation.memory), size_bytes=allocation.size_bytes,
                           address=allocation.address, handle=allocation.handle, freed_bytes=allocation.freed_bytes,
-                          stack_id=allocation.stack_id, stack_status=_stack_status(allocation))
+                          stack_id=allocation.stack_id, stack_status=_stack_status(allocation),
+                          stream=allocation.stream)
         elif payload == "device_change":
             call = message.device_change
             event = Event(kind=Kind.SET_DEVICE, api=Api(call.api), pid=message.pid, tid=message.tid,
@@ -301,6 +310,8 @@ def event_to_json(event: Event, stack: Stack | None = None,
         data["handle"] = event.handle
     elif event.api is Api.cuMemUnmap:
         data["freed_bytes"] = event.freed_bytes
+    elif event.layer is Layer.TORCH:
+        data["stream"] = event.stream
     if stack is not None:
         data["stack"] = [frame_to_json(frame) for frame in stack.frames]
         data["stack_truncated"] = stack.truncated
@@ -331,6 +342,7 @@ def outstanding_to_json_dict(entry: service_pb2.OutstandingAllocation) -> dict:
         **({"mapped_count": entry.mapped_count, "released": entry.released}
            if entry.object == ObjectKind.VMM_HANDLE else {}),
         **({"handle": entry.handle} if entry.object == ObjectKind.VMM_MAPPING else {}),
+        **({"stream": entry.stream} if entry.object == ObjectKind.BLOCK else {}),
     }
 
 

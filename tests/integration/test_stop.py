@@ -14,7 +14,7 @@ import time
 import pytest
 
 from agent_process import KVTRACE
-from cuda_stubs import Workload
+from cuda_stubs import Workload, build_stubs
 from harness import TracingHarness, require_tracing_here
 from kvtrace.model.events import Api, Kind
 from kvtrace.sources.bpf.loader import ProbeSettings
@@ -85,9 +85,11 @@ def test_agent_stops_within_two_seconds_with_30_libraries(holder, tmp_path, stop
     assert stop_seconds <= STOP_LIMIT_SECONDS
 
 
-def test_perf_event_probes_still_trace_exactly(stub_build):
-    """Kernels before 6.6 have no uprobe_multi links: bcc's perf-event uprobes, exact the same."""
+def test_perf_event_probes_still_trace_exactly(tmp_path):
+    """Kernels before 6.6 have no uprobe_multi links: bcc's perf-event uprobes, exact the same. On
+    stub libraries of its own (other inodes): the session's links stay on the shared ones."""
     require_tracing_here()
+    stub_build = build_stubs(tmp_path)
     with Workload([stub_build.workload, "hold"]) as workload:
         pid = workload.wait_ready()
         harness = TracingHarness([pid], settings=ProbeSettings(uprobe_links=False),

@@ -43,19 +43,19 @@ def _struct_fields(name: str) -> list[tuple[str, str]]:
     fields = []
     for line in body.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line).strip()
-        match = re.match(r"(u64|u32|s32|u16|s16|u8|char) (\w+)(\[\w+\])?;", line)
+        match = re.match(r"(u64|s64|u32|s32|u16|s16|u8|s8|char) (\w+)(\[\w+\])?;", line)
         if match:
             fields.append((match.group(2), match.group(1)))
     return fields
 
 
-_SIZES = {"u64": 8, "u32": 4, "s32": 4, "u16": 2, "s16": 2, "u8": 1}
+_SIZES = {"u64": 8, "s64": 8, "u32": 4, "s32": 4, "u16": 2, "s16": 2, "u8": 1, "s8": 1}
 
 
 @pytest.mark.parametrize("c_name,py_type", [
     ("kvt_event", abi.RawEvent), ("kvt_ledger_key", abi.RawLedgerKey),
     ("kvt_ledger_value", abi.RawLedgerValue), ("kvt_notify", abi.RawNotify),
-    ("kvt_py_target", abi.RawPyTarget), ("kvt_frame", abi.RawFrame),
+    ("kvt_py_target", abi.RawPyTarget), ("kvt_frame", abi.RawFrame), ("kvt_usdt_arg", abi.RawUsdtArg),
 ])
 def test_struct_layout_matches_header(c_name, py_type):
     fields = _struct_fields(c_name)
@@ -65,6 +65,22 @@ def test_struct_layout_matches_header(c_name, py_type):
         assert getattr(py_type, name).offset == offset, name
         offset += _SIZES.get(c_type, abi.COMM_LEN)
     assert ctypes.sizeof(py_type) == offset
+
+
+def test_usdt_site_matches_header():
+    assert [name for name, _ in _struct_fields("kvt_usdt_site")] == ["api", "reserved", "arg_count"]
+    assert abi.RawUsdtSite.args.offset == 8 and abi.USDT_MAX_ARGS == defines("KVT_USDT_")["MAX_ARGS"]
+    assert ctypes.sizeof(abi.RawUsdtSite) == 8 + abi.USDT_MAX_ARGS * ctypes.sizeof(abi.RawUsdtArg)
+    kinds = defines("KVT_USDT_ARG_")
+    assert (kinds["NONE"], kinds["CONSTANT"], kinds["REGISTER"], kinds["MEMORY"]) == \
+        (abi.USDT_ARG_NONE, abi.USDT_ARG_CONSTANT, abi.USDT_ARG_REGISTER, abi.USDT_ARG_MEMORY)
+
+
+def test_config_indexes_match_header():
+    config = defines("KVT_CONFIG_")
+    assert config.pop("COUNT") == 2
+    assert config == {"FILTER_ENABLED": abi.CONFIG_FILTER_ENABLED,
+                      "BLOCK_EVENTS_PER_SECOND": abi.CONFIG_BLOCK_EVENTS_PER_SECOND}
 
 
 def test_every_attached_symbol_has_entry_and_return_probe():

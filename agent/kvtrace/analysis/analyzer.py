@@ -35,6 +35,7 @@ from kvtrace.analysis.growth import (
     time_to_oom_seconds,
 )
 from kvtrace.analysis.leaks import SiteKey, find_suspects, rank_suspects, survey_sites
+from kvtrace.model.blocks import Fragmentation, fragmentation, segments_of
 from kvtrace.model.events import PHYSICAL_LAYERS, Memory
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport, LeakSuspect, ProcessGpu
 from kvtrace.model.gpus import NvmlSample, nvml_index_for_cuda_ordinal
@@ -80,6 +81,7 @@ class Analyzer:
         self._counts: dict[int, WindowIncrease] = {}  # pid -> (allocations, frees) totals over 1 min
         self._sites: dict[SiteKey, SlidingFit] = {}
         self._suspects: tuple[LeakSuspect, ...] = ()  # at the last site sample
+        self._fragmentation: dict[tuple[int, int], Fragmentation] = {}  # (pid, device), last site sample
         self._next_tick_monotonic = 0.0
         self._next_site_sample_ns = 0
 
@@ -166,6 +168,8 @@ class Analyzer:
         for site, size_bytes in survey.site_bytes.items():
             self._sites.setdefault(site, SlidingFit(LONG_WINDOW_SECONDS)).add(now_ns, size_bytes)
         self.site_growth = {site: fit.slope_per_second() for site, fit in self._sites.items()}
+        segments, outside = segments_of(entries)
+        self._fragmentation = {(row.pid, row.device): row for row in fragmentation(segments, outside)}
         self._suspects = rank_suspects(survey, self.site_growth, view.titles, self.session.stack).suspects
 
     def _rows(self, view: LedgerView, traced: dict[tuple[int, int], int],
@@ -196,7 +200,7 @@ class Analyzer:
                                                         growth.long.slope_per_second(), history,
                                                         self.options.forecast_min_history_seconds),
                 allocations_1m=allocations, frees_1m=frees, free_ratio_1m=free_ratio(allocations, frees),
-                nvml_index=index, history_seconds=history))
+                nvml_index=index, history_seconds=history, fragmentation=self._fragmentation.get((pid, device))))
         if not view.traced_only:
             # NVML sees processes kvtrace holds nothing of: started before the agent, or using
             # memory no probe sees. All their memory is unattributed.

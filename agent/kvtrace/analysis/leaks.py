@@ -1,4 +1,5 @@
-"""Leak suspects: outstanding device memory at least a given age, grouped by allocation site.
+"""Leak suspects: outstanding device memory at least a given age, grouped by allocation site
+(the PyTorch block's stack where blocks are traced).
 
 "Suspect" is the honest word (memleak says "outstanding", not "leaked"): model weights and the KV
 cache are old and outstanding too. What separates a leak is growth, so the ranking puts it first:
@@ -9,9 +10,10 @@ cache are old and outstanding too. What separates a leak is growth, so the ranki
 3. then their count, then the oldest age (older first), then pid, device and site (a stable order).
 
 A site is, in one process and on one GPU, the Python stack of the allocation; without one (no
-Python, or the walk failed), the native code that called CUDA. Only physical device memory counts:
-the driver and VMM layers, as in
-the ledger's totals, so that a cudaMalloc and the cuMemAlloc_v2 inside it are one allocation.
+Python, or the walk failed), the native code that called CUDA. What counts: in a process whose
+PyTorch blocks are traced, its blocks (the tensors that hold memory); elsewhere physical device
+memory, the driver and VMM layers as in the ledger's totals, so that a cudaMalloc and the
+cuMemAlloc_v2 inside it are one allocation.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from kvtrace.model.stacks import Stack
 
 NS_PER_SECOND = 1_000_000_000
 # Looked up once: these run per ledger entry, and an enum attribute costs a lookup each time.
-_RUNTIME, _DRIVER, _ALLOCATION = Layer.RUNTIME, Layer.DRIVER, ObjectKind.ALLOCATION
+_RUNTIME, _DRIVER, _ALLOCATION, _BLOCK = Layer.RUNTIME, Layer.DRIVER, ObjectKind.ALLOCATION, ObjectKind.BLOCK
 
 
 class SiteKey(NamedTuple):
@@ -75,15 +77,22 @@ class SiteSurvey:
 
 def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: float,
                  pids: Collection[int] = ()) -> SiteSurvey:
-    """Device allocations of `pids` (empty: all) by site; those at least `min_age_seconds` old apart."""
+    """What holds device memory in `pids` (empty: all), by site; what is at least `min_age_seconds`
+    old apart. In a process whose PyTorch blocks are traced, the blocks: their stacks hold the
+    memory, where a segment's names whoever made the allocator's cache grow. Elsewhere (no PyTorch,
+    or blocks not traced) the physical allocations."""
     entries = list(entries)
     runtime = runtime_allocations(entries)
+    with_blocks = {entry.key.pid for entry in entries if entry.key.object is _BLOCK}
     min_age_ns = int(min_age_seconds * NS_PER_SECOND)
     totals: dict[SiteKey, int] = {}
     old: dict[SiteKey, list] = {}
     considered = old_count = 0
     for entry in entries:
-        if not holds_device_memory(entry) or (pids and entry.key.pid not in pids):
+        pid = entry.key.pid
+        if pids and pid not in pids:
+            continue
+        if not (entry.key.object is _BLOCK if pid in with_blocks else holds_device_memory(entry)):
             continue
         considered += 1
         site, caller = site_of(entry, runtime)

@@ -46,6 +46,13 @@ class AgentCommand:
                                  "lowest latency, and an interrupt in the traced thread per event")
         parser.add_argument("--no-python-stacks", action="store_true",
                             help="do not walk Python stacks in the probes")
+        parser.add_argument("--no-torch-blocks", action="store_true",
+                            help="do not trace PyTorch's caching allocator (its USDT probes pytorch:malloc/free: "
+                                 "the blocks tensors hold inside the segments, and their stacks)")
+        parser.add_argument("--max-block-events-per-second", metavar="N", type=int, default=50_000,
+                            help="PyTorch block events one process may send per second (default: %(default)s; "
+                                 "0: no limit); beyond, blocks stay exact in the ledger, their events are "
+                                 "counted as unsent and the ledger is resynced")
         parser.add_argument("--nvml", action=argparse.BooleanOptionalAction, default=True,
                             help="sample GPU and per-process memory from NVML (default: on)")
         parser.add_argument("--leak-min-age", metavar="SECONDS", type=float, default=60.0,
@@ -105,6 +112,8 @@ class AgentCommand:
             cmdline = re.compile(args.cmdline) if args.cmdline else None
         except re.error as error:
             raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None
+        if not 0 <= args.max_block_events_per_second <= 100_000_000:
+            raise CommandError("--max-block-events-per-second takes 0 (no limit) to 100000000", ExitCode.USAGE)
         if not 1 <= args.wakeup_events <= 65536:
             raise CommandError("--wakeup-events takes 1 to 65536", ExitCode.USAGE)
         if args.max_ledger_entries < 1024:
@@ -132,8 +141,9 @@ class AgentCommand:
         return DaemonOptions(
             bpf=BpfOptions(pids=set(args.pid), cmdline=cmdline,
                            settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries,
-                                                  wakeup_events=args.wakeup_events),
-                           python_stacks=not args.no_python_stacks),
+                                                  wakeup_events=args.wakeup_events,
+                                                  block_events_per_second=args.max_block_events_per_second),
+                           python_stacks=not args.no_python_stacks, torch_blocks=not args.no_torch_blocks),
             api=api, json_events=args.json_events, nvml=args.nvml,
             analysis=AnalysisOptions(leak_min_age_seconds=args.leak_min_age,
                                      site_sample_seconds=args.site_sample_interval,

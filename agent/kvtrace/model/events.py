@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 
 class Layer(enum.IntEnum):
-    """Which CUDA layer a call belongs to. Physical device memory = driver + vmm."""
+    """Which CUDA layer a call belongs to. Physical device memory = driver + vmm; torch is the
+    blocks PyTorch's caching allocator hands out inside them."""
 
     RUNTIME = 1
     DRIVER = 2
     VMM = 3
+    TORCH = 4  # PyTorch's caching allocator: blocks (tensors) inside the driver/VMM segments
 
 
 class ObjectKind(enum.IntEnum):
@@ -25,6 +27,7 @@ class ObjectKind(enum.IntEnum):
     VMM_HANDLE = 2  # physical memory from cuMemCreate, keyed by handle
     VMM_RESERVE = 3  # a virtual address range (no memory)
     VMM_MAPPING = 4  # a VA range backed by a handle (no memory of its own)
+    BLOCK = 5  # a tensor's block inside a segment (pytorch:malloc); its bytes are the segment's
 
 
 class Memory(enum.IntEnum):
@@ -85,6 +88,8 @@ class Api(enum.IntEnum):
     cuMemAddressReserve = 44
     cuMemAddressFree = 45
     process_exit = 60
+    pytorch_malloc = 70  # USDT probes of PyTorch's caching allocator (libc10_cuda.so)
+    pytorch_free = 71
 
 
 DEVICE_UNKNOWN = -1
@@ -108,8 +113,9 @@ DEVICE_UNKNOWN = -1
 # Physical memory is held at the driver and VMM layers. The runtime layer shows the same bytes from
 # the side of the API the program called (cudaMalloc -> cuMemAlloc_v2), so it is never added to them.
 PHYSICAL_LAYERS = frozenset({Layer.DRIVER, Layer.VMM})
-# Ledger objects that hold memory; VMM reservations and mappings are address space only.
-MEMORY_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE})
+# Ledger objects that hold memory (a block's are its segment's); VMM reservations and mappings are
+# address space only.
+MEMORY_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE, ObjectKind.BLOCK})
 
 # Kinds whose events describe an object with a size (the wire's Allocation payload).
 SIZED_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.ALLOC_FAILED, Kind.FREE_FAILED, Kind.FREE_UNKNOWN,
@@ -139,6 +145,7 @@ class Event:
     caller_address: int = 0
     handle: int = 0  # cuMemMap: the physical-memory handle mapped at `address`
     freed_bytes: int = 0  # cuMemUnmap: physical bytes freed (handles released earlier, now unmapped)
+    stream: int = 0  # pytorch_malloc: the CUDA stream id the block was allocated on
     comm: str = ""
     title: str = ""  # full process title from /proc/PID/cmdline (the Session fills it in)
     container: str = ""  # container id from the cgroup path, "" on the host

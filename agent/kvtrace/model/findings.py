@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.gpus import GpuMemory
 from kvtrace.model.stacks import NativeFrame, Stack
 
@@ -32,6 +33,9 @@ class ProcessGpu:
     free_ratio_1m: float | None  # frees / allocations over 1 min (None: no allocations)
     nvml_index: int | None = None  # the GPU in NVML's numbering (gpus[].index); None: not matched
     history_seconds: float = 0.0  # how much of the 15 min window the growth was measured over
+    # PyTorch's allocator on this GPU, where its blocks are traced (None: not traced); measured at the
+    # last site sample (model/blocks.py says how).
+    fragmentation: Fragmentation | None = None
 
 
 @dataclass(frozen=True)

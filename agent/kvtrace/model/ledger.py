@@ -57,6 +57,7 @@ class Outstanding:
     released: bool = False  # VMM handle: released while mapped
     handle: int = 0  # VMM mapping: the handle it maps
     stack_id: int = 0
+    stream: int = 0  # PyTorch block: the CUDA stream it was allocated on
 
 
 class TotalsKey(NamedTuple):
@@ -136,7 +137,7 @@ class Ledger:
         self._insert(Outstanding(
             key=LedgerKey(event.pid, layer, object_kind, event.address), size_bytes=event.size_bytes,
             timestamp_ns=event.timestamp_ns, device=event.device, api=event.api, memory=memory, tid=event.tid,
-            caller_address=event.caller_address, stack_id=event.stack_id))
+            caller_address=event.caller_address, stack_id=event.stack_id, stream=event.stream))
 
     def _on_free(self, event: Event) -> None:
         key = self._key(event)

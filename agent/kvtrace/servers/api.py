@@ -56,6 +56,7 @@ from kvtrace.wire import (
     lost_to_proto,
     outstanding_to_proto,
     process_to_proto,
+    stack_message,
     stack_to_proto,
 )
 
@@ -248,8 +249,13 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             if pid not in processes:
                 processes[pid] = self._state.process(pid)
             allocations.append(outstanding_to_proto(entry, processes[pid]))
+        stacks = []
+        for stack_id in sorted({entry.stack_id for entry in page[:page_size] if entry.stack_id}):
+            stack = self._state.stack(stack_id)
+            if stack is not None:
+                stacks.append(stack_message(stack_id, stack))
         return service_pb2.GetSnapshotResponse(allocations=allocations, next_page_token=next_token,
-                                               timestamp_ns=timestamp_ns)
+                                               timestamp_ns=timestamp_ns, stacks=stacks)
 
     def ListProcesses(self, request, context):
         processes = sorted(self._state.processes_holding_memory(), key=lambda process: process.pid)

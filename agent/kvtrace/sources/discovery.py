@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrace.sources import procfs
-from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TRIGGER_SYMBOLS
-from kvtrace.sources.elf import FUNCTION_TYPES, find_symbols
+from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TORCH_PROBE_NAMES, TORCH_PROVIDER, TRIGGER_SYMBOLS
+from kvtrace.sources.elf import FUNCTION_TYPES, READ_ERRORS, find_symbols, has_section
+from kvtrace.sources.usdt import NOTE_SECTION, UsdtProbe, read_usdt_probes
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +27,13 @@ class FileId:
 
 @dataclass(slots=True)
 class Target:
-    """An ELF file defining some of the traced symbols."""
+    """An ELF file defining some of the traced symbols, or carrying PyTorch's allocator probes."""
 
     file_id: FileId
     path: str  # a path that opens it from the agent's mount namespace
     symbols: tuple[str, ...]
     pids: set[int] = field(default_factory=set)
+    torch_probes: tuple[UsdtProbe, ...] = ()  # pytorch:malloc / pytorch:free sites (libc10_cuda)
 
 
 def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, str]:
@@ -41,6 +43,21 @@ def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, str]
         if mapping.executable and mapping.inode:
             found.setdefault(FileId(mapping.device, mapping.inode), mapping.path)
     return found
+
+
+def torch_allocator_probes(path: str) -> tuple[UsdtProbe, ...]:
+    """PyTorch's caching allocator probes (provider `pytorch`, `malloc` and `free`) in the file,
+    usable or not (an unusable one says why); () for files without them. Looked for by content,
+    not by name: libc10_cuda.so under any path, or a build that links the allocator elsewhere."""
+    if not has_section(path, NOTE_SECTION):
+        return ()
+    try:
+        probes = read_usdt_probes(path)
+    except READ_ERRORS as error:
+        log.debug("cannot read the USDT notes of %s: %s", path, error)
+        return ()
+    return tuple(probe for probe in probes
+                 if probe.provider == TORCH_PROVIDER and probe.name in TORCH_PROBE_NAMES)
 
 
 def defined_symbols(path: str, wanted: tuple[str, ...] = ALL_SYMBOLS) -> tuple[str, ...]:
@@ -58,7 +75,7 @@ class Discovery:
 
     def __init__(self, proc: Path = procfs.PROC) -> None:
         self._proc = proc
-        self._verdicts: dict[tuple, tuple[str, ...]] = {}
+        self._verdicts: dict[tuple, tuple[tuple[str, ...], tuple[UsdtProbe, ...]]] = {}
         self.targets: dict[FileId, Target] = {}
 
     def _open_path(self, pid: int, path: str) -> str | None:
@@ -69,16 +86,17 @@ class Discovery:
         except OSError:
             return None
 
-    def _symbols_of(self, file_id: FileId, path: str) -> tuple[str, ...]:
+    def _verdict(self, file_id: FileId, path: str) -> tuple[tuple[str, ...], tuple[UsdtProbe, ...]]:
+        """(CUDA symbols, PyTorch allocator probes) the file offers; both () for most files."""
         try:
             st = os.stat(path)
         except OSError:
-            return ()
+            return (), ()
         cache_key = (file_id.device, file_id.inode, st.st_size, st.st_mtime_ns)
         verdict = self._verdicts.get(cache_key)
         if verdict is None:
             symbols = defined_symbols(path)
-            verdict = symbols if TRIGGER_SYMBOLS.intersection(symbols) else ()
+            verdict = (symbols if TRIGGER_SYMBOLS.intersection(symbols) else (), torch_allocator_probes(path))
             self._verdicts[cache_key] = verdict
         return verdict
 
@@ -92,13 +110,13 @@ class Discovery:
                 open_path = self._open_path(pid, path)
                 if open_path is None:
                     continue
-                symbols = self._symbols_of(file_id, open_path)
-                if not symbols:
+                symbols, torch_probes = self._verdict(file_id, open_path)
+                if not symbols and not torch_probes:
                     continue
                 # Prefer the plain path when it is the same file (nicer in reports).
                 if os.path.exists(path) and _same_file(path, file_id):
                     open_path = path
-                target = self.targets[file_id] = Target(file_id, open_path, symbols)
+                target = self.targets[file_id] = Target(file_id, open_path, symbols, torch_probes=torch_probes)
                 new.append(target)
             target.pids.add(pid)
         for file_id, target in self.targets.items():
@@ -123,10 +141,10 @@ class Discovery:
         file_id = FileId(st.st_dev, st.st_ino)
         if file_id in self.targets:
             return None
-        symbols = self._symbols_of(file_id, path)
-        if not symbols:
+        symbols, torch_probes = self._verdict(file_id, path)
+        if not symbols and not torch_probes:
             return None
-        target = self.targets[file_id] = Target(file_id, path, symbols)
+        target = self.targets[file_id] = Target(file_id, path, symbols, torch_probes=torch_probes)
         return target
 
     def forget_pid(self, pid: int) -> None:

@@ -67,6 +67,15 @@ def find_symbols(path: str | Path, wanted: Collection[str], *, types: Collection
     return found
 
 
+def has_section(path: str | Path, name: str) -> bool:
+    """Whether the file has a section of this name (reads the section headers only)."""
+    try:
+        with open(path, "rb") as stream:
+            return ELFFile(stream).get_section_by_name(name) is not None
+    except READ_ERRORS:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
     """A PT_LOAD segment: where part of the file lands in the ELF's virtual address space."""

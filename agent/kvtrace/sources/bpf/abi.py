@@ -100,8 +100,33 @@ class RawStack(ctypes.Structure):
 
 # Per-CPU counter indexes (KVT_COUNTER_*).
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
-            "filtered")
+            "filtered", "blocks_unsent", "usdt_unreadable")
 CONFIG_FILTER_ENABLED = 0
+CONFIG_BLOCK_EVENTS_PER_SECOND = 1
+
+USDT_MAX_ARGS = 4
+USDT_ARG_NONE, USDT_ARG_CONSTANT, USDT_ARG_REGISTER, USDT_ARG_MEMORY = 0, 1, 2, 3
+
+
+class RawUsdtArg(ctypes.Structure):
+    _fields_ = [
+        ("displacement", ctypes.c_int64),
+        ("reg_offset", ctypes.c_int16),
+        ("kind", ctypes.c_uint8),
+        ("size_bytes", ctypes.c_uint8),
+        ("is_signed", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint8),
+        ("reserved2", ctypes.c_uint16),
+    ]
+
+
+class RawUsdtSite(ctypes.Structure):
+    _fields_ = [
+        ("api", ctypes.c_uint16),
+        ("reserved", ctypes.c_uint16),
+        ("arg_count", ctypes.c_uint32),
+        ("args", RawUsdtArg * USDT_MAX_ARGS),
+    ]
 
 NOTIFY_EXEC = 1
 NOTIFY_MMAP_EXEC = 2

@@ -37,11 +37,12 @@ _KINDS, _APIS, _LAYERS = _lookup(Kind), _lookup(Api), _lookup(Layer)
 _OBJECTS, _MEMORIES = _lookup(ObjectKind), _lookup(Memory)
 _STACK_STATUS = {member.value: member for member in StackStatus}
 _MAP, _UNMAP = Api.cuMemMap.value, Api.cuMemUnmap.value
+_TORCH_APIS = (Api.pytorch_malloc.value, Api.pytorch_free.value)
 
 
 def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
     """(event, kernel stack id) of one ring-buffer record (struct kvt_event). The record's `aux`
-    is the handle of a cuMemMap and the physical bytes a cuMemUnmap freed."""
+    is the handle of a cuMemMap, the physical bytes a cuMemUnmap freed, and a block's stream."""
     (timestamp_ns, address, size_bytes, caller_address, aux, kernel_stack_id, pid, tid, device,
      error_code, api, kind, layer, object_kind, memory, stack_status, _reserved,
      comm) = abi.EVENT_STRUCT.unpack_from(record)
@@ -51,7 +52,7 @@ def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
         layer=_LAYERS[layer], object=_OBJECTS[object_kind], memory=_MEMORIES[memory],
         size_bytes=size_bytes, address=address, device=device, error_code=error_code,
         caller_address=caller_address, handle=aux if api == _MAP else 0,
-        freed_bytes=aux if api == _UNMAP else 0,
+        freed_bytes=aux if api == _UNMAP else 0, stream=aux if api in _TORCH_APIS else 0,
         comm=comm.split(b"\0", 1)[0].decode("utf-8", "replace"),
         stack_status=_STACK_STATUS.get(stack_status, StackStatus.NOT_WALKED),
     )
@@ -72,4 +73,5 @@ def decode_ledger_entry(key: abi.RawLedgerKey, value: abi.RawLedgerValue, clock:
         mapped_count=value.aux if object_kind is ObjectKind.VMM_HANDLE else 0,
         released=bool(value.released),
         handle=value.aux if object_kind is ObjectKind.VMM_MAPPING else 0,
+        stream=value.aux if object_kind is ObjectKind.BLOCK else 0,
     )

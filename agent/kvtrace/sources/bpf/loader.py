@@ -10,13 +10,15 @@ import itertools
 import logging
 import select
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from kvtrace.model.events import Api
 from kvtrace.sources.bpf import abi, links
-from kvtrace.sources.bpf.symbols import entry_function, return_function
+from kvtrace.sources.bpf.symbols import TORCH_PROGRAM, entry_function, return_function
 from kvtrace.sources.elf import function_file_offsets
 from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK
+from kvtrace.sources.usdt import ArgumentKind, UsdtProbe
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,9 @@ class ProbeSettings:
     # global lock: minutes to stop with a few hundred probes), or bcc's perf-event uprobes.
     # None: links where the kernel takes them.
     uprobe_links: bool | None = None
+    # PyTorch block events a process may send per second (0: no limit); beyond, the block still
+    # goes into the ledger and the event is counted as unsent (blocks_unsent), not sent.
+    block_events_per_second: int = 50_000
 
     def cflags(self) -> list[str]:
         return [
@@ -73,10 +78,13 @@ class BpfProbes:
         started = time.monotonic()
         self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
         self.compile_seconds = time.monotonic() - started
+        self.set_block_rate(settings.block_events_per_second)
         _return_freed_heap()
         self._attached: dict[str, dict[int, list[str]]] = {}  # path -> pid (-1: all) -> symbols
         self._links: dict[str, list[links.Link]] = {}  # path -> its links (uprobe_multi mode)
         self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
+        self._torch_attached: dict[str, dict[int, list[UsdtProbe]]] = {}  # path -> pid -> probes
+        self._next_cookie = 0  # usdt_sites keys: one per attached probe site
         self.uprobe_links = settings.uprobe_links
         if self.uprobe_links is None:
             why_not = links.uprobe_multi_supported()
@@ -137,6 +145,46 @@ class BpfProbes:
             done.append(symbol)
         return done
 
+    def attach_torch(self, path: str, probes: Sequence[UsdtProbe], pid: int = -1) -> list[UsdtProbe]:
+        """One uprobe_multi link on PyTorch's allocator probes in `path`, for every process (-1) or
+        one: their semaphores are its ref_ctr_offsets (the kernel raises them while the link is in,
+        so the probes cost nothing otherwise), each site's cookie names its entry in usdt_sites.
+        Returns the probes attached; raises TorchProbesRefused with the reason when none can be."""
+        if not self.uprobe_links:
+            raise TorchProbesRefused("PyTorch's allocator probes need uprobe_multi links (Linux 6.6+)")
+        sites: list[tuple[UsdtProbe, abi.RawUsdtSite]] = []
+        for probe in probes:
+            site = torch_site(probe)
+            if isinstance(site, str):
+                log.warning("not tracing %s:%s at %#x in %s: %s", probe.provider, probe.name, probe.pc_address,
+                            path, site)
+            else:
+                sites.append((probe, site))
+        if not sites:
+            raise TorchProbesRefused(f"no usable pytorch:malloc/free probe in {path}")
+        cookies = []
+        table = self._bpf[b"usdt_sites"]
+        for _, site in sites:
+            self._next_cookie += 1
+            table[ctypes.c_uint64(self._next_cookie)] = site
+            cookies.append(self._next_cookie)
+        try:
+            link = links.attach_uprobe_multi(
+                self._program(TORCH_PROGRAM), path, [probe.pc_file_offset for probe, _ in sites],
+                ref_ctr_offsets=[probe.semaphore_file_offset for probe, _ in sites], cookies=cookies, pid=pid)
+        except links.LinkError as error:
+            for cookie in cookies:
+                del table[ctypes.c_uint64(cookie)]
+            raise TorchProbesRefused(str(error)) from error
+        self._links.setdefault(path, []).append(link)
+        attached = [probe for probe, _ in sites]
+        self._torch_attached.setdefault(path, {})[pid] = attached
+        return attached
+
+    def torch_attached_pids(self, path: str) -> set[int]:
+        """The pids PyTorch's probes in `path` are attached for; {-1}: every process."""
+        return set(self._torch_attached.get(path, {}))
+
     def _program(self, function: str) -> int:
         fd = self._programs.get(function)
         if fd is None:
@@ -173,6 +221,10 @@ class BpfProbes:
     def set_filter(self, enabled: bool) -> None:
         config = self._bpf[b"config"]
         config[ctypes.c_int(abi.CONFIG_FILTER_ENABLED)] = ctypes.c_uint64(1 if enabled else 0)
+
+    def set_block_rate(self, events_per_second: int) -> None:
+        config = self._bpf[b"config"]
+        config[ctypes.c_int(abi.CONFIG_BLOCK_EVENTS_PER_SECOND)] = ctypes.c_uint64(events_per_second)
 
     def select_pid(self, pid: int) -> None:
         self._bpf[b"pid_filter"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
@@ -293,3 +345,40 @@ class BpfProbes:
         links.close_links(all_links)
         self._bpf.cleanup()
         return time.monotonic() - started
+
+
+class TorchProbesRefused(Exception):
+    """PyTorch's allocator probes cannot be traced in a library; the message says why."""
+
+
+_TORCH_APIS = {"malloc": Api.pytorch_malloc, "free": Api.pytorch_free}
+_ARGUMENT_KINDS = {ArgumentKind.CONSTANT: abi.USDT_ARG_CONSTANT, ArgumentKind.REGISTER: abi.USDT_ARG_REGISTER,
+                   ArgumentKind.MEMORY: abi.USDT_ARG_MEMORY}
+# What each probe must give: malloc (pointer, device, size[, stream]), free (pointer).
+_TORCH_ARGUMENTS = {"malloc": 3, "free": 1}
+
+
+def torch_site(probe: UsdtProbe) -> abi.RawUsdtSite | str:
+    """The probe's entry in usdt_sites, or why the probes cannot read it (never a guess)."""
+    if not probe.usable:
+        return probe.problem or "unusable"
+    if probe.name not in _TORCH_APIS:
+        return f"not an allocator probe: {probe.name}"
+    if len(probe.arguments) < _TORCH_ARGUMENTS[probe.name]:
+        return (f"{len(probe.arguments)} arguments ({probe.arguments_text!r}); {probe.name} needs "
+                f"{_TORCH_ARGUMENTS[probe.name]}")
+    site = abi.RawUsdtSite(api=_TORCH_APIS[probe.name], arg_count=min(len(probe.arguments), abi.USDT_MAX_ARGS))
+    for index, argument in enumerate(probe.arguments[:abi.USDT_MAX_ARGS]):
+        if argument.index is not None:
+            return f"argument {argument.text!r}: an index register is not read by the probes"
+        raw = site.args[index]
+        raw.kind = _ARGUMENT_KINDS[argument.kind]
+        raw.size_bytes = argument.size_bytes
+        raw.is_signed = 1 if argument.signed else 0
+        if argument.kind is ArgumentKind.CONSTANT:
+            raw.displacement = argument.constant
+        else:
+            assert argument.base is not None  # a register or memory operand has a base register
+            raw.reg_offset = argument.base.pt_regs_offset
+            raw.displacement = argument.displacement_bytes
+    return site

@@ -27,7 +27,7 @@ from kvtrace.model.stacks import Stack
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
-from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings
+from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings, TorchProbesRefused
 from kvtrace.sources.discovery import Discovery, Target
 from kvtrace.sources.python.runtime import NoPython, PythonTarget, inspect_python
 from kvtrace.sources.python.symbolize import Symbolizer
@@ -59,6 +59,7 @@ class BpfOptions:
     cmdline: re.Pattern | None = None  # trace only processes whose title matches
     settings: ProbeSettings = field(default_factory=ProbeSettings)
     python_stacks: bool = True
+    torch_blocks: bool = True  # PyTorch's allocator probes (blocks inside segments)
     preattach_globs: tuple[str, ...] = DEFAULT_PREATTACH_GLOBS
     full_rescan_seconds: float = 10.0
     sweep_seconds: float = 1.0
@@ -77,6 +78,7 @@ class BpfSource:
         self.refused: dict[str, str] = {}  # path -> why it was not attached
         self.python: dict[int, PythonTarget | NoPython] = {}  # per traced pid
         self.python_stacks_down = ""  # why there are no Python stacks at all, "" when up
+        self.torch_blocks_down = ""  # why PyTorch's allocator probes are not traced, "" when they are
         self.symbolizer = Symbolizer()
         self._stack_ids: dict[int, int] = {}  # kernel stack hash -> interned stack id
         self._stack_ids_by_pid: dict[int, set[int]] = {}
@@ -90,7 +92,8 @@ class BpfSource:
         # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
         self._per_pid_attach = False
         self._attached_targets: dict[str, Target] = {}  # path -> what was attached there
-        self._lost_seen = 0
+        self._missed_seen = 0  # events lost + block events unsent, as last seen
+        self._resync_due = False
         self._next_full_scan = 0.0
         self._next_sweep = 0.0
         self._next_resync_allowed = 0.0
@@ -122,6 +125,11 @@ class BpfSource:
         self.session.traced_only = self.filtering
         self.session.report_component("python_stacks", not self.python_stacks_down, self.python_stacks_down)
         probes = self.probes = self._probes_factory(settings)
+        if not self.options.torch_blocks:
+            self.torch_blocks_down = "PyTorch blocks disabled by configuration (--no-torch-blocks)"
+        elif not probes.uprobe_links:
+            self.torch_blocks_down = "PyTorch's allocator probes need uprobe_multi links (Linux 6.6+)"
+        self.session.report_component("torch_blocks", not self.torch_blocks_down, self.torch_blocks_down)
         probes.set_filter(self.filtering)
         self._per_pid_attach = (bool(self.options.pids) and not self.options.only_selected
                                 and self.options.cmdline is None)
@@ -227,13 +235,17 @@ class BpfSource:
             self.sweep_exited()
         counters = self._probes().counters()
         self._report(counters)
-        lost = counters["events_lost"]
-        if lost > self._lost_seen:
-            self.session.ingest(EventsLost(lost - self._lost_seen, time.time_ns()))
-            self._lost_seen = lost
-            if now >= self._next_resync_allowed:
-                self._next_resync_allowed = now + self.options.resync_min_seconds
-                self.resync()
+        # Events that never reached user space: lost when the ring was full, or a block event over
+        # its process's rate. Subscribers are told in-band; the ledger comes back from the kernel's.
+        missed = counters["events_lost"] + counters["blocks_unsent"]
+        if missed > self._missed_seen:
+            self.session.ingest(EventsLost(missed - self._missed_seen, time.time_ns()))
+            self._missed_seen = missed
+            self._resync_due = True
+        if self._resync_due and now >= self._next_resync_allowed:
+            self._next_resync_allowed = now + self.options.resync_min_seconds
+            self._resync_due = False
+            self.resync()
 
     def full_scan(self) -> None:
         self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
@@ -327,11 +339,20 @@ class BpfSource:
     def _attach_for(self, target: Target, pid: int) -> None:
         """Probes on `target` for one process (pid) or all (-1), once."""
         probes = self._probes()
-        if pid in probes.attached_pids(target.path):
-            return
-        attached = probes.attach(target.path, target.symbols, pid)
-        log.info("attached %d probes to %s for %s (mapped by pids %s)", len(attached), target.path,
-                 "every process" if pid == -1 else f"pid {pid}", sorted(target.pids))
+        whom = "every process" if pid == -1 else f"pid {pid}"
+        if target.symbols and pid not in probes.attached_pids(target.path):
+            attached = probes.attach(target.path, target.symbols, pid)
+            log.info("attached %d probes to %s for %s (mapped by pids %s)", len(attached), target.path,
+                     whom, sorted(target.pids))
+        if target.torch_probes and not self.torch_blocks_down and pid not in probes.torch_attached_pids(target.path):
+            try:
+                sites = probes.attach_torch(target.path, target.torch_probes, pid)
+            except TorchProbesRefused as error:
+                self.refused[target.path] = str(error)
+                log.warning("not tracing PyTorch's allocator in %s: %s", target.path, error)
+                self.session.report_component(f"attach:{target.path}", False, str(error))
+                return
+            log.info("attached PyTorch's allocator probes (%d sites) in %s for %s", len(sites), target.path, whom)
 
     def sweep_exited(self) -> None:
         """Drops processes that exited without us seeing the event (lost, or before we started).
@@ -393,10 +414,20 @@ class BpfSource:
         return [decode_ledger_entry(k, v, self.clock) for k, v in self._probes().ledger_items()]
 
     def attached_libraries(self) -> list[AttachedLibrary]:
-        attached = self.probes.attached() if self.probes else {}
-        return [AttachedLibrary(t.path, t.file_id.device, t.file_id.inode, tuple(attached.get(t.path, [])),
-                                frozenset(t.pids))
-                for t in self.discovery.targets.values() if t.path in attached]
+        """The files with probes in, each with what is probed there (functions, and pytorch:malloc /
+        pytorch:free for PyTorch's allocator) and the traced processes that map it."""
+        if self.probes is None:
+            return []
+        attached = self.probes.attached()
+        libraries = []
+        for target in self.discovery.targets.values():
+            names = list(attached.get(target.path, []))
+            if self.probes.torch_attached_pids(target.path):
+                names += sorted({f"{probe.provider}:{probe.name}" for probe in target.torch_probes})
+            if names:
+                libraries.append(AttachedLibrary(target.path, target.file_id.device, target.file_id.inode,
+                                                 tuple(names), frozenset(target.pids)))
+        return libraries
 
     def counters(self) -> dict[str, int]:
         return self._probes().counters()

@@ -22,6 +22,11 @@ VMM_SYMBOLS = (
 )
 ALL_SYMBOLS = RUNTIME_SYMBOLS + DRIVER_SYMBOLS + VMM_SYMBOLS
 
+# PyTorch's caching allocator: USDT probes of provider `pytorch` (libc10_cuda.so), one program for all.
+TORCH_PROVIDER = "pytorch"
+TORCH_PROBE_NAMES = ("malloc", "free")
+TORCH_PROGRAM = "usdt_pytorch"
+
 # A library is worth attaching to when it defines one of these (the allocation entry points).
 TRIGGER_SYMBOLS = frozenset(("cudaMalloc", "cuMemAlloc_v2", "cuMemCreate"))
 

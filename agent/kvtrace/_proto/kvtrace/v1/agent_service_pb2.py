@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvtrace._proto.kvtrace.v1 import events_pb2 as kvtrace_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvtrace/v1/agent_service.proto\x12\nkvtrace.v1\x1a\x17kvtrace/v1/events.proto\"\x99\x01\n\x13StreamEventsRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\x12\x13\n\x0btitle_regex\x18\x02 \x01(\t\x12$\n\x05kinds\x18\x03 \x03(\x0e\x32\x15.kvtrace.v1.EventKind\x12!\n\x06layers\x18\x04 \x03(\x0e\x32\x11.kvtrace.v1.Layer\x12\x16\n\x0emin_size_bytes\x18\x05 \x01(\x04\"9\n\x14StreamEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.kvtrace.v1.Event\"l\n\x12GetSnapshotRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\x12!\n\x06layers\x18\x02 \x03(\x0e\x32\x11.kvtrace.v1.Layer\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"|\n\x13GetSnapshotResponse\x12\x36\n\x0b\x61llocations\x18\x01 \x03(\x0b\x32!.kvtrace.v1.OutstandingAllocation\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x14\n\x0ctimestamp_ns\x18\x03 \x01(\x04\"\xac\x03\n\x15OutstandingAllocation\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0b\n\x03tid\x18\x02 \x01(\r\x12\x0c\n\x04\x63omm\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t\x12\x11\n\tcontainer\x18\x05 \x01(\t\x12 \n\x05layer\x18\x06 \x01(\x0e\x32\x11.kvtrace.v1.Layer\x12&\n\x06object\x18\x07 \x01(\x0e\x32\x16.kvtrace.v1.ObjectKind\x12\"\n\x06memory\x18\x08 \x01(\x0e\x32\x12.kvtrace.v1.Memory\x12\x1c\n\x03\x61pi\x18\t \x01(\x0e\x32\x0f.kvtrace.v1.Api\x12\x10\n\x08\x61pi_name\x18\n \x01(\t\x12\x12\n\nsize_bytes\x18\x0b \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\x11\x12\x14\n\x0ctimestamp_ns\x18\x0e \x01(\x04\x12\x16\n\x0e\x63\x61ller_address\x18\x0f \x01(\x04\x12\x10\n\x08stack_id\x18\x10 \x01(\x04\x12\x14\n\x0cmapped_count\x18\x11 \x01(\r\x12\x10\n\x08released\x18\x12 \x01(\x08\x12\x0e\n\x06handle\x18\x13 \x01(\x04\"\x16\n\x14ListProcessesRequest\"?\n\x15ListProcessesResponse\x12&\n\tprocesses\x18\x01 \x03(\x0b\x32\x13.kvtrace.v1.Process\"t\n\x07Process\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04\x63omm\x18\x03 \x01(\t\x12\x11\n\tcontainer\x18\x04 \x01(\t\x12,\n\x06totals\x18\x05 \x03(\x0b\x32\x1c.kvtrace.v1.OutstandingTotal\"\x92\x01\n\x10OutstandingTotal\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x11\x12 \n\x05layer\x18\x02 \x01(\x0e\x32\x11.kvtrace.v1.Layer\x12\"\n\x06memory\x18\x03 \x01(\x0e\x32\x12.kvtrace.v1.Memory\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cobject_count\x18\x05 \x01(\x04\"\x15\n\x13GetAgentInfoRequest\"\x9c\x02\n\x14GetAgentInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0ekernel_release\x18\x02 \x01(\t\x12\x37\n\x12\x61ttached_libraries\x18\x03 \x03(\x0b\x32\x1b.kvtrace.v1.AttachedLibrary\x12/\n\ncomponents\x18\x04 \x03(\x0b\x32\x1b.kvtrace.v1.ComponentHealth\x12@\n\x08\x63ounters\x18\x05 \x03(\x0b\x32..kvtrace.v1.GetAgentInfoResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"b\n\x0f\x41ttachedLibrary\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_device\x18\x02 \x01(\x04\x12\r\n\x05inode\x18\x03 \x01(\x04\x12\x0f\n\x07symbols\x18\x04 \x03(\t\x12\x0c\n\x04pids\x18\x05 \x03(\r\";\n\x0f\x43omponentHealth\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"h\n\x17ListLeakSuspectsRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\x12\x1c\n\x0fmin_age_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05limit\x18\x03 \x01(\x05\x42\x12\n\x10_min_age_seconds\"\xc8\x01\n\x18ListLeakSuspectsResponse\x12)\n\x08suspects\x18\x01 \x03(\x0b\x32\x17.kvtrace.v1.LeakSuspect\x12\x15\n\rsuspect_count\x18\x02 \x01(\x04\x12\x1e\n\x16\x61llocations_considered\x18\x03 \x01(\x04\x12\x1b\n\x13suspect_allocations\x18\x04 \x01(\x04\x12\x17\n\x0fmin_age_seconds\x18\x05 \x01(\x01\x12\x14\n\x0ctimestamp_ns\x18\x06 \x01(\x04\"\xb5\x02\n\x0bLeakSuspect\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\r\n\x05title\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x11\x12\x10\n\x08stack_id\x18\x05 \x01(\x04\x12 \n\x05stack\x18\x06 \x01(\x0b\x32\x11.kvtrace.v1.Stack\x12\x16\n\x0e\x63\x61ller_address\x18\x07 \x01(\x04\x12.\n\rnative_caller\x18\x08 \x01(\x0b\x32\x17.kvtrace.v1.NativeFrame\x12\x19\n\x11outstanding_bytes\x18\t \x01(\x04\x12\x18\n\x10\x61llocation_count\x18\n \x01(\x04\x12\x1a\n\x12oldest_age_seconds\x18\x0b \x01(\x01\x12\x1f\n\x17growth_bytes_per_second\x18\x0c \x01(\x01\"=\n\x0bNativeFrame\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0e\n\x06symbol\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\" \n\x10GetGrowthRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\"\x97\x01\n\x11GetGrowthResponse\x12\x14\n\x0ctimestamp_ns\x18\x01 \x01(\x04\x12\x19\n\x11nvml_timestamp_ns\x18\x02 \x01(\x04\x12#\n\x04gpus\x18\x03 \x03(\x0b\x32\x15.kvtrace.v1.GpuMemory\x12,\n\tprocesses\x18\x04 \x03(\x0b\x32\x19.kvtrace.v1.ProcessGrowth\"\x8b\x01\n\tGpuMemory\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x12\n\nfree_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\"\xdc\x03\n\rProcessGrowth\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x11\x12\x17\n\nnvml_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11outstanding_bytes\x18\x05 \x01(\x04\x12\x1c\n\x0fnvml_used_bytes\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x1f\n\x12unattributed_bytes\x18\x07 \x01(\x12H\x02\x88\x01\x01\x12\"\n\x1agrowth_bytes_per_second_1m\x18\x08 \x01(\x01\x12#\n\x1bgrowth_bytes_per_second_15m\x18\t \x01(\x01\x12\x17\n\x0fhistory_seconds\x18\n \x01(\x01\x12 \n\x13time_to_oom_seconds\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x16\n\x0e\x61llocations_1m\x18\x0c \x01(\x04\x12\x10\n\x08\x66rees_1m\x18\r \x01(\x04\x12\x1a\n\rfree_ratio_1m\x18\x0e \x01(\x01H\x04\x88\x01\x01\x42\r\n\x0b_nvml_indexB\x12\n\x10_nvml_used_bytesB\x15\n\x13_unattributed_bytesB\x16\n\x14_time_to_oom_secondsB\x10\n\x0e_free_ratio_1m2\x85\x04\n\x0c\x41gentService\x12S\n\x0cStreamEvents\x12\x1f.kvtrace.v1.StreamEventsRequest\x1a .kvtrace.v1.StreamEventsResponse0\x01\x12N\n\x0bGetSnapshot\x12\x1e.kvtrace.v1.GetSnapshotRequest\x1a\x1f.kvtrace.v1.GetSnapshotResponse\x12T\n\rListProcesses\x12 .kvtrace.v1.ListProcessesRequest\x1a!.kvtrace.v1.ListProcessesResponse\x12Q\n\x0cGetAgentInfo\x12\x1f.kvtrace.v1.GetAgentInfoRequest\x1a .kvtrace.v1.GetAgentInfoResponse\x12]\n\x10ListLeakSuspects\x12#.kvtrace.v1.ListLeakSuspectsRequest\x1a$.kvtrace.v1.ListLeakSuspectsResponse\x12H\n\tGetGrowth\x12\x1c.kvtrace.v1.GetGrowthRequest\x1a\x1d.kvtrace.v1.GetGrowthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekvtrace/v1/agent_service.proto\x12\nkvtrace.v1\x1a\x17kvtrace/v1/events.proto\"\x99\x01\n\x13StreamEventsRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\x12\x13\n\x0btitle_regex\x18\x02 \x01(\t\x12$\n\x05kinds\x18\x03 \x03(\x0e\x32\x15.kvtrace.v1.EventKind\x12!\n\x06layers\x18\x04 \x03(\x0e\x32\x11.kvtrace.v1.Layer\x12\x16\n\x0emin_size_bytes\x18\x05 \x01(\x04\"9\n\x14StreamEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.kvtrace.v1.Event\"l\n\x12GetSnapshotRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\x12!\n\x06layers\x18\x02 \x03(\x0e\x32\x11.kvtrace.v1.Layer\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"\x9f\x01\n\x13GetSnapshotResponse\x12\x36\n\x0b\x61llocations\x18\x01 \x03(\x0b\x32!.kvtrace.v1.OutstandingAllocation\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x14\n\x0ctimestamp_ns\x18\x03 \x01(\x04\x12!\n\x06stacks\x18\x04 \x03(\x0b\x32\x11.kvtrace.v1.Stack\"\xbc\x03\n\x15OutstandingAllocation\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0b\n\x03tid\x18\x02 \x01(\r\x12\x0c\n\x04\x63omm\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t\x12\x11\n\tcontainer\x18\x05 \x01(\t\x12 \n\x05layer\x18\x06 \x01(\x0e\x32\x11.kvtrace.v1.Layer\x12&\n\x06object\x18\x07 \x01(\x0e\x32\x16.kvtrace.v1.ObjectKind\x12\"\n\x06memory\x18\x08 \x01(\x0e\x32\x12.kvtrace.v1.Memory\x12\x1c\n\x03\x61pi\x18\t \x01(\x0e\x32\x0f.kvtrace.v1.Api\x12\x10\n\x08\x61pi_name\x18\n \x01(\t\x12\x12\n\nsize_bytes\x18\x0b \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\x11\x12\x14\n\x0ctimestamp_ns\x18\x0e \x01(\x04\x12\x16\n\x0e\x63\x61ller_address\x18\x0f \x01(\x04\x12\x10\n\x08stack_id\x18\x10 \x01(\x04\x12\x14\n\x0cmapped_count\x18\x11 \x01(\r\x12\x10\n\x08released\x18\x12 \x01(\x08\x12\x0e\n\x06handle\x18\x13 \x01(\x04\x12\x0e\n\x06stream\x18\x14 \x01(\x04\"\x16\n\x14ListProcessesRequest\"?\n\x15ListProcessesResponse\x12&\n\tprocesses\x18\x01 \x03(\x0b\x32\x13.kvtrace.v1.Process\"t\n\x07Process\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0c\n\x04\x63omm\x18\x03 \x01(\t\x12\x11\n\tcontainer\x18\x04 \x01(\t\x12,\n\x06totals\x18\x05 \x03(\x0b\x32\x1c.kvtrace.v1.OutstandingTotal\"\x92\x01\n\x10OutstandingTotal\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x11\x12 \n\x05layer\x18\x02 \x01(\x0e\x32\x11.kvtrace.v1.Layer\x12\"\n\x06memory\x18\x03 \x01(\x0e\x32\x12.kvtrace.v1.Memory\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cobject_count\x18\x05 \x01(\x04\"\x15\n\x13GetAgentInfoRequest\"\x9c\x02\n\x14GetAgentInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0ekernel_release\x18\x02 \x01(\t\x12\x37\n\x12\x61ttached_libraries\x18\x03 \x03(\x0b\x32\x1b.kvtrace.v1.AttachedLibrary\x12/\n\ncomponents\x18\x04 \x03(\x0b\x32\x1b.kvtrace.v1.ComponentHealth\x12@\n\x08\x63ounters\x18\x05 \x03(\x0b\x32..kvtrace.v1.GetAgentInfoResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"b\n\x0f\x41ttachedLibrary\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_device\x18\x02 \x01(\x04\x12\r\n\x05inode\x18\x03 \x01(\x04\x12\x0f\n\x07symbols\x18\x04 \x03(\t\x12\x0c\n\x04pids\x18\x05 \x03(\r\";\n\x0f\x43omponentHealth\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"h\n\x17ListLeakSuspectsRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\x12\x1c\n\x0fmin_age_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05limit\x18\x03 \x01(\x05\x42\x12\n\x10_min_age_seconds\"\xc8\x01\n\x18ListLeakSuspectsResponse\x12)\n\x08suspects\x18\x01 \x03(\x0b\x32\x17.kvtrace.v1.LeakSuspect\x12\x15\n\rsuspect_count\x18\x02 \x01(\x04\x12\x1e\n\x16\x61llocations_considered\x18\x03 \x01(\x04\x12\x1b\n\x13suspect_allocations\x18\x04 \x01(\x04\x12\x17\n\x0fmin_age_seconds\x18\x05 \x01(\x01\x12\x14\n\x0ctimestamp_ns\x18\x06 \x01(\x04\"\xb5\x02\n\x0bLeakSuspect\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\r\n\x05title\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x11\x12\x10\n\x08stack_id\x18\x05 \x01(\x04\x12 \n\x05stack\x18\x06 \x01(\x0b\x32\x11.kvtrace.v1.Stack\x12\x16\n\x0e\x63\x61ller_address\x18\x07 \x01(\x04\x12.\n\rnative_caller\x18\x08 \x01(\x0b\x32\x17.kvtrace.v1.NativeFrame\x12\x19\n\x11outstanding_bytes\x18\t \x01(\x04\x12\x18\n\x10\x61llocation_count\x18\n \x01(\x04\x12\x1a\n\x12oldest_age_seconds\x18\x0b \x01(\x01\x12\x1f\n\x17growth_bytes_per_second\x18\x0c \x01(\x01\"=\n\x0bNativeFrame\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0e\n\x06symbol\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\" \n\x10GetGrowthRequest\x12\x0c\n\x04pids\x18\x01 \x03(\r\"\x97\x01\n\x11GetGrowthResponse\x12\x14\n\x0ctimestamp_ns\x18\x01 \x01(\x04\x12\x19\n\x11nvml_timestamp_ns\x18\x02 \x01(\x04\x12#\n\x04gpus\x18\x03 \x03(\x0b\x32\x15.kvtrace.v1.GpuMemory\x12,\n\tprocesses\x18\x04 \x03(\x0b\x32\x19.kvtrace.v1.ProcessGrowth\"\x8b\x01\n\tGpuMemory\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x12\n\nfree_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\"\x8e\x04\n\rProcessGrowth\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\r\n\x05title\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x11\x12\x17\n\nnvml_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11outstanding_bytes\x18\x05 \x01(\x04\x12\x1c\n\x0fnvml_used_bytes\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x1f\n\x12unattributed_bytes\x18\x07 \x01(\x12H\x02\x88\x01\x01\x12\"\n\x1agrowth_bytes_per_second_1m\x18\x08 \x01(\x01\x12#\n\x1bgrowth_bytes_per_second_15m\x18\t \x01(\x01\x12\x17\n\x0fhistory_seconds\x18\n \x01(\x01\x12 \n\x13time_to_oom_seconds\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x16\n\x0e\x61llocations_1m\x18\x0c \x01(\x04\x12\x10\n\x08\x66rees_1m\x18\r \x01(\x04\x12\x1a\n\rfree_ratio_1m\x18\x0e \x01(\x01H\x04\x88\x01\x01\x12\x30\n\rfragmentation\x18\x0f \x01(\x0b\x32\x19.kvtrace.v1.FragmentationB\r\n\x0b_nvml_indexB\x12\n\x10_nvml_used_bytesB\x15\n\x13_unattributed_bytesB\x16\n\x14_time_to_oom_secondsB\x10\n\x0e_free_ratio_1m\"\xae\x01\n\rFragmentation\x12\x16\n\x0ereserved_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x02 \x01(\x04\x12\x1a\n\x12largest_free_bytes\x18\x03 \x01(\x04\x12\r\n\x05ratio\x18\x04 \x01(\x01\x12\x10\n\x08segments\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x1f\n\x17\x62locks_outside_segments\x18\x07 \x01(\r2\x85\x04\n\x0c\x41gentService\x12S\n\x0cStreamEvents\x12\x1f.kvtrace.v1.StreamEventsRequest\x1a .kvtrace.v1.StreamEventsResponse0\x01\x12N\n\x0bGetSnapshot\x12\x1e.kvtrace.v1.GetSnapshotRequest\x1a\x1f.kvtrace.v1.GetSnapshotResponse\x12T\n\rListProcesses\x12 .kvtrace.v1.ListProcessesRequest\x1a!.kvtrace.v1.ListProcessesResponse\x12Q\n\x0cGetAgentInfo\x12\x1f.kvtrace.v1.GetAgentInfoRequest\x1a .kvtrace.v1.GetAgentInfoResponse\x12]\n\x10ListLeakSuspects\x12#.kvtrace.v1.ListLeakSuspectsRequest\x1a$.kvtrace.v1.ListLeakSuspectsResponse\x12H\n\tGetGrowth\x12\x1c.kvtrace.v1.GetGrowthRequest\x1a\x1d.kvtrace.v1.GetGrowthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,44 +40,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMEVENTSRESPONSE']._serialized_end=284
   _globals['_GETSNAPSHOTREQUEST']._serialized_start=286
   _globals['_GETSNAPSHOTREQUEST']._serialized_end=394
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=396
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=520
-  _globals['_OUTSTANDINGALLOCATION']._serialized_start=523
-  _globals['_OUTSTANDINGALLOCATION']._serialized_end=951
-  _globals['_LISTPROCESSESREQUEST']._serialized_start=953
-  _globals['_LISTPROCESSESREQUEST']._serialized_end=975
-  _globals['_LISTPROCESSESRESPONSE']._serialized_start=977
-  _globals['_LISTPROCESSESRESPONSE']._serialized_end=1040
-  _globals['_PROCESS']._serialized_start=1042
-  _globals['_PROCESS']._serialized_end=1158
-  _globals['_OUTSTANDINGTOTAL']._serialized_start=1161
-  _globals['_OUTSTANDINGTOTAL']._serialized_end=1307
-  _globals['_GETAGENTINFOREQUEST']._serialized_start=1309
-  _globals['_GETAGENTINFOREQUEST']._serialized_end=1330
-  _globals['_GETAGENTINFORESPONSE']._serialized_start=1333
-  _globals['_GETAGENTINFORESPONSE']._serialized_end=1617
-  _globals['_GETAGENTINFORESPONSE_COUNTERSENTRY']._serialized_start=1570
-  _globals['_GETAGENTINFORESPONSE_COUNTERSENTRY']._serialized_end=1617
-  _globals['_ATTACHEDLIBRARY']._serialized_start=1619
-  _globals['_ATTACHEDLIBRARY']._serialized_end=1717
-  _globals['_COMPONENTHEALTH']._serialized_start=1719
-  _globals['_COMPONENTHEALTH']._serialized_end=1778
-  _globals['_LISTLEAKSUSPECTSREQUEST']._serialized_start=1780
-  _globals['_LISTLEAKSUSPECTSREQUEST']._serialized_end=1884
-  _globals['_LISTLEAKSUSPECTSRESPONSE']._serialized_start=1887
-  _globals['_LISTLEAKSUSPECTSRESPONSE']._serialized_end=2087
-  _globals['_LEAKSUSPECT']._serialized_start=2090
-  _globals['_LEAKSUSPECT']._serialized_end=2399
-  _globals['_NATIVEFRAME']._serialized_start=2401
-  _globals['_NATIVEFRAME']._serialized_end=2462
-  _globals['_GETGROWTHREQUEST']._serialized_start=2464
-  _globals['_GETGROWTHREQUEST']._serialized_end=2496
-  _globals['_GETGROWTHRESPONSE']._serialized_start=2499
-  _globals['_GETGROWTHRESPONSE']._serialized_end=2650
-  _globals['_GPUMEMORY']._serialized_start=2653
-  _globals['_GPUMEMORY']._serialized_end=2792
-  _globals['_PROCESSGROWTH']._serialized_start=2795
-  _globals['_PROCESSGROWTH']._serialized_end=3271
-  _globals['_AGENTSERVICE']._serialized_start=3274
-  _globals['_AGENTSERVICE']._serialized_end=3791
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=397
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=556
+  _globals['_OUTSTANDINGALLOCATION']._serialized_start=559
+  _globals['_OUTSTANDINGALLOCATION']._serialized_end=1003
+  _globals['_LISTPROCESSESREQUEST']._serialized_start=1005
+  _globals['_LISTPROCESSESREQUEST']._serialized_end=1027
+  _globals['_LISTPROCESSESRESPONSE']._serialized_start=1029
+  _globals['_LISTPROCESSESRESPONSE']._serialized_end=1092
+  _globals['_PROCESS']._serialized_start=1094
+  _globals['_PROCESS']._serialized_end=1210
+  _globals['_OUTSTANDINGTOTAL']._serialized_start=1213
+  _globals['_OUTSTANDINGTOTAL']._serialized_end=1359
+  _globals['_GETAGENTINFOREQUEST']._serialized_start=1361
+  _globals['_GETAGENTINFOREQUEST']._serialized_end=1382
+  _globals['_GETAGENTINFORESPONSE']._serialized_start=1385
+  _globals['_GETAGENTINFORESPONSE']._serialized_end=1669
+  _globals['_GETAGENTINFORESPONSE_COUNTERSENTRY']._serialized_start=1622
+  _globals['_GETAGENTINFORESPONSE_COUNTERSENTRY']._serialized_end=1669
+  _globals['_ATTACHEDLIBRARY']._serialized_start=1671
+  _globals['_ATTACHEDLIBRARY']._serialized_end=1769
+  _globals['_COMPONENTHEALTH']._serialized_start=1771
+  _globals['_COMPONENTHEALTH']._serialized_end=1830
+  _globals['_LISTLEAKSUSPECTSREQUEST']._serialized_start=1832
+  _globals['_LISTLEAKSUSPECTSREQUEST']._serialized_end=1936
+  _globals['_LISTLEAKSUSPECTSRESPONSE']._serialized_start=1939
+  _globals['_LISTLEAKSUSPECTSRESPONSE']._serialized_end=2139
+  _globals['_LEAKSUSPECT']._serialized_start=2142
+  _globals['_LEAKSUSPECT']._serialized_end=2451
+  _globals['_NATIVEFRAME']._serialized_start=2453
+  _globals['_NATIVEFRAME']._serialized_end=2514
+  _globals['_GETGROWTHREQUEST']._serialized_start=2516
+  _globals['_GETGROWTHREQUEST']._serialized_end=2548
+  _globals['_GETGROWTHRESPONSE']._serialized_start=2551
+  _globals['_GETGROWTHRESPONSE']._serialized_end=2702
+  _globals['_GPUMEMORY']._serialized_start=2705
+  _globals['_GPUMEMORY']._serialized_end=2844
+  _globals['_PROCESSGROWTH']._serialized_start=2847
+  _globals['_PROCESSGROWTH']._serialized_end=3373
+  _globals['_FRAGMENTATION']._serialized_start=3376
+  _globals['_FRAGMENTATION']._serialized_end=3550
+  _globals['_AGENTSERVICE']._serialized_start=3553
+  _globals['_AGENTSERVICE']._serialized_end=4070
 # @@protoc_insertion_point(module_scope)

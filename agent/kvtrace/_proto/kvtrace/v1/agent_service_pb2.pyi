@@ -40,17 +40,19 @@ class GetSnapshotRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class GetSnapshotResponse(_message.Message):
-    __slots__ = ("allocations", "next_page_token", "timestamp_ns")
+    __slots__ = ("allocations", "next_page_token", "timestamp_ns", "stacks")
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
     allocations: _containers.RepeatedCompositeFieldContainer[OutstandingAllocation]
     next_page_token: str
     timestamp_ns: int
-    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ...) -> None: ...
+    stacks: _containers.RepeatedCompositeFieldContainer[_events_pb2.Stack]
+    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ...) -> None: ...
 
 class OutstandingAllocation(_message.Message):
-    __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle")
+    __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle", "stream")
     PID_FIELD_NUMBER: _ClassVar[int]
     TID_FIELD_NUMBER: _ClassVar[int]
     COMM_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,7 @@ class OutstandingAllocation(_message.Message):
     MAPPED_COUNT_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     pid: int
     tid: int
     comm: str
@@ -89,7 +92,8 @@ class OutstandingAllocation(_message.Message):
     mapped_count: int
     released: bool
     handle: int
-    def __init__(self, pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., layer: _Optional[_Union[_events_pb2.Layer, str]] = ..., object: _Optional[_Union[_events_pb2.ObjectKind, str]] = ..., memory: _Optional[_Union[_events_pb2.Memory, str]] = ..., api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., caller_address: _Optional[int] = ..., stack_id: _Optional[int] = ..., mapped_count: _Optional[int] = ..., released: bool = ..., handle: _Optional[int] = ...) -> None: ...
+    stream: int
+    def __init__(self, pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., layer: _Optional[_Union[_events_pb2.Layer, str]] = ..., object: _Optional[_Union[_events_pb2.ObjectKind, str]] = ..., memory: _Optional[_Union[_events_pb2.Memory, str]] = ..., api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., caller_address: _Optional[int] = ..., stack_id: _Optional[int] = ..., mapped_count: _Optional[int] = ..., released: bool = ..., handle: _Optional[int] = ..., stream: _Optional[int] = ...) -> None: ...
 
 class ListProcessesRequest(_message.Message):
     __slots__ = ()
@@ -279,7 +283,7 @@ class GpuMemory(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class ProcessGrowth(_message.Message):
-    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m")
+    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m", "fragmentation")
     PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +298,7 @@ class ProcessGrowth(_message.Message):
     ALLOCATIONS_1M_FIELD_NUMBER: _ClassVar[int]
     FREES_1M_FIELD_NUMBER: _ClassVar[int]
     FREE_RATIO_1M_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     pid: int
     title: str
     device: int
@@ -308,4 +313,23 @@ class ProcessGrowth(_message.Message):
     allocations_1m: int
     frees_1m: int
     free_ratio_1m: float
-    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ...) -> None: ...
+    fragmentation: Fragmentation
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ..., fragmentation: _Optional[_Union[Fragmentation, _Mapping]] = ...) -> None: ...
+
+class Fragmentation(_message.Message):
+    __slots__ = ("reserved_bytes", "allocated_bytes", "largest_free_bytes", "ratio", "segments", "blocks", "blocks_outside_segments")
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_OUTSIDE_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    reserved_bytes: int
+    allocated_bytes: int
+    largest_free_bytes: int
+    ratio: float
+    segments: int
+    blocks: int
+    blocks_outside_segments: int
+    def __init__(self, reserved_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., ratio: _Optional[float] = ..., segments: _Optional[int] = ..., blocks: _Optional[int] = ..., blocks_outside_segments: _Optional[int] = ...) -> None: ...

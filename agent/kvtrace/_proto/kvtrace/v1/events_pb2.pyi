@@ -13,6 +13,7 @@ class Layer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LAYER_RUNTIME: _ClassVar[Layer]
     LAYER_DRIVER: _ClassVar[Layer]
     LAYER_VMM: _ClassVar[Layer]
+    LAYER_TORCH: _ClassVar[Layer]
 
 class ObjectKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class ObjectKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OBJECT_KIND_VMM_HANDLE: _ClassVar[ObjectKind]
     OBJECT_KIND_VMM_RESERVE: _ClassVar[ObjectKind]
     OBJECT_KIND_VMM_MAPPING: _ClassVar[ObjectKind]
+    OBJECT_KIND_BLOCK: _ClassVar[ObjectKind]
 
 class Memory(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -78,6 +80,8 @@ class Api(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     API_CU_MEM_ADDRESS_RESERVE: _ClassVar[Api]
     API_CU_MEM_ADDRESS_FREE: _ClassVar[Api]
     API_PROCESS_EXIT: _ClassVar[Api]
+    API_PYTORCH_MALLOC: _ClassVar[Api]
+    API_PYTORCH_FREE: _ClassVar[Api]
 
 class StackStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -92,11 +96,13 @@ LAYER_UNSPECIFIED: Layer
 LAYER_RUNTIME: Layer
 LAYER_DRIVER: Layer
 LAYER_VMM: Layer
+LAYER_TORCH: Layer
 OBJECT_KIND_UNSPECIFIED: ObjectKind
 OBJECT_KIND_ALLOCATION: ObjectKind
 OBJECT_KIND_VMM_HANDLE: ObjectKind
 OBJECT_KIND_VMM_RESERVE: ObjectKind
 OBJECT_KIND_VMM_MAPPING: ObjectKind
+OBJECT_KIND_BLOCK: ObjectKind
 MEMORY_UNSPECIFIED: Memory
 MEMORY_DEVICE: Memory
 MEMORY_HOST: Memory
@@ -145,6 +151,8 @@ API_CU_MEM_UNMAP: Api
 API_CU_MEM_ADDRESS_RESERVE: Api
 API_CU_MEM_ADDRESS_FREE: Api
 API_PROCESS_EXIT: Api
+API_PYTORCH_MALLOC: Api
+API_PYTORCH_FREE: Api
 STACK_STATUS_UNSPECIFIED: StackStatus
 STACK_STATUS_OK: StackStatus
 STACK_STATUS_NOT_PYTHON: StackStatus
@@ -182,7 +190,7 @@ class Event(_message.Message):
     def __init__(self, timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ..., device_change: _Optional[_Union[DeviceChange, _Mapping]] = ..., context_destroy: _Optional[_Union[ContextDestroy, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., events_lost: _Optional[_Union[EventsLost, _Mapping]] = ..., stack_definition: _Optional[_Union[Stack, _Mapping]] = ...) -> None: ...
 
 class Allocation(_message.Message):
-    __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stack_status_code")
+    __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stack_status_code", "stream")
     KIND_FIELD_NUMBER: _ClassVar[int]
     API_FIELD_NUMBER: _ClassVar[int]
     API_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +207,7 @@ class Allocation(_message.Message):
     STACK_ID_FIELD_NUMBER: _ClassVar[int]
     STACK_STATUS_FIELD_NUMBER: _ClassVar[int]
     STACK_STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     api: Api
     api_name: str
@@ -215,7 +224,8 @@ class Allocation(_message.Message):
     stack_id: int
     stack_status: str
     stack_status_code: StackStatus
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., object: _Optional[_Union[ObjectKind, str]] = ..., memory: _Optional[_Union[Memory, str]] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ..., handle: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack_status: _Optional[str] = ..., stack_status_code: _Optional[_Union[StackStatus, str]] = ...) -> None: ...
+    stream: int
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., object: _Optional[_Union[ObjectKind, str]] = ..., memory: _Optional[_Union[Memory, str]] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ..., handle: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack_status: _Optional[str] = ..., stack_status_code: _Optional[_Union[StackStatus, str]] = ..., stream: _Optional[int] = ...) -> None: ...
 
 class DeviceChange(_message.Message):
     __slots__ = ("api", "api_name", "layer", "device", "error_code", "context", "caller_address")

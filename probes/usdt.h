@@ -1,0 +1,153 @@
+/* usdt.h — PyTorch's caching allocator through its own USDT probes (provider `pytorch` in
+ * libc10_cuda.so): `malloc` fires for every block the allocator hands to a tensor, `free` when it
+ * takes one back. A block lies inside a segment (cudaMalloc, or a VMM mapping under expandable
+ * segments) that the CUDA probes already see; the block's Python stack is the one that holds the
+ * memory, where a segment's names whoever made the cache grow.
+ *
+ * User space attaches one uprobe_multi link per library, with the semaphores as ref_ctr_offsets
+ * (the kernel raises them while attached, so the probes cost nothing otherwise) and one cookie per
+ * probe site: usdt_sites[cookie] says which probe it is and where its arguments are. Blocks go into
+ * the same in-kernel ledger as every other object (layer TORCH, object BLOCK), so they stay exact
+ * when events are lost; above a process's rate the event is not sent (counted), the ledger still is. */
+#ifndef KVT_USDT_H
+#define KVT_USDT_H
+
+BPF_HASH(usdt_sites, u64, struct kvt_usdt_site, 4096);
+
+struct kvt_block_rate {
+    u64 window_start_ns;
+    u64 events;
+};
+BPF_TABLE("lru_hash", u32, struct kvt_block_rate, block_rate, 65536);
+
+#define KVT_NS_PER_SECOND 1000000000ULL
+
+/* struct pt_regs (x86-64) as an array of its 8-byte slots, copied once per probe: a note names
+ * registers by their offset in it, and the verifier refuses context reads at a variable offset. */
+#define KVT_PT_REGS_SLOTS 21
+
+/* One argument of a probe site as the note describes it, sign- or zero-extended from its size. */
+static __always_inline int usdt_argument(u64 *regs, struct kvt_usdt_arg *arg, u64 *value) {
+    u64 raw = 0;
+    u8 width = arg->size_bytes;
+    u8 is_signed = arg->is_signed;
+    if (arg->kind == KVT_USDT_ARG_CONSTANT) {
+        raw = arg->displacement;
+    } else if (arg->kind == KVT_USDT_ARG_REGISTER || arg->kind == KVT_USDT_ARG_MEMORY) {
+        if (arg->reg_offset < 0)
+            return -1;
+        u32 offset = (u16)arg->reg_offset;
+        u32 slot = offset >> 3;
+        if ((offset & 7) != 0 || slot >= KVT_PT_REGS_SLOTS)
+            return -1;
+        u64 base = regs[slot];
+        if (arg->kind == KVT_USDT_ARG_REGISTER) {
+            raw = base;
+        } else {
+            /* One read of the operand's own size (constant sizes: the verifier bounds the copy). */
+            void *source = (void *)(base + arg->displacement);
+            long failed;
+            if (width == 8)
+                failed = bpf_probe_read_user(&raw, 8, source);
+            else if (width == 4)
+                failed = bpf_probe_read_user(&raw, 4, source);
+            else if (width == 2)
+                failed = bpf_probe_read_user(&raw, 2, source);
+            else if (width == 1)
+                failed = bpf_probe_read_user(&raw, 1, source);
+            else
+                return -1;
+            if (failed)
+                return -1;
+        }
+    } else {
+        return -1;
+    }
+    if (width == 1)
+        raw = is_signed ? (u64)(s64)(s8)raw : (u8)raw;
+    else if (width == 2)
+        raw = is_signed ? (u64)(s64)(s16)raw : (u16)raw;
+    else if (width == 4)
+        raw = is_signed ? (u64)(s64)(s32)raw : (u32)raw;
+    *value = raw;
+    return 0;
+}
+
+/* 1 when this process's block events are over its rate for the current second. */
+static __always_inline int over_block_rate(u32 pid) {
+    u32 index = KVT_CONFIG_BLOCK_EVENTS_PER_SECOND;
+    u64 *limit = config.lookup(&index);
+    if (!limit || *limit == 0)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    struct kvt_block_rate *rate = block_rate.lookup(&pid);
+    if (!rate || now - rate->window_start_ns >= KVT_NS_PER_SECOND) {
+        struct kvt_block_rate fresh = {now, 1};
+        block_rate.update(&pid, &fresh);
+        return 0;
+    }
+    rate->events += 1;
+    return rate->events > *limit;
+}
+
+/* Entry of every pytorch:malloc and pytorch:free site (the cookie tells which). */
+int usdt_pytorch(struct pt_regs *ctx) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    if (filtered_out(pid))
+        return 0;
+    u64 cookie = bpf_get_attach_cookie(ctx);
+    struct kvt_usdt_site *site = usdt_sites.lookup(&cookie);
+    u64 regs[KVT_PT_REGS_SLOTS] = {};
+    bpf_probe_read_kernel(regs, sizeof(regs), (void *)ctx);
+    u64 address = 0;
+    if (!site || site->arg_count < 1 || usdt_argument(regs, &site->args[0], &address) != 0) {
+        count(KVT_COUNTER_USDT_UNREADABLE);
+        return 0;
+    }
+    if (address == 0)
+        return 0; /* no block: allocate(0), or a free of nothing */
+    if (site->api == KVT_API_pytorch_malloc) {
+        u64 device = 0, size_bytes = 0, stream = 0;
+        if (site->arg_count < 3 || usdt_argument(regs, &site->args[1], &device) != 0 ||
+            usdt_argument(regs, &site->args[2], &size_bytes) != 0) {
+            count(KVT_COUNTER_USDT_UNREADABLE);
+            return 0;
+        }
+        if (site->arg_count >= 4)
+            usdt_argument(regs, &site->args[3], &stream);
+        ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE, KVT_API_pytorch_malloc, address,
+                      size_bytes, (s32)device, 0, stream);
+        if (over_block_rate(pid)) {
+            count(KVT_COUNTER_BLOCKS_UNSENT);
+            return 0;
+        }
+        u64 status = KVT_STACK_NOT_WALKED;
+        u64 stack_id = walk_python_stack(pid, &status);
+        emit_stack(KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+                   address, size_bytes, (s32)device, 0, 0, stream, stack_id, status);
+        return 0;
+    }
+    struct kvt_ledger_key key = {.pid = pid, .layer = KVT_LAYER_TORCH, .object = KVT_OBJECT_BLOCK,
+                                 .address = address};
+    struct kvt_ledger_value *value = ledger.lookup(&key);
+    if (!value) {
+        count(KVT_COUNTER_UNKNOWN_FREES);
+        if (!over_block_rate(pid))
+            emit(KVT_KIND_FREE_UNKNOWN, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+                 address, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0);
+        return 0;
+    }
+    u64 size_bytes = value->size_bytes;
+    s32 device = value->device;
+    u64 stream = value->aux;
+    ledger.delete(&key);
+    if (over_block_rate(pid)) {
+        count(KVT_COUNTER_BLOCKS_UNSENT);
+        return 0;
+    }
+    emit(KVT_KIND_FREE, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE, address,
+         size_bytes, device, 0, 0, stream);
+    return 0;
+}
+
+#endif

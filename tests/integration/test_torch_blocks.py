@@ -1,0 +1,184 @@
+"""PyTorch's caching allocator through its USDT probes, on a stub provider with torch's shapes.
+
+GIVEN a program whose stub libc10_cuda.so hands out blocks from segments it cudaMalloc's, with
+probes pytorch:malloc(pointer, device, size, stream) and pytorch:free(pointer) behind semaphores
+(tests/integration/stubs/c10_cuda_stub.c, the `blocks` scenario of torch_workload.c),
+WHEN the agent traces it, THEN every block event arrives exactly, the blocks are exact in the ledger
+(kernel and user space), each lies in its segment, and fragmentation is what the manifest implies;
+and nothing tracing leaves the semaphores at 0 (the probes cost nothing then)."""
+from collections import Counter
+
+import pytest
+
+from cuda_stubs import Workload
+from harness import TracingHarness, require_tracing_here
+from kvtrace.model.blocks import fragmentation, segments_of
+from kvtrace.model.events import Api, Kind, Layer, ObjectKind
+from torch_stubs import (
+    BLOCKS_DEVICE0_FREES,
+    BLOCKS_DEVICE0_MALLOCS,
+    BLOCKS_DEVICE1_FREES,
+    BLOCKS_DEVICE1_MALLOCS,
+    BLOCKS_SEGMENTS,
+    build_torch_stub,
+    torch_stub_build,  # noqa: F401  (session fixture)
+)
+
+MALLOCS = BLOCKS_DEVICE0_MALLOCS + BLOCKS_DEVICE1_MALLOCS  # 28
+FREES = BLOCKS_DEVICE0_FREES + BLOCKS_DEVICE1_FREES  # 9
+
+
+def manifest_parts(manifest):
+    semaphores = next(line for line in manifest if line.get("kind") == "semaphores")
+    blocks = [line for line in manifest if line.get("kind") == "block"]
+    segments = [line for line in manifest if line.get("kind") == "segment"]
+    return semaphores, blocks, segments
+
+
+@pytest.fixture
+def traced_blocks(trace, torch_stub_build):  # noqa: F811
+    with Workload([torch_stub_build.workload, "blocks"]) as workload:
+        pid = workload.wait_ready()
+        harness = trace(pid)
+        workload.go()
+        manifest = workload.read_calls()
+        arrived = harness.pump_until(lambda: len(harness.of(pid, Kind.FREE, Api.pytorch_free)) >= FREES)
+        harness.pump(0.3)
+        assert arrived, f"{len(harness.of(pid, api=Api.pytorch_malloc))} of {MALLOCS} block allocations"
+        yield pid, harness, manifest
+
+
+def test_every_block_event_exact(traced_blocks):
+    pid, harness, manifest = traced_blocks
+    semaphores, blocks, segments = manifest_parts(manifest)
+    # The probes were in when the scenario started: the kernel raised both semaphores.
+    assert semaphores["malloc"] >= 1 and semaphores["free"] >= 1
+    mallocs = harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)
+    frees = harness.of(pid, Kind.FREE, Api.pytorch_free)
+    assert len(mallocs) == MALLOCS and len(frees) == FREES
+    assert [(e.address, e.size_bytes, e.device, e.stream) for e in mallocs] == \
+        [(b["address"], b["size_bytes"], b["device"], b["stream"]) for b in blocks]
+    assert all((e.layer, e.object) == (Layer.TORCH, ObjectKind.BLOCK) for e in mallocs + frees)
+    assert Counter(e.device for e in mallocs) == {0: BLOCKS_DEVICE0_MALLOCS, 1: BLOCKS_DEVICE1_MALLOCS}
+    # A free carries the size and device of the block it frees (from the kernel ledger).
+    freed = sorted((b["address"], b["size_bytes"], b["device"]) for b in blocks if b["freed"])
+    assert sorted((e.address, e.size_bytes, e.device) for e in frees) == freed
+    # Nothing was lost or left unsent, and the probe read every site.
+    counters = harness.source.counters()
+    assert counters["usdt_unreadable"] == 0 and counters["blocks_unsent"] == 0
+    assert len(segments) == BLOCKS_SEGMENTS
+
+
+def test_blocks_are_exact_in_both_ledgers_and_nest_in_their_segments(traced_blocks):
+    pid, harness, manifest = traced_blocks
+    _, blocks, segments = manifest_parts(manifest)
+    live = sorted((b["address"], b["size_bytes"], b["device"]) for b in blocks if not b["freed"])
+    assert len(live) == MALLOCS - FREES
+    for entries in (harness.session.ledger, harness.source.kernel_ledger()):
+        held = sorted((e.key.address, e.size_bytes, e.device) for e in entries
+                      if e.key.pid == pid and e.key.object is ObjectKind.BLOCK)
+        assert held == live
+    mine = [e for e in harness.session.ledger if e.key.pid == pid]
+    nested, outside = segments_of(mine)
+    assert outside == []
+    assert sorted((s.address, s.size_bytes) for s in nested) == \
+        sorted((s["address"], s["size_bytes"]) for s in segments)
+    # Segments carry the device their cudaMalloc was traced on: device 1 after cudaSetDevice(1);
+    # before it the thread had selected none (torch never calls cudaSetDevice(0)) and the agent
+    # came after the process started, so that is unknown (-1). Blocks carry the device torch says.
+    traced_device = {0: -1, 1: 1}
+    assert sorted((s.address, s.device) for s in nested) == \
+        sorted((s["address"], traced_device[s["device"]]) for s in segments)
+    by_address = {s.address: s for s in nested}
+    for block in blocks:
+        if not block["freed"]:
+            assert block["address"] in {b.key.address for b in by_address[block["segment"]].blocks}
+    # Per segment: the bytes no live block covers, as asked (the manifest's free_bytes counts the
+    # rounded block sizes the stub's allocator carved; the probes report the requested sizes).
+    for segment in segments:
+        requested = sum(b["size_bytes"] for b in blocks if not b["freed"] and b["segment"] == segment["address"])
+        assert by_address[segment["address"]].free_bytes == segment["size_bytes"] - requested
+    # Fragmentation per device: reserved = segments, allocated = live blocks, largest free stretch.
+    rows = {row.device: row for row in fragmentation(nested, outside)}
+    assert sorted(rows) == [-1, 1]
+    for device in (0, 1):
+        row = rows[traced_device[device]]
+        on_device = [s for s in segments if s["device"] == device]
+        assert row.reserved_bytes == sum(s["size_bytes"] for s in on_device)
+        assert row.allocated_bytes == sum(size for _, size, d in live if d == device)
+        assert row.largest_free_bytes == max(by_address[s["address"]].largest_free_bytes for s in on_device)
+        assert (row.segments, row.blocks, row.blocks_outside_segments) == \
+            (len(on_device), sum(1 for _, _, d in live if d == device), 0)
+        assert 0.0 <= row.ratio < 1.0
+
+
+def test_leak_suspects_are_the_blocks_not_the_segments(traced_blocks):
+    pid, harness, manifest = traced_blocks
+    from kvtrace.analysis.leaks import survey_sites
+
+    survey = survey_sites(harness.session.ledger, 0, 0, pids=[pid])
+    _, blocks, _ = manifest_parts(manifest)
+    assert survey.allocations_considered == MALLOCS - FREES  # blocks, where blocks are traced
+    assert sum(survey.site_bytes.values()) == sum(b["size_bytes"] for b in blocks if not b["freed"])
+
+
+def test_nothing_tracing_leaves_the_semaphores_at_zero(tmp_path, stub_build):
+    """A fresh copy of the stub (its own inode: no probes anywhere) run twice, untraced and traced."""
+    require_tracing_here()
+    torch = build_torch_stub(tmp_path, stub_build)
+    with Workload([torch.workload, "blocks"]) as workload:
+        workload.wait_ready()
+        workload.go()
+        semaphores, _, _ = manifest_parts(workload.read_calls())
+    assert (semaphores["malloc"], semaphores["free"]) == (0, 0)
+    with Workload([torch.workload, "blocks"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            assert any(library.path == str(torch.libc10_cuda) and "pytorch:malloc" in library.symbols
+                       for library in harness.source.attached_libraries())
+            workload.go()
+            semaphores, blocks, _ = manifest_parts(workload.read_calls())
+            assert harness.pump_until(lambda: len(harness.of(pid, api=Api.pytorch_malloc)) >= MALLOCS)
+        finally:
+            harness.close()
+    assert semaphores["malloc"] >= 1 and semaphores["free"] >= 1
+    # Detached again: a new run of the same library sees 0.
+    with Workload([torch.workload, "blocks"]) as workload:
+        workload.wait_ready()
+        workload.go()
+        semaphores, _, _ = manifest_parts(workload.read_calls())
+    assert (semaphores["malloc"], semaphores["free"]) == (0, 0)
+
+
+def test_block_events_over_the_rate_stay_exact_in_the_ledger(tmp_path, stub_build):
+    """With a rate of 10 block events a second, 37 events: 27 unsent and counted, the kernel's
+    ledger exact all the same, and the Session's after the resync that the unsent ones trigger."""
+    require_tracing_here()
+    from kvtrace.sources.bpf.loader import ProbeSettings
+
+    torch = build_torch_stub(tmp_path, stub_build)
+    with Workload([torch.workload, "blocks"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], settings=ProbeSettings(block_events_per_second=10),
+                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            workload.go()
+            _, blocks, _ = manifest_parts(workload.read_calls())
+            live = sorted((b["address"], b["size_bytes"]) for b in blocks if not b["freed"])
+            counters = {}
+
+            def settled():
+                counters.update(harness.source.counters())
+                held = sorted((e.key.address, e.size_bytes) for e in harness.session.ledger
+                              if e.key.pid == pid and e.key.object is ObjectKind.BLOCK)
+                return counters["blocks_unsent"] > 0 and held == live and harness.session.resyncs_total >= 1
+
+            assert harness.pump_until(settled, timeout_seconds=10), counters
+            block_events = len(harness.of(pid, api=Api.pytorch_malloc)) + len(harness.of(pid, api=Api.pytorch_free))
+            assert block_events + counters["blocks_unsent"] == MALLOCS + FREES
+            kernel = sorted((e.key.address, e.size_bytes) for e in harness.source.kernel_ledger()
+                            if e.key.pid == pid and e.key.object is ObjectKind.BLOCK)
+            assert kernel == live
+        finally:
+            harness.close()
