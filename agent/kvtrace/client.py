@@ -122,11 +122,17 @@ class AgentClient:
     def snapshot(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
                  page_size: int = 1000) -> Iterator[service_pb2.OutstandingAllocation]:
         """Every outstanding object, following the pages."""
+        for response in self.snapshot_pages(pids, layers, page_size):
+            yield from response.allocations
+
+    def snapshot_pages(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
+                       page_size: int = 1000) -> Iterator[service_pb2.GetSnapshotResponse]:
+        """The snapshot's pages as they come, each with the stacks its allocations refer to."""
         request = service_pb2.GetSnapshotRequest(pids=list(pids), layers=wire_numbers(layers),
                                                  page_size=page_size)
         while True:
             response = self._call(self._stub.GetSnapshot, request)
-            yield from response.allocations
+            yield response
             if not response.next_page_token:
                 return
             request.page_token = response.next_page_token

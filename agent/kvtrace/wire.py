@@ -33,7 +33,7 @@ from kvtrace.model.findings import (
     LeakSuspect,
     ProcessGpu,
 )
-from kvtrace.model.ledger import Outstanding
+from kvtrace.model.ledger import LedgerKey, Outstanding
 from kvtrace.model.processes import ProcessInfo
 from kvtrace.model.stacks import Frame, NativeFrame, Stack
 
@@ -344,6 +344,17 @@ def outstanding_to_json_dict(entry: service_pb2.OutstandingAllocation) -> dict:
         **({"handle": entry.handle} if entry.object == ObjectKind.VMM_MAPPING else {}),
         **({"stream": entry.stream} if entry.object == ObjectKind.BLOCK else {}),
     }
+
+
+def outstanding_from_proto(entry: service_pb2.OutstandingAllocation) -> Outstanding:
+    """The model entry of a snapshot's wire entry (raises ValueError for an enum this client does
+    not know: a newer agent)."""
+    return Outstanding(
+        key=LedgerKey(entry.pid, Layer(entry.layer), ObjectKind(entry.object), entry.address),
+        size_bytes=entry.size_bytes, timestamp_ns=entry.timestamp_ns, device=entry.device, api=Api(entry.api),
+        memory=Memory(entry.memory), tid=entry.tid, caller_address=entry.caller_address,
+        mapped_count=entry.mapped_count, released=entry.released, handle=entry.handle,
+        stack_id=entry.stack_id, stream=entry.stream)
 
 
 def process_to_json_dict(process: service_pb2.Process) -> dict:

@@ -10,14 +10,12 @@ from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes
-from kvtrace.model.events import Layer, Memory
+from kvtrace.model.events import PHYSICAL_LAYERS, Memory
 from kvtrace.wire import process_to_json_dict
 
-HEADER = f"{'PID':>7} {'GPU':>3} {'DEVICE':>10} {'MANAGED':>10} {'PINNED':>10} {'OBJECTS':>8} TITLE"
+HEADER = (f"{'PID':>7} {'GPU':>3} {'DEVICE':>10} {'MANAGED':>10} {'PINNED':>10} {'TENSORS':>10} {'FRAG':>5} "
+          f"{'OBJECTS':>8} TITLE")
 
-# Physical memory is counted where it is held: the driver and VMM layers. The runtime layer is the
-# same bytes seen from cudaMalloc's side, so adding it would count them twice.
-_PHYSICAL_LAYERS = (Layer.DRIVER, Layer.VMM)
 _COLUMNS = {Memory.DEVICE: "device", Memory.MANAGED: "managed", Memory.HOST: "pinned"}
 
 
@@ -25,7 +23,10 @@ class PsCommand:
     """List the processes that hold CUDA memory, from the running kvtrace agent.
 
     One line per process and GPU: device memory, managed memory and pinned host memory held
-    (driver + VMM layers, so runtime calls are not counted twice), and the number of objects.
+    (driver + VMM layers, so runtime calls are not counted twice), and the number of objects. Where
+    PyTorch's blocks are traced: TENSORS, the bytes its caching allocator has handed to tensors, and
+    FRAG, how scattered the rest of its segments is (1 - largest free stretch / free bytes), as of
+    the agent's last site sample.
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -35,18 +36,21 @@ class PsCommand:
     def run(self, args: argparse.Namespace) -> int:
         with AgentClient.from_args(args) as agent:
             processes = agent.processes()
+            growth = agent.growth() if not args.json else None
         out = sys.stdout
         if args.json:
             for process in processes:
                 out.write(json.dumps(process_to_json_dict(process), separators=(",", ":")) + "\n")
             return ExitCode.OK
         print(HEADER, file=out)
+        allocator = {(row.pid, row.device): row.fragmentation for row in growth.processes
+                     if row.HasField("fragmentation")} if growth is not None else {}
         for process in processes:
             per_device: defaultdict[int, dict[str, int]] = defaultdict(
                 lambda: {"device": 0, "managed": 0, "pinned": 0, "objects": 0})
             for total in process.totals:
                 column = _COLUMNS.get(Memory(total.memory)) if total.memory else None
-                if total.layer in _PHYSICAL_LAYERS and column:
+                if total.layer in PHYSICAL_LAYERS and column:
                     row = per_device[total.device]
                     row[column] += total.size_bytes
                     row["objects"] += total.object_count
@@ -54,7 +58,10 @@ class PsCommand:
                 per_device[-1]["objects"] = 0
             for device, row in sorted(per_device.items()):
                 gpu = "-" if device < 0 else str(device)
+                blocks = allocator.get((process.pid, device))
+                tensors = human_bytes(blocks.allocated_bytes) if blocks is not None else "-"
+                frag = f"{blocks.ratio * 100:.0f}%" if blocks is not None else "-"
                 print(f"{process.pid:>7} {gpu:>3} {human_bytes(row['device']):>10} "
-                      f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} "
+                      f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} {tensors:>10} {frag:>5} "
                       f"{row['objects']:>8} {process.title or process.comm}", file=out)
         return ExitCode.OK

@@ -6,26 +6,31 @@ import json
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
+from typing import TextIO
 
 from kvtrace.cli.flags import add_pid_flag
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
-from kvtrace.errors import ExitCode
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_age, human_bytes
-from kvtrace.model.events import Layer, Memory, ObjectKind
-from kvtrace.wire import outstanding_to_json_dict, wire_enum_name
+from kvtrace.model.blocks import Segment, segments_of
+from kvtrace.model.events import PHYSICAL_LAYERS, Layer, Memory, ObjectKind
+from kvtrace.model.ledger import Outstanding
+from kvtrace.model.stacks import Stack
+from kvtrace.wire import outstanding_from_proto, outstanding_to_json_dict, stack_from_proto
 
 EPILOG = """examples:
-  kvtrace snapshot               # every process, largest objects first
+  kvtrace snapshot               # every process, largest objects first; blocks inside their segments
   kvtrace snapshot -p 1234
   kvtrace snapshot --json        # one JSON object per outstanding object
+  kvtrace snapshot -p 1234 --format memory-viz -o 1234.pickle
+      # PyTorch's own snapshot format: python -m torch.cuda._memory_viz trace_plot 1234.pickle -o 1234.html,
+      # or open it at https://pytorch.org/memory_viz
 """
 
 HEADER = f"  {'DEV':>3} {'LAYER':<7} {'OBJECT':<11} {'MEMORY':<7} {'SIZE':>10} {'AGE':>8} {'ADDRESS':<14} API"
-
-
-def _column(enum_type, value: int) -> str:
-    return wire_enum_name(enum_type, value) or "-"
+FORMATS = ("table", "json", "memory-viz")
 
 
 class SnapshotCommand:
@@ -33,44 +38,123 @@ class SnapshotCommand:
 
     Grouped by process, largest first. Physical device memory is the driver and VMM layers; the
     runtime layer shows the same bytes as the program asked for them (cudaMalloc), so the totals
-    never add the two.
+    never add the two. Where PyTorch's blocks are traced, each segment of its caching allocator
+    lists the blocks (tensors) inside it, with the segment's free bytes and its largest free stretch.
+    --format memory-viz writes the file PyTorch's memory viewer reads, taken from outside.
     """
 
     EPILOG = EPILOG
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         add_pid_flag(parser)
-        parser.add_argument("--json", action="store_true", help="one JSON object per line")
+        parser.add_argument("--format", choices=FORMATS, default="table",
+                            help="table for people (default), json (one object per line), or memory-viz: "
+                                 "PyTorch's memory snapshot pickle of one process's blocks (needs -p and -o)")
+        parser.add_argument("--json", action="store_true", help="the same as --format json")
+        parser.add_argument("-o", "--output", metavar="FILE", type=Path,
+                            help="where --format memory-viz writes (a .pickle file)")
         add_socket_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
+        output_format = "json" if args.json else args.format
+        if output_format == "memory-viz":
+            return self._memory_viz(args)
+        if args.output is not None:
+            raise CommandError("-o/--output goes with --format memory-viz; the table and JSON go to stdout",
+                               ExitCode.USAGE)
         out = sys.stdout
         with AgentClient.from_args(args) as agent:
-            if args.json:
+            if output_format == "json":
                 for entry in agent.snapshot(pids=args.pid):
                     out.write(json.dumps(outstanding_to_json_dict(entry), separators=(",", ":")) + "\n")
                 return ExitCode.OK
             by_pid = defaultdict(list)
-            for entry in agent.snapshot(pids=args.pid):
-                by_pid[entry.pid].append(entry)
-        now_ns = time.time_ns()
-        physical_bytes = 0
-        for pid in sorted(by_pid):
-            entries = sorted(by_pid[pid], key=lambda entry: -entry.size_bytes)
-            first = entries[0]
-            container = f"  container {first.container[:12]}" if first.container else ""
-            print(f"pid {pid}  {first.title or '(exited)'}{container}", file=out)
-            print(HEADER, file=out)
-            for entry in entries:
-                if entry.layer in (Layer.DRIVER, Layer.VMM) and entry.memory == Memory.DEVICE \
-                        and entry.object in (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE):
-                    physical_bytes += entry.size_bytes
-                device = "" if entry.device < 0 else str(entry.device)
-                print(f"  {device:>3} {_column(Layer, entry.layer):<7} "
-                      f"{_column(ObjectKind, entry.object):<11} {_column(Memory, entry.memory):<7} "
-                      f"{human_bytes(entry.size_bytes):>10} {human_age((now_ns - entry.timestamp_ns) / 1e9):>8} "
-                      f"{entry.address:#014x} {entry.api_name}", file=out)
-        count = sum(len(entries) for entries in by_pid.values())
-        print(f"{count} outstanding objects in {len(by_pid)} processes; "
-              f"device memory held (driver + VMM): {human_bytes(physical_bytes)}", file=out)
+            titles: dict[int, tuple[str, str]] = {}
+            for message in agent.snapshot(pids=args.pid):
+                by_pid[message.pid].append(outstanding_from_proto(message))
+                titles.setdefault(message.pid, (message.title, message.container))
+        print_table(out, by_pid, titles, time.time_ns())
         return ExitCode.OK
+
+    def _memory_viz(self, args: argparse.Namespace) -> int:
+        from kvtrace.reports.memory_viz import snapshot_dict, viz_segments, write_pickle
+
+        if len(args.pid) != 1 or args.output is None:
+            raise CommandError("--format memory-viz takes one process and a file: -p PID -o FILE.pickle",
+                               ExitCode.USAGE)
+        entries: list[Outstanding] = []
+        stacks: dict[int, Stack] = {}
+        with AgentClient.from_args(args) as agent:
+            for page in agent.snapshot_pages(pids=args.pid):
+                entries.extend(outstanding_from_proto(message) for message in page.allocations)
+                stacks.update(stack_from_proto(stack) for stack in page.stacks)
+        segments, outside = segments_of(entries)
+        if not any(segment.blocks for segment in segments):
+            raise CommandError(f"no PyTorch blocks are traced in pid {args.pid[0]} (is it a PyTorch process, "
+                               "traced since it allocated? `kvtrace doctor --pid` says what is traced)",
+                               ExitCode.FAILURE)
+        snapshot = snapshot_dict(viz_segments(segments, stacks.get))
+        try:
+            write_pickle(args.output, snapshot)
+        except OSError as error:
+            raise CommandError(f"cannot write {args.output}: {error.strerror or error}", ExitCode.FAILURE) from None
+        blocks = sum(len(segment.blocks) for segment in segments)
+        note = f"; {len(outside)} blocks outside any traced segment left out" if outside else ""
+        print(f"wrote {args.output}: {len(segments)} segments, {blocks} blocks{note}. "
+              f"View it: python -m torch.cuda._memory_viz trace_plot {args.output} -o {args.output.stem}.html, "
+              "or at https://pytorch.org/memory_viz", file=sys.stderr)
+        return ExitCode.OK
+
+
+def _line(entry: Outstanding, now_ns: int, indent: str = "  ") -> str:
+    key = entry.key
+    device = "" if entry.device < 0 else str(entry.device)
+    return (f"{indent}{device:>3} {key.layer.name.lower():<7} {key.object.name.lower():<11} "
+            f"{entry.memory.name.lower():<7} {human_bytes(entry.size_bytes):>10} "
+            f"{human_age((now_ns - entry.timestamp_ns) / 1e9):>8} {key.address:#014x} {entry.api.name}")
+
+
+def _segment_line(segment: Segment) -> str:
+    kind = "expandable segment" if segment.expandable else "segment"
+    return (f"      {kind} {segment.address:#x}: {len(segment.blocks)} blocks, "
+            f"{human_bytes(segment.allocated_bytes)} allocated, {human_bytes(segment.free_bytes)} free, "
+            f"largest free {human_bytes(segment.largest_free_bytes)}")
+
+
+def print_table(out: TextIO, by_pid: dict[int, list[Outstanding]], titles: dict[int, tuple[str, str]],
+                now_ns: int) -> None:
+    """Per process its objects, largest first; a segment holding PyTorch blocks is followed by a
+    line that sums it up and by its blocks, indented."""
+    physical_bytes = 0
+    for pid in sorted(by_pid):
+        title, container = titles.get(pid, ("", ""))
+        suffix = f"  container {container[:12]}" if container else ""
+        print(f"pid {pid}  {title or '(exited)'}{suffix}", file=out)
+        print(HEADER, file=out)
+        segments, outside = segments_of(by_pid[pid])
+        holding = {segment.address: segment for segment in segments if segment.blocks}
+        blocks_in_segments = {id(block) for segment in segments for block in segment.blocks}
+        for entry in sorted(by_pid[pid], key=lambda entry: -entry.size_bytes):
+            if id(entry) in blocks_in_segments:
+                continue  # listed under its segment
+            key = entry.key
+            if key.layer in PHYSICAL_LAYERS and entry.memory is Memory.DEVICE and \
+                    key.object in (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE):
+                physical_bytes += entry.size_bytes
+            print(_line(entry, now_ns), file=out)
+            segment = holding.get(key.address) if key.layer is Layer.RUNTIME else None
+            if segment is not None:
+                print(_segment_line(segment), file=out)
+                for block in segment.blocks:
+                    print(_line(block, now_ns, indent="      "), file=out)
+        for segment in segments:  # runs of VMM mappings are no single ledger entry: listed here
+            if segment.expandable and segment.blocks:
+                print(_segment_line(segment), file=out)
+                for block in segment.blocks:
+                    print(_line(block, now_ns, indent="      "), file=out)
+        if outside:
+            print(f"      {len(outside)} blocks in no traced segment (allocated before the agent attached)",
+                  file=out)
+    count = sum(len(entries) for entries in by_pid.values())
+    print(f"{count} outstanding objects in {len(by_pid)} processes; "
+          f"device memory held (driver + VMM): {human_bytes(physical_bytes)}", file=out)

@@ -77,16 +77,18 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
     for row in sorted(growth.processes, key=SORTS[sort]):
         ttoom = optional_field(row, "time_to_oom_seconds")
         nvml_used = optional_field(row, "nvml_used_bytes")
+        frag = f"{row.fragmentation.ratio * 100:.0f}%" if row.HasField("fragmentation") else "-"
         rows.append((
             str(row.pid), _gpu(row), human_bytes(row.outstanding_bytes),
             human_bytes(nvml_used) if nvml_used is not None else "-",
             _unattributed(optional_field(row, "unattributed_bytes")),
             signed_bytes(row.growth_bytes_per_second_1m), signed_bytes(row.growth_bytes_per_second_15m),
-            human_duration(ttoom) if ttoom is not None else "-", row.title))
-    # Growth columns are per second; "OOM IN" is the time until the GPU's free memory is gone.
+            human_duration(ttoom) if ttoom is not None else "-", frag, row.title))
+    # Growth columns are per second; "OOM IN" is the time until the GPU's free memory is gone; FRAG
+    # how scattered the free part of PyTorch's segments is, where its blocks are traced.
     # The numbers keep their width and the title gets the rest: given more than fits, rich would
     # drop whole columns, the PID among them.
-    columns = ("PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s 1m", "GROW/s 15m", "OOM IN")
+    columns = ("PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s 1m", "GROW/s 15m", "OOM IN", "FRAG")
     widths = [max(len(name), *(len(cells[i]) for cells in rows)) for i, name in enumerate(columns)]
     table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1), header_style="bold")
     for name, column_width in zip(columns, widths, strict=True):

@@ -1,0 +1,1 @@
+"""Files made from what the agent knows: one module per format."""
