@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace import __version__
 from kvtrace.model.agent import ComponentStatus
+from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
 from kvtrace.model.ledger import LedgerCounts, TotalsKey
@@ -62,7 +63,8 @@ def synthetic_snapshot(timestamp_ns: int = NOW_NS) -> AnalysisSnapshot:
               GpuMemory(1, "GPU-2c3d", "NVIDIA H200", h200, 1 * GiB, h200 - 1 * GiB, 512 * MiB)),
         processes=(
             ProcessGpu(WORKER, TITLES[WORKER], 0, 100 * GiB, 101 * GiB, 1 * GiB, 6.5e6, 5.25e6, 2520.0,
-                       230, 190, 190 / 230),
+                       230, 190, 190 / 230,
+                       fragmentation=Fragmentation(WORKER, 0, 96 * GiB, 80 * GiB, 4 * GiB, 7, 4000, 0)),
             ProcessGpu(ENGINE, TITLES[ENGINE], 1, 3 * GiB, None, None, 0.0, -1.5e3, None, 0, 0, None),
             ProcessGpu(TRAIN, TITLES[TRAIN], -1, 2 * MiB, 600 * MiB, 598 * MiB, 0.0, 0.0, math.inf, 0, 0, None),
         ),
@@ -95,7 +97,7 @@ def synthetic_ledger() -> LedgerCounts:
     )
 
 
-TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full": 0,
+TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full": 0, "blocks_unsent": 5,
                    "unknown_frees": 11, "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
                    "resyncs": 1}
 

@@ -96,6 +96,18 @@ METRICS: tuple[MetricSpec, ...] = (
                "weights are not counted. 0 when the process has none."),
     MetricSpec("kvtrace_leak_suspect_bytes", "gauge", "bytes", _PROCESS_GPU,
                "Outstanding bytes held by the growing leak suspects of the process on the GPU."),
+    MetricSpec("kvtrace_torch_reserved_bytes", "gauge", "bytes", _PROCESS_GPU,
+               "Segments of PyTorch's caching allocator (cudaMalloc'd, or mapped under expandable segments), "
+               "where the process's blocks are traced: what torch.cuda.memory_reserved() counts."),
+    MetricSpec("kvtrace_torch_allocated_bytes", "gauge", "bytes", _PROCESS_GPU,
+               "Bytes PyTorch's caching allocator has handed to live tensors, as they were asked for "
+               "(torch.cuda.memory_allocated() counts them rounded up)."),
+    MetricSpec("kvtrace_torch_largest_free_block_bytes", "gauge", "bytes", _PROCESS_GPU,
+               "The largest stretch of PyTorch's segments that no tensor holds: the largest tensor that "
+               "fits without a new cudaMalloc."),
+    MetricSpec("kvtrace_torch_fragmentation_ratio", "gauge", "ratio", _PROCESS_GPU,
+               "1 - largest free stretch / free bytes of PyTorch's segments: 0 when the free memory is one "
+               "stretch, near 1 when it is scattered in pieces too small to use (0 when none is free)."),
     MetricSpec("kvtrace_events_total", "counter", "events", (),
                "Events the probes delivered to the agent's ring buffer."),
     MetricSpec("kvtrace_events_lost_total", "counter", "events", (),
@@ -104,6 +116,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_ledger_full_total", "counter", "allocations", (),
                "Allocations the in-kernel ledger had no room for: outstanding totals are no longer "
                "exact. Restart the agent with a larger --max-ledger-entries."),
+    MetricSpec("kvtrace_block_events_unsent_total", "counter", "events", (),
+               "PyTorch block events not sent because a process went over --max-block-events-per-second: "
+               "the blocks stay exact in the ledger (resynced from the kernel), their stacks are missing."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
@@ -122,6 +137,7 @@ _SESSION_COUNTERS = {
     "kvtrace_events_lost_total": "events_lost",
     "kvtrace_ledger_full_total": "ledger_full",
     "kvtrace_unknown_frees_total": "unknown_frees",
+    "kvtrace_block_events_unsent_total": "blocks_unsent",
 }
 
 
@@ -263,6 +279,12 @@ class KvtraceCollector:
                 families["kvtrace_unattributed_bytes"].add_metric(labels, process.unattributed_bytes)
             if process.nvml_used_bytes is not None:
                 families["kvtrace_nvml_used_bytes"].add_metric(labels, process.nvml_used_bytes)
+            allocator = process.fragmentation
+            if allocator is not None:
+                families["kvtrace_torch_reserved_bytes"].add_metric(labels, allocator.reserved_bytes)
+                families["kvtrace_torch_allocated_bytes"].add_metric(labels, allocator.allocated_bytes)
+                families["kvtrace_torch_largest_free_block_bytes"].add_metric(labels, allocator.largest_free_bytes)
+                families["kvtrace_torch_fragmentation_ratio"].add_metric(labels, allocator.ratio)
 
         for gpu in snapshot.gpus:
             labels = [str(gpu.index), gpu.uuid]
