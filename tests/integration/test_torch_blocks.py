@@ -182,3 +182,15 @@ def test_block_events_over_the_rate_stay_exact_in_the_ledger(tmp_path, stub_buil
             assert kernel == live
         finally:
             harness.close()
+
+
+def test_doctor_names_the_allocator_probes_of_a_process(torch_stub_build):  # noqa: F811
+    require_tracing_here()
+    from agent_process import kvtrace
+
+    with Workload([torch_stub_build.workload, "blocks"]) as workload:
+        pid = workload.wait_ready()
+        doctor = kvtrace("doctor", "--pid", str(pid))
+    line = next(line for line in doctor.stdout.splitlines() if f"pid {pid} torch" in line)
+    assert "PyTorch allocator probes: 3 of 3 sites traceable in" in line
+    assert str(torch_stub_build.libc10_cuda) in line

@@ -51,6 +51,7 @@ def process_findings(pid: int) -> list:
     """What the agent would attach to in `pid`, and whether it gets Python stacks (and why not)."""
     import platform
 
+    from kvtrace.sources.bpf.loader import torch_site
     from kvtrace.sources.bpf.preflight import (
         Finding,
         process_has_seccomp_filter,
@@ -64,12 +65,26 @@ def process_findings(pid: int) -> list:
         return [Finding(name, False, f"no process {pid}", ExitCode.USAGE)]
     findings = []
     targets = Discovery().scan_pid(pid)
-    if targets:
-        libraries = ", ".join(f"{t.path} ({len(t.symbols)} functions)" for t in targets)
+    cuda = [target for target in targets if target.symbols]
+    if cuda:
+        libraries = ", ".join(f"{t.path} ({len(t.symbols)} functions)" for t in cuda)
         findings.append(Finding(f"{name} cuda", True, f"traceable: {libraries}"))
     else:
         findings.append(Finding(f"{name} cuda", True, "maps no CUDA library yet (nothing to trace "
                                 "until it loads libcudart or libcuda)", warning=True))
+    for target in targets:
+        if not target.torch_probes:
+            continue
+        sites = [torch_site(probe) for probe in target.torch_probes]
+        problems = sorted({site for site in sites if isinstance(site, str)})
+        usable = len(sites) - sum(isinstance(site, str) for site in sites)
+        if usable:
+            findings.append(Finding(f"{name} torch", True, f"PyTorch allocator probes: {usable} of {len(sites)} "
+                                    f"sites traceable in {target.path}"
+                                    + (f" ({'; '.join(problems)})" if problems else "")))
+        else:
+            findings.append(Finding(f"{name} torch", True, f"PyTorch allocator probes in {target.path} cannot "
+                                    f"be read: {'; '.join(problems)}", warning=True))
     python = inspect_python(pid)
     if isinstance(python, NoPython):
         findings.append(Finding(f"{name} python", True, f"no Python stacks: {python.reason}",
