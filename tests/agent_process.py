@@ -53,6 +53,17 @@ class AgentProcess:
         self._stdout.close()
 
 
+def wait_until_tracing(agent: subprocess.Popen) -> str:
+    """Reads the agent's stderr (a text pipe) up to its "Hit Ctrl-C to end." line, which it returns;
+    fails if the agent exits first."""
+    assert agent.stderr is not None
+    line = agent.stderr.readline()
+    while "Hit Ctrl-C" not in line:
+        assert line, "the agent exited before tracing"
+        line = agent.stderr.readline()
+    return line
+
+
 def kvtrace(*args: str, user: int | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
     """Runs a kvtrace client command; `user` drops to that uid/gid with no groups (setpriv)."""
     prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []

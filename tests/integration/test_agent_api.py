@@ -15,7 +15,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_process import KVTRACE, AgentProcess, kvtrace
+from agent_process import KVTRACE, AgentProcess, kvtrace, wait_until_tracing
 from cuda_stubs import Workload
 from kvtrace.client import AgentClient
 
@@ -161,10 +161,7 @@ def test_agent_json_events_carry_the_documented_keys(stub_build, bpf_here):
                                   "--metrics-listen", "off"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            line = agent.stderr.readline()
-            while "Hit Ctrl-C" not in line:
-                assert line, "agent exited before tracing"
-                line = agent.stderr.readline()
+            wait_until_tracing(agent)
             workload.go()
             calls = workload.read_calls()
             events = [json.loads(agent.stdout.readline()) for _ in range(26)]

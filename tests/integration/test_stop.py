@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from agent_process import KVTRACE
+from agent_process import KVTRACE, wait_until_tracing
 from cuda_stubs import Workload, build_stubs
 from harness import TracingHarness, require_tracing_here
 from kvtrace.model.events import Api, Kind
@@ -65,10 +65,7 @@ def test_agent_stops_within_two_seconds_with_30_libraries(holder, tmp_path, stop
                               "--group", "root", "--metrics-listen", "off", "--no-nvml"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        line = agent.stderr.readline()
-        while "Hit Ctrl-C" not in line:
-            assert line, "the agent exited before tracing"
-            line = agent.stderr.readline()
+        line = wait_until_tracing(agent)
         attached = int(line.split("(")[1].split()[0])
         assert attached >= COPIES, line
         started = time.monotonic()

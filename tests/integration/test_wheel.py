@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_process import wait_until_tracing
 from harness import require_tracing_here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,10 +80,7 @@ def test_kvtrace_agent_from_the_wheel_loads_its_probes_and_stops(fresh_venv, tmp
                               "--group", "root", "--metrics-listen", "off", "--no-nvml"],
                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd="/")
     try:
-        line = agent.stderr.readline()
-        while "Hit Ctrl-C" not in line:
-            assert line, "the agent from the wheel exited before tracing"
-            line = agent.stderr.readline()
+        wait_until_tracing(agent)
         agent.send_signal(signal.SIGINT)
         assert agent.wait(timeout=30) == 0
     finally:

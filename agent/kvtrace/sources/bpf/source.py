@@ -186,6 +186,8 @@ class BpfSource:
         if event.kind is Kind.PROCESS_EXIT:
             self._drop_in_kernel(event.pid, event.timestamp_ns)
             self._forget_process(event.pid)
+            if event.pid in self._selected:
+                self._swept_exited.add(event.pid)  # seen exiting: the sweep has nothing to add
         elif event.kind is Kind.CONTEXT_DESTROY and event.error_code == 0:
             device = None if event.device == DEVICE_UNKNOWN else event.device
             self._drop_in_kernel(event.pid, event.timestamp_ns, device)
