@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU machine's one command for each proof (as root, from the repository root):
-#   bash tests/gpu/run.sh tests [pytest args]   # tests/gpu: real CUDA scenarios
-#   bash tests/gpu/run.sh bench [bench args]    # bench/gpu_overhead.py: overhead, side by side
+#   bash tests/gpu/run.sh tests [pytest args]          # tests/gpu: real CUDA scenarios
+#   bash tests/gpu/run.sh blocks [pytest args]         # tests/gpu/test_torch_blocks.py only
+#   bash tests/gpu/run.sh bench [bench args]           # bench/gpu_overhead.py: overhead, side by side
+#   bash tests/gpu/run.sh blocks-bench [bench args]    # bench/torch_blocks_overhead.py: block tracing's cost
 # That machine has torch but no bcc and no package registry: bcc comes as the bundle that
 # ../shared/tools/bcc-bundle makes (.bcc/bcc-bundle.tar.xz), missing pure-Python packages as
 # wheels in .whl/ (pip download --no-deps -d .whl pyelftools grpcio-health-checking==1.76.0
 # grpcio-reflection==1.76.0). Both are used only when bcc or a package is not importable already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run.sh tests|bench [args]}; shift
+what=${1:?usage: run.sh tests|blocks|bench|blocks-bench [args]}; shift
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
@@ -30,6 +32,8 @@ export PYTHONPATH=$PWD/agent:${PYTHONPATH:-}
 
 case $what in
   tests) exec $python -m pytest tests/gpu -s -q -p no:cacheprovider "$@" ;;
+  blocks) exec $python -m pytest tests/gpu/test_torch_blocks.py -s -q -p no:cacheprovider "$@" ;;
   bench) exec $python bench/gpu_overhead.py "$@" ;;
-  *) echo "usage: run.sh tests|bench [args]" >&2; exit 2 ;;
+  blocks-bench) exec $python bench/torch_blocks_overhead.py "$@" ;;
+  *) echo "usage: run.sh tests|blocks|bench|blocks-bench [args]" >&2; exit 2 ;;
 esac

@@ -5,6 +5,12 @@ functions have fixed names and lines so that tests can check the Python stacks k
 
 KVTRACE_TEST_TITLE renames the process as setproctitle (and so vLLM) does, before torch loads CUDA.
 KVTRACE_TEST_DEVICE=cpu runs the model commands on the CPU (to check this file off the GPU machine).
+
+Commands for PyTorch's caching allocator block by block (tests/gpu/test_torch_blocks.py,
+bench/torch_blocks_overhead.py): "blocks" (tensors of mixed sizes, a third freed again),
+"memory_snapshot" (torch.cuda.memory_snapshot() without frames, with memory_reserved/allocated per
+device), "clone_leak" (keep_activation() keeps a clone per step while scratch_temporary() makes the
+cache grow) and "tensor_pairs" (torch.empty + del in a tight loop, timed).
 """
 import ctypes
 import json
@@ -30,6 +36,7 @@ import torch  # noqa: E402  (after the title: torch maps libcudart as it loads)
 
 DEVICE = os.environ.get("KVTRACE_TEST_DEVICE", "cuda")
 kept = []
+clones = []  # the "clone_leak" command's planted leak
 model_state = {}  # "model", "cache", "leaked": the Llama commands' state
 llama = None  # tests/gpu/workloads/llama.py, imported by the first model command
 
@@ -54,6 +61,90 @@ def churn(steps, size_bytes):
 
 def allocate_too_much(size_bytes):
     return torch.empty(size_bytes, dtype=torch.uint8, device="cuda")  # OOM_LINE
+
+
+# Sizes of the "blocks" command: both pools (small <= 1 MiB), sizes on and off PyTorch's 512-byte
+# grid, large ones from 20 MiB segments (1-10 MiB) and from their own (> 10 MiB).
+BLOCK_SIZES = (1, 511, 513, 4096, 100_000, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 5, 9 << 20,
+               (10 << 20) + 512, (25 << 20) + 1, 64 << 20)
+
+
+def allocate_blocks(count):
+    """`count` tensors, sizes from BLOCK_SIZES in turn."""
+    tensors = []
+    for index in range(count):
+        size_bytes = BLOCK_SIZES[index % len(BLOCK_SIZES)]
+        tensors.append(torch.empty(size_bytes, dtype=torch.uint8, device="cuda"))  # BLOCKS_LINE
+    return tensors
+
+
+def memory_snapshot():
+    """torch.cuda.memory_snapshot() without frames (each block with its address), and what the
+    allocator says it holds on each device."""
+    torch.cuda.synchronize()
+    segments = []
+    for segment in torch.cuda.memory_snapshot():
+        address, blocks = segment["address"], []
+        for block in segment["blocks"]:  # in address order, covering the segment
+            blocks.append({"address": block.get("address", address), "size": block["size"],
+                           "requested_size": block["requested_size"], "state": block["state"]})
+            address += block["size"]
+        segments.append({"device": segment["device"], "address": segment["address"],
+                         "total_size": segment["total_size"], "is_expandable": segment.get("is_expandable", False),
+                         "segment_type": segment.get("segment_type", ""), "blocks": blocks})
+    devices = range(torch.cuda.device_count())
+    return {"segments": segments,
+            "reserved_by_device": {str(device): torch.cuda.memory_reserved(device) for device in devices},
+            "allocated_by_device": {str(device): torch.cuda.memory_allocated(device) for device in devices}}
+
+
+def scratch_temporary(size_bytes, step):
+    """Work space freed at once. It holds nothing, but it is what misses the allocator's cache, so
+    the cudaMalloc calls (segments) that the leak below makes necessary happen here."""
+    scratch = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")  # TEMPORARY_LINE
+    scratch.fill_(step % 251)
+    del scratch
+
+
+def keep_activation(kept_clones, activation):
+    """The planted leak: a clone of the activation every step, never freed."""
+    kept_clones.append(activation.clone())  # KEEP_CLONE_LINE
+
+
+def clone_leak(steps, interval_seconds, keep_bytes, temporary_bytes):
+    """One step every `interval_seconds` (fixed schedule): a temporary of `temporary_bytes`, then a
+    kept clone of `keep_bytes`. With 8 MiB clones and 32 MiB temporaries the clones are carved out of
+    the cached temporaries' segments, so the temporaries are what misses the cache: about every
+    fourth one needs a new 32 MiB cudaMalloc, and the clones none."""
+    activation = torch.ones(keep_bytes, dtype=torch.uint8, device="cuda")
+    start = time.monotonic()
+    late_steps = 0
+    for step in range(steps):
+        scratch_temporary(temporary_bytes, step)
+        keep_activation(clones, activation)
+        torch.cuda.synchronize()
+        pause = start + (step + 1) * interval_seconds - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        else:
+            late_steps += 1
+    return {"kept": len(clones), "kept_bytes": len(clones) * keep_bytes, "late_steps": late_steps,
+            "seconds": time.monotonic() - start}
+
+
+def tensor_pairs(count, numel, depth):
+    """`count` times `torch.empty(numel, device="cuda")` then its free, `depth` frames below this
+    one; returns nanoseconds per pair. After the first, every one is a cache hit: one pytorch:malloc
+    and one pytorch:free, no CUDA call."""
+    if depth > 0:
+        return tensor_pairs(count, numel, depth - 1)
+    empty = torch.empty
+    torch.cuda.synchronize()
+    start = time.perf_counter_ns()
+    for _ in range(count):
+        tensor = empty(numel, device="cuda")
+        del tensor
+    return (time.perf_counter_ns() - start) / count
 
 
 def cudart():
@@ -200,6 +291,22 @@ def main():
                 answer = {"oom": True}
         elif op == "pairs":
             answer = {"ns_per_pair": malloc_free_pairs(command["count"], command.get("depth", 0))}
+        elif op == "blocks":
+            tensors = allocate_blocks(command["count"])
+            # every third freed again: holes between live blocks, cached for reuse
+            live = [tensor for index, tensor in enumerate(tensors) if index % 3 != 1]
+            kept.extend(live)
+            answer = {"live": [(t.data_ptr(), t.untyped_storage().nbytes()) for t in live],
+                      "freed": len(tensors) - len(live)}
+            del tensors, live
+        elif op == "memory_snapshot":
+            answer = memory_snapshot()
+        elif op == "clone_leak":
+            answer = clone_leak(command["steps"], command["interval_seconds"], command["keep_bytes"],
+                                command["temporary_bytes"])
+        elif op == "tensor_pairs":
+            answer = {"ns_per_pair": tensor_pairs(command["count"], command.get("numel", 4096),
+                                                  command.get("depth", 0))}
         elif op in MODEL_OPS:
             answer = model_command(op, command)
         elif op == "exit":
