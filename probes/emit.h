@@ -25,16 +25,18 @@ static __always_inline void count(u32 index) {
         *value += 1;
 }
 
-static __always_inline void emit_stack(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
-                                       u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux,
-                                       u64 stack_id, u8 stack_status) {
+/* One event into the ring, stamped `timestamp_ns` (the ledger entry it describes carries the same
+ * stamp, which is how user space keeps its stack across a resync). 0 when sent, -1 when lost. */
+static __always_inline int emit_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer, u8 object, u8 memory,
+                                   u64 address, u64 size_bytes, s32 device, s32 error_code, u64 caller,
+                                   u64 aux, u64 stack_id, u8 stack_status) {
     struct kvt_event *e = events.ringbuf_reserve(sizeof(struct kvt_event));
     if (!e) {
         count(KVT_COUNTER_EVENTS_LOST);
-        return;
+        return -1;
     }
     u64 pid_tgid = bpf_get_current_pid_tgid();
-    e->timestamp_ns = bpf_ktime_get_ns();
+    e->timestamp_ns = timestamp_ns;
     e->address = address;
     e->size_bytes = size_bytes;
     e->caller_address = caller;
@@ -54,12 +56,20 @@ static __always_inline void emit_stack(u8 kind, u16 api, u8 layer, u8 object, u8
     bpf_get_current_comm(&e->comm, sizeof(e->comm));
     events.ringbuf_submit(e, wakeup_flag());
     count(KVT_COUNTER_EVENTS_SUBMITTED);
+    return 0;
 }
 
-static __always_inline void emit(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
-                                 u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux) {
-    emit_stack(kind, api, layer, object, memory, address, size_bytes, device, error_code, caller, aux,
-               0, KVT_STACK_NOT_WALKED);
+static __always_inline int emit_stack(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
+                                      u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux,
+                                      u64 stack_id, u8 stack_status) {
+    return emit_at(bpf_ktime_get_ns(), kind, api, layer, object, memory, address, size_bytes, device,
+                   error_code, caller, aux, stack_id, stack_status);
+}
+
+static __always_inline int emit(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,
+                                u64 size_bytes, s32 device, s32 error_code, u64 caller, u64 aux) {
+    return emit_stack(kind, api, layer, object, memory, address, size_bytes, device, error_code, caller,
+                      aux, 0, KVT_STACK_NOT_WALKED);
 }
 
 /* Discovery: tell user space when a process may have new CUDA code to attach to. */

@@ -67,8 +67,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
         return 0; /* a thread, not the process */
     if (!tracked_pids.lookup(&pid))
         return 0;
-    tracked_pids.delete(&pid);
-    emit(KVT_KIND_PROCESS_EXIT, KVT_API_PROCESS_EXIT, 0, 0, 0, 0, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0);
+    /* Forgotten only once user space is told: when the ring is full, the periodic sweep finds the
+     * pid still tracked and drops what it held. */
+    if (emit(KVT_KIND_PROCESS_EXIT, KVT_API_PROCESS_EXIT, 0, 0, 0, 0, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0) == 0)
+        tracked_pids.delete(&pid);
     return 0;
 }
 

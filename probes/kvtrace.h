@@ -95,11 +95,12 @@
 
 /* One ring-buffer record per traced call. 88 bytes, no implicit padding. */
 struct kvt_event {
-    u64 timestamp_ns;   /* bpf_ktime_get_ns() at return (CLOCK_MONOTONIC) */
+    u64 timestamp_ns;   /* bpf_ktime_get_ns() at return (CLOCK_MONOTONIC); an allocation's ledger entry has the same */
     u64 address;        /* device/host pointer, VMM handle or VA; context for set-device/destroy */
     u64 size_bytes;
     u64 caller_address; /* return address of the traced call: who called the CUDA API */
-    u64 aux;            /* cuMemMap: the handle; cuMemUnmap: bytes of physical memory it freed */
+    u64 aux;            /* cuMemMap: the handle; cuMemUnmap: bytes of physical memory it freed;
+                         * pytorch:malloc/free: the CUDA stream */
     u64 stack_id;       /* Python stack in the stacks map; 0 = none (stack_status says why) */
     u32 pid;
     u32 tid;
@@ -135,7 +136,7 @@ struct kvt_notify {
 #define KVT_STACK_READ_ERROR      4 /* target memory could not be read */
 #define KVT_STACK_EMPTY           5 /* a thread state with no Python frame */
 
-/* Per process: where its thread states are and how to walk its frames (sources/pyoffsets.py). */
+/* Per process: where its thread states are and how to walk its frames (sources/python/offsets.py). */
 struct kvt_py_target {
     u64 tss_key_address;  /* &_PyRuntime.autoTSSkey._key in the target */
     s16 tstate_frame;

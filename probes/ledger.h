@@ -12,9 +12,10 @@ static __always_inline void mark_tracked(u32 pid) {
     tracked_pids.update(&pid, &one);
 }
 
-/* Inserts an outstanding object into the in-kernel ledger. */
-static __always_inline void ledger_insert(u8 layer, u8 object, u8 memory, u16 api, u64 address,
-                                          u64 size_bytes, s32 device, u64 caller, u64 aux) {
+/* Inserts an outstanding object into the in-kernel ledger; returns its timestamp, which the event
+ * about it must carry too (emit_at). */
+static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api, u64 address,
+                                         u64 size_bytes, s32 device, u64 caller, u64 aux) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     struct kvt_ledger_key key = {.pid = pid_tgid >> 32, .layer = layer, .object = object, .address = address};
     struct kvt_ledger_value value = {};
@@ -29,6 +30,7 @@ static __always_inline void ledger_insert(u8 layer, u8 object, u8 memory, u16 ap
     if (ledger.update(&key, &value) != 0)
         count(KVT_COUNTER_LEDGER_FULL);
     mark_tracked(key.pid);
+    return value.timestamp_ns;
 }
 
 /* Allocation return: reads *out_ptr and records the object. */
@@ -57,9 +59,9 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
     }
     u64 address = 0;
     bpf_probe_read_user(&address, sizeof(address), (void *)args.arg[0]);
-    ledger_insert(layer, object, memory, api, address, size_bytes, device, args.caller_address, 0);
-    emit_stack(KVT_KIND_ALLOC, api, layer, object, memory, address, size_bytes, device, 0,
-               args.caller_address, 0, args.stack_id, args.stack_status);
+    u64 now = ledger_insert(layer, object, memory, api, address, size_bytes, device, args.caller_address, 0);
+    emit_at(now, KVT_KIND_ALLOC, api, layer, object, memory, address, size_bytes, device, 0,
+            args.caller_address, 0, args.stack_id, args.stack_status);
     return 0;
 }
 

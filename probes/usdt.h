@@ -86,8 +86,9 @@ static __always_inline int over_block_rate(u32 pid) {
         block_rate.update(&pid, &fresh);
         return 0;
     }
-    rate->events += 1;
-    return rate->events > *limit;
+    /* Atomic: the threads of one process run on several CPUs at once. (A window restarted by two
+     * CPUs together loses a few counts: the limit is approximate, the ledger stays exact.) */
+    return __sync_fetch_and_add(&rate->events, 1) + 1 > *limit;
 }
 
 /* Entry of every pytorch:malloc and pytorch:free site (the cookie tells which). */
@@ -115,16 +116,16 @@ int usdt_pytorch(struct pt_regs *ctx) {
         }
         if (site->arg_count >= 4)
             usdt_argument(regs, &site->args[3], &stream);
-        ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE, KVT_API_pytorch_malloc, address,
-                      size_bytes, (s32)device, 0, stream);
+        u64 inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+                                        KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream);
         if (over_block_rate(pid)) {
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;
         }
         u64 status = KVT_STACK_NOT_WALKED;
         u64 stack_id = walk_python_stack(pid, &status);
-        emit_stack(KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                   address, size_bytes, (s32)device, 0, 0, stream, stack_id, status);
+        emit_at(inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
+                KVT_MEMORY_DEVICE, address, size_bytes, (s32)device, 0, 0, stream, stack_id, status);
         return 0;
     }
     struct kvt_ledger_key key = {.pid = pid, .layer = KVT_LAYER_TORCH, .object = KVT_OBJECT_BLOCK,

@@ -40,6 +40,31 @@ def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_
             harness.close()
 
 
+def test_an_exit_lost_to_a_full_ring_is_swept(bpf_here_unshared, stub_build):
+    """GIVEN a process whose exit event cannot be sent (the ring is full: nobody reads it), THEN
+    the kernel keeps it tracked and the sweep drops what it held, in both ledgers."""
+    with Workload([stub_build.workload, "leak", "500"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], settings=ProbeSettings(ringbuf_pages=1), sweep_seconds=0.2,
+                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            workload.go()
+            assert len(workload.read_calls()) == 500
+            assert workload.finish() == 0  # exits while the ring is still full
+            probes = harness.source.probes
+            assert probes is not None and probes.counters()["events_lost"] > 0
+            assert pid in probes.tracked_pids()  # its exit event was lost: still tracked
+
+            def swept():
+                return (pid not in probes.tracked_pids() and pid not in harness.session.ledger.pids()
+                        and all(e.key.pid != pid for e in harness.source.kernel_ledger()))
+
+            assert harness.pump_until(swept, timeout_seconds=10)
+            assert len(harness.of(pid, Kind.PROCESS_EXIT)) == 1  # the sweep's, once
+        finally:
+            harness.close()
+
+
 def test_cmdline_filter_selects_matching_processes_only(session_tracer, stub_build):
     tracer = session_tracer.source
     tracer.options.cmdline = re.compile(r"workload hold$")

@@ -120,6 +120,22 @@ def test_resync_replaces_content_and_totals():
     assert ledger.get(LedgerKey(PID, Layer.DRIVER, ObjectKind.ALLOCATION, 0x1000)) is None
 
 
+def test_resync_keeps_the_stack_of_the_same_allocation_only():
+    """The kernel's entry and the event about it carry one timestamp: an entry the resync brings
+    back with that timestamp is the allocation whose stack is known; a different one (the address
+    freed and allocated again while events were lost) has no stack."""
+    ledger = Ledger()
+    for address, ts in ((0x1000, 5), (0x2000, 6)):
+        event = ev(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, address, MiB, ts=ts)
+        event.stack_id = 40 + ts
+        ledger.apply(event)
+    exact = Ledger()
+    exact.apply(ev(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, 0x1000, MiB, ts=5))
+    exact.apply(ev(Kind.ALLOC, Api.cuMemAlloc_v2, Layer.DRIVER, 0x2000, MiB, ts=9))
+    ledger.resync(list(exact))
+    assert ledger.bytes_by_stack() == {(PID, 45): (MiB, 1), (PID, 0): (MiB, 1)}
+
+
 def test_host_and_managed_memory_are_kept_apart_from_device():
     ledger = Ledger()
     ledger.apply(ev(Kind.ALLOC, Api.cuMemAllocHost_v2, Layer.DRIVER, 0x5000, 4096, device=-1,
