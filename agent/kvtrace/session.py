@@ -3,7 +3,7 @@
     sources ──ingest()──▶ Session (ledger, stacks, processes, health) ──reads──▶ analysis, servers
                               └──▶ sinks (the API's event hub, --json-events, recordings)
 
-Sources (the BPF probes, NVML, later PyTorch's allocator, vLLM, CUPTI, a recording) turn what they
+Sources (the BPF probes with PyTorch's allocator probes, NVML; later vLLM, CUPTI, a recording) turn what they
 see into model records and call `ingest`. Ingesting applies an event to the ledger, fills in the
 process's title and container (attribution written once, for every source), and hands it to every
 sink in order. Sources also report their health, counters and attached libraries here, so that
@@ -82,6 +82,9 @@ class Session:
         self.traced_only = False  # a source follows chosen processes only (NVML's others are left out)
         self._native_names = native_names
         self._native_frames: dict[tuple[int, int], NativeFrame] = {}
+        # Guards _native_frames only: servers name callers from their threads while the event loop
+        # forgets exited processes. Symbolizing (reading a library) happens outside it.
+        self._native_lock = threading.Lock()
         self._sinks: list[Sink] = []
         self._components: dict[str, _Component] = {}
         self._counters: dict[str, int] = {}
@@ -136,8 +139,9 @@ class Session:
     def _forget_process(self, pid: int) -> None:
         self.ledger.forget_counters(pid)
         self.processes.forget(pid)
-        for key in [key for key in self._native_frames if key[0] == pid]:
-            del self._native_frames[key]
+        with self._native_lock:
+            for key in [key for key in self._native_frames if key[0] == pid]:
+                del self._native_frames[key]
         if self._native_names is not None:
             self._native_names.forget(pid)
 
@@ -214,9 +218,12 @@ class Session:
         if not address or self._native_names is None:
             return None
         key = (pid, address)
-        frame = self._native_frames.get(key)
+        with self._native_lock:
+            frame = self._native_frames.get(key)
         if frame is None:
-            frame = self._native_frames[key] = self._native_names.symbolize(pid, address)
+            frame = self._native_names.symbolize(pid, address)
+            with self._native_lock:
+                self._native_frames[key] = frame
         return frame
 
     def processes_holding_memory(self) -> list[TrackedProcess]:

@@ -99,6 +99,7 @@ def synthetic_ledger() -> LedgerCounts:
 
 TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full": 0, "blocks_unsent": 5,
                    "unknown_frees": 11, "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
+                   "events_undecodable": 2,
                    "resyncs": 1}
 
 
@@ -276,6 +277,7 @@ def test_exact_values_for_a_synthetic_snapshot():
     assert samples(families, "kvtrace_events_lost_total") == {(): 23}
     assert samples(families, "kvtrace_ledger_full_total") == {(): 0}
     assert samples(families, "kvtrace_unknown_frees_total") == {(): 11}
+    assert samples(families, "kvtrace_events_undecodable_total") == {(): 2}
     assert samples(families, "kvtrace_component_up") == {
         labels(component="analysis"): 1, labels(component="bpf"): 1, labels(component="exporter"): 1,
         labels(component="nvml"): 1, labels(component="python_stacks"): 1}

@@ -49,7 +49,7 @@ class AgentCommand:
         parser.add_argument("--no-torch-blocks", action="store_true",
                             help="do not trace PyTorch's caching allocator (its USDT probes pytorch:malloc/free: "
                                  "the blocks tensors hold inside the segments, and their stacks)")
-        parser.add_argument("--max-block-events-per-second", metavar="N", type=int, default=50_000,
+        parser.add_argument("--max-block-events-per-second", metavar="N", type=int, default=100_000,
                             help="PyTorch block events one process may send per second (default: %(default)s; "
                                  "0: no limit); beyond, blocks stay exact in the ledger, their events are "
                                  "counted as unsent and the ledger is resynced")

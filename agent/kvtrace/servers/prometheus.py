@@ -6,7 +6,7 @@ Analyzer's latest snapshot, so nothing is kept or updated on the event path.
 Labels are bounded: pid, title, gpu, layer, memory, window, api, error_code, component, uuid,
 version. Stacks and addresses are never labels (`kvtrace leaks` and the gRPC API have them). Series
 of a process are exported while it is alive (it holds traced memory, is in the snapshot or is
-known to the tracer), so exited processes' series go stale instead of piling up.
+known to the Session), so exited processes' series go stale instead of piling up.
 
 `gpu` on per-process metrics is the CUDA ordinal the process used ("unknown" when it could not be
 known); on kvtrace_gpu_memory_* it is the NVML index. They differ when CUDA_VISIBLE_DEVICES
@@ -61,8 +61,9 @@ _PROCESS_GPU = ("pid", "title", "gpu")
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_outstanding_bytes", "gauge", "bytes", _PROCESS_GPU + ("layer", "memory"),
-               "Traced memory allocated and not yet freed. The runtime layer sits on top of the driver "
-               "layer: physical device memory is layer driver plus vmm, never all three."),
+               "Traced memory allocated and not yet freed. Layers nest (runtime on driver, torch blocks "
+               "inside runtime or vmm segments): physical device memory is layer driver plus vmm, never "
+               "more layers."),
     MetricSpec("kvtrace_outstanding_objects", "gauge", "objects", _PROCESS_GPU + ("layer", "memory"),
                "Traced allocations (and VMM handles) not yet freed."),
     MetricSpec("kvtrace_allocations_total", "counter", "allocations", _PROCESS + ("layer",),
@@ -119,6 +120,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_block_events_unsent_total", "counter", "events", (),
                "PyTorch block events not sent because a process went over --max-block-events-per-second: "
                "the blocks stay exact in the ledger (resynced from the kernel), their stacks are missing."),
+    MetricSpec("kvtrace_events_undecodable_total", "counter", "events", (),
+               "Events the agent could not decode (probes and agent of different builds?): each one "
+               "makes the ledger resync from the kernel's; reinstall so that both match."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
@@ -138,6 +142,7 @@ _SESSION_COUNTERS = {
     "kvtrace_ledger_full_total": "ledger_full",
     "kvtrace_unknown_frees_total": "unknown_frees",
     "kvtrace_block_events_unsent_total": "blocks_unsent",
+    "kvtrace_events_undecodable_total": "events_undecodable",
 }
 
 

@@ -126,8 +126,12 @@ def symbol_file_offsets(path: str | Path, names: Collection[str], types: Collect
     values = find_symbols(path, names, types=types)
     if not values:
         return {}
-    with open(path, "rb") as stream:
-        segments = load_segments(ELFFile(stream))
+    try:
+        with open(path, "rb") as stream:
+            segments = load_segments(ELFFile(stream))
+    except READ_ERRORS as error:  # replaced or malformed since its symbols were read
+        log.warning("cannot read the segments of %s: %s", path, error)
+        return {}
     offsets = {}
     for name, vaddr in values.items():
         offset = vaddr_to_file_offset(segments, vaddr)

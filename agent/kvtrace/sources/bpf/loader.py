@@ -1,7 +1,8 @@
 """Loads probes/kvtrace.bpf.c with bcc, attaches it to CUDA libraries and reads its maps and rings.
 
-This is the only module that touches bcc. It hands raw records (ctypes structs) to callbacks;
-decode.py turns them into model events.
+With links.py (uprobe_multi links on bcc's programs) and preflight.py (what the kernel offers), the
+only code that touches bcc. It hands raw records (ctypes structs) to callbacks; decode.py turns them
+into model events.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ProbeSettings:
-    """Compile-time sizes of the BPF maps (see the defines at the top of kvtrace.bpf.c)."""
+    """Compile-time sizes of the BPF maps and run-time limits (probes/settings.h lists the defines)."""
 
     max_ledger_entries: int = 1 << 20
     ringbuf_pages: int = 4096  # 16 MiB: ~190 000 events of burst before any is lost
@@ -40,7 +41,7 @@ class ProbeSettings:
     uprobe_links: bool | None = None
     # PyTorch block events a process may send per second (0: no limit); beyond, the block still
     # goes into the ledger and the event is counted as unsent (blocks_unsent), not sent.
-    block_events_per_second: int = 50_000
+    block_events_per_second: int = 100_000
 
     def cflags(self) -> list[str]:
         return [
@@ -162,17 +163,17 @@ class BpfProbes:
                 sites.append((probe, site))
         if not sites:
             raise TorchProbesRefused(f"no usable pytorch:malloc/free probe in {path}")
-        cookies = []
+        cookies: list[int] = []
         table = self._bpf[b"usdt_sites"]
-        for _, site in sites:
-            self._next_cookie += 1
-            table[ctypes.c_uint64(self._next_cookie)] = site
-            cookies.append(self._next_cookie)
         try:
+            for _, site in sites:
+                self._next_cookie += 1
+                table[ctypes.c_uint64(self._next_cookie)] = site  # raises when usdt_sites is full
+                cookies.append(self._next_cookie)
             link = links.attach_uprobe_multi(
                 self._program(TORCH_PROGRAM), path, [probe.pc_file_offset for probe, _ in sites],
                 ref_ctr_offsets=[probe.semaphore_file_offset for probe, _ in sites], cookies=cookies, pid=pid)
-        except links.LinkError as error:
+        except Exception as error:  # LinkError, or bcc's plain Exception from a full map
             for cookie in cookies:
                 del table[ctypes.c_uint64(cookie)]
             raise TorchProbesRefused(str(error)) from error
@@ -342,8 +343,13 @@ class BpfProbes:
         started = time.monotonic()
         all_links = [link for path_links in self._links.values() for link in path_links]
         self._links.clear()
-        links.close_links(all_links)
-        self._bpf.cleanup()
+        try:
+            links.close_links(all_links)
+        finally:
+            if self._epoll is not None:
+                self._epoll.close()
+                self._epoll = None
+            self._bpf.cleanup()
         return time.monotonic() - started
 
 

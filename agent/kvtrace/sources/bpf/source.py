@@ -94,6 +94,7 @@ class BpfSource:
         self._attached_targets: dict[str, Target] = {}  # path -> what was attached there
         self._missed_seen = 0  # events lost + block events unsent, as last seen
         self._resync_due = False
+        self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
         self._next_full_scan = 0.0
         self._next_sweep = 0.0
         self._next_resync_allowed = 0.0
@@ -150,8 +151,11 @@ class BpfSource:
 
     def stop(self) -> None:
         if self.probes is not None:
-            self.probes.close()
-            self.probes = None
+            try:
+                self.probes.close()
+            finally:
+                self.probes = None
+                self.symbolizer.close()  # the open /proc/PID/mem files
 
     def run_once(self, timeout_ms: int = 100) -> None:
         probes = self._probes()
@@ -168,7 +172,9 @@ class BpfSource:
 
     def _report(self, counters: dict[str, int] | None = None) -> None:
         """Counters, attached libraries and a heartbeat to the Session (every loop)."""
-        self.session.report_counters(counters if counters is not None else self._probes().counters())
+        counters = dict(counters if counters is not None else self._probes().counters())
+        counters["events_undecodable"] = self._undecodable
+        self.session.report_counters(counters)
         self.session.report_libraries(self.attached_libraries())
         self.session.report_component("bpf", True, stale_after_seconds=STALLED_AFTER_SECONDS,
                                       stale_reason="the event loop is stalled")
@@ -176,6 +182,15 @@ class BpfSource:
     # ---- events ----
 
     def _on_raw_event(self, record: bytes) -> None:
+        try:
+            self._take_event(record)
+        except Exception:  # a record this agent cannot read (probes of another build?): resync
+            self._undecodable += 1
+            if self._undecodable == 1:
+                log.exception("an event could not be decoded; the ledger is resynced from the kernel's")
+            self._resync_due = True
+
+    def _take_event(self, record: bytes) -> None:
         event, kernel_stack_id = decode_event(record, self.clock)
         if self.filtering and event.pid not in self._selected:
             return
@@ -263,6 +278,8 @@ class BpfSource:
             self._scan_pid(pid)
         except (OSError, psutil.Error) as error:  # it exited or exec'd while we looked: next scan
             log.debug("pid %d: scan failed: %s", pid, error)
+        except Exception:  # one odd process (a crafted or truncated file it maps) never stops the agent
+            log.exception("pid %d: scan failed; it is looked at again at the next scan", pid)
 
     def _scan_pid(self, pid: int) -> None:
         new = self.discovery.scan_pid(pid)
@@ -313,7 +330,7 @@ class BpfSource:
             probes.poll(0)
             self._flush()
             self.scan_pid(pid)
-        self._report()
+            self._report()  # reads the targets the event loop changes: under the lock too
 
     def _select(self, pid: int) -> None:
         self._selected.add(pid)
@@ -336,7 +353,12 @@ class BpfSource:
                 return
         self._attached_targets[target.path] = target
         for pid in sorted(self._selected) if self._per_pid_attach else [-1]:
-            self._attach_for(target, pid)
+            try:
+                self._attach_for(target, pid)
+            except Exception as error:  # a file that cannot be read as it claimed: refuse it, go on
+                log.exception("cannot attach to %s", target.path)
+                self.refused[target.path] = f"attaching failed: {error}"
+                self.session.report_component(f"attach:{target.path}", False, self.refused[target.path])
 
     def _attach_for(self, target: Target, pid: int) -> None:
         """Probes on `target` for one process (pid) or all (-1), once."""
@@ -406,7 +428,11 @@ class BpfSource:
     def _kernel_entries(self) -> Iterator[Outstanding]:
         """The kernel ledger one entry at a time (millions of entries must not be held twice)."""
         for key, value in self._probes().iter_ledger_items():
-            entry = decode_ledger_entry(key, value, self.clock)
+            try:
+                entry = decode_ledger_entry(key, value, self.clock)
+            except ValueError as error:  # an entry this agent cannot read: left out, not fatal
+                log.warning("ledger entry of pid %d left out of the resync: %s", key.pid, error)
+                continue
             if not self.filtering or entry.key.pid in self._selected:
                 yield entry
 
