@@ -138,6 +138,13 @@ def test_growth_ps_snapshot_and_memory_viz_show_the_blocks(tmp_path, capsys):
         assert "no PyTorch blocks are traced in pid 100" in capsys.readouterr().err
         assert main(["snapshot", "--format", "memory-viz", "--socket", socket]) == 2
         assert "-p PID -o FILE.pickle" in capsys.readouterr().err
+        # Segments the viewer would draw wrong (overlapping): said in one line, no file.
+        agent.apply(*segment(pid=400), *segment(pid=400, address=SEGMENT + MiB), block(SEGMENT, MiB, pid=400))
+        overlapping = tmp_path / "400.pickle"
+        assert main(["snapshot", "-p", "400", "--format", "memory-viz", "-o", str(overlapping),
+                     "--socket", socket]) == 1
+        error = capsys.readouterr().err
+        assert "overlaps" in error and "--format json" in error and not overlapping.exists()
     snapshot = pickle.loads(pickle_path.read_bytes())
     (viz,) = snapshot["segments"]
     assert (viz["address"], viz["total_size"], viz["allocated_size"]) == (SEGMENT, 128 * MiB, 61 * MiB)

@@ -258,3 +258,12 @@ def test_top_keeps_every_column_in_80_columns_and_cuts_the_title():
     assert row.split()[:9] == ["1234567", "cuda1", "123.0", "GiB", "-", "-512.0", "MiB", "-1.5", "MiB"]
     assert row.split()[-3:-1] == ["2d00h", "-"] and row.split()[-1].startswith("/usr/b")
     assert row.rstrip().endswith("\u2026") and len(row.rstrip()) <= 80
+
+
+def test_top_prints_a_title_with_brackets_as_it_is():
+    # A process title is the operator's text, never rich markup (nor a crash on "[/]").
+    growth = service_pb2.GetGrowthResponse(timestamp_ns=T0_NS, processes=[
+        service_pb2.ProcessGrowth(pid=7, title="python run.py --tag [bold]x[/] [/oops]", outstanding_bytes=GiB)])
+    console = Console(width=160, file=io.StringIO())
+    console.print(render_frame(service_pb2.GetAgentInfoResponse(version="0.1.0"), growth, "growth", T0_NS, 160))
+    assert console.file.getvalue().splitlines()[5].rstrip().endswith("python run.py --tag [bold]x[/] [/oops]")

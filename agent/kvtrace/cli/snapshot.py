@@ -93,7 +93,12 @@ class SnapshotCommand:
             raise CommandError(f"no PyTorch blocks are traced in pid {args.pid[0]} (is it a PyTorch process, "
                                "traced since it allocated? `kvtrace doctor --pid` says what is traced)",
                                ExitCode.FAILURE)
-        snapshot = snapshot_dict(viz_segments(segments, stacks.get))
+        try:
+            snapshot = snapshot_dict(viz_segments(segments, stacks.get))
+        except ValueError as error:  # what the viewer would draw wrong; nothing is written
+            raise CommandError(f"cannot write a memory-viz file of pid {args.pid[0]}: {error}; "
+                               f"`kvtrace snapshot -p {args.pid[0]} --format json` shows the blocks as traced",
+                               ExitCode.FAILURE) from None
         try:
             write_pickle(args.output, snapshot)
         except OSError as error:

@@ -96,7 +96,7 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
     table.add_column("TITLE", no_wrap=True, overflow="ellipsis",
                      max_width=max(8, width - sum(widths) - len(columns) - 1))
     for cells in rows:
-        table.add_row(*cells)
+        table.add_row(*(Text(cell) for cell in cells))  # a title like "[bold]x" is text, not markup
     return Group(Text("\n".join(header)), Text(""), table)
 
 
