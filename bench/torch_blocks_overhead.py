@@ -11,7 +11,7 @@ Roles:
   untraced   nothing attached
   nostacks   `kvtrace agent -p PID --no-python-stacks --max-block-events-per-second 0`
   stacks     `kvtrace agent -p PID --max-block-events-per-second 0` (Python stacks on)
-  kvtrace    `kvtrace agent -p PID` as shipped: blocks and Python stacks, at most 50 000 block
+  kvtrace    `kvtrace agent -p PID` as shipped: blocks and Python stacks, at most 100 000 block
              events a second per process (beyond, blocks stay exact in the ledger, unsent)
   history    PyTorch's own torch.cuda.memory._record_memory_history(enabled="all"), no probes
 

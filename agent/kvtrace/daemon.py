@@ -25,6 +25,7 @@ from kvtrace.model.events import PHYSICAL_LAYERS, Event, Layer, Memory
 from kvtrace.model.processes import ProcessTable
 from kvtrace.session import Session
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
+from kvtrace.sources.nvml import read_cuda_visible_devices
 from kvtrace.wire import event_to_json
 
 if TYPE_CHECKING:  # imported when started: a host without them still runs the rest
@@ -74,7 +75,7 @@ class Daemon:
         self.options = options
         self.out, self.err = out, err
         self.session = Session(ProcessTable(procfs.read_process), NativeSymbolizer())
-        self.analyzer = Analyzer(self.session, options.analysis, visible_devices=_cuda_visible_devices)
+        self.analyzer = Analyzer(self.session, options.analysis, visible_devices=read_cuda_visible_devices)
         self.source: BpfSource | None = None
         self.nvml: NvmlSampler | None = None
         self.server: AgentServer | None = None
@@ -165,9 +166,3 @@ class Daemon:
         print(f"{time.strftime('%H:%M:%S')} processes {len(processes)}  device {human_bytes(device)}  "
               f"host pinned {human_bytes(pinned)}  events {counters.get('events_seen', 0)}  "
               f"lost {counters.get('events_lost', 0)}", file=self.err, flush=True)
-
-
-def _cuda_visible_devices(pid: int) -> str | None:
-    from kvtrace.sources.procfs import environ_value
-
-    return environ_value(pid, "CUDA_VISIBLE_DEVICES")

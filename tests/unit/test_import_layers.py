@@ -15,9 +15,11 @@ LAYERS = (
     ("kvtrace.daemon",),
     ("kvtrace.cli",),
 )
-# Beside each other on one layer, yet never importing each other: sources do not read analysis
-# and analysis reads no source (it reads the Session).
-APART = (("kvtrace.sources", "kvtrace.analysis"), ("kvtrace.servers", "kvtrace.client"))
+# Never importing each other: sources do not read analysis and analysis reads no source (it reads
+# the Session); what serves or reports reads the Session and the model, never a source's raw shapes.
+APART = (("kvtrace.sources", "kvtrace.analysis"), ("kvtrace.servers", "kvtrace.client"),
+         *((reader, "kvtrace.sources") for reader in ("kvtrace.wire", "kvtrace.servers", "kvtrace.client",
+                                                       "kvtrace.reports")))
 
 
 def layer_of(module: str) -> int:

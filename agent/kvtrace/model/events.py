@@ -1,5 +1,5 @@
 """The one event model. Every source turns its raw records into `Event`; everything after it
-(ledger, analysis, export, CLI) reads only these.
+(ledger, analysis, servers, CLI) reads only these.
 
 The enum values equal the constants in probes/kvtrace.h so that decoding is a lookup, and a unit
 test checks the two stay in step.

@@ -1,6 +1,6 @@
-"""What analysis hands to the exporters (Prometheus, gRPC, `kvtrace top` / `leaks`).
+"""What analysis hands to the servers (Prometheus, gRPC, `kvtrace top` / `leaks`).
 
-One immutable snapshot, rebuilt on an interval by the analyzer in the agent; exporters only read
+One immutable snapshot, rebuilt on an interval by the analyzer in the agent; servers only read
 the latest one. Growth and forecasts are per process and GPU; "suspect" is the honest word for an
 allocation site whose memory is old and growing, not proof of a leak.
 """

@@ -63,10 +63,6 @@ class ProcessTable:
                 self._cache[pid] = info = fresh
         return info
 
-    def refresh(self, pid: int) -> ProcessInfo | None:
-        self._cache.pop(pid, None)
-        return self.get(pid)
-
     def forget(self, pid: int) -> None:
         self._cache.pop(pid, None)
 

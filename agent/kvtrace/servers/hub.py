@@ -24,7 +24,7 @@ from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
 DEFAULT_MAX_QUEUED_EVENTS = 65536
 
 # The title regex result is cached per title: titles are few, and the regex then runs once per
-# title instead of once per event in the tracer thread. Bounded so an exec storm cannot grow it.
+# title instead of once per event in the event loop. Bounded so an exec storm cannot grow it.
 _TITLE_CACHE_MAX_ENTRIES = 4096
 
 

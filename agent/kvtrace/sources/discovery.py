@@ -124,13 +124,6 @@ class Discovery:
                 target.pids.discard(pid)
         return new
 
-    def scan_all(self) -> list[Target]:
-        new: list[Target] = []
-        for entry in os.scandir(self._proc):
-            if entry.name.isdigit():
-                new.extend(self.scan_pid(int(entry.name)))
-        return new
-
     def add_file(self, path: str) -> Target | None:
         """A library at a known location, attached before any process maps it: a process that
         dlopens it later is traced from its first call (uprobes are installed at mmap time)."""
