@@ -223,8 +223,10 @@ def test_two_titled_workers_are_attributed_apart_and_nvml_agrees(torch_worker, a
 
         def settled():
             _, rows = growth_rows(agent_socket)
+            # NVML samples on its own interval: wait for a sample taken after the allocations
             return all(pid in rows and rows[pid].outstanding_bytes == reserved[pid]
-                       and rows[pid].HasField("nvml_used_bytes") for pid in reserved) and rows
+                       and rows[pid].HasField("nvml_used_bytes")
+                       and rows[pid].nvml_used_bytes >= reserved[pid] for pid in reserved) and rows
 
         rows = wait_for(settled, 30) or growth_rows(agent_socket)[1]
         response, _ = growth_rows(agent_socket)
