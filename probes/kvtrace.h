@@ -95,7 +95,8 @@
 
 /* One ring-buffer record per traced call. 88 bytes, no implicit padding. */
 struct kvt_event {
-    u64 timestamp_ns;   /* bpf_ktime_get_ns() at return (CLOCK_MONOTONIC); an allocation's ledger entry has the same */
+    u64 timestamp_ns;   /* bpf_ktime_get_ns() (CLOCK_MONOTONIC) at the call's return, or at the
+                         * pytorch:malloc/free hit; an allocation's ledger entry has the same */
     u64 address;        /* device/host pointer, VMM handle or VA; context for set-device/destroy */
     u64 size_bytes;
     u64 caller_address; /* return address of the traced call: who called the CUDA API */

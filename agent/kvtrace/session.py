@@ -85,6 +85,7 @@ class Session:
         # Guards _native_frames only: servers name callers from their threads while the event loop
         # forgets exited processes. Symbolizing (reading a library) happens outside it.
         self._native_lock = threading.Lock()
+        self._native_forgets = 0  # a name found across a forget may be the old process's: not kept
         self._sinks: list[Sink] = []
         self._components: dict[str, _Component] = {}
         self._counters: dict[str, int] = {}
@@ -140,6 +141,7 @@ class Session:
         self.ledger.forget_counters(pid)
         self.processes.forget(pid)
         with self._native_lock:
+            self._native_forgets += 1
             for key in [key for key in self._native_frames if key[0] == pid]:
                 del self._native_frames[key]
         if self._native_names is not None:
@@ -220,10 +222,12 @@ class Session:
         key = (pid, address)
         with self._native_lock:
             frame = self._native_frames.get(key)
+            forgets = self._native_forgets
         if frame is None:
             frame = self._native_names.symbolize(pid, address)
             with self._native_lock:
-                self._native_frames[key] = frame
+                if self._native_forgets == forgets:
+                    self._native_frames[key] = frame
         return frame
 
     def processes_holding_memory(self) -> list[TrackedProcess]:

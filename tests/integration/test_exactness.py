@@ -42,10 +42,11 @@ def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_
 
 def test_an_exit_lost_to_a_full_ring_is_swept(bpf_here_unshared, stub_build):
     """GIVEN a process whose exit event cannot be sent (the ring is full: nobody reads it), THEN
-    the kernel keeps it tracked and the sweep drops what it held, in both ledgers."""
+    the kernel keeps it tracked and the sweep drops what it held, in both ledgers. Every process is
+    traced (no -p): the sweep knows of the process only because the kernel still tracks it."""
     with Workload([stub_build.workload, "leak", "500"]) as workload:
         pid = workload.wait_ready()
-        harness = TracingHarness([pid], settings=ProbeSettings(ringbuf_pages=1), sweep_seconds=0.2,
+        harness = TracingHarness((), settings=ProbeSettings(ringbuf_pages=1), sweep_seconds=0.2,
                                  preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
         try:
             workload.go()

@@ -180,9 +180,10 @@ def test_block_events_over_the_rate_stay_exact_in_the_ledger(tmp_path, stub_buil
             kernel_entries = [e for e in harness.source.kernel_ledger()
                               if e.key.pid == pid and e.key.object is ObjectKind.BLOCK]
             assert sorted((e.key.address, e.size_bytes) for e in kernel_entries) == live
-            # The event about a block and its kernel entry carry one timestamp, so the resync keeps
-            # the stack the event brought: the first 10 events (all sent) are small mallocs, 7 of
-            # them still live.
+            # The event about a block and its kernel entry carry one timestamp, which is how a
+            # resync knows the entry is that event's allocation and keeps its stack (this C
+            # workload has none; tests/unit/test_ledger.py checks the keeping): the first 10
+            # events (all sent) are small mallocs, 7 of them still live.
             sent = {(e.address, e.timestamp_ns) for e in harness.of(pid, api=Api.pytorch_malloc)}
             assert len([e for e in kernel_entries if (e.key.address, e.timestamp_ns) in sent]) >= 7
         finally:

@@ -1,9 +1,13 @@
 """BpfSource with a stand-in for the BPF side: a gone -p process is dropped once, a record or
 ledger entry it cannot decode costs a resync, never the agent."""
+import math
+
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.loader import LibraryUnreadable
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
+from kvtrace.sources.discovery import FileId, Target
 
 GONE_PID = 4194999  # above the largest pid_max Linux allows: never a running process
 
@@ -40,6 +44,12 @@ class CountingProbes:
     def attached(self) -> dict:
         return {}
 
+    def attached_pids(self, path: str) -> set[int]:
+        return set()
+
+    def counters(self) -> dict[str, int]:
+        return dict.fromkeys(abi.COUNTERS, 0)
+
 
 def test_a_chosen_process_that_is_gone_is_dropped_once_not_every_sweep():
     # GIVEN a source following -p GONE_PID, whose process is not running
@@ -55,13 +65,52 @@ def test_a_chosen_process_that_is_gone_is_dropped_once_not_every_sweep():
     assert GONE_PID in tracer._selected
 
 
-def test_an_event_that_cannot_be_decoded_is_counted_and_makes_the_ledger_resync():
-    tracer = BpfSource(Session(), BpfOptions())
+class Seen:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def publish_loss(self, lost_count: int) -> None:
+        self.events.append(lost_count)
+
+
+def test_an_event_that_cannot_be_decoded_is_counted_told_as_lost_and_resyncs():
+    # GIVEN a full-size record of a kind this agent does not know (probes of another build)
+    record = abi.EVENT_STRUCT.pack(1, 0x1000, 4096, 0, 0, 0, 4000, 4000, 0, 0, Api.cudaMalloc.value, 200,
+                                   Layer.RUNTIME.value, ObjectKind.ALLOCATION.value, Memory.DEVICE.value,
+                                   0, 0, b"python")
+    session = Session()
+    seen = Seen()
+    session.add_sink(seen)
+    tracer = BpfSource(session, BpfOptions())
     tracer.probes = CountingProbes()
-    tracer._on_raw_event(b"\x00" * 8)  # far shorter than struct kvt_event
-    assert tracer._undecodable == 1 and tracer._resync_due
-    tracer._report({"events_lost": 0})
-    assert tracer.session.counters()["events_undecodable"] == 1
+    tracer._next_full_scan = tracer._next_sweep = math.inf
+    # WHEN it arrives and housekeeping runs
+    tracer._on_raw_event(record)
+    tracer.housekeeping()
+    # THEN it is counted, subscribers hear of one lost event, and the ledger is read from the kernel
+    assert session.counters()["events_undecodable"] == 1
+    assert [item for item in seen.events if isinstance(item, int)] == [1]
+    assert tracer.probes.ledger_reads == 1 and session.ledger.pids() == set()
+
+
+class UnreadableProbes(CountingProbes):
+    def attach(self, path: str, symbols, pid: int) -> list[str]:
+        raise LibraryUnreadable(f"cannot read the function offsets of {path}")
+
+
+def test_a_library_that_cannot_be_attached_is_refused_and_the_agent_goes_on():
+    session = Session()
+    tracer = BpfSource(session, BpfOptions())
+    tracer.probes = UnreadableProbes()
+    target = Target(FileId(1, 2), "/opt/lib/libcudart.so.12", ("cudaMalloc",))
+    tracer._attach(target)
+    assert tracer.refused[target.path] == "attaching failed: cannot read the function offsets of " + target.path
+    assert target.path not in tracer._attached_targets  # not kept as attached, not tried per pid
+    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
+    assert not status.up
 
 
 def _entry(pid: int, obj: int, address: int, size_bytes: int):

@@ -121,8 +121,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "PyTorch block events not sent because a process went over --max-block-events-per-second: "
                "the blocks stay exact in the ledger (resynced from the kernel), their stacks are missing."),
     MetricSpec("kvtrace_events_undecodable_total", "counter", "events", (),
-               "Events the agent could not decode (probes and agent of different builds?): each one "
-               "makes the ledger resync from the kernel's; reinstall so that both match."),
+               "Events the agent could not decode (probes and agent of different builds?): they are "
+               "told to subscribers as lost and the ledger resyncs from the kernel's (at most once a "
+               "second); reinstall so that both match."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),

@@ -126,6 +126,8 @@ class BpfProbes:
     def _attach_links(self, path: str, symbols: list[str], pid: int) -> list[str]:
         """One entry and one return link per symbol (each program handles one API)."""
         offsets = function_file_offsets(path, symbols)
+        if not offsets:  # discovery read these symbols; the file cannot be read (or was replaced) since
+            raise LibraryUnreadable(f"cannot read the function offsets of {path}")
         done = []
         for symbol in symbols:
             offset = offsets.get(symbol)
@@ -351,6 +353,10 @@ class BpfProbes:
                 self._epoll = None
             self._bpf.cleanup()
         return time.monotonic() - started
+
+
+class LibraryUnreadable(Exception):
+    """A library discovery found cannot be read now (replaced, truncated, malformed)."""
 
 
 class TorchProbesRefused(Exception):

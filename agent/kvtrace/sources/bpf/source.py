@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -183,15 +184,13 @@ class BpfSource:
 
     def _on_raw_event(self, record: bytes) -> None:
         try:
-            self._take_event(record)
-        except Exception:  # a record this agent cannot read (probes of another build?): resync
+            event, kernel_stack_id = decode_event(record, self.clock)
+        except (struct.error, KeyError, ValueError) as error:  # probes of another build?
             self._undecodable += 1
             if self._undecodable == 1:
-                log.exception("an event could not be decoded; the ledger is resynced from the kernel's")
-            self._resync_due = True
-
-    def _take_event(self, record: bytes) -> None:
-        event, kernel_stack_id = decode_event(record, self.clock)
+                log.error("an event could not be decoded (%s): the ledger is resynced from the kernel's; "
+                          "kvtrace_events_undecodable_total counts them", error)
+            return  # housekeeping sees the count go up: subscribers are told, the ledger resyncs
         if self.filtering and event.pid not in self._selected:
             return
         if kernel_stack_id:
@@ -254,7 +253,7 @@ class BpfSource:
         self._report(counters)
         # Events that never reached user space: lost when the ring was full, or a block event over
         # its process's rate. Subscribers are told in-band; the ledger comes back from the kernel's.
-        missed = counters["events_lost"] + counters["blocks_unsent"]
+        missed = counters["events_lost"] + counters["blocks_unsent"] + self._undecodable
         if missed > self._missed_seen:
             self.session.ingest(EventsLost(missed - self._missed_seen, time.time_ns()))
             self._missed_seen = missed
@@ -324,7 +323,7 @@ class BpfSource:
             self._select(pid)
             if self._per_pid_attach:
                 for target in list(self._attached_targets.values()):
-                    self._attach_for(target, pid)
+                    self._attach_guarded(target, pid)
             # Take in what the rings hold first: an exec notification of this pid still queued
             # would otherwise be handled after scan_pid and forget the Python runtime just found.
             probes.poll(0)
@@ -353,12 +352,21 @@ class BpfSource:
                 return
         self._attached_targets[target.path] = target
         for pid in sorted(self._selected) if self._per_pid_attach else [-1]:
-            try:
-                self._attach_for(target, pid)
-            except Exception as error:  # a file that cannot be read as it claimed: refuse it, go on
-                log.exception("cannot attach to %s", target.path)
-                self.refused[target.path] = f"attaching failed: {error}"
-                self.session.report_component(f"attach:{target.path}", False, self.refused[target.path])
+            if not self._attach_guarded(target, pid):
+                break
+
+    def _attach_guarded(self, target: Target, pid: int) -> bool:
+        """_attach_for, where a library that fails (a file that cannot be read as it claimed, bcc
+        refusing) is refused, said in doctor and the log, and not tried again: the agent goes on."""
+        try:
+            self._attach_for(target, pid)
+            return True
+        except Exception as error:
+            log.exception("cannot attach to %s", target.path)
+            self._attached_targets.pop(target.path, None)
+            self.refused[target.path] = f"attaching failed: {error}"
+            self.session.report_component(f"attach:{target.path}", False, self.refused[target.path])
+            return False
 
     def _attach_for(self, target: Target, pid: int) -> None:
         """Probes on `target` for one process (pid) or all (-1), once."""
