@@ -223,9 +223,12 @@ def test_nvml_index_for_cuda_ordinal(ordinal, visible, expected):
 
 
 def test_read_cuda_visible_devices_of_a_process():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                             env={"CUDA_VISIBLE_DEVICES": "2,GPU-8e6f"})
+    # Read once the child runs: just after Popen returns, /proc/PID/environ reads empty now and
+    # then (4 in 300 on the development VM).
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(30)"],
+                             env={"CUDA_VISIBLE_DEVICES": "2,GPU-8e6f"}, stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
         assert read_cuda_visible_devices(child.pid) == "2,GPU-8e6f"
     finally:
         child.kill()
