@@ -12,8 +12,8 @@ from pathlib import Path
 
 from kvtrace.sources import procfs
 from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TORCH_PROBE_NAMES, TORCH_PROVIDER, TRIGGER_SYMBOLS
-from kvtrace.sources.elf import FUNCTION_TYPES, READ_ERRORS, find_symbols, has_section
-from kvtrace.sources.usdt import NOTE_SECTION, UsdtProbe, read_usdt_probes
+from kvtrace.sources.elf import FUNCTION_TYPES, READ_ERRORS, find_symbols
+from kvtrace.sources.usdt import UsdtProbe, read_usdt_probes
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,6 @@ def torch_allocator_probes(path: str) -> tuple[UsdtProbe, ...]:
     """PyTorch's caching allocator probes (provider `pytorch`, `malloc` and `free`) in the file,
     usable or not (an unusable one says why); () for files without them. Looked for by content,
     not by name: libc10_cuda.so under any path, or a build that links the allocator elsewhere."""
-    if not has_section(path, NOTE_SECTION):
-        return ()
     try:
         probes = read_usdt_probes(path)
     except READ_ERRORS as error:

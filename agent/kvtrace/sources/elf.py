@@ -39,41 +39,36 @@ def find_symbols(path: str | Path, wanted: Collection[str], *, types: Collection
     and the rest is decoded with struct (pyelftools' per-symbol parsing takes seconds on a large
     library). Versioned names ("cudaMalloc@@libcudart.so.12", some tools) count as their base name.
     """
-    names = set(wanted)
-    trigger_bytes = [name.encode() + b"\0" for name in triggers]
-    found: dict[str, int] = {}
     try:
         with open(path, "rb") as stream:
-            elf = ELFFile(stream)
-            if elf.elfclass != 64 or not elf.little_endian:
-                return {}
-            for section in elf.iter_sections():
-                if section["sh_type"] not in ("SHT_SYMTAB", "SHT_DYNSYM"):
-                    continue
-                strtab = elf.get_section(section["sh_link"]).data()
-                if trigger_bytes and not any(trigger in strtab for trigger in trigger_bytes):
-                    continue
-                for st_name, st_info, _other, st_shndx, st_value, _size in \
-                        _ELF64_SYM.iter_unpack(section.data()):
-                    if st_shndx == 0 or st_value == 0 or (types and st_info & 0xF not in types):
-                        continue
-                    end = strtab.find(b"\0", st_name)
-                    name = strtab[st_name:end].decode("ascii", "replace").split("@", 1)[0]
-                    if name in names:
-                        found.setdefault(name, st_value)
+            return _symbols_in(ELFFile(stream), wanted, types, triggers)
     except READ_ERRORS as error:
         log.debug("not an ELF we can read: %s (%s)", path, error)
         return {}
+
+
+def _symbols_in(elf: ELFFile, wanted: Collection[str], types: Collection[int],
+                triggers: Iterable[str] = ()) -> dict[str, int]:
+    """find_symbols on an open file."""
+    if elf.elfclass != 64 or not elf.little_endian:
+        return {}
+    names = set(wanted)
+    trigger_bytes = [name.encode() + b"\0" for name in triggers]
+    found: dict[str, int] = {}
+    for section in elf.iter_sections():
+        if section["sh_type"] not in ("SHT_SYMTAB", "SHT_DYNSYM"):
+            continue
+        strtab = elf.get_section(section["sh_link"]).data()
+        if trigger_bytes and not any(trigger in strtab for trigger in trigger_bytes):
+            continue
+        for st_name, st_info, _other, st_shndx, st_value, _size in _ELF64_SYM.iter_unpack(section.data()):
+            if st_shndx == 0 or st_value == 0 or (types and st_info & 0xF not in types):
+                continue
+            end = strtab.find(b"\0", st_name)
+            name = strtab[st_name:end].decode("ascii", "replace").split("@", 1)[0]
+            if name in names:
+                found.setdefault(name, st_value)
     return found
-
-
-def has_section(path: str | Path, name: str) -> bool:
-    """Whether the file has a section of this name (reads the section headers only)."""
-    try:
-        with open(path, "rb") as stream:
-            return ELFFile(stream).get_section_by_name(name) is not None
-    except READ_ERRORS:
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +78,26 @@ class Segment:
     file_offset: int
     vaddr: int
     file_size: int
+    flags: int = 0  # PF_X (1), PF_W (2), PF_R (4)
 
 
 def load_segments(elf: ELFFile) -> list[Segment]:
-    return [Segment(segment["p_offset"], segment["p_vaddr"], segment["p_filesz"])
+    return [Segment(segment["p_offset"], segment["p_vaddr"], segment["p_filesz"], segment["p_flags"])
             for segment in elf.iter_segments() if segment["p_type"] == "PT_LOAD"]
+
+
+def segment_at(segments: Iterable[Segment], vaddr: int) -> Segment | None:
+    """The segment whose file-backed part holds this ELF virtual address, None if none does."""
+    for segment in segments:
+        if segment.vaddr <= vaddr < segment.vaddr + segment.file_size:
+            return segment
+    return None
 
 
 def vaddr_to_file_offset(segments: Iterable[Segment], vaddr: int) -> int | None:
     """The file offset of an ELF virtual address (what uprobes take), None outside every segment."""
-    for segment in segments:
-        if segment.vaddr <= vaddr < segment.vaddr + segment.file_size:
-            return vaddr - segment.vaddr + segment.file_offset
-    return None
+    segment = segment_at(segments, vaddr)
+    return None if segment is None else vaddr - segment.vaddr + segment.file_offset
 
 
 def file_offset_to_vaddr(segments: Iterable[Segment], file_offset: int) -> int:
@@ -123,14 +125,13 @@ def function_file_offsets(path: str | Path, names: Collection[str]) -> dict[str,
 def symbol_file_offsets(path: str | Path, names: Collection[str], types: Collection[int]) -> dict[str, int]:
     """{name: file offset} of the symbols of these types the file defines: st_value through the
     PT_LOAD segment that holds it, as bcc does (a uprobe's offset, a USDT semaphore's ref_ctr)."""
-    values = find_symbols(path, names, types=types)
-    if not values:
-        return {}
     try:
         with open(path, "rb") as stream:
-            segments = load_segments(ELFFile(stream))
-    except READ_ERRORS as error:  # replaced or malformed since its symbols were read
-        log.warning("cannot read the segments of %s: %s", path, error)
+            elf = ELFFile(stream)
+            values = _symbols_in(elf, names, types)
+            segments = load_segments(elf) if values else []
+    except READ_ERRORS as error:
+        log.warning("cannot read %s: %s", path, error)
         return {}
     offsets = {}
     for name, vaddr in values.items():

@@ -29,6 +29,8 @@ from pathlib import Path
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import NoteSection
 
+from kvtrace.sources.elf import Segment, load_segments, segment_at
+
 log = logging.getLogger(__name__)
 
 NOTE_SECTION = ".note.stapsdt"
@@ -228,32 +230,16 @@ class UsdtProbe:
         return self.problem is None
 
 
-@dataclass(frozen=True, slots=True)
-class _LoadSegment:
-    vaddr: int
-    file_offset: int
-    file_size_bytes: int
-    flags: int
-
-    def file_offset_of(self, vaddr: int) -> int | None:
-        if self.vaddr <= vaddr < self.vaddr + self.file_size_bytes:
-            return vaddr - self.vaddr + self.file_offset
-        return None
-
-
-def _file_offset(segments: list[_LoadSegment], vaddr: int, needed_flag: int,
-                 what: str) -> tuple[int, str | None]:
+def _file_offset(segments: list[Segment], vaddr: int, needed_flag: int, what: str) -> tuple[int, str | None]:
     """(file offset, None) or (0, why not). Only the file-backed part of a segment counts: a
     semaphore in .bss has no file offset, so the kernel could not count on it."""
-    for segment in segments:
-        offset = segment.file_offset_of(vaddr)
-        if offset is None:
-            continue
-        if not segment.flags & needed_flag:
-            kind = "executable" if needed_flag == _PF_X else "writable"
-            return 0, f"{what} 0x{vaddr:x} is in a segment that is not {kind}"
-        return offset, None
-    return 0, f"{what} 0x{vaddr:x} is outside the file-backed part of every PT_LOAD segment"
+    segment = segment_at(segments, vaddr)
+    if segment is None:
+        return 0, f"{what} 0x{vaddr:x} is outside the file-backed part of every PT_LOAD segment"
+    if not segment.flags & needed_flag:
+        kind = "executable" if needed_flag == _PF_X else "writable"
+        return 0, f"{what} 0x{vaddr:x} is in a segment that is not {kind}"
+    return vaddr - segment.vaddr + segment.file_offset, None
 
 
 def _decode_descriptor(descriptor: bytes, address_size: int,
@@ -289,9 +275,7 @@ def read_usdt_probes(path: str | Path) -> list[UsdtProbe]:
         if not note_sections:
             return []
         address_size = 8 if elf.elfclass == 64 else 4
-        segments = [_LoadSegment(segment["p_vaddr"], segment["p_offset"], segment["p_filesz"],
-                                 segment["p_flags"])
-                    for segment in elf.iter_segments() if segment["p_type"] == "PT_LOAD"]
+        segments = load_segments(elf)
         base_section = elf.get_section_by_name(BASE_SECTION)
         base_section_address = base_section["sh_addr"] if base_section is not None else 0
         machine = elf["e_machine"]
@@ -313,7 +297,7 @@ def read_usdt_probes(path: str | Path) -> list[UsdtProbe]:
 
 
 def _probe(provider: str, name: str, pc: int, base: int, semaphore: int, arguments_text: str,
-           segments: list[_LoadSegment], base_section_address: int, machine: str) -> UsdtProbe:
+           segments: list[Segment], base_section_address: int, machine: str) -> UsdtProbe:
     problems = []
     # Prelink moves a library's sections after linking without rewriting the (unallocated) note:
     # the note's base then differs from where .stapsdt.base is now. libbpf (usdt.c) corrects the
