@@ -12,6 +12,17 @@ static __always_inline void mark_tracked(u32 pid) {
     tracked_pids.update(&pid, &one);
 }
 
+/* The calling process's ledger entry of an object (NULL if none); fills `key` for a delete. */
+static __always_inline struct kvt_ledger_value *ledger_lookup(u8 layer, u8 object, u64 address,
+                                                             struct kvt_ledger_key *key) {
+    key->pid = bpf_get_current_pid_tgid() >> 32;
+    key->layer = layer;
+    key->object = object;
+    key->reserved = 0;
+    key->address = address;
+    return ledger.lookup(key);
+}
+
 /* Inserts an outstanding object into the in-kernel ledger; returns its timestamp, which the event
  * about it must carry too (emit_at). */
 static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api, u64 address,
@@ -79,9 +90,8 @@ static __always_inline int free_return(struct pt_regs *ctx, u16 api, u8 layer, u
     }
     if (address == 0)
         return 0; /* cudaFree(NULL) is a no-op (often used to create the context) */
-    struct kvt_ledger_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .layer = layer,
-                                 .object = object, .address = address};
-    struct kvt_ledger_value *value = ledger.lookup(&key);
+    struct kvt_ledger_key key;
+    struct kvt_ledger_value *value = ledger_lookup(layer, object, address, &key);
     if (!value) {
         count(KVT_COUNTER_UNKNOWN_FREES);
         emit(KVT_KIND_FREE_UNKNOWN, api, layer, object, memory, address, 0,

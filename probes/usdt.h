@@ -73,13 +73,12 @@ static __always_inline int usdt_argument(u64 *regs, struct kvt_usdt_arg *arg, u6
     return 0;
 }
 
-/* 1 when this process's block events are over its rate for the current second. */
-static __always_inline int over_block_rate(u32 pid) {
+/* 1 when this process's block events are over its rate for the second that `now` falls in. */
+static __always_inline int over_block_rate(u32 pid, u64 now) {
     u32 index = KVT_CONFIG_BLOCK_EVENTS_PER_SECOND;
     u64 *limit = config.lookup(&index);
     if (!limit || *limit == 0)
         return 0;
-    u64 now = bpf_ktime_get_ns();
     struct kvt_block_rate *rate = block_rate.lookup(&pid);
     if (!rate || now - rate->window_start_ns >= KVT_NS_PER_SECOND) {
         struct kvt_block_rate fresh = {now, 1};
@@ -118,7 +117,7 @@ int usdt_pytorch(struct pt_regs *ctx) {
             usdt_argument(regs, &site->args[3], &stream);
         u64 inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
                                         KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream);
-        if (over_block_rate(pid)) {
+        if (over_block_rate(pid, inserted_ns)) {
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;
         }
@@ -128,26 +127,26 @@ int usdt_pytorch(struct pt_regs *ctx) {
                 KVT_MEMORY_DEVICE, address, size_bytes, (s32)device, 0, 0, stream, stack_id, status);
         return 0;
     }
-    struct kvt_ledger_key key = {.pid = pid, .layer = KVT_LAYER_TORCH, .object = KVT_OBJECT_BLOCK,
-                                 .address = address};
-    struct kvt_ledger_value *value = ledger.lookup(&key);
+    u64 now = bpf_ktime_get_ns();
+    struct kvt_ledger_key key;
+    struct kvt_ledger_value *value = ledger_lookup(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, address, &key);
     if (!value) {
         count(KVT_COUNTER_UNKNOWN_FREES);
-        if (!over_block_rate(pid))
-            emit(KVT_KIND_FREE_UNKNOWN, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                 address, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0);
+        if (!over_block_rate(pid, now))
+            emit_at(now, KVT_KIND_FREE_UNKNOWN, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
+                    KVT_MEMORY_DEVICE, address, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0, 0, KVT_STACK_NOT_WALKED);
         return 0;
     }
     u64 size_bytes = value->size_bytes;
     s32 device = value->device;
     u64 stream = value->aux;
     ledger.delete(&key);
-    if (over_block_rate(pid)) {
+    if (over_block_rate(pid, now)) {
         count(KVT_COUNTER_BLOCKS_UNSENT);
         return 0;
     }
-    emit(KVT_KIND_FREE, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE, address,
-         size_bytes, device, 0, 0, stream);
+    emit_at(now, KVT_KIND_FREE, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+            address, size_bytes, device, 0, 0, stream, 0, KVT_STACK_NOT_WALKED);
     return 0;
 }
 

@@ -9,12 +9,7 @@
 
 static __always_inline struct kvt_ledger_value *vmm_lookup(u8 object, u64 address,
                                                           struct kvt_ledger_key *key) {
-    key->pid = bpf_get_current_pid_tgid() >> 32;
-    key->layer = KVT_LAYER_VMM;
-    key->object = object;
-    key->reserved = 0;
-    key->address = address;
-    return ledger.lookup(key);
+    return ledger_lookup(KVT_LAYER_VMM, object, address, key);
 }
 
 /* cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
