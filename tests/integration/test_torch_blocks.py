@@ -190,6 +190,30 @@ def test_block_events_over_the_rate_stay_exact_in_the_ledger(tmp_path, stub_buil
             harness.close()
 
 
+def test_two_chosen_processes_share_one_set_of_probe_sites(tmp_path, stub_build):
+    """With -p for two processes the library gets one link per process, and both links use the
+    same usdt_sites entries: 3 sites, not 3 per process."""
+    require_tracing_here()
+    torch = build_torch_stub(tmp_path, stub_build)
+    with Workload([torch.workload, "blocks"]) as first, Workload([torch.workload, "blocks"]) as second:
+        pids = first.wait_ready(), second.wait_ready()
+        harness = TracingHarness(pids, preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            probes = harness.source.probes
+            assert probes is not None
+            assert probes.torch_attached_pids(str(torch.libc10_cuda)) == set(pids)
+            assert len(list(probes._bpf[b"usdt_sites"].keys())) == 3
+            for workload in (first, second):
+                workload.go()
+                workload.read_calls()
+            assert harness.pump_until(lambda: all(len(harness.of(pid, Kind.FREE, Api.pytorch_free)) >= FREES
+                                                  for pid in pids))
+            harness.pump(0.3)
+            assert [len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) for pid in pids] == [MALLOCS, MALLOCS]
+        finally:
+            harness.close()
+
+
 def test_doctor_names_the_allocator_probes_of_a_process(torch_stub_build):  # noqa: F811
     require_tracing_here()
     from agent_process import kvtrace

@@ -47,7 +47,6 @@ class ProbeSettings:
         return [
             f"-DKVT_MAX_STACKS={self.max_stacks}",
             f"-DKVT_TASK_FSBASE_OFFSET={self.task_fsbase_offset}",
-            f"-I{abi.probes_dir()}",
             f"-DKVT_MAX_LEDGER_ENTRIES={self.max_ledger_entries}",
             f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
             f"-DKVT_MAX_THREADS={self.max_threads}",
@@ -85,7 +84,10 @@ class BpfProbes:
         self._links: dict[str, list[links.Link]] = {}  # path -> its links (uprobe_multi mode)
         self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
         self._torch_attached: dict[str, dict[int, list[UsdtProbe]]] = {}  # path -> pid -> probes
-        self._next_cookie = 0  # usdt_sites keys: one per attached probe site
+        # path -> (its usable sites, their cookies): usdt_sites entries made once per library and
+        # shared by its links (one per pid under -p)
+        self._torch_sites: dict[str, tuple[list[UsdtProbe], list[int]]] = {}
+        self._next_cookie = 0  # usdt_sites keys: one per probe site
         self.uprobe_links = settings.uprobe_links
         if self.uprobe_links is None:
             why_not = links.uprobe_multi_supported()
@@ -155,34 +157,50 @@ class BpfProbes:
         Returns the probes attached; raises TorchProbesRefused with the reason when none can be."""
         if not self.uprobe_links:
             raise TorchProbesRefused("PyTorch's allocator probes need uprobe_multi links (Linux 6.6+)")
-        sites: list[tuple[UsdtProbe, abi.RawUsdtSite]] = []
-        for probe in probes:
-            site = torch_site(probe)
-            if isinstance(site, str):
-                log.warning("not tracing %s:%s at %#x in %s: %s", probe.provider, probe.name, probe.pc_address,
-                            path, site)
-            else:
-                sites.append((probe, site))
-        if not sites:
-            raise TorchProbesRefused(f"no usable pytorch:malloc/free probe in {path}")
+        fresh = path not in self._torch_sites
+        if fresh:
+            self._torch_sites[path] = self._add_torch_sites(path, probes)
+        attached, cookies = self._torch_sites[path]
+        try:
+            link = links.attach_uprobe_multi(
+                self._program(TORCH_PROGRAM), path, [probe.pc_file_offset for probe in attached],
+                ref_ctr_offsets=[probe.semaphore_file_offset for probe in attached], cookies=cookies, pid=pid)
+        except Exception as error:  # LinkError; bcc raises plain Exception when a load fails
+            if fresh:
+                del self._torch_sites[path]
+                self._delete_sites(cookies)
+            raise TorchProbesRefused(str(error)) from error
+        self._links.setdefault(path, []).append(link)
+        self._torch_attached.setdefault(path, {})[pid] = attached
+        return attached
+
+    def _add_torch_sites(self, path: str, probes: Sequence[UsdtProbe]) -> tuple[list[UsdtProbe], list[int]]:
+        """The usable probes of `path` with the usdt_sites entries made for them (cookies)."""
+        usable: list[UsdtProbe] = []
         cookies: list[int] = []
         table = self._bpf[b"usdt_sites"]
         try:
-            for _, site in sites:
+            for probe in probes:
+                site = torch_site(probe)
+                if isinstance(site, str):
+                    log.warning("not tracing %s:%s at %#x in %s: %s", probe.provider, probe.name,
+                                probe.pc_address, path, site)
+                    continue
                 self._next_cookie += 1
                 table[ctypes.c_uint64(self._next_cookie)] = site  # raises when usdt_sites is full
+                usable.append(probe)
                 cookies.append(self._next_cookie)
-            link = links.attach_uprobe_multi(
-                self._program(TORCH_PROGRAM), path, [probe.pc_file_offset for probe, _ in sites],
-                ref_ctr_offsets=[probe.semaphore_file_offset for probe, _ in sites], cookies=cookies, pid=pid)
-        except Exception as error:  # LinkError, or bcc's plain Exception from a full map
-            for cookie in cookies:
-                del table[ctypes.c_uint64(cookie)]
+        except Exception as error:  # bcc's plain Exception from a full map
+            self._delete_sites(cookies)
             raise TorchProbesRefused(str(error)) from error
-        self._links.setdefault(path, []).append(link)
-        attached = [probe for probe, _ in sites]
-        self._torch_attached.setdefault(path, {})[pid] = attached
-        return attached
+        if not usable:
+            raise TorchProbesRefused(f"no usable pytorch:malloc/free probe in {path}")
+        return usable, cookies
+
+    def _delete_sites(self, cookies: list[int]) -> None:
+        table = self._bpf[b"usdt_sites"]
+        for cookie in cookies:
+            del table[ctypes.c_uint64(cookie)]
 
     def torch_attached_pids(self, path: str) -> set[int]:
         """The pids PyTorch's probes in `path` are attached for; {-1}: every process."""
@@ -200,15 +218,6 @@ class BpfProbes:
                 detach(name=path.encode(), sym=symbol.encode(), pid=pid)
             except Exception:
                 pass
-
-    def detach(self, path: str) -> None:
-        attached = self._attached.pop(path, {})
-        if self.uprobe_links:
-            links.close_links(self._links.pop(path, []))
-            return
-        for pid, symbols in attached.items():
-            for symbol in symbols:
-                self._detach_symbol(path, symbol, pid)
 
     def attached_pids(self, path: str) -> set[int]:
         """The pids `path` is attached for; {-1}: every process."""

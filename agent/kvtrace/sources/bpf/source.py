@@ -421,7 +421,7 @@ class BpfSource:
     def _drop_in_kernel(self, pid: int, before_wall_ns: int, device: int | None = None) -> None:
         probes = self._probes()
         before = self.clock.monotonic_ns(before_wall_ns)
-        doomed = [key for key, value in probes.ledger_items()
+        doomed = [key for key, value in probes.iter_ledger_items()
                   if key.pid == pid and value.timestamp_ns <= before
                   and (device is None or value.device == device)]
         probes.delete_ledger_keys(doomed)
