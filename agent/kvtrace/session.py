@@ -195,12 +195,12 @@ class Session:
     def outstanding(self) -> list[Outstanding]:
         """Every live ledger entry, as a copy."""
         with self.lock:
-            return list(self.ledger)
+            return self.ledger.entries()
 
     def process(self, pid: int) -> ProcessInfo | None:
         """Title, comm and container of `pid` as last read (no /proc read here), None if unknown."""
         with self.lock:
-            return self.processes.known().get(pid)
+            return self.processes.cached(pid)
 
     def process_titles(self) -> dict[int, str]:
         """pid -> full title of the processes the Session knows (alive)."""

@@ -274,7 +274,7 @@ def frame_to_json(frame: Frame) -> dict[str, Any]:
     return {"function": frame.function, "file": frame.file, "line": frame.line}
 
 
-def native_frame_to_json(frame: NativeFrame) -> dict[str, Any]:
+def native_frame_to_json(frame: NativeFrame | service_pb2.NativeFrame) -> dict[str, Any]:
     return {"module": frame.module, "symbol": frame.symbol, "offset": frame.offset}
 
 
@@ -387,8 +387,7 @@ def leak_report_to_json_dict(response: service_pb2.ListLeakSuspectsResponse) -> 
             if suspect.HasField("stack") else None,
             "stack_truncated": suspect.stack.truncated,
             "caller_address": suspect.caller_address,
-            "native_caller": {"module": suspect.native_caller.module, "symbol": suspect.native_caller.symbol,
-                              "offset": suspect.native_caller.offset}
+            "native_caller": native_frame_to_json(suspect.native_caller)
             if suspect.HasField("native_caller") else None,
         } for suspect in response.suspects],
     }

@@ -15,8 +15,8 @@ from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_age, human_bytes
 from kvtrace.model.blocks import Segment, segments_of
-from kvtrace.model.events import PHYSICAL_LAYERS, Layer, Memory, ObjectKind
-from kvtrace.model.ledger import Outstanding
+from kvtrace.model.events import Layer
+from kvtrace.model.ledger import Outstanding, holds_device_memory
 from kvtrace.model.stacks import Stack
 from kvtrace.wire import outstanding_from_proto, outstanding_to_json_dict, stack_from_proto
 
@@ -143,8 +143,7 @@ def print_table(out: TextIO, by_pid: dict[int, list[Outstanding]], titles: dict[
             if id(entry) in blocks_in_segments:
                 continue  # listed under its segment
             key = entry.key
-            if key.layer in PHYSICAL_LAYERS and entry.memory is Memory.DEVICE and \
-                    key.object in (ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE):
+            if holds_device_memory(entry):
                 physical_bytes += entry.size_bytes
             print(_line(entry, now_ns), file=out)
             segment = holding.get(key.address) if key.layer is Layer.RUNTIME else None

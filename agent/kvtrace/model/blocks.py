@@ -25,8 +25,6 @@ class Segment:
     device: int
     address: int
     size_bytes: int
-    timestamp_ns: int
-    stream: int = 0
     expandable: bool = False  # a run of VMM mappings
     blocks: list[Outstanding] = field(default_factory=list)
 
@@ -100,7 +98,7 @@ def segments_of(entries: Iterable[Outstanding]) -> tuple[list[Segment], list[Out
         if key.pid not in pids:
             continue
         if key.layer is Layer.RUNTIME and key.object is ObjectKind.ALLOCATION and entry.memory is Memory.DEVICE:
-            segments.append(Segment(key.pid, entry.device, key.address, entry.size_bytes, entry.timestamp_ns))
+            segments.append(Segment(key.pid, entry.device, key.address, entry.size_bytes))
         elif key.object is ObjectKind.VMM_MAPPING:
             mappings.setdefault(key.pid, []).append(entry)
     for pid, pid_mappings in mappings.items():
@@ -117,10 +115,8 @@ def _runs_of_mappings(pid: int, mappings: list[Outstanding]) -> list[Segment]:
         last = runs[-1] if runs else None
         if last is not None and last.end == mapping.key.address and last.device == mapping.device:
             last.size_bytes += mapping.size_bytes
-            last.timestamp_ns = min(last.timestamp_ns, mapping.timestamp_ns)
         else:
-            runs.append(Segment(pid, mapping.device, mapping.key.address, mapping.size_bytes,
-                                mapping.timestamp_ns, expandable=True))
+            runs.append(Segment(pid, mapping.device, mapping.key.address, mapping.size_bytes, expandable=True))
     return runs
 
 

@@ -108,8 +108,6 @@ class StackStatus(enum.IntEnum):
     UNRESOLVED = 6  # walked, but its frames were gone before user space could read them
 
 
-DEVICE_UNKNOWN = -1
-
 # Physical memory is held at the driver and VMM layers. The runtime layer shows the same bytes from
 # the side of the API the program called (cudaMalloc -> cuMemAlloc_v2), so it is never added to them.
 PHYSICAL_LAYERS = frozenset({Layer.DRIVER, Layer.VMM})

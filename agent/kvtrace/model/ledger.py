@@ -210,7 +210,11 @@ class Ledger:
         return len(self._entries)
 
     def __iter__(self) -> Iterator[Outstanding]:
-        return iter(list(self._entries.values()))
+        return iter(self.entries())
+
+    def entries(self) -> list[Outstanding]:
+        """Every live entry, as a new list (safe to keep while the ledger changes)."""
+        return list(self._entries.values())
 
     def get(self, key: LedgerKey) -> Outstanding | None:
         return self._entries.get(key)
@@ -305,5 +309,5 @@ def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: b
     for (pid, layer), count in ledger.frees_total.items():
         if layer in PHYSICAL_LAYERS:
             frees[pid] += count
-    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), list(ledger) if with_entries else None,
+    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), ledger.entries() if with_entries else None,
                       dict(allocations), dict(frees), titles or {}, traced_only)

@@ -63,6 +63,10 @@ class ProcessTable:
                 self._cache[pid] = info = fresh
         return info
 
+    def cached(self, pid: int) -> ProcessInfo | None:
+        """What is known of `pid` without reading the system."""
+        return self._cache.get(pid)
+
     def forget(self, pid: int) -> None:
         self._cache.pop(pid, None)
 

@@ -292,6 +292,7 @@ def viz_segments(segments: Iterable[Segment], stack_of: Callable[[int], Stack | 
             frames = tuple(VizFrame(frame.function, frame.file, frame.line) for frame in stack.frames) \
                 if stack is not None else ()
             blocks.append(VizBlock(block.key.address, block.size_bytes, block.timestamp_ns, frames, block.stream))
-        converted.append(VizSegment(device, segment.address, segment.size_bytes, segment.stream, tuple(blocks),
+        # A segment's stream is not traced (cudaMalloc has none): 0; each block has its own.
+        converted.append(VizSegment(device, segment.address, segment.size_bytes, 0, tuple(blocks),
                                     segment.expandable))
     return converted
