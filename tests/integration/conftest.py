@@ -8,6 +8,7 @@ import pytest
 
 from cuda_stubs import stub_build  # noqa: F401  (session fixture)
 from harness import TracingHarness, require_tracing_here
+from torch_stubs import torch_stub_build  # noqa: F401  (session fixture)
 
 
 @pytest.fixture(scope="session")

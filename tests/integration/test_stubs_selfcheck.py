@@ -16,7 +16,6 @@ from cuda_stubs import (
     EXPECTED_CALLS,
     EXPECTED_DRIVER_CALLS,
     Workload,
-    stub_build,  # noqa: F401 (stub_build is a fixture)
 )
 
 KiB, MiB, TiB = 1 << 10, 1 << 20, 1 << 40

@@ -21,7 +21,6 @@ from torch_stubs import (
     BLOCKS_DEVICE1_MALLOCS,
     BLOCKS_SEGMENTS,
     build_torch_stub,
-    torch_stub_build,  # noqa: F401  (session fixture)
 )
 
 MALLOCS = BLOCKS_DEVICE0_MALLOCS + BLOCKS_DEVICE1_MALLOCS  # 28
@@ -36,7 +35,7 @@ def manifest_parts(manifest):
 
 
 @pytest.fixture
-def traced_blocks(trace, torch_stub_build):  # noqa: F811
+def traced_blocks(trace, torch_stub_build):
     with Workload([torch_stub_build.workload, "blocks"]) as workload:
         pid = workload.wait_ready()
         harness = trace(pid)
@@ -214,7 +213,7 @@ def test_two_chosen_processes_share_one_set_of_probe_sites(tmp_path, stub_build)
             harness.close()
 
 
-def test_doctor_names_the_allocator_probes_of_a_process(torch_stub_build):  # noqa: F811
+def test_doctor_names_the_allocator_probes_of_a_process(torch_stub_build):
     require_tracing_here()
     from agent_process import kvtrace
 

@@ -101,13 +101,13 @@ def short_directory():
 
 
 @contextlib.contextmanager
-def served(agent: FakeAgent | None = None, limits: ServerLimits = ServerLimits(),
+def served(agent: FakeAgent | None = None, limits: ServerLimits | None = None,
            max_queued_events: int | None = None, **config):
     """(server, agent) with the server listening on a fresh socket and fed by the agent's Session."""
     backend = agent or FakeAgent()
     with short_directory() as directory:
         settings = {"socket": directory / "run" / "kvtrace.sock", "group": own_group(), **config}
-        server = AgentServer(backend.session, backend.analyzer, ApiConfig(**settings), limits,
+        server = AgentServer(backend.session, backend.analyzer, ApiConfig(**settings), limits or ServerLimits(),
                              max_queued_events=max_queued_events)
         backend.session.add_sink(server.hub)
         backend.hub = server.hub
