@@ -22,6 +22,7 @@ for _path in (ROOT / "tests", ROOT / "tests" / "integration", ROOT / "agent"):
         sys.path.insert(0, str(_path))
 
 from cuda_stubs import StubBuild, Workload, build_stubs  # noqa: E402
+from harness import CallSink  # noqa: E402
 from kvtrace.model.processes import ProcessTable  # noqa: E402
 from kvtrace.session import Session  # noqa: E402
 from kvtrace.sources import procfs  # noqa: E402
@@ -108,19 +109,6 @@ def _scoped_probes_factory(lib_dir: Path):
     return factory
 
 
-class _CallSink:
-    """A Session sink from a plain callable (the benchmarks count what they see)."""
-
-    def __init__(self, call) -> None:
-        self.call = call
-
-    def publish(self, event) -> None:
-        self.call(event)
-
-    def publish_loss(self, lost_count: int) -> None:
-        pass
-
-
 def scoped_tracer(build: StubBuild, python_stacks: bool = True, sinks=None) -> BpfSource:
     """A started BPF source (with its own Session) that follows only pids given to follow() and
     probes only build's libraries; `sinks` are callables given every event."""
@@ -128,7 +116,7 @@ def scoped_tracer(build: StubBuild, python_stacks: bool = True, sinks=None) -> B
                          preattach_globs=(str(build.lib_dir / "*.so.*"),))
     session = Session(ProcessTable(procfs.read_process))
     for sink in sinks or ():
-        session.add_sink(_CallSink(sink))
+        session.add_sink(CallSink(sink))
     tracer = BpfSource(session, options, probes_factory=_scoped_probes_factory(build.lib_dir))
     started = time.monotonic()
     tracer.start()

@@ -24,31 +24,24 @@ Takes about 2 minutes here. Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "agent"))
-
+from benchlib import progress, require_bpf
+from cuda_stubs import LIBCUDART_MISSING, library_holder, real_libcudart
 from kvtrace.sources import elf
 from kvtrace.sources.bpf import links
+from kvtrace.sources.bpf.symbols import RUNTIME_SYMBOLS
 
 PROBES_PER_LIBRARY = 58
 FUNCTIONS_PER_LIBRARY = PROBES_PER_LIBRARY // 2
-# The libcudart functions kvtrace probes (kvtrace.sources.bpf.attach.RUNTIME_SYMBOLS).
-RUNTIME_FUNCTIONS = (
-    "cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync", "cudaMallocManaged",
-    "cudaMallocHost", "cudaHostAlloc", "cudaFreeHost", "cudaMallocPitch", "cudaSetDevice",
-)
 STOP_GOAL_SECONDS = 2.0
 
 PROGRAM = b"""
@@ -57,18 +50,6 @@ int bcc_return(struct pt_regs *ctx) { return 0; }
 int multi_entry(struct pt_regs *ctx) { return 0; }
 int multi_return(struct pt_regs *ctx) { return 0; }
 """
-
-MAPPER = """
-import ctypes, sys
-handles = [ctypes.CDLL(path) for path in sys.argv[1:]]
-print("mapped", flush=True)
-sys.stdin.read()
-"""
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
 
 @dataclass(frozen=True)
 class Row:
@@ -80,15 +61,9 @@ class Row:
     note: str = ""
 
 
-def libcudart_path() -> Path:
-    spec = importlib.util.find_spec("nvidia.cuda_runtime")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("nvidia-cuda-runtime-cu12 is not installed: .venv/bin/pip install nvidia-cuda-runtime-cu12")
-    return Path(next(iter(spec.submodule_search_locations))) / "lib" / "libcudart.so.12"
-
-
 def choose_functions(library: Path) -> list[str]:
-    """RUNTIME_FUNCTIONS, then other exported cuda* functions in name order, 29 in all."""
+    """RUNTIME_SYMBOLS (what kvtrace probes), then other exported cuda* functions in name order,
+    29 in all."""
     from elftools.elf.elffile import ELFFile
     from elftools.elf.sections import SymbolTableSection
 
@@ -98,8 +73,8 @@ def choose_functions(library: Path) -> list[str]:
         exported = sorted({symbol.name for symbol in dynsym.iter_symbols()
                            if symbol.name.startswith("cuda") and symbol["st_info"]["type"] == "STT_FUNC"
                            and symbol["st_shndx"] != "SHN_UNDEF"})
-    extra = [name for name in exported if name not in RUNTIME_FUNCTIONS]
-    return list(RUNTIME_FUNCTIONS) + extra[:FUNCTIONS_PER_LIBRARY - len(RUNTIME_FUNCTIONS)]
+    extra = [name for name in exported if name not in RUNTIME_SYMBOLS]
+    return list(RUNTIME_SYMBOLS) + extra[:FUNCTIONS_PER_LIBRARY - len(RUNTIME_SYMBOLS)]
 
 
 def bcc_variant(copies: list[Path], functions: list[str]) -> tuple[float, float]:
@@ -150,14 +125,15 @@ def main() -> int:
     parser.add_argument("--max-bcc-seconds", type=float, default=150.0,
                         help="measure (a) at the large N on fewer copies if it would take longer")
     arguments = parser.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("run as root: BPF needs it")
+    require_bpf()
     reason = links.uprobe_multi_supported()
     if reason:
         sys.exit(f"no uprobe_multi links here: {reason}")
     import bcc
 
-    library = libcudart_path()
+    library = real_libcudart()
+    if library is None:
+        sys.exit(LIBCUDART_MISSING)
     functions = choose_functions(library)
     with tempfile.TemporaryDirectory(prefix="kvtrace-detach-") as temporary:
         copies = []
@@ -169,20 +145,16 @@ def main() -> int:
         library_offsets = elf.function_file_offsets(copies[0], functions)
         assert len(library_offsets) == FUNCTIONS_PER_LIBRARY, sorted(set(functions) - set(library_offsets))
         offsets = [library_offsets[name] for name in functions]
-        mapper = subprocess.Popen([sys.executable, "-c", MAPPER, *map(str, copies)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert mapper.stdout is not None and mapper.stdout.readline().strip() == "mapped"
+        with library_holder(copies) as holder:
+            holder.wait_ready()
             rows = measure(copies, functions, offsets, arguments.max_bcc_seconds)
-        finally:
-            mapper.communicate("")
 
     uname = platform.uname()
     print(f"detach cost on {uname.node}: Linux {uname.release}, {len(os.sched_getaffinity(0))} CPUs "
           f"(nproc), bcc {bcc.__version__}, Python {platform.python_version()}")
     print(f"library: {library} ({len(copies)} copies, all mapped by one idle process)")
-    extra = functions[len(RUNTIME_FUNCTIONS):]
-    print(f"functions per copy: {len(RUNTIME_FUNCTIONS)} kvtrace ones (cudaMalloc ... cudaSetDevice) "
+    extra = functions[len(RUNTIME_SYMBOLS):]
+    print(f"functions per copy: {len(RUNTIME_SYMBOLS)} kvtrace ones (cudaMalloc ... cudaSetDevice) "
           f"+ {len(extra)} more ({extra[0]} ... {extra[-1]})")
     print(f"close threads for (c) and (d): {links.DEFAULT_CLOSE_THREADS}; goal: detach within "
           f"{STOP_GOAL_SECONDS:g} s")

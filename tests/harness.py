@@ -31,14 +31,14 @@ def require_tracing_here() -> None:
         pytest.skip("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
 
 
-class _Collect:
-    """A Session sink that keeps every event."""
+class CallSink:
+    """A Session sink from a plain callable given every event (losses are not passed on)."""
 
-    def __init__(self, events: list[Event]) -> None:
-        self.events = events
+    def __init__(self, call: Callable[[Event], object]) -> None:
+        self.call = call
 
     def publish(self, event: Event) -> None:
-        self.events.append(event)
+        self.call(event)
 
     def publish_loss(self, lost_count: int) -> None:
         pass
@@ -48,7 +48,7 @@ class TracingHarness:
     def __init__(self, pids: Iterable[int] = (), **options) -> None:
         self.events: list[Event] = []
         self.session = Session(ProcessTable(procfs.read_process))
-        self.session.add_sink(_Collect(self.events))
+        self.session.add_sink(CallSink(self.events.append))
         self.source = BpfSource(self.session, BpfOptions(pids=set(pids), **options))
         self.source.start()
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import require_tracing_here
+from harness import TracingHarness, require_tracing_here
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from worker_client import LLAMA, WORKER, TorchWorker  # noqa: E402,F401  (tests import these from here)
@@ -32,6 +32,16 @@ def source_line(marker: str, path: Path = WORKER) -> int:
         if marker in line:
             return number
     raise AssertionError(marker)
+
+
+def quiesce(harness: TracingHarness, seconds: float = 0.5) -> None:
+    """Lets events in flight arrive."""
+    harness.pump(seconds)
+
+
+def check_all(failures: list[str]) -> None:
+    """One assertion that lists every failed check (a GPU run is too dear to stop at the first)."""
+    assert not failures, "\n".join(failures)
 
 
 def wait_for(predicate, timeout_seconds: float):

@@ -14,17 +14,13 @@ from pathlib import Path
 import pytest
 
 from agent_process import AgentProcess, kvtrace
-from conftest import LLAMA, WORKER, source_line, wait_for
+from conftest import LLAMA, WORKER, check_all, quiesce, source_line, wait_for
 from harness import TracingHarness
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 
 MiB = 1 << 20
 GiB = 1 << 30
 LOAD_TIMEOUT_SECONDS = 300
-
-
-def quiesce(harness: TracingHarness, seconds: float = 0.5) -> None:
-    harness.pump(seconds)
 
 
 def runtime_entries(harness: TracingHarness, pid: int) -> dict[int, object]:
@@ -41,10 +37,6 @@ def files_of(harness: TracingHarness, stack_id: int) -> list[str]:
 
 def through_cache_code(harness: TracingHarness, stack_id: int) -> bool:
     return any(Path(file).name == "cache_utils.py" for file in files_of(harness, stack_id))
-
-
-def check_all(failures: list[str]) -> None:
-    assert not failures, "\n".join(failures)
 
 
 def test_kv_cache_growth_is_attributed_to_transformers_cache_code(torch_worker):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORKER, source_line
+from conftest import WORKER, check_all, quiesce, source_line
 from harness import TracingHarness
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
 from kvtrace.model.blocks import segments_of
@@ -38,14 +38,6 @@ MODES = {
 BLOCK_COUNT = 23  # tensors of the "blocks" command; a third of them freed again
 LEAK_STEPS, LEAK_INTERVAL_SECONDS = 150, 0.1  # 15 s
 CLONE_BYTES, TEMPORARY_BYTES = 8 * MiB, 32 * MiB
-
-
-def quiesce(harness: TracingHarness, seconds: float = 0.5) -> None:
-    harness.pump(seconds)
-
-
-def check_all(failures: list[str]) -> None:
-    assert not failures, "\n".join(failures)
 
 
 def frame_text(frame) -> str:

@@ -15,10 +15,12 @@ test can attach the tracer between `ready` and go and compare what it saw with w
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import queue
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -254,6 +256,31 @@ class Workload:
             except OSError:  # BrokenPipeError flushing stdin included
                 pass
         self._stderr.close()
+
+
+# Keeps libraries dlopen'ed (as an inference process maps its CUDA libraries) until stdin closes.
+_HOLD_LIBRARIES = ("import ctypes, os, sys\n"
+                   "libraries = [ctypes.CDLL(path) for path in sys.argv[1:]]\n"
+                   "print('ready', os.getpid(), flush=True)\n"
+                   "sys.stdin.read()\n")
+
+LIBCUDART_MISSING = "the nvidia-cuda-runtime-cu12 wheel is not installed (`make setup` installs it)"
+
+
+def real_libcudart() -> Path | None:
+    """libcudart.so.12 of the nvidia-cuda-runtime-cu12 wheel (a test dependency); None without it."""
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    for directory in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(directory) / "lib" / "libcudart.so.12"
+        if path.exists():
+            return path
+    return None
+
+
+def library_holder(paths: Sequence[str | Path]) -> Workload:
+    """A process that has dlopen'ed each of `paths` and waits (wait_ready(), then use as a
+    Workload: it is killed on exit)."""
+    return Workload([sys.executable, "-c", _HOLD_LIBRARIES, *map(str, paths)])
 
 
 def run_workload(argv: Sequence[str | Path], timeout_s: float = 30.0,

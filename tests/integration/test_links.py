@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cuda_stubs import LIBCUDART_MISSING, real_libcudart
 from kvtrace.sources import elf
 from kvtrace.sources.bpf import links
 
@@ -276,23 +277,13 @@ def test_probes_at_one_offset_must_agree_on_the_semaphore(entry_fd, return_fd, t
     assert mismatch.value.errno == errno.EINVAL
 
 
-def _libcudart() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("nvidia.cuda_runtime")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("nvidia-cuda-runtime-cu12 is not installed (pip install -e '.[test]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libcudart.so.12"
-    if not path.exists():
-        pytest.skip(f"{path} is missing")
-    return path
-
-
 def test_libcudart_cudamalloc_offset_matches_bcc_and_fires(entry_fd, return_fd, hits, sums):
     from bcc import BPF
 
     # GIVEN the real libcudart's cudaMalloc, at the offset bcc's attach_uprobe would use
-    library = _libcudart()
+    library = real_libcudart()
+    if library is None:
+        pytest.skip(LIBCUDART_MISSING)
     offset = elf.function_file_offsets(library, ["cudaMalloc"])["cudaMalloc"]
     _, bcc_offset = BPF._check_path_symbol(str(library).encode(), b"cudaMalloc", 0, -1)
     assert offset == bcc_offset

@@ -4,17 +4,15 @@ kernels get still traces exactly.
 
 GIVEN a process that maps 30 distinct copies of the real libcudart (30 inodes: 30 x 20 probes),
 WHEN the agent follows it and is then signalled, THEN it is gone within 2 s."""
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from agent_process import KVTRACE, wait_until_tracing
-from cuda_stubs import Workload, build_stubs
+from cuda_stubs import LIBCUDART_MISSING, Workload, build_stubs, library_holder, real_libcudart
 from harness import TracingHarness, require_tracing_here
 from kvtrace.model.events import Api, Kind
 from kvtrace.sources.bpf.loader import ProbeSettings
@@ -23,40 +21,22 @@ COPIES = 30
 STOP_LIMIT_SECONDS = 2.0
 
 
-def libcudart() -> str:
-    import nvidia.cuda_runtime
-
-    for directory in nvidia.cuda_runtime.__path__:
-        path = os.path.join(directory, "lib", "libcudart.so.12")
-        if os.path.exists(path):
-            return path
-    pytest.skip("the nvidia-cuda-runtime-cu12 wheel is not installed (`make setup` installs it)")
-
-
 @pytest.fixture
 def holder(tmp_path):
     """A process that has dlopen'ed COPIES distinct copies of libcudart, and waits."""
     require_tracing_here()
-    original = libcudart()
+    original = real_libcudart()
+    if original is None:
+        pytest.skip(LIBCUDART_MISSING)
     copies = []
     for index in range(COPIES):
         copy = tmp_path / f"copy{index:02d}" / "libcudart.so.12"
         copy.parent.mkdir()
         shutil.copy2(original, copy)
-        copies.append(str(copy))
-    script = tmp_path / "holder.py"
-    script.write_text("import ctypes, sys\n"
-                      f"libraries = [ctypes.CDLL(path) for path in {copies!r}]\n"
-                      "print('ready', flush=True)\n"
-                      "sys.stdin.readline()\n")
-    process = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True)
-    try:
-        assert process.stdout.readline().strip() == "ready"
+        copies.append(copy)
+    with library_holder(copies) as process:
+        process.wait_ready()
         yield process
-    finally:
-        process.kill()
-        process.wait()
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -5,12 +5,11 @@ THEN every call is an event with the manifest's values and the ledger holds exac
 manifest leaves outstanding — in user space and in the kernel.
 """
 import contextlib
-import os
 import shutil
 import time
 from collections import Counter
 
-from cuda_stubs import Workload
+from cuda_stubs import LIBCUDART_MISSING, Workload, real_libcudart
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 
 MiB = 1 << 20
@@ -193,15 +192,12 @@ def test_killed_process_ledger_empties(trace, stub_build):
 
 
 def test_real_libcudart_wheel_attach_size_and_error_35(trace, tmp_path):
-    import nvidia.cuda_runtime
-
-    libcudart = next((os.path.join(p, "lib", "libcudart.so.12")
-                      for p in nvidia.cuda_runtime.__path__), None)
-    assert libcudart and os.path.exists(libcudart)
+    libcudart = real_libcudart()
+    assert libcudart is not None, LIBCUDART_MISSING
     script = tmp_path / "real.py"
     script.write_text(
         "import ctypes, sys\n"
-        f"lib = ctypes.CDLL({libcudart!r})\n"
+        f"lib = ctypes.CDLL({str(libcudart)!r})\n"
         "print('ready', flush=True); sys.stdin.readline()\n"
         "p = ctypes.c_void_p()\n"
         "rcs = [lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(4096 * (i + 1))) for i in range(23)]\n"
