@@ -1,6 +1,8 @@
 """Quantities as an operator reads them: sizes in binary units, ages, durations, rates."""
 from __future__ import annotations
 
+import re
+
 
 def human_bytes(size: int) -> str:
     value = float(size)
@@ -46,3 +48,14 @@ def signed_bytes(value: float) -> str:
 def human_rate(bytes_per_second: float) -> str:
     """+1.2 MiB/s, -512 B/s, 0 B/s."""
     return f"{signed_bytes(bytes_per_second)}/s"
+
+
+# C0 and C1 controls, DEL, and the Unicode characters that break lines or reorder text.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Text that came from another process (a title, a file name, a function name) as a terminal
+    may show it: every control character escaped (`\\x1b`, `\\u202e`), so a crafted command line
+    can neither clear the operator's screen, set the terminal's title nor forge a line."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)

@@ -34,7 +34,7 @@ from kvtrace.model.findings import (
     ProcessGpu,
 )
 from kvtrace.model.ledger import LedgerKey, Outstanding
-from kvtrace.model.processes import ProcessInfo
+from kvtrace.model.processes import ProcessInfo, valid_text
 from kvtrace.model.stacks import Frame, NativeFrame, Stack
 
 _STACK_STATUS_NAMES = {status: status.name.lower() for status in StackStatus}
@@ -135,9 +135,9 @@ def info_to_proto(info: AgentInfo) -> service_pb2.GetAgentInfoResponse:
     return service_pb2.GetAgentInfoResponse(
         version=info.version, kernel_release=info.kernel_release,
         attached_libraries=[service_pb2.AttachedLibrary(
-            path=library.path, file_device=library.device, inode=library.inode,
+            path=valid_text(library.path), file_device=library.device, inode=library.inode,
             symbols=sorted(library.symbols), pids=sorted(library.pids)) for library in info.libraries],
-        components=[service_pb2.ComponentHealth(name=c.name, up=c.up, reason=c.reason)
+        components=[service_pb2.ComponentHealth(name=valid_text(c.name), up=c.up, reason=valid_text(c.reason))
                     for c in info.components],
         counters=info.counters)
 
@@ -153,7 +153,8 @@ def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
     if suspect.native_caller is not None:
         caller = suspect.native_caller
         message.native_caller.CopyFrom(
-            service_pb2.NativeFrame(module=caller.module, symbol=caller.symbol, offset=caller.offset))
+            service_pb2.NativeFrame(module=valid_text(caller.module), symbol=valid_text(caller.symbol),
+                                   offset=caller.offset))
     return message
 
 

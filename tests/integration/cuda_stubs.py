@@ -159,11 +159,13 @@ class Workload:
     """A running workload program (protocol in stubs/manifest.h). Use as a context manager: the
     process is killed on exit if it is still running."""
 
-    def __init__(self, argv: Sequence[str | Path], env: Mapping[str, str] | None = None):
+    def __init__(self, argv: Sequence[str | Path], env: Mapping[str, str] | None = None,
+                 executable: str | Path | None = None):
+        """`executable`: the program to run when argv[0] is not its path (a crafted title)."""
         self.argv = [str(arg) for arg in argv]
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self._stderr, text=True, env=env)
+        self.process = subprocess.Popen(self.argv, executable=executable, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
         # A reader thread, so that waiting for a line can time out (a plain readline cannot).
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._seen: list[str] = []

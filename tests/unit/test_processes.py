@@ -25,3 +25,20 @@ def test_title_is_the_full_command_line():
     assert info is not None and info.pid == os.getpid()
     assert "pytest" in info.title or "python" in info.title
     assert len(info.comm) <= 15
+
+
+def test_titles_are_valid_text_and_cut():
+    from kvtrace.model.processes import TITLE_MAX_CHARS, clean_title, valid_text
+
+    assert valid_text("a\udcffb") == "a\\xffb"
+    title = clean_title("\udcfe" + "x" * 5000)
+    assert title.startswith("\\xfex") and len(title) == TITLE_MAX_CHARS
+    assert title.endswith(f"(+{5004 - TITLE_MAX_CHARS} chars)")
+    title.encode("utf-8")  # what protobuf does: no lone surrogate left
+
+
+def test_printable_escapes_every_control_character():
+    from kvtrace.human import printable
+
+    assert printable("ok\x1b]0;t\x07\x1b[2J\nx\u202ey\x9b") == "ok\\x1b]0;t\\x07\\x1b[2J\\x0ax\\u202ey\\x9b"
+    assert printable("VLLM::Worker_TP0 é") == "VLLM::Worker_TP0 é"

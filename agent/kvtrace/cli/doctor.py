@@ -6,6 +6,7 @@ import json
 import os
 
 from kvtrace.errors import ExitCode
+from kvtrace.human import printable
 
 EPILOG = """examples:
   sudo kvtrace doctor          # run it as the agent would run: root sees what the agent sees
@@ -42,7 +43,7 @@ class DoctorCommand:
         else:
             for finding in findings:
                 status = "FAIL" if not finding.ok else "warn" if finding.warning else "ok"
-                print(f"{status:<6}{finding.name}: {finding.message}")
+                print(f"{status:<6}{finding.name}: {printable(finding.message)}")
         problems = [finding for finding in findings if not finding.ok]
         return problems[0].exit_code if problems else ExitCode.OK
 

@@ -9,7 +9,7 @@ from kvtrace.cli.flags import add_pid_flag, non_negative_seconds, positive_count
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.human import human_bytes, human_duration, human_rate
+from kvtrace.human import human_bytes, human_duration, human_rate, printable
 from kvtrace.wire import leak_report_to_json_dict
 
 EPILOG = """examples:
@@ -34,9 +34,10 @@ def format_report(response) -> str:
         count = f"{suspect.allocation_count} allocation{'s' if suspect.allocation_count != 1 else ''}"
         lines += ["", f"[{suspect.rank}] {human_bytes(suspect.outstanding_bytes)} in {count}, {growth}, "
                       f"oldest {human_duration(suspect.oldest_age_seconds)}",
-                  f"    pid {suspect.pid} {suspect.title or '?'}, {device}"]
+                  f"    pid {suspect.pid} {printable(suspect.title) or '?'}, {device}"]
         if suspect.HasField("stack"):
-            lines += [f"        {frame.function} ({frame.file}:{frame.line})" for frame in suspect.stack.frames]
+            lines += [f"        {printable(frame.function)} ({printable(frame.file)}:{frame.line})"
+                      for frame in suspect.stack.frames]
             if suspect.stack.truncated:
                 lines.append("        ... (outer frames cut at the walk's limit)")
         else:
@@ -44,7 +45,7 @@ def format_report(response) -> str:
         if suspect.HasField("native_caller") and suspect.native_caller.module:
             caller = suspect.native_caller
             where = f"{caller.symbol}+{caller.offset:#x}" if caller.symbol else f"{caller.offset:#x}"
-            lines.append(f"        called CUDA from {caller.module} {where}")
+            lines.append(f"        called CUDA from {printable(caller.module)} {printable(where)}")
         elif suspect.caller_address:
             lines.append(f"        called CUDA from {suspect.caller_address:#x}")
     return "\n".join(lines)

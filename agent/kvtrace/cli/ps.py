@@ -9,7 +9,7 @@ from collections import defaultdict
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.human import human_bytes
+from kvtrace.human import human_bytes, printable
 from kvtrace.model.events import PHYSICAL_LAYERS, Memory
 from kvtrace.wire import process_to_json_dict
 
@@ -63,5 +63,5 @@ class PsCommand:
                 frag = f"{blocks.ratio * 100:.0f}%" if blocks is not None else "-"
                 print(f"{process.pid:>7} {gpu:>3} {human_bytes(row['device']):>10} "
                       f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} {tensors:>10} {frag:>5} "
-                      f"{row['objects']:>8} {process.title or process.comm}", file=out)
+                      f"{row['objects']:>8} {printable(process.title or process.comm)}", file=out)
         return ExitCode.OK

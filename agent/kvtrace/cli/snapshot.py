@@ -13,7 +13,7 @@ from kvtrace.cli.flags import add_pid_flag
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
-from kvtrace.human import human_age, human_bytes
+from kvtrace.human import human_age, human_bytes, printable
 from kvtrace.model.blocks import Segment, segments_of
 from kvtrace.model.events import Layer
 from kvtrace.model.ledger import Outstanding, holds_device_memory
@@ -134,7 +134,7 @@ def print_table(out: TextIO, by_pid: dict[int, list[Outstanding]], titles: dict[
     for pid in sorted(by_pid):
         title, container = titles.get(pid, ("", ""))
         suffix = f"  container {container[:12]}" if container else ""
-        print(f"pid {pid}  {title or '(exited)'}{suffix}", file=out)
+        print(f"pid {pid}  {printable(title) or '(exited)'}{suffix}", file=out)
         print(HEADER, file=out)
         segments, outside = segments_of(by_pid[pid])
         holding = {segment.address: segment for segment in segments if segment.blocks}

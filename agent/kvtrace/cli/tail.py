@@ -11,7 +11,7 @@ from kvtrace.cli.flags import add_pid_flag, parse_size
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
-from kvtrace.human import human_bytes
+from kvtrace.human import human_bytes, printable
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind, Layer
 from kvtrace.model.stacks import Stack
 from kvtrace.wire import event_from_proto, event_to_json, stack_from_proto
@@ -38,7 +38,7 @@ def format_event(event: Event) -> str:
     layer = event.layer.name.lower() if event.layer else ""
     device = "" if event.device == DEVICE_UNKNOWN else str(event.device)
     return (f"{when:<12} {event.pid:>7} {event.api.name:<18} {layer:<7} {size:>10} {device:>3} "
-            f"{address:<14} {event.title}")
+            f"{address:<14} {printable(event.title)}")
 
 
 class TailCommand:
@@ -100,7 +100,7 @@ class TailCommand:
                     out.write(format_event(event) + "\n")
                     if args.stacks and event_stack is not None:
                         for frame in event_stack.frames:
-                            out.write(f"    {frame.function} ({frame.file}:{frame.line})\n")
+                            out.write(f"    {printable(frame.function)} ({printable(frame.file)}:{frame.line})\n")
                 out.flush()  # once per batch: `kvtrace tail | grep` sees events promptly
         return ExitCode.OK
 

@@ -18,7 +18,7 @@ from kvtrace.cli.flags import add_pid_flag, positive_seconds
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.human import human_bytes, human_duration, signed_bytes
+from kvtrace.human import human_bytes, human_duration, printable, signed_bytes
 from kvtrace.wire import optional_field
 
 EPILOG = """examples:
@@ -59,7 +59,7 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
     process x GPU table."""
     counters = info.counters
     keys = " (g/o/t, q quits)" if interactive else ""
-    health = ", ".join(c.name if c.up else f"{c.name} DOWN: {c.reason}" for c in info.components)
+    health = printable(", ".join(c.name if c.up else f"{c.name} DOWN: {c.reason}" for c in info.components))
     header = [
         f"kvtrace {info.version} | data {_age(now_ns, growth.timestamp_ns)}, "
         f"NVML {_age(now_ns, growth.nvml_timestamp_ns)} | sort: {sort}{keys}",
@@ -83,7 +83,7 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
             human_bytes(nvml_used) if nvml_used is not None else "-",
             _unattributed(optional_field(row, "unattributed_bytes")),
             signed_bytes(row.growth_bytes_per_second_1m), signed_bytes(row.growth_bytes_per_second_15m),
-            human_duration(ttoom) if ttoom is not None else "-", frag, row.title))
+            human_duration(ttoom) if ttoom is not None else "-", frag, printable(row.title)))
     # Growth columns are per second; "OOM IN" is the time until the GPU's free memory is gone; FRAG
     # how scattered the free part of PyTorch's segments is, where its blocks are traced.
     # The numbers keep their width and the title gets the rest: given more than fits, rich would

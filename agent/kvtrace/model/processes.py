@@ -15,6 +15,25 @@ from dataclasses import dataclass
 _CONTAINER_ID = re.compile(r"(?:^|[/-])([0-9a-f]{64})(?:\.scope)?(?:/|$)")
 
 TITLE_MAX_AGE_SECONDS = 5.0
+# A title rides on every event: a 1 MB command line must not become 1 MB per event.
+TITLE_MAX_CHARS = 1024
+
+
+def valid_text(raw: str) -> str:
+    """`raw` as text every consumer takes: bytes that were not UTF-8 (kept by Python as lone
+    surrogates, the surrogateescape way) become `\\xff` escapes. Protobuf and JSON refuse lone
+    surrogates, so one process with such a command line would fail every report."""
+    return raw.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def clean_title(raw: str, max_chars: int = TITLE_MAX_CHARS) -> str:
+    """A process title as kvtrace keeps it: valid text, at most `max_chars` characters (the cut
+    says how much went)."""
+    title = valid_text(raw)
+    if len(title) > max_chars:
+        marker = f"... (+{len(title) - max_chars} chars)"
+        title = title[:max_chars - len(marker)] + marker
+    return title
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from kvtrace.model.processes import ProcessInfo, container_id
+from kvtrace.model.processes import ProcessInfo, clean_title, container_id, valid_text
 
 PROC = Path("/proc")
 
@@ -60,11 +60,12 @@ def read_maps(pid: int, proc: Path = PROC) -> list[Mapping]:
             start, end = (int(value, 16) for value in parts[0].split("-"))
             major, minor = (int(value, 16) for value in parts[3].split(":"))
             offset, inode = int(parts[2], 16), int(parts[4])
-        except ValueError:
+            device = os.makedev(major, minor)
+        except (ValueError, OverflowError):  # OverflowError: a device number beyond 32 bits
             continue
         path = parts[5] if len(parts) > 5 else ""
         deleted = path.endswith(_DELETED)
-        mappings.append(Mapping(start, end, parts[1], offset, os.makedev(major, minor), inode,
+        mappings.append(Mapping(start, end, parts[1], offset, device, inode,
                                 path.removesuffix(_DELETED), deleted))
     return mappings
 
@@ -92,7 +93,8 @@ def status_field(pid: int | str, field: str, proc: Path = PROC) -> str | None:
     """One field of /proc/PID/status ("Seccomp" -> "2"; pid "self" for this process); None if
     gone or absent."""
     try:
-        text = (proc / str(pid) / "status").read_text()
+        # Not strict UTF-8: Name is the comm, which a process sets to any bytes (PR_SET_NAME).
+        text = (proc / str(pid) / "status").read_text(errors="surrogateescape")
     except OSError:
         return None
     match = re.search(rf"^{re.escape(field)}:\s*(\S+)", text, re.MULTILINE)
@@ -119,12 +121,13 @@ def read_process(pid: int, proc: Path = PROC) -> ProcessInfo | None:
     except (psutil.Error, OSError):
         return None
     try:
-        cgroup = (proc / str(pid) / "cgroup").read_text()
+        cgroup = (proc / str(pid) / "cgroup").read_text(errors="surrogateescape")
     except OSError:
         cgroup = ""
     # setproctitle may leave one argv element holding the whole title, padded with NULs/spaces.
-    title = " ".join(part for part in cmdline if part).strip() or comm
-    return ProcessInfo(pid, title, comm, container_id(cgroup), cgroup.strip().split(":")[-1],
+    comm = valid_text(comm)
+    title = clean_title(" ".join(part for part in cmdline if part).strip() or comm)
+    return ProcessInfo(pid, title, comm, container_id(cgroup), valid_text(cgroup.strip().split(":")[-1]),
                        start_time, time.monotonic())
 
 
