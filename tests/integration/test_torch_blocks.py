@@ -6,6 +6,7 @@ probes pytorch:malloc(pointer, device, size, stream) and pytorch:free(pointer) b
 WHEN the agent traces it, THEN every block event arrives exactly, the blocks are exact in the ledger
 (kernel and user space), each lies in its segment, and fragmentation is what the manifest implies;
 and nothing tracing leaves the semaphores at 0 (the probes cost nothing then)."""
+import os
 from collections import Counter
 
 import pytest
@@ -14,6 +15,7 @@ from cuda_stubs import Workload
 from harness import TracingHarness, require_tracing_here
 from kvtrace.model.blocks import fragmentation, segments_of
 from kvtrace.model.events import Api, Kind, Layer, ObjectKind
+from kvtrace.sources.discovery import FileId
 from torch_stubs import (
     BLOCKS_DEVICE0_FREES,
     BLOCKS_DEVICE0_MALLOCS,
@@ -200,7 +202,8 @@ def test_two_chosen_processes_share_one_set_of_probe_sites(tmp_path, stub_build)
         try:
             probes = harness.source.probes
             assert probes is not None
-            assert probes.torch_attached_pids(str(torch.libc10_cuda)) == set(pids)
+            library = os.stat(torch.libc10_cuda)
+            assert probes.torch_attached_pids(FileId(library.st_dev, library.st_ino)) == set(pids)
             assert len(list(probes._bpf[b"usdt_sites"].keys())) == 3
             for workload in (first, second):
                 workload.go()

@@ -1,11 +1,12 @@
 """BpfSource with a stand-in for the BPF side: a gone -p process is dropped once, a record or
 ledger entry it cannot decode costs a resync, never the agent."""
 import math
+import os
 
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.loader import LibraryUnreadable
+from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 from kvtrace.sources.discovery import FileId, Target
 
@@ -97,7 +98,7 @@ def test_an_event_that_cannot_be_decoded_is_counted_told_as_lost_and_resyncs():
 
 
 class UnreadableProbes(CountingProbes):
-    def attach(self, path: str, symbols, pid: int) -> list[str]:
+    def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
         raise LibraryUnreadable(f"cannot read the function offsets of {path}")
 
 
@@ -108,7 +109,7 @@ def test_a_library_that_cannot_be_attached_is_refused_and_the_agent_goes_on():
     target = Target(FileId(1, 2), "/opt/lib/libcudart.so.12", ("cudaMalloc",))
     tracer._attach(target)
     assert tracer.refused[target.path] == "attaching failed: cannot read the function offsets of " + target.path
-    assert target.path not in tracer._attached_targets  # not kept as attached, not tried per pid
+    assert target.file_id not in tracer._attached_targets  # not kept as attached, not tried per pid
     (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
     assert not status.up
 
@@ -127,3 +128,115 @@ def test_a_ledger_entry_that_cannot_be_decoded_is_left_out_of_the_resync_alone()
     tracer.probes = CountingProbes([bad, good])
     tracer.resync()
     assert [(e.key.address, e.size_bytes) for e in tracer.session.outstanding()] == [(0x1000, 4096)]
+
+
+class LibraryProbes(CountingProbes):
+    """Attaches and detaches libraries by key, as BpfProbes does; `quota` libraries at most."""
+
+    def __init__(self, quota: int | None = None) -> None:
+        super().__init__()
+        self.live: dict = {}
+        self.detached: list = []
+        self.quota = quota
+
+    def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
+        if self.quota is not None and len(self.live) >= self.quota:
+            raise ProbeQuotaFull("80 probes would pass bcc's quota of 1000 open probes")
+        self.live.setdefault(key, set()).add(pid)
+        return list(symbols)
+
+    def attached_pids(self, key) -> set[int]:
+        return set(self.live.get(key, ()))
+
+    def attached(self) -> dict:
+        return {key: ["cudaMalloc"] for key in self.live}
+
+    def torch_attached_pids(self, key) -> set[int]:
+        return set()
+
+    def detach(self, key) -> float:
+        del self.live[key]
+        self.detached.append(key)
+        return 0.0
+
+
+def _library(number: int, pid: int) -> Target:
+    target = Target(FileId(1, number), f"/home/u/copy{number}/libcudart.so.12", ("cudaMalloc",))
+    target.pids.add(pid)
+    return target
+
+
+def _sourced(probes, **options) -> tuple[Session, BpfSource]:
+    session = Session()
+    tracer = BpfSource(session, BpfOptions(**options))
+    tracer.probes = probes
+    return session, tracer
+
+
+def test_a_library_replaced_at_the_same_path_is_attached_again():
+    # GIVEN libcudart attached, then replaced in place (pip install -U: a new inode at that path)
+    probes = LibraryProbes()
+    _, tracer = _sourced(probes)
+    old, new = _library(7, GONE_PID), _library(7, GONE_PID)
+    new.file_id = FileId(1, 8)
+    tracer._attach(old)
+    # WHEN a process maps the new file
+    tracer._attach(new)
+    # THEN both files have probes: attachments are per (device, inode), not per path
+    assert set(probes.live) == {FileId(1, 7), FileId(1, 8)}
+
+
+def test_libraries_beyond_the_limit_wait_and_unused_ones_make_room():
+    # GIVEN a limit of 3 libraries, all three mapped by a live process (this one)
+    probes = LibraryProbes()
+    session, tracer = _sourced(probes, max_libraries=3)
+    me = os.getpid()
+    for number in range(3):
+        tracer._attach(_library(number, me))
+    # WHEN a fourth arrives
+    waiting = _library(3, me)
+    tracer.discovery.targets[waiting.file_id] = waiting
+    tracer._attach(waiting)
+    # THEN it is refused for now: counted, named by the libraries component, found again later
+    assert FileId(1, 3) not in probes.live and tracer.libraries_refused == 1
+    assert waiting.file_id not in tracer.discovery.targets  # the next scan finds it again
+    tracer._report(dict.fromkeys(abi.COUNTERS, 0))
+    (status,) = [c for c in session.components() if c.name == "libraries"]
+    assert not status.up and "copy3" in status.reason
+    assert session.counters()["libraries_refused"] == 1 and session.counters()["libraries_attached"] == 3
+    # WHEN the process of library 0 exits, and the fourth is found again
+    tracer._attached_targets[FileId(1, 0)].pids = {GONE_PID}
+    tracer.full_scan = lambda: None
+    tracer._over_limit.clear()
+    tracer._attach(waiting)
+    # THEN the unused library made room at once, and the fourth is attached
+    assert probes.detached == [FileId(1, 0)] and FileId(1, 3) in probes.live
+    tracer._report(dict.fromkeys(abi.COUNTERS, 0))
+    (status,) = [c for c in session.components() if c.name == "libraries"]
+    assert status.up
+
+
+def test_a_library_nobody_maps_loses_its_probes_after_the_idle_time():
+    probes = LibraryProbes()
+    _, tracer = _sourced(probes, detach_idle_seconds=60)
+    tracer._attach(_library(1, GONE_PID))
+    tracer._detach_unused(now=1000.0)
+    assert probes.detached == []  # idle from now on
+    tracer._detach_unused(now=1059.0)
+    assert probes.detached == []
+    tracer._detach_unused(now=1060.0)
+    assert probes.detached == [FileId(1, 1)] and tracer.libraries_detached == 1
+    assert FileId(1, 1) not in tracer.discovery.targets  # mapped again later: attached again
+
+
+def test_bccs_probe_quota_makes_a_library_wait_not_fail_for_good():
+    # GIVEN perf-event uprobes whose quota takes one library
+    probes = LibraryProbes(quota=1)
+    _, tracer = _sourced(probes)
+    me = os.getpid()
+    tracer._attach(_library(1, me))
+    second = _library(2, me)
+    tracer._attach(second)
+    # THEN the second waits (not refused for good, as a broken file is)
+    assert second.path not in tracer.refused and tracer.libraries_refused == 1
+    assert FileId(1, 2) in tracer._over_limit

@@ -112,7 +112,7 @@ class Discovery:
                 if not symbols and not torch_probes:
                     continue
                 # Prefer the plain path when it is the same file (nicer in reports).
-                if os.path.exists(path) and _same_file(path, file_id):
+                if os.path.exists(path) and same_file(path, file_id):
                     open_path = path
                 target = self.targets[file_id] = Target(file_id, open_path, symbols, torch_probes=torch_probes)
                 new.append(target)
@@ -139,13 +139,12 @@ class Discovery:
         return target
 
     def forget_pid(self, pid: int) -> None:
-        """Drops a pid. Targets stay attached: uprobes on a file nobody maps cost nothing, while
-        detaching costs the kernel an RCU grace period per probe (seconds for a library)."""
+        """Drops a pid. Its targets stay until the BPF source detaches the ones nobody maps."""
         for target in self.targets.values():
             target.pids.discard(pid)
 
 
-def _same_file(path: str, file_id: FileId) -> bool:
+def same_file(path: str, file_id: FileId) -> bool:
     try:
         st = os.stat(path)
     except OSError:

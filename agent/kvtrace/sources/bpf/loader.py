@@ -11,7 +11,7 @@ import itertools
 import logging
 import select
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtrace.model.events import Api
@@ -80,13 +80,16 @@ class BpfProbes:
         self.compile_seconds = time.monotonic() - started
         self.set_block_rate(settings.block_events_per_second)
         _return_freed_heap()
-        self._attached: dict[str, dict[int, list[str]]] = {}  # path -> pid (-1: all) -> symbols
-        self._links: dict[str, list[links.Link]] = {}  # path -> its links (uprobe_multi mode)
+        # Attachments are per library, named by the caller's key (the agent's: the file's device and
+        # inode, so that a file replaced at the same path is a new library; the path by default).
+        self._paths: dict[Hashable, str] = {}  # key -> the path attached through
+        self._attached: dict[Hashable, dict[int, list[str]]] = {}  # key -> pid (-1: all) -> symbols
+        self._links: dict[Hashable, list[links.Link]] = {}  # key -> its links (uprobe_multi mode)
         self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
-        self._torch_attached: dict[str, dict[int, list[UsdtProbe]]] = {}  # path -> pid -> probes
-        # path -> (its usable sites, their cookies): usdt_sites entries made once per library and
+        self._torch_attached: dict[Hashable, dict[int, list[UsdtProbe]]] = {}  # key -> pid -> probes
+        # key -> (its usable sites, their cookies): usdt_sites entries made once per library and
         # shared by its links (one per pid under -p)
-        self._torch_sites: dict[str, tuple[list[UsdtProbe], list[int]]] = {}
+        self._torch_sites: dict[Hashable, tuple[list[UsdtProbe], list[int]]] = {}
         self._next_cookie = 0  # usdt_sites keys: one per probe site
         self.uprobe_links = settings.uprobe_links
         if self.uprobe_links is None:
@@ -99,16 +102,29 @@ class BpfProbes:
 
     # ---- attach ----
 
-    def attach(self, path: str, symbols: Iterable[str], pid: int = -1) -> list[str]:
+    def attach(self, path: str, symbols: Iterable[str], pid: int = -1, key: Hashable = None) -> list[str]:
         """Entry and return probes on each symbol of the file, for every process (pid -1) or for
         one process only (the kernel then plants no breakpoints in any other process).
 
-        Returns the symbols attached; a symbol that fails is logged and skipped.
+        Returns the symbols attached; a symbol that fails is logged and skipped. Raises
+        ProbeQuotaFull, attaching nothing, when bcc's probe quota (perf-event uprobes) cannot take
+        the library whole.
         """
+        key = path if key is None else key
+        symbols = list(symbols)
+        self._paths[key] = path
         if self.uprobe_links:
-            done = self._attach_links(path, list(symbols), pid)
-            self._attached.setdefault(path, {})[pid] = done
+            done = self._attach_links(key, path, symbols, pid)
+            self._attached.setdefault(key, {})[pid] = done
             return done
+        from bcc import BPF
+
+        # bcc counts perf-event probes against one quota for the process (1000 unless
+        # BCC_PROBE_LIMIT): a library that does not fit whole is refused, not half attached.
+        needed, limit = 2 * len(symbols), BPF.get_probe_limit()
+        if self._bpf.num_open_uprobes() + needed > limit:
+            raise ProbeQuotaFull(f"{needed} probes would pass bcc's quota of {limit} open probes "
+                                 f"({self._bpf.num_open_uprobes()} open; BCC_PROBE_LIMIT raises it)")
         done = []
         for symbol in symbols:
             try:
@@ -122,10 +138,10 @@ class BpfProbes:
                 self._detach_symbol(path, symbol, pid)
                 continue
             done.append(symbol)
-        self._attached.setdefault(path, {})[pid] = done
+        self._attached.setdefault(key, {})[pid] = done
         return done
 
-    def _attach_links(self, path: str, symbols: list[str], pid: int) -> list[str]:
+    def _attach_links(self, key: Hashable, path: str, symbols: list[str], pid: int) -> list[str]:
         """One entry and one return link per symbol (each program handles one API)."""
         offsets = function_file_offsets(path, symbols)
         if not offsets:  # discovery read these symbols; the file cannot be read (or was replaced) since
@@ -146,33 +162,57 @@ class BpfProbes:
                             f" for pid {pid}" if pid != -1 else "", error)
                 links.close_links(made)
                 continue
-            self._links.setdefault(path, []).extend(made)
+            self._links.setdefault(key, []).extend(made)
             done.append(symbol)
         return done
 
-    def attach_torch(self, path: str, probes: Sequence[UsdtProbe], pid: int = -1) -> list[UsdtProbe]:
+    def attach_torch(self, path: str, probes: Sequence[UsdtProbe], pid: int = -1,
+                     key: Hashable = None) -> list[UsdtProbe]:
         """One uprobe_multi link on PyTorch's allocator probes in `path`, for every process (-1) or
         one: their semaphores are its ref_ctr_offsets (the kernel raises them while the link is in,
         so the probes cost nothing otherwise), each site's cookie names its entry in usdt_sites.
         Returns the probes attached; raises TorchProbesRefused with the reason when none can be."""
         if not self.uprobe_links:
             raise TorchProbesRefused("PyTorch's allocator probes need uprobe_multi links (Linux 6.6+)")
-        fresh = path not in self._torch_sites
+        key = path if key is None else key
+        self._paths[key] = path
+        fresh = key not in self._torch_sites
         if fresh:
-            self._torch_sites[path] = self._add_torch_sites(path, probes)
-        attached, cookies = self._torch_sites[path]
+            self._torch_sites[key] = self._add_torch_sites(path, probes)
+        attached, cookies = self._torch_sites[key]
         try:
             link = links.attach_uprobe_multi(
                 self._program(TORCH_PROGRAM), path, [probe.pc_file_offset for probe in attached],
                 ref_ctr_offsets=[probe.semaphore_file_offset for probe in attached], cookies=cookies, pid=pid)
         except Exception as error:  # LinkError; bcc raises plain Exception when a load fails
             if fresh:
-                del self._torch_sites[path]
+                del self._torch_sites[key]
                 self._delete_sites(cookies)
             raise TorchProbesRefused(str(error)) from error
-        self._links.setdefault(path, []).append(link)
-        self._torch_attached.setdefault(path, {})[pid] = attached
+        self._links.setdefault(key, []).append(link)
+        self._torch_attached.setdefault(key, {})[pid] = attached
         return attached
+
+    def detach(self, key: Hashable) -> float:
+        """Takes every probe of one library down (all its processes); returns the seconds it took.
+
+        A library nobody maps any more costs nothing in the kernel, but the agent's attachments
+        are bounded (bcc's probe quota, fds, usdt_sites): unused ones must go."""
+        started = time.monotonic()
+        path = self._paths.pop(key, None)
+        try:
+            links.close_links(self._links.pop(key, []))
+        finally:
+            if path is not None and not self.uprobe_links:
+                for pid, symbols in self._attached.get(key, {}).items():
+                    for symbol in symbols:
+                        self._detach_symbol(path, symbol, pid)
+            self._attached.pop(key, None)
+            self._torch_attached.pop(key, None)
+            sites = self._torch_sites.pop(key, None)
+            if sites is not None:
+                self._delete_sites(sites[1])
+        return time.monotonic() - started
 
     def _add_torch_sites(self, path: str, probes: Sequence[UsdtProbe]) -> tuple[list[UsdtProbe], list[int]]:
         """The usable probes of `path` with the usdt_sites entries made for them (cookies)."""
@@ -202,9 +242,9 @@ class BpfProbes:
         for cookie in cookies:
             del table[ctypes.c_uint64(cookie)]
 
-    def torch_attached_pids(self, path: str) -> set[int]:
-        """The pids PyTorch's probes in `path` are attached for; {-1}: every process."""
-        return set(self._torch_attached.get(path, {}))
+    def torch_attached_pids(self, key: Hashable) -> set[int]:
+        """The pids PyTorch's probes in library `key` are attached for; {-1}: every process."""
+        return set(self._torch_attached.get(key, {}))
 
     def _program(self, function: str) -> int:
         fd = self._programs.get(function)
@@ -219,14 +259,18 @@ class BpfProbes:
             except Exception:
                 pass
 
-    def attached_pids(self, path: str) -> set[int]:
-        """The pids `path` is attached for; {-1}: every process."""
-        return set(self._attached.get(path, {}))
+    def attached_pids(self, key: Hashable) -> set[int]:
+        """The pids library `key` is attached for; {-1}: every process."""
+        return set(self._attached.get(key, {}))
 
-    def attached(self) -> dict[str, list[str]]:
-        """path -> the symbols attached (in any process)."""
-        return {path: sorted({symbol for symbols in by_pid.values() for symbol in symbols})
-                for path, by_pid in self._attached.items()}
+    def attached(self) -> dict[Hashable, list[str]]:
+        """library key -> the symbols attached (in any process)."""
+        return {key: sorted({symbol for symbols in by_pid.values() for symbol in symbols})
+                for key, by_pid in self._attached.items()}
+
+    def path_of(self, key: Hashable) -> str | None:
+        """The path library `key` was attached through."""
+        return self._paths.get(key)
 
     # ---- filter ----
 
@@ -366,6 +410,10 @@ class BpfProbes:
 
 class LibraryUnreadable(Exception):
     """A library discovery found cannot be read now (replaced, truncated, malformed)."""
+
+
+class ProbeQuotaFull(Exception):
+    """bcc's quota of open perf-event probes cannot take a library; the message says how to raise it."""
 
 
 class TorchProbesRefused(Exception):

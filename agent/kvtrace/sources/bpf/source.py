@@ -28,8 +28,8 @@ from kvtrace.model.stacks import Stack
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
-from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings, TorchProbesRefused
-from kvtrace.sources.discovery import Discovery, Target
+from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, ProbeSettings, TorchProbesRefused
+from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
 from kvtrace.sources.python.runtime import NoPython, PythonTarget, inspect_python
 from kvtrace.sources.python.symbolize import Symbolizer
 
@@ -65,6 +65,12 @@ class BpfOptions:
     full_rescan_seconds: float = 10.0
     sweep_seconds: float = 1.0
     resync_min_seconds: float = 1.0
+    # Libraries with probes in at once. Any user can make new ones (a copy of libcudart is one):
+    # beyond the limit a library is refused, said and counted, and tried again once one is free.
+    max_libraries: int = 64
+    # A library no traced process has mapped for this long loses its probes (preattached files
+    # that are still where they were found keep theirs).
+    detach_idle_seconds: float = 60.0
 
 
 class BpfSource:
@@ -92,7 +98,12 @@ class BpfSource:
         # Following pids chosen at start (-p): probes go on those processes only, so that the others
         # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
         self._per_pid_attach = False
-        self._attached_targets: dict[str, Target] = {}  # path -> what was attached there
+        self._attached_targets: dict[FileId, Target] = {}  # the libraries with probes in
+        self._preattached: set[FileId] = set()  # found by preattach_globs, not by a process
+        self._idle_since: dict[FileId, float] = {}  # attached libraries nobody maps: since when
+        self._over_limit: dict[FileId, str] = {}  # libraries waiting for a free place: their paths
+        self.libraries_refused = 0  # attach attempts refused by the limit or bcc's probe quota
+        self.libraries_detached = 0
         self._missed_seen = 0  # events lost + block events unsent, as last seen
         self._resync_due = False
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
@@ -147,6 +158,7 @@ class BpfSource:
                     continue  # the real file is matched too; attach by inode once
                 target = self.discovery.add_file(path)
                 if target is not None:
+                    self._preattached.add(target.file_id)
                     self._attach(target)
         self._report()
 
@@ -175,8 +187,17 @@ class BpfSource:
         """Counters, attached libraries and a heartbeat to the Session (every loop)."""
         counters = dict(counters if counters is not None else self._probes().counters())
         counters["events_undecodable"] = self._undecodable
+        counters["libraries_attached"] = len(self._attached_targets)
+        counters["libraries_refused"] = self.libraries_refused
+        counters["libraries_detached"] = self.libraries_detached
         self.session.report_counters(counters)
         self.session.report_libraries(self.attached_libraries())
+        waiting = sorted(self._over_limit.values())
+        self.session.report_component(
+            "libraries", not waiting,
+            f"{len(waiting)} libraries wait for probes: {len(self._attached_targets)} attached, the limit "
+            f"(--max-libraries {self.options.max_libraries}) or bcc's probe quota is reached; "
+            f"e.g. {waiting[0]}" if waiting else "")
         self.session.report_component("bpf", True, stale_after_seconds=STALLED_AFTER_SECONDS,
                                       stale_reason="the event loop is stalled")
 
@@ -249,6 +270,7 @@ class BpfSource:
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_seconds
             self.sweep_exited()
+            self._detach_unused(now)
         counters = self._probes().counters()
         self._report(counters)
         # Events that never reached user space: lost when the ring was full, or a block event over
@@ -265,6 +287,7 @@ class BpfSource:
 
     def full_scan(self) -> None:
         self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
+        self._over_limit.clear()  # what still waits for a place is refused again below
         if self.options.only_selected or self.options.pids:
             pids = sorted(self._selected)  # following chosen processes: look at nobody else
         else:
@@ -350,10 +373,48 @@ class BpfSource:
                 log.warning("not attaching to %s: %s", target.path, self.refused[target.path])
                 self.session.report_component(f"attach:{target.path}", False, self.refused[target.path])
                 return
-        self._attached_targets[target.path] = target
+        if target.file_id not in self._attached_targets and len(self._attached_targets) >= self.options.max_libraries:
+            self._detach_unused(time.monotonic(), waited_for=True)
+            if len(self._attached_targets) >= self.options.max_libraries:
+                self._wait_for_room(target, f"{self.options.max_libraries} libraries are attached (--max-libraries)")
+                return
+        self._attached_targets[target.file_id] = target
         for pid in sorted(self._selected) if self._per_pid_attach else [-1]:
             if not self._attach_guarded(target, pid):
                 break
+
+    def _wait_for_room(self, target: Target, why: str) -> None:
+        """Refuses a library for now: counted, said once, and found again by a later scan (one that
+        no longer fits may fit once an unused library is detached)."""
+        self.libraries_refused += 1
+        if target.file_id not in self._over_limit:
+            log.warning("not attaching to %s: %s", target.path, why)
+        self._over_limit[target.file_id] = target.path
+        self._attached_targets.pop(target.file_id, None)
+        self.discovery.targets.pop(target.file_id, None)
+
+    def _detach_unused(self, now: float, waited_for: bool = False) -> None:
+        """Takes the probes out of libraries no traced process maps: after detach_idle_seconds, or
+        at once when another library is waiting for the place (`waited_for`)."""
+        for file_id, target in list(self._attached_targets.items()):
+            if file_id in self._preattached and same_file(target.path, file_id):
+                continue
+            target.pids = {pid for pid in target.pids if psutil.pid_exists(pid)}
+            if target.pids:
+                self._idle_since.pop(file_id, None)
+                continue
+            since = self._idle_since.setdefault(file_id, now)
+            if waited_for or now - since >= self.options.detach_idle_seconds:
+                self._detach(file_id)
+
+    def _detach(self, file_id: FileId) -> None:
+        target = self._attached_targets.pop(file_id)
+        self._idle_since.pop(file_id, None)
+        self._preattached.discard(file_id)
+        self.discovery.targets.pop(file_id, None)  # a process that maps it later attaches it again
+        seconds = self._probes().detach(file_id)
+        self.libraries_detached += 1
+        log.info("detached %s (no traced process maps it) in %.3f s", target.path, seconds)
 
     def _attach_guarded(self, target: Target, pid: int) -> bool:
         """_attach_for, where a library that fails (a file that cannot be read as it claimed, bcc
@@ -361,9 +422,12 @@ class BpfSource:
         try:
             self._attach_for(target, pid)
             return True
+        except ProbeQuotaFull as error:
+            self._wait_for_room(target, str(error))
+            return False
         except Exception as error:
             log.exception("cannot attach to %s", target.path)
-            self._attached_targets.pop(target.path, None)
+            self._attached_targets.pop(target.file_id, None)
             self.refused[target.path] = f"attaching failed: {error}"
             self.session.report_component(f"attach:{target.path}", False, self.refused[target.path])
             return False
@@ -372,13 +436,13 @@ class BpfSource:
         """Probes on `target` for one process (pid) or all (-1), once."""
         probes = self._probes()
         whom = "every process" if pid == -1 else f"pid {pid}"
-        if target.symbols and pid not in probes.attached_pids(target.path):
-            attached = probes.attach(target.path, target.symbols, pid)
+        if target.symbols and pid not in probes.attached_pids(target.file_id):
+            attached = probes.attach(target.path, target.symbols, pid, key=target.file_id)
             log.info("attached %d probes to %s for %s (mapped by pids %s)", len(attached), target.path,
                      whom, sorted(target.pids))
-        if target.torch_probes and not self.torch_blocks_down and pid not in probes.torch_attached_pids(target.path):
+        if target.torch_probes and not self.torch_blocks_down and pid not in probes.torch_attached_pids(target.file_id):
             try:
-                sites = probes.attach_torch(target.path, target.torch_probes, pid)
+                sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
             except TorchProbesRefused as error:
                 self.refused[target.path] = str(error)
                 log.warning("not tracing PyTorch's allocator in %s: %s", target.path, error)
@@ -457,8 +521,8 @@ class BpfSource:
         attached = self.probes.attached()
         libraries = []
         for target in self.discovery.targets.values():
-            names = list(attached.get(target.path, []))
-            if self.probes.torch_attached_pids(target.path):
+            names = list(attached.get(target.file_id, []))
+            if self.probes.torch_attached_pids(target.file_id):
                 names += sorted({f"{probe.provider}:{probe.name}" for probe in target.torch_probes})
             if names:
                 libraries.append(AttachedLibrary(target.path, target.file_id.device, target.file_id.inode,
