@@ -26,6 +26,9 @@ struct kvt_ctx_key {
 BPF_TABLE("lru_hash", struct kvt_args_key, struct kvt_args, saved_args, KVT_MAX_THREADS);
 BPF_TABLE("lru_hash", u32, s32, thread_device, KVT_MAX_THREADS);
 BPF_TABLE("lru_hash", struct kvt_ctx_key, s32, context_device, 4096);
+/* The device of a thread that never selected one, for processes whose CUDA start the agent missed
+ * (set by user space: KVT_DEVICE_UNKNOWN where the process sees several GPUs). */
+BPF_HASH(process_device, u32, s32, 65536);
 BPF_HASH(pid_filter, u32, u8, 65536);
 BPF_ARRAY(config, u64, KVT_CONFIG_COUNT);
 
@@ -118,9 +121,15 @@ static __always_inline int take_entry(u32 api, struct kvt_args *out) {
     return 1;
 }
 
+/* CUDA's rule: a thread works on the device it selected (cudaSetDevice, or a context made
+ * current); one that never selected any works on device 0, the first GPU it can see. */
 static __always_inline s32 current_device(u32 tid) {
     s32 *device = thread_device.lookup(&tid);
-    return device ? *device : KVT_DEVICE_UNKNOWN;
+    if (device)
+        return *device;
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    s32 *fallback = process_device.lookup(&pid);
+    return fallback ? *fallback : 0;
 }
 
 static __always_inline void set_thread_device(u32 tid, s32 device) {

@@ -236,6 +236,9 @@ def test_two_titled_workers_are_attributed_apart_and_nvml_agrees(torch_worker, a
             # THEN each is attributed to its own pid and title, with what its PyTorch reserved
             if row.title != title:
                 failures.append(f"pid {worker.pid} titled {row.title!r}, not {title!r}")
+            # AND on the one GPU there is, by CUDA ordinal and NVML index (was "?": no cudaSetDevice)
+            if (row.device, row.nvml_index) != (0, 0):
+                failures.append(f"{title}: on GPU {row.device} (NVML {row.nvml_index}), not 0 (0)")
             if row.outstanding_bytes != reserved[worker.pid]:
                 failures.append(f"{title}: traced {row.outstanding_bytes} != reserved {reserved[worker.pid]}")
             # AND NVML's figure for the pid minus the traced bytes is a CUDA context's size

@@ -66,3 +66,29 @@ def test_expandable_segments_vmm_bytes_equal_memory_reserved(torch_worker):
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     reserved, traced, kernel = _reserved_vs_traced(torch_worker, env, [Layer.VMM])
     assert traced == reserved == kernel
+
+
+def test_allocations_are_on_device_0_without_cudasetdevice_also_when_the_agent_came_late(torch_worker):
+    # GIVEN torch on one GPU, which never calls cudaSetDevice(0), one worker started and CUDA
+    # initialised before the agent (its driver mapped before any probe), one after
+    late = torch_worker()
+    late.send(op="init")
+    with TracingHarness([late.pid]) as harness:
+        early = torch_worker()
+        harness.source.follow(early.pid)
+        early.send(harness, op="init")
+        devices = {}
+        for worker in (late, early):
+            # WHEN each allocates 23 tensors
+            worker.send(harness, op="alloc", count=23, step_bytes=MiB)
+            quiesce(harness)
+            events = [e for e in harness.of(worker.pid, Kind.ALLOC)
+                      if e.api in (Api.cudaMalloc, Api.cuMemAlloc_v2, Api.cuMemCreate)]
+            devices[worker.pid] = sorted({e.device for e in events})
+            print(f"\npid {worker.pid} ({'late' if worker is late else 'early'}): {len(events)} allocations "
+                  f"on devices {devices[worker.pid]}; noted as started before its probes: "
+                  f"{worker.pid in harness.source.late_device}")
+            assert events
+        # THEN every allocation is on device 0 (it was -1, shown as "?"), for both
+        assert devices == {late.pid: [0], early.pid: [0]}
+        assert late.pid in harness.source.late_device and early.pid not in harness.source.late_device

@@ -69,6 +69,9 @@ def test_counts_scenario_exact_events_and_ledger(trace, stub_build):
                                        runtime_events + driver_events) as (pid, harness, calls):
         events = harness.of(pid)
         assert len(events) == runtime_events + driver_events
+        # CUDA's rule: a thread that never selected a device works on device 0 (it was "unknown")
+        device_memory = [e for e in events if e.kind is Kind.ALLOC and e.memory is Memory.DEVICE]
+        assert device_memory and {e.device for e in device_memory} == {0}
 
         mallocs = harness.of(pid, Kind.ALLOC, Api.cudaMalloc)
         manifest_mallocs = [(c["address"], c["size_bytes"]) for c in calls

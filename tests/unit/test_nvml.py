@@ -234,3 +234,27 @@ def test_read_cuda_visible_devices_of_a_process():
         child.kill()
         child.wait()
     assert read_cuda_visible_devices(2 ** 22 + 1) is None  # no such process
+
+
+def test_cuda_visible_count_follows_cudas_list_rules():
+    from kvtrace.model.gpus import cuda_visible_count
+
+    assert cuda_visible_count(None, 8) == 8
+    assert cuda_visible_count("0", 8) == 1
+    assert cuda_visible_count("3,1", 8) == 2
+    assert cuda_visible_count("0,9,1", 8) == 1  # the list ends at the first GPU that does not exist
+    assert cuda_visible_count("1,1", 8) == 1
+    assert cuda_visible_count("-1", 8) == 0 and cuda_visible_count("", 8) == 0
+    assert cuda_visible_count("GPU-8e6f,GPU-1234", 0) == 2
+    assert cuda_visible_count("MIG-8e6f", 1) == 0
+
+
+def test_gpu_device_count_reads_the_processes_own_dev(tmp_path):
+    from kvtrace.sources.procfs import gpu_device_count
+
+    dev = tmp_path / "1234" / "root" / "dev"
+    dev.mkdir(parents=True)
+    for name in ("nvidia0", "nvidia3", "nvidiactl", "nvidia-uvm", "nvidia-caps"):
+        (dev / name).touch()
+    assert gpu_device_count(1234, proc=tmp_path) == 2
+    assert gpu_device_count(999, proc=tmp_path) == 0

@@ -70,6 +70,22 @@ def nvml_index_for_cuda_ordinal(ordinal: int, visible_devices: str | None,
     return visible[ordinal] if ordinal < len(visible) else None
 
 
+def cuda_visible_count(visible_devices: str | None, host_gpu_count: int) -> int:
+    """How many GPUs a process started with this CUDA_VISIBLE_DEVICES sees, on a host (or in a
+    container) with `host_gpu_count` GPUs: the list up to its first entry that names no GPU. A UUID
+    entry counts as one GPU (whether it names one needs NVML)."""
+    if visible_devices is None:
+        return host_gpu_count
+    seen: list[str] = []
+    for entry in (entry.strip() for entry in visible_devices.split(",")):
+        valid = (int(entry) < host_gpu_count if entry.isdigit()
+                 else bool(entry) and not entry.upper().startswith("MIG-") and not entry.startswith("-"))
+        if not valid or entry in seen:
+            break
+        seen.append(entry)
+    return len(seen)
+
+
 def _visible_entry_index(entry: str, gpu_uuids: Sequence[str]) -> int | None:
     if entry.isdigit():
         index = int(entry)

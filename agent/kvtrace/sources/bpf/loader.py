@@ -363,6 +363,17 @@ class BpfProbes:
             except KeyError:
                 pass
 
+    def set_process_device(self, pid: int, device: int | None) -> None:
+        """The device of the process's threads that never selected one (None: CUDA's device 0)."""
+        table = self._bpf[b"process_device"]
+        if device is None:
+            try:
+                del table[ctypes.c_uint32(pid)]
+            except KeyError:
+                pass
+        else:
+            table[ctypes.c_uint32(pid)] = ctypes.c_int32(device)
+
     def set_python_target(self, pid: int, target: abi.RawPyTarget | None) -> None:
         table = self._bpf[b"py_targets"]
         if target is None:

@@ -23,9 +23,11 @@ import psutil
 
 from kvtrace.model.agent import AttachedLibrary
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventsLost, Kind, StackStatus
+from kvtrace.model.gpus import cuda_visible_count
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.stacks import Stack
 from kvtrace.session import Session
+from kvtrace.sources import procfs
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, ProbeSettings, TorchProbesRefused
@@ -102,6 +104,10 @@ class BpfSource:
         self._preattached: set[FileId] = set()  # found by preattach_globs, not by a process
         self._idle_since: dict[FileId, float] = {}  # attached libraries nobody maps: since when
         self._over_limit: dict[FileId, str] = {}  # libraries waiting for a free place: their paths
+        # Processes whose CUDA start the agent may have missed (running before their library had
+        # probes): the device their threads use when never seen selecting one (None: device 0).
+        self.late_device: dict[int, int | None] = {}
+        self._starting = False
         self.libraries_refused = 0  # attach attempts refused by the limit or bcc's probe quota
         self.libraries_detached = 0
         self._missed_seen = 0  # events lost + block events unsent, as last seen
@@ -151,7 +157,11 @@ class BpfSource:
         probes.open_rings(self._on_raw_event, self._on_notify)
         # Running processes first: each one's Python runtime is found before any probe goes into
         # it, so that an allocation caught in the middle of attaching still has its stack.
-        self.full_scan()
+        self._starting = True
+        try:
+            self.full_scan()
+        finally:
+            self._starting = False
         for pattern in self.options.preattach_globs:
             for path in sorted(glob.glob(pattern)):
                 if os.path.islink(path):
@@ -314,6 +324,8 @@ class BpfSource:
         # runtime entries only, and their bytes missing from the device totals.
         for target in sorted(new, key=lambda target: "cuMemAlloc_v2" not in target.symbols):
             self._attach(target)
+        if pid not in self.late_device and (self._starting or any(target.symbols for target in new)):
+            self._note_late_start(pid)  # its CUDA may have started before these probes were in
         if self.options.cmdline is not None and pid not in self._selected and self._maps_cuda(pid):
             info = self.session.read_process(pid)
             if info is not None and self.options.cmdline.search(info.title):
@@ -333,6 +345,23 @@ class BpfSource:
             log.info("pid %d: Python %d.%d stacks from %s", pid, *found.version, found.path)
         else:
             log.info("pid %d: no Python stacks: %s", pid, found.reason)
+
+    def _note_late_start(self, pid: int) -> None:
+        """A process that maps the CUDA driver before the agent's probes were in (the runtime loads
+        it when CUDA starts) may have selected a device unseen: its threads that never select one
+        in view are on device 0 only if it sees one GPU (CUDA_VISIBLE_DEVICES and the /dev/nvidiaN
+        of its root); with several, their device is unknown."""
+        if not any(pid in target.pids and "cuMemAlloc_v2" in target.symbols
+                   for target in self.discovery.targets.values()):
+            return
+        visible = cuda_visible_count(procfs.environ_value(pid, "CUDA_VISIBLE_DEVICES"),
+                                     procfs.gpu_device_count(pid))
+        device = DEVICE_UNKNOWN if visible > 1 else None
+        self.late_device[pid] = device
+        if device is not None:
+            self._probes().set_process_device(pid, device)
+            log.info("pid %d used CUDA before its probes were in and sees %d GPUs: the device of its "
+                     "threads that never select one is unknown", pid, visible)
 
     def _maps_cuda(self, pid: int) -> bool:
         return any(pid in target.pids for target in self.discovery.targets.values())
@@ -468,7 +497,9 @@ class BpfSource:
                 log.info("process %d exited: what it held is dropped", pid)
 
     def _forget_python(self, pid: int) -> None:
-        """After exit or exec: its code objects, runtime and mappings are gone."""
+        """After exit or exec: its code objects, runtime and mappings are gone (and its CUDA)."""
+        if self.late_device.pop(pid, None) is not None:
+            self._probes().set_process_device(pid, None)
         self.symbolizer.forget(pid)
         for kernel_stack_id in self._stack_ids_by_pid.pop(pid, ()):
             self._stack_ids.pop(kernel_stack_id, None)
