@@ -83,3 +83,68 @@ def test_perf_event_probes_still_trace_exactly(tmp_path):
             assert len(mallocs) == 13
         finally:
             harness.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_every_client_command_exits_within_two_seconds_of_a_signal(tmp_path, stop_signal):
+    # GIVEN an agent and its clients connected to it (streaming, refreshing)
+    require_tracing_here()
+    from agent_process import AgentProcess
+
+    socket_path = tmp_path / "kvtrace.sock"
+    with AgentProcess(socket_path):
+        commands = {"tail": ["tail"], "tail --json": ["tail", "--json"], "top": ["top", "--interval", "1"]}
+        clients = {name: subprocess.Popen([*KVTRACE, *argv, "--socket", str(socket_path)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True)
+                   for name, argv in commands.items()}
+        time.sleep(3)  # connected and waiting for events or the next refresh
+        # WHEN each is signalled
+        took = {}
+        for name, client in clients.items():
+            assert client.poll() is None, f"{name} exited early: {client.communicate()[1]}"
+            started = time.monotonic()
+            client.send_signal(stop_signal)
+            try:
+                _, stderr = client.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                client.kill()
+                _, stderr = client.communicate()
+            took[name] = time.monotonic() - started
+            # THEN it is gone within 2 s, quietly (no traceback)
+            assert "Traceback" not in stderr, f"{name}: {stderr}"
+    print(f"\n{stop_signal.name}: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in took.items()))
+    assert all(seconds <= STOP_LIMIT_SECONDS for seconds in took.values()), took
+
+
+def test_a_killed_agent_restarts_at_once_on_the_same_socket_and_port(tmp_path):
+    # GIVEN an agent serving /metrics on a fixed port, with a scrape just made
+    require_tracing_here()
+    import urllib.request
+
+    from agent_process import AgentProcess
+
+    port = _free_port()
+    socket_path = tmp_path / "kvtrace.sock"
+    first = AgentProcess(socket_path, "--metrics-listen", f"127.0.0.1:{port}")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+    # WHEN it is killed (-9: no clean-up) and started again at once
+    first.process.kill()
+    first.process.wait()
+    started = time.monotonic()
+    with AgentProcess(socket_path, "--metrics-listen", f"127.0.0.1:{port}") as second:
+        took = time.monotonic() - started
+        # THEN the new one binds both and serves
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert response.status == 200
+        assert second.process.poll() is None
+    first.__exit__(None, None, None)
+    print(f"\nrestarted after kill -9 in {took:.1f} s on port {port}")
