@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import struct
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
@@ -26,6 +27,36 @@ FUNCTION_TYPES = (STT_FUNC, STT_GNU_IFUNC)
 
 # What reading a damaged or foreign file can raise; the callers treat all of it as "no symbols".
 READ_ERRORS = (OSError, ELFError, ValueError, struct.error)
+
+# Reads up to this size go straight to the file (pyelftools parses field by field: keep it fast).
+_SMALL_READ_BYTES = 1 << 16
+
+
+class _BoundedFile:
+    """A file for ELFFile whose reads never ask for more than the file holds.
+
+    pyelftools reads a section's or a note's data with one read() of the size its header states:
+    a damaged or hostile file (any file a traced process maps) that says 2**63 bytes made it
+    allocate that much (MemoryError, or gigabytes for a moment). Here such a read gets what the
+    file has, and the parse then fails as a short file does (READ_ERRORS)."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        position = file.tell()
+        self._size_bytes = file.seek(0, os.SEEK_END)
+        file.seek(position)
+        self._file = file
+        self.seek, self.tell, self.close = file.seek, file.tell, file.close
+
+    def read(self, size: int = -1) -> bytes:
+        if size > _SMALL_READ_BYTES:
+            size = max(0, min(size, self._size_bytes - self._file.tell()))
+        return self._file.read(size)
+
+
+def elf_file(file: BinaryIO) -> ELFFile:
+    """ELFFile over an open binary file, with reads bounded by the file's size (see _BoundedFile).
+    Raises READ_ERRORS for what is not a readable ELF file."""
+    return ELFFile(cast(BinaryIO, _BoundedFile(file)))  # what ELFFile uses of a file: read, seek, tell
 
 
 def find_symbols(path: str | Path, wanted: Collection[str], *, types: Collection[int] = (),
@@ -41,7 +72,7 @@ def find_symbols(path: str | Path, wanted: Collection[str], *, types: Collection
     """
     try:
         with open(path, "rb") as stream:
-            return _symbols_in(ELFFile(stream), wanted, types, triggers)
+            return _symbols_in(elf_file(stream), wanted, types, triggers)
     except READ_ERRORS as error:
         log.debug("not an ELF we can read: %s (%s)", path, error)
         return {}
@@ -112,7 +143,7 @@ def first_load_vaddr(path: str | Path) -> int:
     """The page-aligned virtual address of the first PT_LOAD: a mapping at file offset 0 starts
     there, so its run-time start minus this is the load bias."""
     with open(path, "rb") as stream:
-        return min(segment.vaddr for segment in load_segments(ELFFile(stream))) & ~0xFFF
+        return min(segment.vaddr for segment in load_segments(elf_file(stream))) & ~0xFFF
 
 
 def function_file_offsets(path: str | Path, names: Collection[str]) -> dict[str, int]:
@@ -127,7 +158,7 @@ def symbol_file_offsets(path: str | Path, names: Collection[str], types: Collect
     PT_LOAD segment that holds it, as bcc does (a uprobe's offset, a USDT semaphore's ref_ctr)."""
     try:
         with open(path, "rb") as stream:
-            elf = ELFFile(stream)
+            elf = elf_file(stream)
             values = _symbols_in(elf, names, types)
             segments = load_segments(elf) if values else []
     except READ_ERRORS as error:
@@ -144,7 +175,7 @@ def symbol_file_offsets(path: str | Path, names: Collection[str], types: Collect
 def entry_point_file_offset(path: str | Path) -> int | None:
     """The file offset of the ELF entry point (_start): code that runs once, at process start."""
     with open(path, "rb") as stream:
-        elf = ELFFile(stream)
+        elf = elf_file(stream)
         return vaddr_to_file_offset(load_segments(elf), elf.header["e_entry"])
 
 
@@ -184,8 +215,8 @@ def _symbol_preference(name: str, binding: str) -> tuple:
 
 
 def load_symbol_table(file: BinaryIO) -> SymbolTable:
-    """Read an ELF file's function symbols; raises ELFError on a file that is not ELF."""
-    elf = ELFFile(file)
+    """Read an ELF file's function symbols; raises READ_ERRORS on a file that is not a readable ELF."""
+    elf = elf_file(file)
     best: dict[int, tuple[tuple, str, int]] = {}  # start -> (preference, name, size)
     for section_name in (".symtab", ".dynsym"):
         section = elf.get_section_by_name(section_name)

@@ -26,10 +26,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import NoteSection
 
-from kvtrace.sources.elf import Segment, load_segments, segment_at
+from kvtrace.sources.elf import Segment, elf_file, load_segments, segment_at
 
 log = logging.getLogger(__name__)
 
@@ -263,12 +262,12 @@ def _decode_descriptor(descriptor: bytes, address_size: int,
 def read_usdt_probes(path: str | Path) -> list[UsdtProbe]:
     """Every SDT probe site in the file, in note order; [] when it has none.
 
-    Raises OSError or elftools' ELFError when the file cannot be read as ELF. A malformed note is
+    Raises READ_ERRORS (kvtrace.sources.elf) when the file cannot be read as ELF. A malformed note is
     skipped with a warning (its provider and name may be unknown); a probe that can be named but
     not used comes back with `problem` set.
     """
     with open(path, "rb") as stream:
-        elf = ELFFile(stream)
+        elf = elf_file(stream)
         # One section in a linked file; a relocatable object can have several (COMDAT groups).
         note_sections = [section for section in elf.iter_sections()
                          if isinstance(section, NoteSection) and section.name == NOTE_SECTION]

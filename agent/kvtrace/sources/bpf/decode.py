@@ -1,6 +1,7 @@
 """Raw BPF records -> model events. The only place that knows the raw layout's meaning."""
 from __future__ import annotations
 
+import struct
 import time
 
 from kvtrace.model.events import (
@@ -29,11 +30,19 @@ class Clock:
         return wall_ns - self.offset_ns
 
 
-def _lookup(enum_type) -> dict:
-    return {0: None, **{member.value: member for member in enum_type}}
+class UndecodableRecord(ValueError):
+    """A ring record this build cannot read (too short, or a kind or API it does not know: probes of
+    another build?). The BPF source counts these as kvtrace_events_undecodable_total."""
 
 
-_KINDS, _APIS, _LAYERS = _lookup(Kind), _lookup(Api), _lookup(Layer)
+def _lookup(enum_type, zero: bool = True) -> dict:
+    """value -> member; 0 (the probes' "none") -> None where a field may be empty."""
+    members = {member.value: member for member in enum_type}
+    return {0: None, **members} if zero else members
+
+
+# Every record has a kind and an API: 0 in either is a record this agent cannot read.
+_KINDS, _APIS, _LAYERS = _lookup(Kind, zero=False), _lookup(Api, zero=False), _lookup(Layer)
 _OBJECTS, _MEMORIES = _lookup(ObjectKind), _lookup(Memory)
 _STACK_STATUS = {member.value: member for member in StackStatus}
 _MAP, _UNMAP = Api.cuMemMap.value, Api.cuMemUnmap.value
@@ -42,14 +51,25 @@ _TORCH_APIS = (Api.pytorch_malloc.value, Api.pytorch_free.value)
 
 def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
     """(event, kernel stack id) of one ring-buffer record (struct kvt_event). The record's `aux`
-    is the handle of a cuMemMap, the physical bytes a cuMemUnmap freed, and a block's stream."""
-    (timestamp_ns, address, size_bytes, caller_address, aux, kernel_stack_id, pid, tid, device,
-     error_code, api, kind, layer, object_kind, memory, stack_status, _reserved,
-     comm) = abi.EVENT_STRUCT.unpack_from(record)
+    is the handle of a cuMemMap, the physical bytes a cuMemUnmap freed, and a block's stream.
+
+    Raises UndecodableRecord (a ValueError) for a record it cannot read, and nothing else."""
+    try:
+        (timestamp_ns, address, size_bytes, caller_address, aux, kernel_stack_id, pid, tid, device,
+         error_code, api, kind, layer, object_kind, memory, stack_status, _reserved,
+         comm) = abi.EVENT_STRUCT.unpack_from(record)
+        kind_member, api_member = _KINDS[kind], _APIS[api]
+        layer_member, object_member, memory_member = _LAYERS[layer], _OBJECTS[object_kind], _MEMORIES[memory]
+    except struct.error:
+        raise UndecodableRecord(f"a record of {len(record)} bytes; struct kvt_event has "
+                                f"{abi.EVENT_STRUCT.size}") from None
+    except KeyError as error:
+        raise UndecodableRecord(f"unknown value {error} (kind {kind}, api {api}, layer {layer}, "
+                                f"object {object_kind}, memory {memory})") from None
     event = Event(
-        kind=_KINDS[kind], api=_APIS[api], pid=pid, tid=tid,
+        kind=kind_member, api=api_member, pid=pid, tid=tid,
         timestamp_ns=timestamp_ns + clock.offset_ns,
-        layer=_LAYERS[layer], object=_OBJECTS[object_kind], memory=_MEMORIES[memory],
+        layer=layer_member, object=object_member, memory=memory_member,
         size_bytes=size_bytes, address=address, device=device, error_code=error_code,
         caller_address=caller_address, handle=aux if api == _MAP else 0,
         freed_bytes=aux if api == _UNMAP else 0, stream=aux if api in _TORCH_APIS else 0,

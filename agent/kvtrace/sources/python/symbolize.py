@@ -12,6 +12,7 @@ how a cache entry is checked against the address being reused by another code ob
 from __future__ import annotations
 
 import array
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,10 +100,14 @@ def read_unicode(mem: ProcessMemory, address: int, offsets: PyOffsets) -> str:
         return ""
     data = mem.read(data_address, length_chars * kind_bytes)
     if kind_bytes == 1:
-        return data.decode("ascii" if is_ascii else "latin-1")
+        if is_ascii and not data.isascii():  # a torn read or another object: not this str
+            raise MemoryReadError(f"str at {address:#x} is flagged ASCII and is not")
+        return data.decode("latin-1")
     # Not decoded as UTF-16/32: these are arrays of code points, and a str may hold lone
     # surrogates that a codec would reject or pair up.
     code_points = array.array("H" if kind_bytes == 2 else "I", data)
+    if kind_bytes == 4 and max(code_points) > sys.maxunicode:
+        raise MemoryReadError(f"str at {address:#x}: code point {max(code_points):#x} beyond U+10FFFF")
     return "".join(map(chr, code_points))
 
 
