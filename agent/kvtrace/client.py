@@ -5,14 +5,18 @@
             print(message_to_json(event))
 
 Failures become `CommandError` with one line that says what to do (start the agent, join the
-group), so a command needs no handling of its own. kvtrace.wire turns the messages back into the
-model and into the JSON objects the CLI prints.
+group), so a command needs no handling of its own. `for_socket`/`from_args` connect to the agent's
+admin socket (full detail) when this user may, else to its group socket, whose answers are redacted
+(VIEW_REDACTED: no stacks or addresses); `on_redacted` is then called once, to tell the user.
+kvtrace.wire turns the messages back into the model and into the JSON objects the CLI prints.
 """
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterable, Iterator
+import stat
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +25,7 @@ import grpc
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
-from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ConfigError, config_from_args
+from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ApiConfig, ConfigError, config_from_args
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import Kind, Layer
 from kvtrace.wire import wire_numbers
@@ -31,6 +35,8 @@ DEFAULT_TARGET = f"unix://{DEFAULT_SOCKET}"
 MAX_RECEIVE_MESSAGE_BYTES = 64 << 20
 
 _START_HINT = "start it with `sudo systemctl start kvtrace` or `sudo kvtrace agent`"
+REDACTED_NOTICE = ("stacks, addresses and secrets in titles hidden: connect to the admin socket for full "
+                   "detail (run as root, or ask for the agent's --admin-group)")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class AgentClient:
                  timeout_seconds: float = 10.0) -> None:
         self.target = target
         self.timeout_seconds = timeout_seconds
+        self.on_redacted: Callable[[], None] | None = None  # called once, at the first redacted answer
+        self.redacted = False
         options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)]
         self._socket_path = Path(target.removeprefix("unix://").removeprefix("unix:")) \
             if target.startswith("unix:") else None
@@ -72,15 +80,27 @@ class AgentClient:
 
     @classmethod
     def for_socket(cls, path: Path, timeout_seconds: float = 10.0) -> AgentClient:
+        """The agent serving on `path`: its admin socket next to it when this user may use it."""
+        return cls.for_config(ApiConfig(socket=path), timeout_seconds)
+
+    @classmethod
+    def for_config(cls, config: ApiConfig, timeout_seconds: float = 10.0) -> AgentClient:
+        """The admin socket (full detail) if it is there and this user may connect, else the socket."""
+        admin = config.admin_path
+        path = admin if admin is not None and os.path.exists(admin) and os.access(admin, os.R_OK | os.W_OK) \
+            else config.socket
         return cls(f"unix://{path}", timeout_seconds=timeout_seconds)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentClient:
-        """The client of a command with `config.add_socket_flag`: flag > $KVTRACE_SOCKET > file."""
+        """The client of a command with `config.add_socket_flag`: flag > $KVTRACE_SOCKET > file;
+        the admin socket ($KVTRACE_ADMIN_SOCKET, the file, next to it) when this user may use it."""
         try:
-            return cls.for_socket(config_from_args(args).socket)
+            client = cls.for_config(config_from_args(args))
         except ConfigError as error:
             raise CommandError(str(error), ExitCode.USAGE) from None
+        client.on_redacted = lambda: print(f"kvtrace: {REDACTED_NOTICE}", file=sys.stderr, flush=True)
+        return client
 
     def __enter__(self) -> AgentClient:
         return self
@@ -115,6 +135,7 @@ class AgentClient:
     def _batches(self, responses) -> Iterator[list[events_pb2.Event]]:
         try:
             for response in responses:
+                self._saw(response)
                 yield list(response.events)
         except grpc.RpcError as error:
             raise self._command_error(error) from None
@@ -156,9 +177,18 @@ class AgentClient:
     def _call(self, method, request):
         self._check_socket()
         try:
-            return method(request, timeout=self.timeout_seconds)
+            response = method(request, timeout=self.timeout_seconds)
         except grpc.RpcError as error:
             raise self._command_error(error) from None
+        return self._saw(response)
+
+    def _saw(self, response):
+        """Notes a redacted answer (the group socket's), and says so once."""
+        if getattr(response, "view", 0) == service_pb2.VIEW_REDACTED and not self.redacted:
+            self.redacted = True
+            if self.on_redacted is not None:
+                self.on_redacted()
+        return response
 
     # ---- errors ----
 
@@ -178,12 +208,18 @@ class AgentClient:
         if self._socket_path is None:
             return
         try:
-            os.stat(self._socket_path)
+            mode = os.stat(self._socket_path).st_mode
         except FileNotFoundError:
             raise CommandError(f"the kvtrace agent is not running (no socket at {self._socket_path}); "
                                f"{_START_HINT}", ExitCode.AGENT_UNREACHABLE) from None
         except PermissionError:
             raise CommandError(_permission_denied(self._socket_path), ExitCode.AGENT_UNREACHABLE) from None
+        except OSError as error:  # a file where a directory should be, a link loop, ...
+            raise CommandError(f"cannot reach the agent's socket {self._socket_path}: {error.strerror}; give "
+                               "its path with --socket or $KVTRACE_SOCKET", ExitCode.USAGE) from None
+        if not stat.S_ISSOCK(mode):
+            raise CommandError(f"{self._socket_path} is not a socket; give the agent's socket with --socket or "
+                               "$KVTRACE_SOCKET", ExitCode.USAGE)
 
     def _unreachable(self, details: str) -> str:
         if "shutting down" in details:

@@ -28,7 +28,8 @@ FAST_HEALTH = ServerLimits(health_poll_seconds=0.05)
 
 
 def stub(server) -> service_grpc.AgentServiceStub:
-    channel = grpc.insecure_channel(f"unix:{server.config.socket}")
+    """On the admin socket: full detail (tests/unit/test_api_safety.py has the redacted view)."""
+    channel = grpc.insecure_channel(f"unix:{server.config.admin_path}")
     return service_grpc.AgentServiceStub(channel)
 
 

@@ -99,7 +99,7 @@ def synthetic_ledger() -> LedgerCounts:
 
 TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full": 0, "blocks_unsent": 5,
                    "unknown_frees": 11, "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
-                   "events_undecodable": 2,
+                   "events_undecodable": 2, "libraries_attached": 3, "libraries_refused": 29, "libraries_detached": 26,
                    "resyncs": 1}
 
 

@@ -91,3 +91,19 @@ class ProcessTable:
 
     def known(self) -> dict[int, ProcessInfo]:
         return dict(self._cache)
+
+
+# `--api-key X`, `--hf-token=X`, `HF_TOKEN=X`: the value goes, the name stays.
+_SECRET_WORD = r"[\w.-]*(?:key|token|secret|password|passwd|credential)[\w.-]*"
+_SECRET_FLAG = re.compile(rf"(?P<name>-{{1,2}}{_SECRET_WORD})(?P<sep>=|\s+)(?!-)\S+", re.IGNORECASE)
+_SECRET_ASSIGNMENT = re.compile(rf"(?P<name>(?<![\w.-]){_SECRET_WORD})(?P<sep>=)\S+", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def redact_title(title: str) -> str:
+    """A title for those who may not read the process's command line (/metrics labels, the API's
+    group socket): control characters and runs of space become one space, secret values `***`."""
+    title = _CONTROL.sub(" ", title)
+    for secret in (_SECRET_FLAG, _SECRET_ASSIGNMENT):
+        title = secret.sub(lambda m: f"{m['name']}{m['sep']}***", title)
+    return " ".join(title.split())

@@ -1,11 +1,23 @@
-"""The kvtrace.v1 gRPC server: AgentService, grpc health and (on the Unix socket only) reflection.
+"""The kvtrace.v1 gRPC server: AgentService, grpc health and (on the Unix sockets only) reflection.
 
 Secure by default and fail closed:
-- the Unix socket is created 0600 (umask) and only then opened to 0660 owner:group; the agent
-  refuses to start if the path holds anything but a stale socket, or if ownership or permissions
+- the Unix sockets are created 0600 (umask) and only then opened to 0660 owner:group; the agent
+  refuses to start if a path holds anything but a stale socket, or if ownership or permissions
   cannot be set;
 - TCP is served only with mutual TLS (client certificates required), never in plaintext, and
   without reflection: it is a separate grpc.Server so that reflection cannot leak onto it.
+
+Who sees what (gRPC Python cannot read SO_PEERCRED, so the kernel's file permissions decide):
+- the socket (--socket, 0660 root:--group) serves VIEW_REDACTED: titles with secrets redacted as
+  /metrics redacts them, no Python stacks or native callers, no addresses; a member of the group
+  learns no more than /metrics tells anyone on the host;
+- the admin socket (--admin-socket, by default next to it; 0600 root, or 0660 with --admin-group)
+  and TCP with mTLS serve VIEW_FULL. All share one hub and one set of stream slots.
+
+Untrusted input stays bounded: title regexes run in RE2 (linear time) on at most 4096 characters,
+once per title; without RE2 a title regex is refused, never run in Python's backtracking `re`.
+A stream that does not read costs its bounded queue and no work per event (the hub parks it); when
+all stream slots are taken, the longest-stalled stream is ended for a new one.
 
 Usage (the agent command):
 
@@ -21,11 +33,11 @@ import base64
 import binascii
 import errno
 import grp
+import hashlib
 import heapq
 import logging
 import os
 import pwd
-import re
 import socket
 import ssl
 import stat
@@ -45,9 +57,9 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import ApiConfig
 from kvtrace.model.events import Event, Kind, Layer
 from kvtrace.model.ledger import Outstanding
-from kvtrace.model.processes import ProcessInfo
+from kvtrace.model.processes import ProcessInfo, redact_title
 from kvtrace.servers.backend import AgentAnalysis, AgentState
-from kvtrace.servers.hub import EventFilter, EventHub, Lost
+from kvtrace.servers.hub import EventFilter, EventHub, Lost, Subscription, TitlePattern
 from kvtrace.wire import (
     event_to_proto,
     growth_to_proto,
@@ -60,12 +72,19 @@ from kvtrace.wire import (
     stack_to_proto,
 )
 
+try:  # google-re2: linear-time matching for clients' regexes. A host without it refuses them.
+    import re2
+except ImportError:  # pragma: no cover - depends on the host
+    re2 = None
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 
 MAX_FILTER_PIDS = 1024
 MAX_TITLE_REGEX_CHARS = 1024
+MAX_REGEX_MEMORY_BYTES = 8 << 20  # RE2's budget for one compiled title regex
+NO_SAFE_REGEX = "this agent has no safe regex engine; install google-re2 (pip install google-re2)"
 MAX_SIZE_BYTES = 1 << 50  # 1 PiB: no GPU allocation is larger; beyond it the value is a mistake
 DEFAULT_PAGE_SIZE = 1000
 MAX_PAGE_SIZE = 10000
@@ -75,7 +94,12 @@ MAX_SUSPECTS = 10000
 MAX_MIN_AGE_SECONDS = 365 * 24 * 3600.0
 SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 SOCKET_MODE = 0o660
+ADMIN_SOCKET_MODE = 0o600  # root only, unless an admin group is given (then SOCKET_MODE)
 SOCKET_DIRECTORY_MODE = 0o750
+_TITLE_CACHE_MAX_ENTRIES = 4096
+
+VIEW_FULL = service_pb2.VIEW_FULL
+VIEW_REDACTED = service_pb2.VIEW_REDACTED
 
 
 class ServerSetupError(Exception):
@@ -84,10 +108,16 @@ class ServerSetupError(Exception):
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_streams: int = 64  # concurrent StreamEvents calls; more get RESOURCE_EXHAUSTED
+    # Concurrent StreamEvents calls, all endpoints together. When all are taken, the stream that has
+    # not read for longest is ended (if that is at least evict_stalled_seconds) for the new one;
+    # otherwise the new one gets RESOURCE_EXHAUSTED.
+    max_streams: int = 64
+    evict_stalled_seconds: float = 10.0
     max_receive_message_bytes: int = 4 << 20
     batch_max_events: int = 512  # events per StreamEventsResponse
-    flush_seconds: float = 0.05  # a stream waits at most this long before sending what it has
+    # A stream waiting for events wakes at once for an event, a cancel or the shutdown; besides
+    # that it looks at its call this often (a cheap wake-up, not a poll for events).
+    idle_wake_seconds: float = 1.0
     health_poll_seconds: float = 1.0
     extra_workers: int = 16  # threads beyond max_streams, for unary calls and health watches
 
@@ -117,19 +147,33 @@ def _pids(field: str, pids) -> frozenset[int]:
     return frozenset(pids)
 
 
-def stream_filter(request: service_pb2.StreamEventsRequest) -> EventFilter:
-    title_regex = None
-    if request.title_regex:
-        if len(request.title_regex) > MAX_TITLE_REGEX_CHARS:
-            raise InvalidArgument("title_regex", f"longer than {MAX_TITLE_REGEX_CHARS} characters")
-        try:
-            title_regex = re.compile(request.title_regex)
-        except (re.error, OverflowError, RecursionError, ValueError) as error:
-            raise InvalidArgument("title_regex", f"not a valid regular expression: {error}") from None
+def compile_title_regex(pattern: str) -> TitlePattern:
+    """A client's title regex in RE2, whose matching is linear in the text: `(a+)+$` cannot stall
+    the agent. Python's `re` backtracks (exponential time), so without RE2 the filter is refused."""
+    if len(pattern) > MAX_TITLE_REGEX_CHARS:
+        raise InvalidArgument("title_regex", f"longer than {MAX_TITLE_REGEX_CHARS} characters")
+    if re2 is None:
+        raise InvalidArgument("title_regex", NO_SAFE_REGEX)
+    options = re2.Options()
+    options.log_errors = False  # a client's typo is its error, not a line in the agent's log
+    options.max_mem = MAX_REGEX_MEMORY_BYTES
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as error:
+        reason = error.args[0] if error.args else error
+        if isinstance(reason, bytes):
+            reason = reason.decode("utf-8", "replace")
+        raise InvalidArgument("title_regex", f"not a valid RE2 regular expression: {reason}") from None
+
+
+def stream_filter(request: service_pb2.StreamEventsRequest, redacted_titles: bool = False) -> EventFilter:
+    title_regex = compile_title_regex(request.title_regex) if request.title_regex else None
     # A negative int64 sent by a careless client arrives as a uint64 above 2**63: absurd as well.
     if request.min_size_bytes > MAX_SIZE_BYTES:
         raise InvalidArgument("min_size_bytes", f"{request.min_size_bytes} is more than 1 PiB")
+    # In the redacted view the regex sees redacted titles: it must not probe for a secret.
     return EventFilter(pids=_pids("pids", request.pids), title_regex=title_regex,
+                       redacted_titles=redacted_titles and title_regex is not None,
                        kinds=_enum_values("kinds", request.kinds, Kind),
                        layers=_enum_values("layers", request.layers, Layer),
                        min_size_bytes=request.min_size_bytes)
@@ -158,44 +202,191 @@ def decode_page_token(token: str) -> tuple[int, int, int, int]:
     return position
 
 
+class TokenSeal:
+    """Page tokens for the redacted view: a position holds an address, so it travels encrypted
+    (a keystream from the agent's random key and a per-token nonce)."""
+
+    NONCE_BYTES = 12
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = key or os.urandom(32)
+
+    def _stream(self, nonce: bytes, length: int) -> bytes:
+        return hashlib.shake_256(self._key + nonce).digest(length)
+
+    def seal(self, token: str) -> str:
+        nonce, data = os.urandom(self.NONCE_BYTES), token.encode("ascii")
+        body = bytes(a ^ b for a, b in zip(data, self._stream(nonce, len(data)), strict=True))
+        return base64.urlsafe_b64encode(nonce + body).decode("ascii")
+
+    def unseal(self, token: str) -> tuple[int, int, int, int]:
+        try:
+            if len(token) > MAX_PAGE_TOKEN_CHARS:
+                raise ValueError
+            raw = base64.urlsafe_b64decode(token.encode("ascii"))
+            nonce, body = raw[:self.NONCE_BYTES], raw[self.NONCE_BYTES:]
+            if len(nonce) != self.NONCE_BYTES:
+                raise ValueError
+            plain = bytes(a ^ b for a, b in zip(body, self._stream(nonce, len(body)), strict=True))
+            return decode_page_token(plain.decode("ascii"))
+        except (ValueError, UnicodeError, binascii.Error):
+            raise InvalidArgument("page_token", "not a token from a previous GetSnapshot response") from None
+
+
+# ---- the redacted view: what a member of the socket's group may see ----
+
+class TitleRedactor:
+    """redact_title with a bounded cache: a stream redacts the same few titles again and again."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, str] = {}
+
+    def __call__(self, title: str) -> str:
+        redacted = self._cache.get(title)
+        if redacted is None:
+            if len(self._cache) >= _TITLE_CACHE_MAX_ENTRIES:
+                self._cache.clear()
+            redacted = self._cache[title] = redact_title(title)
+        return redacted
+
+
+def redact_event(message: events_pb2.Event, title=redact_title) -> events_pb2.Event:
+    """In place: the title redacted; addresses, handles, streams, contexts, callers and the stack
+    reference at their defaults. A stack_definition must not be sent at all."""
+    message.title = title(message.title)
+    payload = message.WhichOneof("payload")
+    if payload == "allocation":
+        allocation = message.allocation
+        allocation.address = allocation.handle = allocation.stream = 0
+        allocation.caller_address = allocation.stack_id = 0
+    elif payload in ("device_change", "context_destroy"):
+        call = getattr(message, payload)
+        call.context = call.caller_address = 0
+    return message
+
+
+def redact_outstanding(message: service_pb2.OutstandingAllocation) -> service_pb2.OutstandingAllocation:
+    message.title = redact_title(message.title)
+    message.address = message.caller_address = message.stack_id = message.handle = message.stream = 0
+    return message
+
+
+def redact_processes(message: service_pb2.ListProcessesResponse) -> service_pb2.ListProcessesResponse:
+    for process in message.processes:
+        process.title = redact_title(process.title)
+    message.view = VIEW_REDACTED
+    return message
+
+
+def redact_leak_report(message: service_pb2.ListLeakSuspectsResponse) -> service_pb2.ListLeakSuspectsResponse:
+    for suspect in message.suspects:
+        suspect.title = redact_title(suspect.title)
+        suspect.stack_id = suspect.caller_address = 0
+        suspect.ClearField("stack")
+        suspect.ClearField("native_caller")
+    message.view = VIEW_REDACTED
+    return message
+
+
+def redact_growth(message: service_pb2.GetGrowthResponse) -> service_pb2.GetGrowthResponse:
+    for row in message.processes:
+        row.title = redact_title(row.title)
+    message.view = VIEW_REDACTED
+    return message
+
+
+# ---- stream slots ----
+
+def _end_stalled(context: grpc.ServicerContext, details: str) -> None:
+    """Ends another thread's stream with RESOURCE_EXHAUSTED and why. Its handler is blocked in
+    gRPC's send (the client does not read), so abort() is not an option; the call underneath
+    takes a status where ServicerContext.cancel() can only say CANCELLED."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    try:
+        call.cancel(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], details)  # type: ignore[union-attr]
+    except Exception:  # another grpc: still end it
+        context.cancel()
+
+
+class StreamSlots:
+    """The event streams of every endpoint, at most `max_streams`.
+
+    Unix-socket peers all look alike to gRPC ("unix:"), so a per-client limit cannot be told;
+    instead a full house evicts: the stream that has not read for longest, if that is at least
+    `evict_stalled_seconds`, is ended with RESOURCE_EXHAUSTED and the new stream takes its slot.
+    One client opening streams it never reads can then lock no reader out."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self._limits = limits
+        self._lock = threading.Lock()
+        self._streams: dict[Subscription, grpc.ServicerContext] = {}
+        self.evicted_total = 0
+
+    def open(self, subscription: Subscription, context: grpc.ServicerContext) -> bool:
+        """Takes a slot for the stream; False when every slot holds a stream that reads."""
+        victim = None
+        with self._lock:
+            if len(self._streams) >= self._limits.max_streams:
+                now = time.monotonic()
+                stalled, victim = max(((s.stalled_seconds(now), s) for s in self._streams),
+                                      key=lambda pair: pair[0])
+                if stalled < self._limits.evict_stalled_seconds:
+                    return False
+                victim_context = self._streams.pop(victim)
+                self.evicted_total += 1
+            self._streams[subscription] = context
+        if victim is not None:
+            log.warning("ending an event stream that did not read for %.0f s: all %d slots were taken",
+                        stalled, self._limits.max_streams)
+            victim.evicted_reason = (f"you did not read for {stalled:.0f} s and the agent's "
+                                     f"{self._limits.max_streams} stream slots were all taken")
+            victim.close()
+            _end_stalled(victim_context, victim.evicted_reason)
+        return True
+
+    def close(self, subscription: Subscription) -> None:
+        with self._lock:
+            self._streams.pop(subscription, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+
 # ---- the service ----
 
 class AgentServicer(service_grpc.AgentServiceServicer):
+    """AgentService for one view: VIEW_REDACTED on the group socket, VIEW_FULL elsewhere."""
+
     def __init__(self, state: AgentState, analysis: AgentAnalysis, hub: EventHub,
-                 limits: ServerLimits) -> None:
+                 limits: ServerLimits, view: service_pb2.View = VIEW_FULL,
+                 slots: StreamSlots | None = None) -> None:
         self._state = state
         self._analysis = analysis
         self._hub = hub
         self._limits = limits
-        self._streams_lock = threading.Lock()
-        self._streams = 0
+        self.view = view
+        self._redacted = view == VIEW_REDACTED
+        self._slots = slots if slots is not None else StreamSlots(limits)
+        self._seal = TokenSeal()
         self.stopping = threading.Event()
-
-    def _try_open_stream(self) -> bool:
-        with self._streams_lock:
-            if self._streams >= self._limits.max_streams:
-                return False
-            self._streams += 1
-            return True
-
-    def _close_stream(self) -> None:
-        with self._streams_lock:
-            self._streams -= 1
 
     def StreamEvents(self, request, context):
         try:
-            event_filter = stream_filter(request)
+            event_filter = stream_filter(request, redacted_titles=self._redacted)
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if not self._try_open_stream():
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the agent already serves {self._limits.max_streams} event streams (its limit)")
         subscription = self._hub.subscribe(event_filter)
+        if not self._slots.open(subscription, context):
+            self._hub.unsubscribe(subscription)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the agent already serves {self._limits.max_streams} event streams (its limit), "
+                          "all of them reading")
         context.add_callback(subscription.close)  # a cancel or an expired deadline wakes the reader
         sent_stacks: set[int] = set()
+        titles = TitleRedactor() if self._redacted else None
         try:
-            while context.is_active() and not self.stopping.is_set():
-                wait_seconds = self._limits.flush_seconds
+            while context.is_active() and not self.stopping.is_set() and not subscription.closed:
+                wait_seconds = self._limits.idle_wake_seconds
                 remaining = context.time_remaining()
                 if remaining is not None:
                     if remaining <= 0:  # say so, rather than end the stream as if completed
@@ -203,19 +394,27 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                     wait_seconds = min(wait_seconds, remaining)
                 items = subscription.read(self._limits.batch_max_events, wait_seconds)
                 if items:
-                    yield service_pb2.StreamEventsResponse(events=self._messages(items, sent_stacks))
+                    yield service_pb2.StreamEventsResponse(events=self._messages(items, sent_stacks, titles),
+                                                           view=self.view)
             if self.stopping.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the kvtrace agent is shutting down")
+            if subscription.evicted_reason:  # ended for a new stream (StreamSlots), not completed
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, subscription.evicted_reason)
         finally:
             self._hub.unsubscribe(subscription)
-            self._close_stream()
+            self._slots.close(subscription)
 
-    def _messages(self, items: list[Event | Lost], sent_stacks: set[int]) -> list[events_pb2.Event]:
-        """Wire events for a batch; each stack is defined once per stream, before its first use."""
+    def _messages(self, items: list[Event | Lost], sent_stacks: set[int],
+                  titles: TitleRedactor | None) -> list[events_pb2.Event]:
+        """Wire events for a batch; each stack is defined once per stream, before its first use
+        (never in the redacted view, whose events are redacted)."""
         messages = []
         for item in items:
             if isinstance(item, Lost):
                 messages.append(lost_to_proto(item.dropped_count, item.kernel_lost_count))
+                continue
+            if titles is not None:
+                messages.append(redact_event(event_to_proto(item), titles))
                 continue
             if item.stack_id and item.stack_id not in sent_stacks:
                 sent_stacks.add(item.stack_id)
@@ -231,7 +430,10 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             layers = _enum_values("layers", request.layers, Layer)
             if not 0 <= request.page_size <= MAX_PAGE_SIZE:
                 raise InvalidArgument("page_size", f"{request.page_size} is not in 0..{MAX_PAGE_SIZE}")
-            after = decode_page_token(request.page_token) if request.page_token else None
+            after = None
+            if request.page_token:
+                after = self._seal.unseal(request.page_token) if self._redacted \
+                    else decode_page_token(request.page_token)
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         page_size = request.page_size or DEFAULT_PAGE_SIZE
@@ -249,24 +451,35 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             if pid not in processes:
                 processes[pid] = self._state.process(pid)
             allocations.append(outstanding_to_proto(entry, processes[pid]))
+        if self._redacted:
+            return service_pb2.GetSnapshotResponse(
+                allocations=[redact_outstanding(allocation) for allocation in allocations],
+                next_page_token=self._seal.seal(next_token) if next_token else "",
+                timestamp_ns=timestamp_ns, view=VIEW_REDACTED)
         stacks = []
         for stack_id in sorted({entry.stack_id for entry in page[:page_size] if entry.stack_id}):
             stack = self._state.stack(stack_id)
             if stack is not None:
                 stacks.append(stack_message(stack_id, stack))
         return service_pb2.GetSnapshotResponse(allocations=allocations, next_page_token=next_token,
-                                               timestamp_ns=timestamp_ns, stacks=stacks)
+                                               timestamp_ns=timestamp_ns, stacks=stacks, view=VIEW_FULL)
 
     def ListProcesses(self, request, context):
         processes = sorted(self._state.processes_holding_memory(), key=lambda process: process.pid)
-        return service_pb2.ListProcessesResponse(processes=[process_to_proto(p) for p in processes])
+        response = service_pb2.ListProcessesResponse(processes=[process_to_proto(p) for p in processes],
+                                                     view=VIEW_FULL)
+        return redact_processes(response) if self._redacted else response
 
     def GetAgentInfo(self, request, context):
         info = self._state.info()
         # The API's own figures: how many streams it feeds and how many events it offered them.
         info.counters["subscribers"] = self._hub.subscriber_count()
+        info.counters["subscribers_parked"] = self._hub.parked_count()
+        info.counters["streams_evicted"] = self._slots.evicted_total
         info.counters["events_published"] = self._hub.published_total
-        return info_to_proto(info)
+        response = info_to_proto(info)
+        response.view = self.view
+        return response
 
     def ListLeakSuspects(self, request, context):
         try:
@@ -279,14 +492,18 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         report = self._analysis.leak_report(pids, min_age_seconds, request.limit or DEFAULT_SUSPECTS)
-        return leak_report_to_proto(report)
+        response = leak_report_to_proto(report)
+        response.view = VIEW_FULL
+        return redact_leak_report(response) if self._redacted else response
 
     def GetGrowth(self, request, context):
         try:
             pids = _pids("pids", request.pids)
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        return growth_to_proto(self._analysis.latest, pids)
+        response = growth_to_proto(self._analysis.latest, pids)
+        response.view = VIEW_FULL
+        return redact_growth(response) if self._redacted else response
 
 
 # ---- the Unix socket ----
@@ -364,7 +581,8 @@ def _secure_port_credentials(config: ApiConfig) -> grpc.ServerCredentials:
 
 
 class AgentServer:
-    """The gRPC endpoints of the agent: the Unix socket, and TCP with mTLS when configured."""
+    """The gRPC endpoints of the agent: the group socket (redacted), the admin socket (full detail)
+    and TCP with mTLS (full detail) when configured. One hub and one set of stream slots for all."""
 
     def __init__(self, state: AgentState, analysis: AgentAnalysis, config: ApiConfig,
                  limits: ServerLimits = ServerLimits(), max_queued_events: int | None = None) -> None:
@@ -373,22 +591,24 @@ class AgentServer:
         self.hub = EventHub(max_queued_events) if max_queued_events else EventHub()
         self.config = config
         self.limits = limits
-        self.servicer = AgentServicer(state, analysis, self.hub, limits)
+        self.slots = StreamSlots(limits)
+        self.servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_FULL, self.slots)
+        self.redacted_servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_REDACTED, self.slots)
         self.health = health.HealthServicer()
         self.tcp_port: int | None = None
         self._servers: list[grpc.Server] = []
-        self._socket_inode: int | None = None
+        self._socket_inodes: dict[Path, int] = {}
         self._stop_polling = threading.Event()
         self._poller: threading.Thread | None = None
 
-    def _new_server(self, reflection_enabled: bool) -> grpc.Server:
+    def _new_server(self, servicer: AgentServicer, reflection_enabled: bool) -> grpc.Server:
         workers = self.limits.max_streams + self.limits.extra_workers
         server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtrace-grpc"),
             maximum_concurrent_rpcs=workers,
             options=[("grpc.max_receive_message_length", self.limits.max_receive_message_bytes),
                      ("grpc.so_reuseport", 0)])
-        service_grpc.add_AgentServiceServicer_to_server(self.servicer, server)
+        service_grpc.add_AgentServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if reflection_enabled:
             reflection.enable_server_reflection(
@@ -398,7 +618,14 @@ class AgentServer:
 
     def start(self) -> None:
         try:
-            self._start_unix()
+            gid = socket_group_id(self.config.group)
+            self._start_unix(self.config.socket, gid, SOCKET_MODE, self.redacted_servicer)
+            admin = self.config.admin_path
+            if admin is not None:
+                if self.config.admin_group:
+                    self._start_unix(admin, socket_group_id(self.config.admin_group), SOCKET_MODE, self.servicer)
+                else:
+                    self._start_unix(admin, gid, ADMIN_SOCKET_MODE, self.servicer)
             if self.config.tcp_enabled:
                 self._start_tcp()
         except BaseException:
@@ -408,11 +635,9 @@ class AgentServer:
         self._poller = threading.Thread(target=self._poll_health, name="kvtrace-health", daemon=True)
         self._poller.start()
 
-    def _start_unix(self) -> None:
-        path = self.config.socket
-        gid = socket_group_id(self.config.group)
+    def _start_unix(self, path: Path, gid: int, mode: int, servicer: AgentServicer) -> None:
         prepare_socket_path(path, gid)
-        server = self._new_server(reflection_enabled=True)
+        server = self._new_server(servicer, reflection_enabled=True)
         # gRPC creates the socket with the process umask: make it owner-only until chmod opens it
         # to the group, so there is no moment where others could connect.
         previous_umask = os.umask(0o177)
@@ -423,16 +648,17 @@ class AgentServer:
         finally:
             os.umask(previous_umask)
         try:
-            self._socket_inode = os.lstat(path).st_ino  # ours now: stop() removes it
+            self._socket_inodes[path] = os.lstat(path).st_ino  # ours now: stop() removes it
             os.chown(path, -1, gid)
-            os.chmod(path, SOCKET_MODE)
+            os.chmod(path, mode)
         except OSError as error:
-            raise ServerSetupError(f"cannot give {path} group {gid} and mode 0660: {error.strerror}") from None
+            raise ServerSetupError(f"cannot give {path} group {gid} and mode {mode:04o}: {error.strerror}") from None
         server.start()
-        log.info("serving kvtrace.v1 on unix:%s (0660, gid %d)", path, gid)
+        view = "full detail" if servicer.view == VIEW_FULL else "redacted"
+        log.info("serving kvtrace.v1 (%s) on unix:%s (%04o, gid %d)", view, path, mode, gid)
 
     def _start_tcp(self) -> None:
-        server = self._new_server(reflection_enabled=False)
+        server = self._new_server(self.servicer, reflection_enabled=False)
         credentials = _secure_port_credentials(self.config)
         try:
             port = server.add_secure_port(self.config.tcp_listen, credentials)
@@ -466,18 +692,20 @@ class AgentServer:
         self._stop_polling.set()
         self.health.enter_graceful_shutdown()
         self.servicer.stopping.set()
+        self.redacted_servicer.stopping.set()
         self.hub.close_all()
         done = [server.stop(grace_seconds) for server in self._servers]
         for event in done:
             event.wait()
         self._servers.clear()
-        self._remove_socket()
+        self._remove_sockets()
 
-    def _remove_socket(self) -> None:
-        """Removes our socket file, and only ours (a newer agent may have replaced it)."""
-        try:
-            if self._socket_inode is not None and os.lstat(self.config.socket).st_ino == self._socket_inode:
-                self.config.socket.unlink()
-        except OSError:
-            pass
-        self._socket_inode = None
+    def _remove_sockets(self) -> None:
+        """Removes our socket files, and only ours (a newer agent may have replaced them)."""
+        for path, inode in self._socket_inodes.items():
+            try:
+                if os.lstat(path).st_ino == inode:
+                    path.unlink()
+            except OSError:
+                pass
+        self._socket_inodes.clear()

@@ -1,31 +1,48 @@
 """Fan-out of model events to subscribers (gRPC streams), each with its own bounded queue.
 
 The hub is a Session sink: the Session calls `publish()` for every event; it never blocks and costs
-O(subscribers).
-Each subscriber filters at publish time, so its queue holds only events it wants and its loss
-counts are exact counts of wanted events. When a queue is full the subscriber's new events are
-dropped and counted in a `Lost` marker placed in the queue where the gap is; the reader gets the
-marker in order with the events, so the client learns exactly where it missed how many. Events a
-source lost (`publish_loss`: its kernel ring buffer was full) go into every queue the same way.
+O(subscribers that read).
+Each subscriber filters at publish time, so its queue holds only events it wants. When a queue is
+full the subscriber is *parked*: the hub stops offering it events (a subscriber that does not read
+costs no work per event, however many there are) and notes where. When its reader has emptied the
+queue it rejoins, and reads a `Lost` marker where the gap is, in order with the events, so the
+client learns exactly where it missed how many: every event published while it was parked (exact
+for an unfiltered subscriber; for a filtered one more than it would have wanted, because counting
+only the wanted ones would mean filtering for it all along). Events a source lost (`publish_loss`:
+its kernel ring buffer was full) are counted the same way: in the queue of a subscriber that
+reads, in the gap marker of a parked one.
 
 Memory per subscriber is bounded: at most `max_queued_events` events, and markers are never
-adjacent (a new drop adds to the last marker), so at most as many markers as events plus one.
+adjacent (a new loss adds to the last marker), so at most as many markers as events plus one.
+
+The title filter is a client's regular expression: it must be a linear-time engine's (servers/api.py
+compiles it with RE2), it sees at most TITLE_MATCH_MAX_CHARS of the title, and it runs once per
+distinct title, not per event.
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
+from kvtrace.model.processes import redact_title
 
 DEFAULT_MAX_QUEUED_EVENTS = 65536
 
 # The title regex result is cached per title: titles are few, and the regex then runs once per
 # title instead of once per event in the event loop. Bounded so an exec storm cannot grow it.
 _TITLE_CACHE_MAX_ENTRIES = 4096
+# What a title regex sees of a title: its cost is linear in this (RE2), whatever the title.
+TITLE_MATCH_MAX_CHARS = 4096
+
+
+class TitlePattern(Protocol):
+    """A compiled title regex (RE2's; Python's `re` only in tests of trusted patterns)."""
+
+    def search(self, text: str): ...
 
 
 @dataclass(frozen=True)
@@ -33,7 +50,8 @@ class EventFilter:
     """Which events a subscriber wants. Empty sets and None mean "no constraint"."""
 
     pids: frozenset[int] = frozenset()
-    title_regex: re.Pattern | None = None
+    title_regex: TitlePattern | None = None
+    redacted_titles: bool = False  # the regex sees titles redacted, as the subscriber's view shows them
     kinds: frozenset[Kind] = frozenset()
     layers: frozenset[Layer] = frozenset()  # events without a layer (process exit) always pass
     min_size_bytes: int = 0  # constrains only SIZED_KINDS; other events always pass
@@ -50,10 +68,18 @@ class Lost:
 class Subscription:
     """One subscriber's queue. The hub offers events from the publishing thread; one reader reads."""
 
-    def __init__(self, event_filter: EventFilter, max_queued_events: int) -> None:
+    def __init__(self, event_filter: EventFilter, max_queued_events: int, hub: EventHub | None = None) -> None:
         self.event_filter = event_filter
         self.max_queued_events = max_queued_events
         self.closed = False
+        # Parked: the queue was full, so the hub offers nothing until the reader has emptied it.
+        self.parked = False
+        self._parked_at_published = 0  # hub.published_total before the first event it missed
+        self._parked_at_kernel_lost = 0
+        self._hub = hub
+        self.evicted_reason = ""  # set when the server ended the stream for another (servers/api.py)
+        self._reading = False
+        self._last_read_monotonic = time.monotonic()  # when the reader last came back for more
         self.delivered_total = 0
         self.dropped_total = 0
         self._queue: deque[Event | Lost] = deque()  # oldest first
@@ -73,23 +99,30 @@ class Subscription:
         if wanted.min_size_bytes and event.kind in SIZED_KINDS and event.size_bytes < wanted.min_size_bytes:
             return False
         if wanted.title_regex is not None:
-            matches = self._title_matches.get(event.title)
+            title = event.title
+            matches = self._title_matches.get(title)
             if matches is None:
                 if len(self._title_matches) >= _TITLE_CACHE_MAX_ENTRIES:
                     self._title_matches.clear()
-                matches = self._title_matches[event.title] = bool(wanted.title_regex.search(event.title))
+                shown = redact_title(title) if wanted.redacted_titles else title
+                matches = self._title_matches[title] = \
+                    wanted.title_regex.search(shown[:TITLE_MATCH_MAX_CHARS]) is not None
             return matches
         return True
 
-    def offer(self, event: Event) -> None:
+    def offer(self, event: Event) -> bool:
+        """Queues the event; False when the queue is full (the hub then parks this subscriber)."""
         with self._lock:
-            if self._queued_events < self.max_queued_events:
-                self._queue.append(event)
-                self._queued_events += 1
-            else:
-                self.dropped_total += 1
-                self._lost_marker().dropped_count += 1
+            if self._queued_events >= self.max_queued_events:
+                return False
+            self._queue.append(event)
+            self._queued_events += 1
         self._wake()
+        return True
+
+    def stalled_seconds(self, now: float) -> float:
+        """How long the reader has not come back for events (0 while it waits in read())."""
+        return 0.0 if self._reading else max(0.0, now - self._last_read_monotonic)
 
     def offer_kernel_loss(self, count: int) -> None:
         with self._lock:
@@ -115,6 +148,14 @@ class Subscription:
         Returns at once when something is queued; otherwise waits up to `timeout_seconds` for the
         first item and returns what came ([] on timeout or when closed).
         """
+        self._reading = True
+        try:
+            return self._read(max_items, timeout_seconds)
+        finally:
+            self._last_read_monotonic = time.monotonic()
+            self._reading = False
+
+    def _read(self, max_items: int, timeout_seconds: float) -> list[Event | Lost]:
         deadline = time.monotonic() + timeout_seconds
         while True:
             # Clear before looking: a publish after the look then sets it again, so no wake-up is lost.
@@ -127,6 +168,12 @@ class Subscription:
                     self._queued_events -= events
                     self.delivered_total += events
                     return items
+            # Emptied while parked: rejoin, with the gap's marker (the queue stays empty meanwhile:
+            # nothing is offered to a parked subscriber).
+            if self.parked and self._hub is not None and not self.closed:
+                gap = self._hub._rejoin(self)
+                if gap is not None:
+                    return [gap]
             remaining = deadline - time.monotonic()
             if self.closed or remaining <= 0:
                 return []
@@ -143,15 +190,19 @@ class EventHub:
 
     def __init__(self, max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS) -> None:
         self.max_queued_events = max_queued_events
+        # Held by publish and by a subscriber rejoining, so a gap's count is exact. Order: hub, then
+        # a subscription's own lock.
         self._lock = threading.Lock()
-        # Replaced, never mutated, so publish() iterates it without taking the lock.
+        # The subscribers offered events. Replaced, never mutated: publish() iterates its snapshot.
         self._subscriptions: tuple[Subscription, ...] = ()
+        self._parked: list[Subscription] = []  # full queues: offered nothing until emptied
         self.published_total = 0
+        self.kernel_lost_total = 0
 
     def subscribe(self, event_filter: EventFilter | None = None,
                   max_queued_events: int | None = None) -> Subscription:
         subscription = Subscription(event_filter or EventFilter(),
-                                    max_queued_events or self.max_queued_events)
+                                    max_queued_events or self.max_queued_events, self)
         with self._lock:
             self._subscriptions = (*self._subscriptions, subscription)
         return subscription
@@ -160,23 +211,55 @@ class EventHub:
         subscription.close()
         with self._lock:
             self._subscriptions = tuple(s for s in self._subscriptions if s is not subscription)
+            self._parked = [s for s in self._parked if s is not subscription]
 
     def subscriber_count(self) -> int:
-        return len(self._subscriptions)
+        return len(self._subscriptions) + len(self._parked)
+
+    def parked_count(self) -> int:
+        """Subscribers whose queue is full: they cost nothing per event until they read."""
+        return len(self._parked)
 
     def publish(self, event: Event) -> None:
         """Offers the event to every subscriber that wants it. Never blocks."""
-        self.published_total += 1
-        for subscription in self._subscriptions:
-            if subscription.wants(event):
-                subscription.offer(event)
+        with self._lock:
+            self.published_total += 1
+            for subscription in self._subscriptions:
+                if subscription.wants(event) and not subscription.offer(event):
+                    self._park(subscription)
+
+    def _park(self, subscription: Subscription) -> None:
+        """The subscription's queue is full: offer it nothing more until its reader empties it.
+        Holds the lock; the event being published is the first it misses."""
+        subscription.parked = True
+        subscription._parked_at_published = self.published_total - 1
+        subscription._parked_at_kernel_lost = self.kernel_lost_total
+        self._subscriptions = tuple(s for s in self._subscriptions if s is not subscription)
+        self._parked.append(subscription)
+
+    def _rejoin(self, subscription: Subscription) -> Lost | None:
+        """A parked subscription's reader emptied its queue: the gap's marker, and events again."""
+        with self._lock:
+            if not subscription.parked or subscription.closed:
+                return None
+            subscription.parked = False
+            self._parked = [s for s in self._parked if s is not subscription]
+            self._subscriptions = (*self._subscriptions, subscription)
+            gap = Lost(dropped_count=self.published_total - subscription._parked_at_published,
+                       kernel_lost_count=self.kernel_lost_total - subscription._parked_at_kernel_lost)
+        subscription.dropped_total += gap.dropped_count
+        return gap
 
     def publish_loss(self, lost_count: int) -> None:
         """`lost_count` events never reached the agent here: every subscriber is told in-band."""
-        for subscription in self._subscriptions:
-            subscription.offer_kernel_loss(lost_count)
+        with self._lock:
+            self.kernel_lost_total += lost_count
+            for subscription in self._subscriptions:
+                subscription.offer_kernel_loss(lost_count)
 
     def close_all(self) -> None:
         """Wakes every reader so that streams end (at shutdown)."""
-        for subscription in self._subscriptions:
+        with self._lock:
+            subscriptions = (*self._subscriptions, *self._parked)
+        for subscription in subscriptions:
             subscription.close()

@@ -21,7 +21,6 @@ import argparse
 import ipaddress
 import logging
 import math
-import re
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -36,6 +35,7 @@ from kvtrace import __version__
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.ledger import LedgerCounts
+from kvtrace.model.processes import redact_title
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "Events the agent could not decode (probes and agent of different builds?): they are "
                "told to subscribers as lost and the ledger resyncs from the kernel's (at most once a "
                "second); reinstall so that both match."),
+    MetricSpec("kvtrace_attached_libraries", "gauge", "libraries", (),
+               "Libraries (files, by device and inode) with the agent's probes in."),
+    MetricSpec("kvtrace_libraries_refused_total", "counter", "attempts", (),
+               "Libraries refused probes for want of a place (--max-libraries, or bcc's probe quota on "
+               "kernels before 6.6): processes using them are not traced until one is free. The "
+               "libraries component is down meanwhile and names one."),
+    MetricSpec("kvtrace_libraries_detached_total", "counter", "libraries", (),
+               "Libraries whose probes were taken out because no traced process mapped them."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
@@ -144,24 +152,17 @@ _SESSION_COUNTERS = {
     "kvtrace_unknown_frees_total": "unknown_frees",
     "kvtrace_block_events_unsent_total": "blocks_unsent",
     "kvtrace_events_undecodable_total": "events_undecodable",
+    "kvtrace_attached_libraries": "libraries_attached",
+    "kvtrace_libraries_refused_total": "libraries_refused",
+    "kvtrace_libraries_detached_total": "libraries_detached",
 }
 
 
 # ---- label values ----
 
-# `--api-key X`, `--hf-token=X`, `HF_TOKEN=X`: the value goes, the name stays.
-_SECRET_WORD = r"[\w.-]*(?:key|token|secret|password|passwd|credential)[\w.-]*"
-_SECRET_FLAG = re.compile(rf"(?P<name>-{{1,2}}{_SECRET_WORD})(?P<sep>=|\s+)(?!-)\S+", re.IGNORECASE)
-_SECRET_ASSIGNMENT = re.compile(rf"(?P<name>(?<![\w.-]){_SECRET_WORD})(?P<sep>=)\S+", re.IGNORECASE)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
-
-
 def metric_title(title: str, max_chars: int = TITLE_MAX_CHARS) -> str:
     """A process title fit for a label: secrets redacted, control characters gone, cut short."""
-    title = _CONTROL.sub(" ", title)
-    for secret in (_SECRET_FLAG, _SECRET_ASSIGNMENT):
-        title = secret.sub(lambda m: f"{m['name']}{m['sep']}***", title)
-    title = " ".join(title.split())
+    title = redact_title(title)  # the same redaction as the API's group socket
     if len(title) > max_chars:
         title = title[:max_chars - 3].rstrip() + "..."
     return title

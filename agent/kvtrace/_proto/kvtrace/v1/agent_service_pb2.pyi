@@ -1,11 +1,21 @@
 from kvtrace._proto.kvtrace.v1 import events_pb2 as _events_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class View(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VIEW_UNSPECIFIED: _ClassVar[View]
+    VIEW_FULL: _ClassVar[View]
+    VIEW_REDACTED: _ClassVar[View]
+VIEW_UNSPECIFIED: View
+VIEW_FULL: View
+VIEW_REDACTED: View
 
 class StreamEventsRequest(_message.Message):
     __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes")
@@ -22,10 +32,12 @@ class StreamEventsRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ..., title_regex: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[_events_pb2.EventKind, str]]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., min_size_bytes: _Optional[int] = ...) -> None: ...
 
 class StreamEventsResponse(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "view")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
-    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
+    view: View
+    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
 
 class GetSnapshotRequest(_message.Message):
     __slots__ = ("pids", "layers", "page_size", "page_token")
@@ -40,16 +52,18 @@ class GetSnapshotRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class GetSnapshotResponse(_message.Message):
-    __slots__ = ("allocations", "next_page_token", "timestamp_ns", "stacks")
+    __slots__ = ("allocations", "next_page_token", "timestamp_ns", "stacks", "view")
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     allocations: _containers.RepeatedCompositeFieldContainer[OutstandingAllocation]
     next_page_token: str
     timestamp_ns: int
     stacks: _containers.RepeatedCompositeFieldContainer[_events_pb2.Stack]
-    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ...) -> None: ...
+    view: View
+    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
 
 class OutstandingAllocation(_message.Message):
     __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle", "stream")
@@ -100,10 +114,12 @@ class ListProcessesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListProcessesResponse(_message.Message):
-    __slots__ = ("processes",)
+    __slots__ = ("processes", "view")
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     processes: _containers.RepeatedCompositeFieldContainer[Process]
-    def __init__(self, processes: _Optional[_Iterable[_Union[Process, _Mapping]]] = ...) -> None: ...
+    view: View
+    def __init__(self, processes: _Optional[_Iterable[_Union[Process, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
 
 class Process(_message.Message):
     __slots__ = ("pid", "title", "comm", "container", "totals")
@@ -138,7 +154,7 @@ class GetAgentInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetAgentInfoResponse(_message.Message):
-    __slots__ = ("version", "kernel_release", "attached_libraries", "components", "counters")
+    __slots__ = ("version", "kernel_release", "attached_libraries", "components", "counters", "view")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,12 +167,14 @@ class GetAgentInfoResponse(_message.Message):
     ATTACHED_LIBRARIES_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     version: str
     kernel_release: str
     attached_libraries: _containers.RepeatedCompositeFieldContainer[AttachedLibrary]
     components: _containers.RepeatedCompositeFieldContainer[ComponentHealth]
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, version: _Optional[str] = ..., kernel_release: _Optional[str] = ..., attached_libraries: _Optional[_Iterable[_Union[AttachedLibrary, _Mapping]]] = ..., components: _Optional[_Iterable[_Union[ComponentHealth, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    view: View
+    def __init__(self, version: _Optional[str] = ..., kernel_release: _Optional[str] = ..., attached_libraries: _Optional[_Iterable[_Union[AttachedLibrary, _Mapping]]] = ..., components: _Optional[_Iterable[_Union[ComponentHealth, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
 
 class AttachedLibrary(_message.Message):
     __slots__ = ("path", "file_device", "inode", "symbols", "pids")
@@ -193,20 +211,22 @@ class ListLeakSuspectsRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ..., min_age_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListLeakSuspectsResponse(_message.Message):
-    __slots__ = ("suspects", "suspect_count", "allocations_considered", "suspect_allocations", "min_age_seconds", "timestamp_ns")
+    __slots__ = ("suspects", "suspect_count", "allocations_considered", "suspect_allocations", "min_age_seconds", "timestamp_ns", "view")
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_COUNT_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_CONSIDERED_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     MIN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     suspects: _containers.RepeatedCompositeFieldContainer[LeakSuspect]
     suspect_count: int
     allocations_considered: int
     suspect_allocations: int
     min_age_seconds: float
     timestamp_ns: int
-    def __init__(self, suspects: _Optional[_Iterable[_Union[LeakSuspect, _Mapping]]] = ..., suspect_count: _Optional[int] = ..., allocations_considered: _Optional[int] = ..., suspect_allocations: _Optional[int] = ..., min_age_seconds: _Optional[float] = ..., timestamp_ns: _Optional[int] = ...) -> None: ...
+    view: View
+    def __init__(self, suspects: _Optional[_Iterable[_Union[LeakSuspect, _Mapping]]] = ..., suspect_count: _Optional[int] = ..., allocations_considered: _Optional[int] = ..., suspect_allocations: _Optional[int] = ..., min_age_seconds: _Optional[float] = ..., timestamp_ns: _Optional[int] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
 
 class LeakSuspect(_message.Message):
     __slots__ = ("rank", "pid", "title", "device", "stack_id", "stack", "caller_address", "native_caller", "outstanding_bytes", "allocation_count", "oldest_age_seconds", "growth_bytes_per_second")
@@ -253,16 +273,18 @@ class GetGrowthRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetGrowthResponse(_message.Message):
-    __slots__ = ("timestamp_ns", "nvml_timestamp_ns", "gpus", "processes")
+    __slots__ = ("timestamp_ns", "nvml_timestamp_ns", "gpus", "processes", "view")
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     NVML_TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     timestamp_ns: int
     nvml_timestamp_ns: int
     gpus: _containers.RepeatedCompositeFieldContainer[GpuMemory]
     processes: _containers.RepeatedCompositeFieldContainer[ProcessGrowth]
-    def __init__(self, timestamp_ns: _Optional[int] = ..., nvml_timestamp_ns: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessGrowth, _Mapping]]] = ...) -> None: ...
+    view: View
+    def __init__(self, timestamp_ns: _Optional[int] = ..., nvml_timestamp_ns: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessGrowth, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
 
 class GpuMemory(_message.Message):
     __slots__ = ("index", "uuid", "name", "total_bytes", "used_bytes", "free_bytes", "reserved_bytes")
@@ -283,7 +305,7 @@ class GpuMemory(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class ProcessGrowth(_message.Message):
-    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m", "fragmentation")
+    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m", "fragmentation", "predates_agent")
     PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +321,7 @@ class ProcessGrowth(_message.Message):
     FREES_1M_FIELD_NUMBER: _ClassVar[int]
     FREE_RATIO_1M_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    PREDATES_AGENT_FIELD_NUMBER: _ClassVar[int]
     pid: int
     title: str
     device: int
@@ -314,7 +337,8 @@ class ProcessGrowth(_message.Message):
     frees_1m: int
     free_ratio_1m: float
     fragmentation: Fragmentation
-    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ..., fragmentation: _Optional[_Union[Fragmentation, _Mapping]] = ...) -> None: ...
+    predates_agent: bool
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ..., fragmentation: _Optional[_Union[Fragmentation, _Mapping]] = ..., predates_agent: bool = ...) -> None: ...
 
 class Fragmentation(_message.Message):
     __slots__ = ("reserved_bytes", "allocated_bytes", "largest_free_bytes", "ratio", "segments", "blocks", "blocks_outside_segments")

@@ -75,8 +75,12 @@ class AgentServiceServicer(object):
         """Streams events as they happen, in batches (up to 512 events, at least every 50 ms while there
         are events). Each stream has its own bounded queue: a stream that reads too slowly loses its own
         events (never another stream's) and is told in-band by an EventsLost event at the gap.
-        Fails with RESOURCE_EXHAUSTED when the agent's limit of concurrent streams is reached, and with
-        UNAVAILABLE when the agent shuts down.
+        Fails with RESOURCE_EXHAUSTED when the agent's limit of concurrent streams is reached and no
+        stream has stalled; when one has (it did not read for a while), the longest-stalled stream is
+        ended with RESOURCE_EXHAUSTED instead and the new one is served. While a stream's queue is
+        full the agent does no work for it: the EventsLost at its gap then counts every event
+        published meanwhile, which for a filtered stream is more than it would have wanted.
+        Fails with UNAVAILABLE when the agent shuts down.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
