@@ -312,3 +312,12 @@ def test_doctor_on_this_host_runs_without_root_or_bcc(capsys):
     assert len(lines) == 7
     assert all(line.split()[0] in ("ok", "warn", "FAIL") for line in lines)
     assert code in (ExitCode.OK, ExitCode.PERMISSION, ExitCode.KERNEL, ExitCode.BCC_MISSING)
+
+
+def test_bpf_and_perfmon_are_not_enough_without_uprobe_multi_links(tmp_path):
+    # Kernels before 6.6 attach through perf_event_open, which needs CAP_SYS_ADMIN for uprobes.
+    fake_host(tmp_path, cap_eff=caps(preflight.CAP_BPF, preflight.CAP_PERFMON, preflight.CAP_SYS_PTRACE))
+    finding = preflight.check_permissions(tmp_path, uprobe_multi=lambda: "EINVAL: no uprobe_multi (Linux < 6.6)")
+    assert not finding.ok and finding.exit_code == ExitCode.PERMISSION
+    assert "CAP_SYS_ADMIN" in finding.message and "EINVAL" in finding.message
+    assert preflight.check_permissions(tmp_path, uprobe_multi=lambda: "").ok

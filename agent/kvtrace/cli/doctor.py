@@ -5,6 +5,8 @@ import argparse
 import json
 import os
 
+from kvtrace.cli.flags import positive_pid
+from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import printable
 
@@ -29,13 +31,15 @@ class DoctorCommand:
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="print the findings as JSON")
-        parser.add_argument("-p", "--pid", type=int,
+        parser.add_argument("-p", "--pid", type=positive_pid,
                             help="also check one process: its CUDA libraries and its Python stacks")
+        add_socket_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         from kvtrace.sources.bpf import preflight
 
         findings = preflight.run_checks()
+        findings += agent_findings(args)
         if args.pid is not None:
             findings += process_findings(args.pid)
         if args.json:
@@ -46,6 +50,38 @@ class DoctorCommand:
                 print(f"{status:<6}{finding.name}: {printable(finding.message)}")
         problems = [finding for finding in findings if not finding.ok]
         return problems[0].exit_code if problems else ExitCode.OK
+
+
+# Counters of a running agent that mean something was not traced, with what to do about it.
+_AGENT_COUNTERS = {
+    "libraries_refused": "library attachments refused for want of a place (--max-libraries, or bcc's "
+                         "probe quota): processes using them were not traced meanwhile",
+    "events_lost": "events lost with the ring buffer full (the ledger was resynced; stacks and rates "
+                   "of those events are missing)",
+    "ledger_full": "allocations the in-kernel ledger had no room for: restart with a larger "
+                   "--max-ledger-entries",
+}
+
+
+def agent_findings(args: argparse.Namespace) -> list:
+    """The running agent's own health: each part that is down and why, and what it refused or lost.
+    Warnings only: the host checks decide the exit status."""
+    from kvtrace.client import AgentClient
+    from kvtrace.errors import CommandError
+    from kvtrace.sources.bpf.preflight import Finding
+
+    try:
+        with AgentClient.from_args(args) as agent:
+            info = agent.info()
+    except CommandError as error:
+        return [Finding("agent", True, f"no running agent answers: {error}", warning=True)]
+    findings = [Finding(f"agent {component.name}", True, "up" if component.up else f"DOWN: {component.reason}",
+                        warning=not component.up)
+                for component in sorted(info.components, key=lambda component: component.name)]
+    for name, meaning in _AGENT_COUNTERS.items():
+        if info.counters.get(name, 0):
+            findings.append(Finding(f"agent {name}", True, f"{info.counters[name]} {meaning}", warning=True))
+    return findings
 
 
 def process_findings(pid: int) -> list:
@@ -63,6 +99,15 @@ def process_findings(pid: int) -> list:
 
     name = f"pid {pid}"
     if not os.path.exists(f"/proc/{pid}"):
+        return [Finding(name, False, f"no process {pid}", ExitCode.USAGE)]
+    try:  # its maps closed to us would read as "no CUDA library": say so instead
+        with open(f"/proc/{pid}/maps", "rb"):
+            pass
+    except PermissionError:
+        fix = ("it is not dumpable or in a user namespace closed to us" if os.geteuid() == 0
+               else f"another user's process: run `sudo kvtrace doctor --pid {pid}`")
+        return [Finding(name, False, f"cannot read /proc/{pid}/maps ({fix})", ExitCode.PERMISSION)]
+    except OSError:
         return [Finding(name, False, f"no process {pid}", ExitCode.USAGE)]
     findings = []
     targets = Discovery().scan_pid(pid)

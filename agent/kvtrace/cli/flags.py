@@ -6,6 +6,8 @@ import re
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+MAX_SIZE_BYTES = 1 << 50  # 1 PiB: no GPU allocation is larger (the agent refuses more as well)
+PID_MAX_LIMIT = 1 << 22  # the kernel's largest pid_max (64-bit); the API's pids are 32-bit
 
 
 def parse_size(text: str) -> int:
@@ -14,12 +16,16 @@ def parse_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 123, 512k, 1MiB, 2G)")
     number, unit = match.groups()
-    return int(float(number) * (1 << _UNIT_SHIFT[unit.lower()]))
+    size = float(number) * (1 << _UNIT_SHIFT[unit.lower()])  # inf for 400 digits
+    if not size <= MAX_SIZE_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 1 PiB, larger than any GPU allocation")
+    return int(size)
 
 
 def positive_pid(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"not a process id: {text!r}")
+    # isascii: str.isdigit() takes "²" and other digits that int() refuses or reads differently.
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= PID_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"not a process id (1 to {PID_MAX_LIMIT}): {text!r}")
     return int(text)
 
 
@@ -40,7 +46,7 @@ def non_negative_seconds(text: str) -> float:
 
 
 def positive_count(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) <= 10000:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= 10000:
         raise argparse.ArgumentTypeError(f"not a count from 1 to 10000: {text!r}")
     return int(text)
 

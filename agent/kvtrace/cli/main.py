@@ -5,7 +5,7 @@ import argparse
 import importlib
 import inspect
 import sys
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from kvtrace import __version__
 from kvtrace.errors import CommandError, ExitCode
@@ -22,13 +22,22 @@ class Command(Protocol):
     def run(self, args: argparse.Namespace) -> int: ...
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake as one line on stderr that names the command and its --help
+    (argparse prints the whole usage first, many lines for `kvtrace agent`)."""
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())
+        self.exit(ExitCode.USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def _load(name: str) -> Command:
     module = importlib.import_module(f"kvtrace.cli.{name}")
     return getattr(module, f"{name.capitalize()}Command")()
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvtrace", description="Trace GPU memory: which process, GPU and stack holds each byte.")
     parser.add_argument("--version", action="version", version=f"kvtrace {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

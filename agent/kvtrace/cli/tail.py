@@ -68,6 +68,10 @@ class TailCommand:
     def run(self, args: argparse.Namespace) -> int:
         if args.cmdline:
             try:
+                args.cmdline.encode("utf-8")  # argv bytes that are not UTF-8 come as lone surrogates
+            except UnicodeEncodeError:
+                raise CommandError("--cmdline is not UTF-8 text (titles are matched as text)", ExitCode.USAGE) from None
+            try:
                 re.compile(args.cmdline)
             except re.error as error:
                 raise CommandError(f"--cmdline is not a valid regular expression: {error}",

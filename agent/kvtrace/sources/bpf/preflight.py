@@ -59,13 +59,27 @@ def effective_capabilities(root: Path = Path("/")) -> int:
         return 0
 
 
-def check_permissions(root: Path = Path("/")) -> Finding:
+def check_permissions(root: Path = Path("/"), uprobe_multi: Callable[[], str] | None = None) -> Finding:
+    """`uprobe_multi` says why uprobe_multi links cannot be made here ("" when they can); by default
+    the kernel is asked, when `root` is this host's."""
     caps = effective_capabilities(root)
     has = {bit: bool(caps >> bit & 1) for bit in (CAP_SYS_PTRACE, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF)}
     if has[CAP_SYS_ADMIN]:
         granted = "CAP_SYS_ADMIN"
     elif has[CAP_BPF] and has[CAP_PERFMON]:
         granted = "CAP_BPF+CAP_PERFMON"
+        if uprobe_multi is None and root == Path("/"):
+            from kvtrace.sources.bpf.links import uprobe_multi_supported
+
+            uprobe_multi = uprobe_multi_supported
+        why_not = uprobe_multi() if uprobe_multi is not None else ""
+        if why_not:
+            # Without uprobe_multi links the probes go in through perf_event_open, which takes
+            # CAP_SYS_ADMIN for uprobes since the 2025 fix "perf: Require CAP_SYS_ADMIN for uprobes":
+            # with CAP_BPF+CAP_PERFMON alone every attach fails and nothing is traced.
+            return _problem("permissions", f"CAP_BPF+CAP_PERFMON, but this kernel cannot take uprobe_multi "
+                            f"links ({why_not}) and its perf-event uprobes need CAP_SYS_ADMIN: add it "
+                            "(docs/deploy.md says how)", ExitCode.PERMISSION)
     else:
         return _problem("permissions", f"cannot load BPF without privileges: {GRANT_CAPS}",
                         ExitCode.PERMISSION)
@@ -177,19 +191,32 @@ def check_uretprobe_seccomp(release: str | None = None) -> Finding:
     return Finding("uretprobe seccomp", True, f"kernel {release} is not affected")
 
 
+def _unchecked(name: str, check: Callable[[], Finding]) -> Finding:
+    """The check's finding; where this user may not look (tracefs is root's alone), a warning that
+    says so instead of a traceback: what can be checked still is."""
+    try:
+        return check()
+    except OSError as error:
+        where = f" on {error.filename}" if error.filename else ""
+        return Finding(name, True, f"not checked: {error.strerror or error}{where}; "
+                       "run `sudo kvtrace doctor` to check it", warning=True)
+
+
 def run_checks(release: str | None = None, root: Path = Path("/"),
                importer: Callable[[str], object] = importlib.import_module) -> list[Finding]:
-    """Every check, for `kvtrace doctor`; changes nothing on the host."""
+    """Every check, for `kvtrace doctor`; changes nothing on the host. Runs without root too:
+    a check it may not make is a warning that names it."""
     release = release or platform.release()
-    return [
-        check_permissions(root),
-        check_kernel_config(release, root),
-        check_btf(root),
-        check_tracefs(root),
-        check_kernel_headers(release, root),
-        check_bcc(importer),
-        check_uretprobe_seccomp(release),
+    checks: list[tuple[str, Callable[[], Finding]]] = [
+        ("permissions", lambda: check_permissions(root)),
+        ("kernel config", lambda: check_kernel_config(release, root)),
+        ("btf", lambda: check_btf(root)),
+        ("tracefs", lambda: check_tracefs(root)),
+        ("kernel headers", lambda: check_kernel_headers(release, root)),
+        ("bcc", lambda: check_bcc(importer)),
+        ("uretprobe seccomp", lambda: check_uretprobe_seccomp(release)),
     ]
+    return [_unchecked(name, check) for name, check in checks]
 
 
 def _mount_tracefs(root: Path) -> None:
@@ -213,7 +240,7 @@ def require_tracing(release: str | None = None, root: Path = Path("/"),
         lambda: check_bcc(importer),
     ]
     for check in checks:
-        finding = check()
+        finding = _unchecked("preflight", check)  # what cannot be looked at is left to the load
         if not finding.ok:
             raise CommandError(finding.message, finding.exit_code)
 
