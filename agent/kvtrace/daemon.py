@@ -2,6 +2,7 @@
 
     BpfSource ─┐                        ┌─▶ AgentServer (kvtrace.v1; its hub is a Session sink)
     NvmlSampler ┴─▶ Session ─▶ Analyzer ┼─▶ MetricsServer (/metrics)
+                         │              └─▶ OtlpExporter (the same metrics, pushed over OTLP)
                          └─▶ JSON printer (--json-events)
 
 `kvtrace agent` (cli/agent.py) parses and checks the flags into `DaemonOptions`; everything else
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -30,6 +32,7 @@ from kvtrace.wire import event_to_json
 
 if TYPE_CHECKING:  # imported when started: a host without them still runs the rest
     from kvtrace.servers.api import AgentServer
+    from kvtrace.servers.otlp import OtlpExporter
     from kvtrace.servers.prometheus import MetricsServer
     from kvtrace.sources.nvml import NvmlSampler
 
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 SUMMARY_INTERVAL_SECONDS = 10.0
 # What stopping may take, all servers together: systemd's stop and a person's Ctrl-C wait on it.
 STOP_GRACE_SECONDS = 1.0
+OFF_SWITCH_CHECK_SECONDS = 1.0
+DEFAULT_OFF_SWITCH = "/run/kvtrace/tracing-off"
 
 
 @dataclass
@@ -49,6 +54,14 @@ class DaemonOptions:
     analysis: AnalysisOptions = field(default_factory=AnalysisOptions)
     metrics_listen: str = ""  # "" : no /metrics
     metrics_allow_remote: bool = False
+    otlp_endpoint: str = ""  # "": no OTLP push
+    otlp_interval_seconds: float = 15.0
+    # "on": the probes must load (else the agent exits); "auto": without them the agent serves NVML's
+    # figures under the same names, the bpf component down with the reason; "off": NVML only.
+    tracing: str = "on"
+    tracing_unavailable: str = ""  # why the probes cannot load here (preflight), "" when they can
+    # The kill switch: while this file exists the probes are out (NVML only); removed, they go in again.
+    off_switch: str = ""
 
 
 class JsonPrinter:
@@ -80,18 +93,23 @@ class Daemon:
         self.nvml: NvmlSampler | None = None
         self.server: AgentServer | None = None
         self.metrics: MetricsServer | None = None
+        self.otlp: OtlpExporter | None = None
         self._stopping = threading.Event()
+        self._tracing_failed = ""  # why loading the probes failed ("auto"): not tried again
 
     def start(self) -> None:
         """Loads the probes and starts every part; raises CommandError with one line on failure."""
         if self.options.json_events:
             self.session.add_sink(JsonPrinter(self.session, self.out))
-        self.source = BpfSource(self.session, self.options.bpf)
-        try:
-            self.source.start()
-        except Exception as error:
-            raise CommandError(f"cannot load the BPF probes: {error} (run `kvtrace doctor`)",
-                               ExitCode.KERNEL) from error
+        if self.options.tracing == "off":
+            self._tracing_down("tracing is off (--tracing off): NVML's figures only")
+        elif self.options.tracing_unavailable:
+            self._tracing_failed = self.options.tracing_unavailable
+            self._tracing_down(f"cannot trace here: {self.options.tracing_unavailable}")
+        elif self._switched_off():
+            self._tracing_down(self._switched_off_reason())
+        else:
+            self._start_tracing(required=self.options.tracing == "on")
         if self.options.metrics_listen:
             from kvtrace.servers.prometheus import MetricsServer, MetricsSetupError
 
@@ -102,6 +120,15 @@ class Daemon:
             except MetricsSetupError as error:  # a bad address or a port in use: one clear line
                 self.metrics = None
                 raise CommandError(str(error), ExitCode.USAGE) from None
+        if self.options.otlp_endpoint:
+            from kvtrace.servers.otlp import OtlpExporter, OtlpSetupError
+
+            try:
+                self.otlp = OtlpExporter(self.session, self.analyzer, self.options.otlp_endpoint,
+                                         self.options.otlp_interval_seconds, self.session.report_component)
+            except OtlpSetupError as error:  # a bad URL or no opentelemetry: one clear line
+                raise CommandError(str(error), ExitCode.USAGE) from None
+            self.otlp.start()
         if self.options.nvml:
             from kvtrace.sources.nvml import NvmlSampler
 
@@ -117,12 +144,68 @@ class Daemon:
                 raise CommandError(str(error), ExitCode.FAILURE) from None
             self.session.add_sink(self.server.hub)
 
+    # ---- tracing: on, off, and the kill switch ----
+
+    def _start_tracing(self, required: bool) -> None:
+        source = BpfSource(self.session, self.options.bpf)
+        try:
+            source.start()
+        except Exception as error:
+            if required:
+                raise CommandError(f"cannot load the BPF probes: {error} (run `kvtrace doctor`)",
+                                   ExitCode.KERNEL) from error
+            log.exception("cannot load the BPF probes: NVML's figures only")
+            self._tracing_failed = f"cannot load the BPF probes: {error} (run `kvtrace doctor`)"
+            self._tracing_down(self._tracing_failed)
+            try:
+                source.stop()
+            except Exception:
+                log.debug("stopping a half-started BPF source failed", exc_info=True)
+            return
+        self.source = source
+
+    def _tracing_down(self, reason: str) -> None:
+        self.session.report_component("bpf", False, reason)
+        log.warning("%s", reason)
+
+    def _switched_off(self) -> bool:
+        return bool(self.options.off_switch) and os.path.exists(self.options.off_switch)
+
+    def _switched_off_reason(self) -> str:
+        return f"tracing switched off: {self.options.off_switch} exists (remove it to trace again)"
+
+    def _check_off_switch(self) -> None:
+        """Takes the probes out while the switch file exists, puts them back when it is gone."""
+        if not self.options.off_switch or self.options.tracing == "off" or self._tracing_failed:
+            return
+        if self._switched_off():
+            if self.source is not None:
+                self.source.stop()
+                self.source = None
+                self.session.resync(())  # what was traced is no longer followed: no frozen figures
+                self.session.report_libraries(())
+                self._tracing_down(self._switched_off_reason())
+        elif self.source is None:
+            log.warning("tracing switched on again: %s is gone", self.options.off_switch)
+            self._start_tracing(required=False)
+
     def announce(self) -> None:
         libraries = self.source.attached_libraries() if self.source else []
         filtered = ", filtered" if self.source is not None and self.source.filtering else ""
-        where = f", API on unix:{self.options.api.socket}" if self.server is not None and self.options.api else ""
+        api = self.options.api
+        where = f", API on unix:{api.socket}" if self.server is not None and api else ""
+        if where and api is not None and api.admin_path is not None:
+            where += f" (redacted; full detail on unix:{api.admin_path})"
         if self.metrics is not None:
             print(f"Prometheus metrics on {self.metrics.url}", file=self.err, flush=True)
+        if self.otlp is not None:
+            print(f"OTLP metrics to {self.otlp.endpoint} every {self.otlp.interval_seconds:g} s",
+                  file=self.err, flush=True)
+        if self.source is None:
+            down = {c.name: c.reason for c in self.session.components() if not c.up}
+            print(f"Not tracing ({down.get('bpf', 'no probes')}): NVML's figures only{where}. "
+                  "Hit Ctrl-C to end.", file=self.err, flush=True)
+            return
         print(f"Tracing CUDA allocations ({len(libraries)} libraries attached{filtered}{where}). "
               "Hit Ctrl-C to end.", file=self.err, flush=True)
 
@@ -131,10 +214,16 @@ class Daemon:
         self._stopping.set()
 
     def run(self) -> None:
-        assert self.source is not None, "start() first"
         next_summary = time.monotonic() + SUMMARY_INTERVAL_SECONDS
+        next_switch_check = time.monotonic()
         while not self._stopping.is_set():
-            self.source.run_once(100)
+            if self.source is not None:
+                self.source.run_once(100)
+            else:
+                self._stopping.wait(0.1)
+            if time.monotonic() >= next_switch_check:
+                next_switch_check = time.monotonic() + OFF_SWITCH_CHECK_SECONDS
+                self._check_off_switch()
             self.analyzer.tick()
             self.out.flush()
             if not self.options.json_events and time.monotonic() >= next_summary:
@@ -151,6 +240,8 @@ class Daemon:
             self.server.stop(grace_seconds=STOP_GRACE_SECONDS)
         if self.metrics is not None:
             self.metrics.stop()
+        if self.otlp is not None:
+            self.otlp.stop()  # one last export, at most otlp.STOP_SECONDS even if the collector hangs
         if self.nvml is not None:
             self.nvml.stop()
         if self.source is not None:

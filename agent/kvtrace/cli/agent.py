@@ -9,8 +9,8 @@ import signal
 import sys
 
 from kvtrace.analysis.analyzer import AnalysisOptions
-from kvtrace.config import ConfigError, add_api_flags, config_from_args
-from kvtrace.daemon import DaemonOptions
+from kvtrace.config import ConfigError, add_api_flags, check_served_paths, config_from_args
+from kvtrace.daemon import DEFAULT_OFF_SWITCH, DaemonOptions
 from kvtrace.errors import CommandError, ExitCode
 
 EPILOG = """examples:
@@ -18,7 +18,11 @@ EPILOG = """examples:
   kvtrace agent --json-events        # one JSON object per event on stdout
   kvtrace agent -p 1234 --json-events
   kvtrace agent --cmdline 'VLLM::Worker' --json-events
+  kvtrace agent --otlp-endpoint http://otel-collector:4317   # also push metrics over OTLP
 """
+
+MAX_LEDGER_ENTRIES = 1 << 26  # 64 Mi entries: gigabytes of kernel memory; far more and the kernel refuses the map
+
 
 class AgentCommand:
     """Run the kvtrace agent: trace CUDA device-memory allocations of every process on this host.
@@ -53,6 +57,18 @@ class AgentCommand:
                             help="PyTorch block events one process may send per second (default: %(default)s; "
                                  "0: no limit); beyond, blocks stay exact in the ledger, their events are "
                                  "counted as unsent and the ledger is resynced")
+        parser.add_argument("--tracing", choices=("on", "auto", "off"), default="on",
+                            help="on (default): exit with the reason when the probes cannot load here; auto "
+                                 "(the packaged service and DaemonSet): serve NVML's figures under the same "
+                                 "metric names instead, the bpf component down saying why; off: NVML only")
+        parser.add_argument("--off-switch", metavar="FILE", default=DEFAULT_OFF_SWITCH,
+                            help="while FILE exists the probes are out and only NVML is read; remove it to "
+                                 "trace again, no restart (default: %(default)s; '' disables)")
+        parser.add_argument("--max-libraries", metavar="N", type=int, default=64,
+                            help="libraries with probes in at once (default: %(default)s). Any user can make "
+                                 "new ones (a copy of libcudart is one); beyond, a library waits, counted "
+                                 "(kvtrace_libraries_refused_total) and named in doctor, and one nobody "
+                                 "maps loses its probes after a minute")
         parser.add_argument("--nvml", action=argparse.BooleanOptionalAction, default=True,
                             help="sample GPU and per-process memory from NVML (default: on)")
         parser.add_argument("--leak-min-age", metavar="SECONDS", type=float, default=60.0,
@@ -67,6 +83,9 @@ class AgentCommand:
         from kvtrace.servers.prometheus import add_metrics_flags
 
         add_metrics_flags(parser)
+        from kvtrace.servers.otlp import add_otlp_flags
+
+        add_otlp_flags(parser)
         parser.add_argument("-v", "--verbose", action="store_true", help="log attach/detach details")
         parser.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
@@ -79,9 +98,15 @@ class AgentCommand:
         options = self._options(args)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="kvtrace: %(message)s", stream=sys.stderr)
-        from kvtrace.sources.bpf.preflight import require_tracing
+        if options.tracing != "off":
+            from kvtrace.sources.bpf.preflight import require_tracing
 
-        require_tracing()
+            try:
+                require_tracing()
+            except CommandError as error:
+                if options.tracing == "on":
+                    raise
+                options.tracing_unavailable = str(error)  # "auto": NVML only, said in health
         from kvtrace.daemon import Daemon
 
         daemon = Daemon(options)
@@ -114,10 +139,12 @@ class AgentCommand:
             raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None
         if not 0 <= args.max_block_events_per_second <= 100_000_000:
             raise CommandError("--max-block-events-per-second takes 0 (no limit) to 100000000", ExitCode.USAGE)
+        if not 1 <= args.max_libraries <= 4096:
+            raise CommandError("--max-libraries takes 1 to 4096", ExitCode.USAGE)
         if not 1 <= args.wakeup_events <= 65536:
             raise CommandError("--wakeup-events takes 1 to 65536", ExitCode.USAGE)
-        if args.max_ledger_entries < 1024:
-            raise CommandError("--max-ledger-entries must be at least 1024", ExitCode.USAGE)
+        if not 1024 <= args.max_ledger_entries <= MAX_LEDGER_ENTRIES:  # more: the kernel refuses the map
+            raise CommandError(f"--max-ledger-entries takes 1024 to {MAX_LEDGER_ENTRIES}", ExitCode.USAGE)
         if not 0 <= args.leak_min_age <= 365 * 24 * 3600:
             raise CommandError("--leak-min-age takes 0 to one year in seconds", ExitCode.USAGE)
         if not 0.1 <= args.site_sample_interval <= 3600:
@@ -125,7 +152,7 @@ class AgentCommand:
         if not 0 <= args.forecast_min_history <= 24 * 3600:
             raise CommandError("--forecast-min-history takes 0 to 86400 seconds", ExitCode.USAGE)
         try:
-            api = None if args.no_api else config_from_args(args)
+            api = None if args.no_api else check_served_paths(config_from_args(args))
         except ConfigError as error:
             raise CommandError(str(error), ExitCode.USAGE) from None
         if args.metrics_listen not in ("off", ""):
@@ -135,6 +162,17 @@ class AgentCommand:
                 check_listen(args.metrics_listen, args.metrics_allow_remote)
             except MetricsSetupError as error:
                 raise CommandError(str(error), ExitCode.USAGE) from None
+        otlp_endpoint = ""
+        if args.otlp_endpoint not in (None, "", "off"):
+            from kvtrace.servers.otlp import OtlpSetupError, check_endpoint, require_sdk
+
+            try:
+                otlp_endpoint = check_endpoint(args.otlp_endpoint)
+                require_sdk()
+            except OtlpSetupError as error:
+                raise CommandError(str(error), ExitCode.USAGE) from None
+        if not 1 <= args.otlp_interval_seconds <= 3600:
+            raise CommandError("--otlp-interval-seconds takes 1 to 3600 seconds", ExitCode.USAGE)
         from kvtrace.sources.bpf.loader import ProbeSettings
         from kvtrace.sources.bpf.source import BpfOptions
 
@@ -143,10 +181,13 @@ class AgentCommand:
                            settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries,
                                                   wakeup_events=args.wakeup_events,
                                                   block_events_per_second=args.max_block_events_per_second),
-                           python_stacks=not args.no_python_stacks, torch_blocks=not args.no_torch_blocks),
+                           python_stacks=not args.no_python_stacks, torch_blocks=not args.no_torch_blocks,
+                           max_libraries=args.max_libraries),
             api=api, json_events=args.json_events, nvml=args.nvml,
             analysis=AnalysisOptions(leak_min_age_seconds=args.leak_min_age,
                                      site_sample_seconds=args.site_sample_interval,
                                      forecast_min_history_seconds=args.forecast_min_history),
             metrics_listen="" if args.metrics_listen in ("off", "") else args.metrics_listen,
-            metrics_allow_remote=args.metrics_allow_remote)
+            metrics_allow_remote=args.metrics_allow_remote,
+            otlp_endpoint=otlp_endpoint, otlp_interval_seconds=args.otlp_interval_seconds,
+            tracing=args.tracing, off_switch=args.off_switch)
