@@ -80,6 +80,7 @@ class Session:
         self.stacks = StackTable()
         self.processes = processes if processes is not None else ProcessTable()
         self.traced_only = False  # a source follows chosen processes only (NVML's others are left out)
+        self.started_wall_seconds = time.time()  # processes started before hold memory it never saw
         self._native_names = native_names
         self._native_frames: dict[tuple[int, int], NativeFrame] = {}
         # Guards _native_frames only: servers name callers from their threads while the event loop
@@ -256,12 +257,15 @@ class Session:
         memory and of `extra_pids` (NVML's), and every entry when `with_entries`."""
         with self.lock:
             titles = {}
+            predates = set()
             for pid in {key.pid for key in self.ledger.totals()} | set(extra_pids):
                 info = self.processes.get(pid)  # cached; /proc is read at most every few seconds
                 if info is not None:
                     titles[pid] = info.title
+                    if info.start_time < self.started_wall_seconds:
+                        predates.add(pid)
             return ledger_view(self.ledger, time.time_ns(), time.monotonic_ns(), with_entries, titles,
-                               self.traced_only)
+                               self.traced_only, frozenset(predates))
 
     def nvml_sample(self) -> NvmlSample | None:
         return self._nvml

@@ -177,7 +177,7 @@ def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
         pid=row.pid, title=row.title, device=row.device, outstanding_bytes=row.outstanding_bytes,
         growth_bytes_per_second_1m=row.growth_bytes_per_second_1m,
         growth_bytes_per_second_15m=row.growth_bytes_per_second_15m, history_seconds=row.history_seconds,
-        allocations_1m=row.allocations_1m, frees_1m=row.frees_1m)
+        allocations_1m=row.allocations_1m, frees_1m=row.frees_1m, predates_agent=row.predates_agent)
     if row.fragmentation is not None:
         row_fragmentation = row.fragmentation
         message.fragmentation.CopyFrom(service_pb2.Fragmentation(

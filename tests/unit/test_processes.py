@@ -42,3 +42,30 @@ def test_printable_escapes_every_control_character():
 
     assert printable("ok\x1b]0;t\x07\x1b[2J\nx\u202ey\x9b") == "ok\\x1b]0;t\\x07\\x1b[2J\\x0ax\\u202ey\\x9b"
     assert printable("VLLM::Worker_TP0 é") == "VLLM::Worker_TP0 é"
+
+
+def test_processes_started_before_the_agent_are_marked_and_noted():
+    import time
+
+    from kvtrace._proto.kvtrace.v1 import agent_service_pb2
+    from kvtrace.cli.ps import predates_agent_notes
+    from kvtrace.model.processes import ProcessInfo, ProcessTable
+    from kvtrace.session import Session
+
+    now = time.time()
+
+    def reader(pid):
+        started = now - 3600 if pid == 1 else now + 1
+        return ProcessInfo(pid, f"python serve{pid}.py", "python", "", "", started, time.monotonic())
+
+    session = Session(ProcessTable(reader))
+    view = session.ledger_view(with_entries=False, extra_pids=(1, 2))
+    assert view.predates_agent == {1}
+
+    growth = agent_service_pb2.GetGrowthResponse(processes=[
+        agent_service_pb2.ProcessGrowth(pid=1, outstanding_bytes=16 << 20, nvml_used_bytes=1536 << 20,
+                                        nvml_index=0, predates_agent=True),
+        agent_service_pb2.ProcessGrowth(pid=2, outstanding_bytes=16 << 20, nvml_used_bytes=600 << 20)])
+    assert predates_agent_notes(growth) == [
+        "pid 1 predates the agent: NVML shows 1.5 GiB on GPU 0, 16.0 MiB traced; what it allocated before "
+        "the agent started is not traced"]

@@ -200,7 +200,8 @@ class Analyzer:
                                                         growth.long.slope_per_second(), history,
                                                         self.options.forecast_min_history_seconds),
                 allocations_1m=allocations, frees_1m=frees, free_ratio_1m=free_ratio(allocations, frees),
-                nvml_index=index, history_seconds=history, fragmentation=self._fragmentation.get((pid, device))))
+                nvml_index=index, history_seconds=history, fragmentation=self._fragmentation.get((pid, device)),
+                predates_agent=pid in view.predates_agent))
         if not view.traced_only:
             # NVML sees processes kvtrace holds nothing of: started before the agent, or using
             # memory no probe sees. All their memory is unattributed.
@@ -212,7 +213,8 @@ class Analyzer:
                     pid=pid, title=view.titles.get(pid, ""), device=-1, outstanding_bytes=0,
                     nvml_used_bytes=used, unattributed_bytes=used, growth_bytes_per_second_1m=0.0,
                     growth_bytes_per_second_15m=0.0, time_to_oom_seconds=None, allocations_1m=allocations,
-                    frees_1m=frees, free_ratio_1m=free_ratio(allocations, frees), nvml_index=index))
+                    frees_1m=frees, free_ratio_1m=free_ratio(allocations, frees), nvml_index=index,
+                    predates_agent=pid in view.predates_agent))
         return tuple(rows)
 
     def _nvml_index(self, pid: int, device: int, sample: NvmlSample | None, traced_devices: set[int],

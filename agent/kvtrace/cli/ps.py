@@ -64,4 +64,19 @@ class PsCommand:
                 print(f"{process.pid:>7} {gpu:>3} {human_bytes(row['device']):>10} "
                       f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} {tensors:>10} {frag:>5} "
                       f"{row['objects']:>8} {printable(process.title or process.comm)}", file=out)
+        for line in predates_agent_notes(growth):
+            print(line, file=out)
         return ExitCode.OK
+
+
+def predates_agent_notes(growth) -> list[str]:
+    """A line for each process that started before the agent and holds more than it traced: what
+    it allocated before is in NVML's figure only (after an agent restart, the bulk of it)."""
+    notes = []
+    for row in growth.processes if growth is not None else ():
+        if row.predates_agent and row.HasField("nvml_used_bytes") and row.nvml_used_bytes > row.outstanding_bytes:
+            where = f"GPU {row.nvml_index}" if row.HasField("nvml_index") else "its GPU"
+            notes.append(f"pid {row.pid} predates the agent: NVML shows {human_bytes(row.nvml_used_bytes)} on "
+                         f"{where}, {human_bytes(row.outstanding_bytes)} traced; what it allocated before the "
+                         f"agent started is not traced")
+    return notes

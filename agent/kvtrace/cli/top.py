@@ -81,7 +81,7 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
         rows.append((
             str(row.pid), _gpu(row), human_bytes(row.outstanding_bytes),
             human_bytes(nvml_used) if nvml_used is not None else "-",
-            _unattributed(optional_field(row, "unattributed_bytes")),
+            _unattributed(optional_field(row, "unattributed_bytes")) + ("*" if row.predates_agent else ""),
             signed_bytes(row.growth_bytes_per_second_1m), signed_bytes(row.growth_bytes_per_second_15m),
             human_duration(ttoom) if ttoom is not None else "-", frag, printable(row.title)))
     # Growth columns are per second; "OOM IN" is the time until the GPU's free memory is gone; FRAG
@@ -97,6 +97,9 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
                      max_width=max(8, width - sum(widths) - len(columns) - 1))
     for cells in rows:
         table.add_row(*(Text(cell) for cell in cells))  # a title like "[bold]x" is text, not markup
+    if any(row.predates_agent for row in growth.processes):
+        return Group(Text("\n".join(header)), Text(""), table,
+                     Text("* started before the agent: what it allocated before is in NVML only"))
     return Group(Text("\n".join(header)), Text(""), table)
 
 

@@ -36,6 +36,9 @@ class ProcessGpu:
     # PyTorch's allocator on this GPU, where its blocks are traced (None: not traced); measured at the
     # last site sample (model/blocks.py says how).
     fragmentation: Fragmentation | None = None
+    # The process started before the agent: what it allocated before is in NVML's figure (and in
+    # unattributed_bytes), never in the traced one.
+    predates_agent: bool = False
 
 
 @dataclass(frozen=True)

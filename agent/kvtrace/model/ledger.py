@@ -296,10 +296,13 @@ class LedgerView:
     frees_total: dict[int, int]
     titles: dict[int, str] = field(default_factory=dict)
     traced_only: bool = False  # the agent follows chosen processes only: leave NVML's others out
+    # Processes started before the agent: memory they allocated before it is not in the ledger.
+    predates_agent: frozenset[int] = frozenset()
 
 
 def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: bool = True,
-                titles: dict[int, str] | None = None, traced_only: bool = False) -> LedgerView:
+                titles: dict[int, str] | None = None, traced_only: bool = False,
+                predates_agent: frozenset[int] = frozenset()) -> LedgerView:
     """A view of `ledger`; call it under the lock that guards the ledger."""
     allocations: dict[int, int] = defaultdict(int)
     frees: dict[int, int] = defaultdict(int)
@@ -310,4 +313,4 @@ def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: b
         if layer in PHYSICAL_LAYERS:
             frees[pid] += count
     return LedgerView(wall_ns, monotonic_ns, ledger.totals(), ledger.entries() if with_entries else None,
-                      dict(allocations), dict(frees), titles or {}, traced_only)
+                      dict(allocations), dict(frees), titles or {}, traced_only, predates_agent)
