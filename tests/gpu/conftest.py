@@ -1,5 +1,6 @@
 """GPU tests: real CUDA through torch, run on the GPU machine (see README.md here)."""
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +53,12 @@ def wait_for(predicate, timeout_seconds: float):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(0.5)
+
+
+@pytest.fixture
+def agent_socket():
+    with tempfile.TemporaryDirectory(prefix="kvtrace-gpu-") as directory:
+        yield Path(directory) / "kvtrace.sock"
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ fails.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -176,12 +175,6 @@ def test_out_of_memory_is_reported_with_size_error_and_stack(torch_worker):
     check_all(failures)
 
 
-@pytest.fixture
-def agent_socket():
-    with tempfile.TemporaryDirectory(prefix="kvtrace-gpu-") as directory:
-        yield Path(directory) / "kvtrace.sock"
-
-
 def growth_rows(socket: Path) -> dict:
     from kvtrace.client import AgentClient
 
@@ -250,6 +243,33 @@ def test_two_titled_workers_are_attributed_apart_and_nvml_agrees(torch_worker, a
             print(f"GPU 0 {gpu.name}: total {gpu.total_bytes}, used {gpu.used_bytes}, free {gpu.free_bytes}")
         print(f"agent log:\n{agent.stderr_text()[-2000:]}")
     check_all(failures)
+
+
+def test_memory_held_before_the_agent_started_is_shown_from_nvml(torch_worker, agent_socket):
+    # GIVEN a process holding 1.3 GiB before the agent starts (an agent restart on a busy host)
+    worker = torch_worker()
+    worker.send(op="init")
+    before = worker.send(op="alloc", count=6, step_bytes=64 * MiB)["memory_reserved"]  # 1.3 GiB
+    with AgentProcess(agent_socket, "--site-sample-interval", "1") as agent:
+        # WHEN it allocates a little more, in view
+        worker.send(op="alloc", count=1, step_bytes=16 * MiB)
+
+        def settled():
+            # the analysis runs on its own interval: wait for one that has the traced allocation
+            row = growth_rows(agent_socket)[1].get(worker.pid)
+            return row if row is not None and row.outstanding_bytes and row.HasField("nvml_used_bytes") else None
+
+        row = wait_for(settled, 30) or growth_rows(agent_socket)[1].get(worker.pid)
+        text = kvtrace("ps", "--socket", str(agent_socket)).stdout
+        print(f"\nreserved before the agent {before}; kvtrace ps:\n{text}")
+        if row is not None:
+            print(f"row: traced {row.outstanding_bytes}, NVML {row.nvml_used_bytes}, predates {row.predates_agent}, "
+                  f"GPU {row.device} (NVML {row.nvml_index})")
+        print(f"agent log:\n{agent.stderr_text()[-1500:]}")
+    # THEN ps says so, with NVML's figure beside the traced one, and the row is marked
+    assert f"pid {worker.pid} predates the agent: NVML shows" in text
+    assert row is not None and row.predates_agent and row.nvml_used_bytes >= before > row.outstanding_bytes
+    assert (row.device, row.nvml_index) == (0, 0)
 
 
 def test_planted_leak_is_ranked_first_with_its_true_rate_and_time_to_oom(torch_worker, agent_socket):
