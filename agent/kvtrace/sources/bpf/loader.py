@@ -365,24 +365,21 @@ class BpfProbes:
 
     def set_process_device(self, pid: int, device: int | None) -> None:
         """The device of the process's threads that never selected one (None: CUDA's device 0)."""
-        table = self._bpf[b"process_device"]
-        if device is None:
-            try:
-                del table[ctypes.c_uint32(pid)]
-            except KeyError:
-                pass
-        else:
-            table[ctypes.c_uint32(pid)] = ctypes.c_int32(device)
+        self._set_for_pid(b"process_device", pid, None if device is None else ctypes.c_int32(device))
 
     def set_python_target(self, pid: int, target: abi.RawPyTarget | None) -> None:
-        table = self._bpf[b"py_targets"]
-        if target is None:
+        self._set_for_pid(b"py_targets", pid, target)
+
+    def _set_for_pid(self, map_name: bytes, pid: int, value: ctypes._CData | None) -> None:
+        """Sets a per-process map's entry, or deletes it (None)."""
+        table = self._bpf[map_name]
+        if value is None:
             try:
                 del table[ctypes.c_uint32(pid)]
             except KeyError:
                 pass
         else:
-            table[ctypes.c_uint32(pid)] = target
+            table[ctypes.c_uint32(pid)] = value
 
     def read_stack(self, stack_id: int) -> abi.RawStack | None:
         try:
