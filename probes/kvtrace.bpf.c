@@ -65,6 +65,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     u32 pid = pid_tgid >> 32;
     if ((u32)pid_tgid != pid)
         return 0; /* a thread, not the process */
+    process_device.delete(&pid); /* a later process with this pid starts on CUDA's default */
     if (!tracked_pids.lookup(&pid))
         return 0;
     /* Forgotten only once user space is told: when the ring is full, the periodic sweep finds the

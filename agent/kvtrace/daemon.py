@@ -42,7 +42,10 @@ SUMMARY_INTERVAL_SECONDS = 10.0
 # What stopping may take, all servers together: systemd's stop and a person's Ctrl-C wait on it.
 STOP_GRACE_SECONDS = 1.0
 OFF_SWITCH_CHECK_SECONDS = 1.0
-DEFAULT_OFF_SWITCH = "/run/kvtrace/tracing-off"
+RETRY_TRACING_SECONDS = 60.0
+# In /etc, not /run: a switch an operator set must survive a restart of the agent (systemd empties
+# its RuntimeDirectory) and a reboot.
+DEFAULT_OFF_SWITCH = "/etc/kvtrace/tracing-off"
 
 
 @dataclass
@@ -95,7 +98,8 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self.otlp: OtlpExporter | None = None
         self._stopping = threading.Event()
-        self._tracing_failed = ""  # why loading the probes failed ("auto"): not tried again
+        self._tracing_failed = ""  # why loading the probes failed at start ("auto"): not tried again
+        self._retry_at = 0.0  # monotonic: when to try again after the switch's re-enable failed
 
     def start(self) -> None:
         """Loads the probes and starts every part; raises CommandError with one line on failure."""
@@ -146,7 +150,8 @@ class Daemon:
 
     # ---- tracing: on, off, and the kill switch ----
 
-    def _start_tracing(self, required: bool) -> None:
+    def _start_tracing(self, required: bool, again: bool = False) -> None:
+        """Loads the probes; `again`: switched back on, where a failure is retried a minute later."""
         source = BpfSource(self.session, self.options.bpf)
         try:
             source.start()
@@ -155,8 +160,12 @@ class Daemon:
                 raise CommandError(f"cannot load the BPF probes: {error} (run `kvtrace doctor`)",
                                    ExitCode.KERNEL) from error
             log.exception("cannot load the BPF probes: NVML's figures only")
-            self._tracing_failed = f"cannot load the BPF probes: {error} (run `kvtrace doctor`)"
-            self._tracing_down(self._tracing_failed)
+            reason = f"cannot load the BPF probes: {error} (run `kvtrace doctor`)"
+            if again:
+                self._retry_at = time.monotonic() + RETRY_TRACING_SECONDS
+            else:
+                self._tracing_failed = reason
+            self._tracing_down(reason)
             try:
                 source.stop()
             except Exception:
@@ -185,9 +194,9 @@ class Daemon:
                 self.session.resync(())  # what was traced is no longer followed: no frozen figures
                 self.session.report_libraries(())
                 self._tracing_down(self._switched_off_reason())
-        elif self.source is None:
+        elif self.source is None and time.monotonic() >= self._retry_at:
             log.warning("tracing switched on again: %s is gone", self.options.off_switch)
-            self._start_tracing(required=False)
+            self._start_tracing(required=False, again=True)
 
     def announce(self) -> None:
         libraries = self.source.attached_libraries() if self.source else []

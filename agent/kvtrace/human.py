@@ -1,7 +1,7 @@
 """Quantities as an operator reads them: sizes in binary units, ages, durations, rates."""
 from __future__ import annotations
 
-import re
+from kvtrace.model.processes import CONTROL_CHARACTERS
 
 
 def human_bytes(size: int) -> str:
@@ -50,12 +50,10 @@ def human_rate(bytes_per_second: float) -> str:
     return f"{signed_bytes(bytes_per_second)}/s"
 
 
-# C0 and C1 controls, DEL, and the Unicode characters that break lines or reorder text.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:
     """Text that came from another process (a title, a file name, a function name) as a terminal
     may show it: every control character escaped (`\\x1b`, `\\u202e`), so a crafted command line
     can neither clear the operator's screen, set the terminal's title nor forge a line."""
-    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)

@@ -85,9 +85,10 @@ def test_blocks_are_exact_in_both_ledgers_and_nest_in_their_segments(traced_bloc
     assert sorted((s.address, s.size_bytes) for s in nested) == \
         sorted((s["address"], s["size_bytes"]) for s in segments)
     # Segments carry the device their cudaMalloc was traced on: device 1 after cudaSetDevice(1);
-    # before it the thread had selected none (torch never calls cudaSetDevice(0)) and the agent
-    # came after the process started, so that is unknown (-1). Blocks carry the device torch says.
-    traced_device = {0: -1, 1: 1}
+    # before it the thread had selected none (torch never calls cudaSetDevice(0)): CUDA's device 0.
+    # (The agent came after the process started, but the stub process sees no /dev/nvidiaN, so no
+    # second GPU it could have selected unseen.) Blocks carry the device torch says.
+    traced_device = {0: 0, 1: 1}
     assert sorted((s.address, s.device) for s in nested) == \
         sorted((s["address"], traced_device[s["device"]]) for s in segments)
     by_address = {s.address: s for s in nested}

@@ -414,3 +414,18 @@ def test_a_parked_subscriber_is_told_its_gap_exactly():
         backend.hub.publish(event(address=99))
         assert [item.address for item in subscription.read(100, 0)] == [99]
         backend.hub.unsubscribe(subscription)
+
+
+def test_group_socket_info_names_no_paths_or_pids():
+    info = service_pb2.GetAgentInfoResponse(
+        attached_libraries=[service_pb2.AttachedLibrary(path="/proc/4242/root/home/alice/venv/libcudart.so.12",
+                                                        symbols=["cudaMalloc"], pids=[4242])],
+        components=[service_pb2.ComponentHealth(name="bpf", up=True),
+                    service_pb2.ComponentHealth(name="attach:/home/bob/x/libcudart.so.12", up=False,
+                                                reason="attaching failed: /home/bob/x/libcudart.so.12"),
+                    service_pb2.ComponentHealth(name="libraries", up=False,
+                                                reason="3 libraries wait for probes: e.g. /home/carol/libcudart.so")])
+    redacted = str(api.redact_info(info))
+    for private in ("/home", "/proc/4242", "4242", "alice", "bob", "carol"):
+        assert private not in redacted, private
+    assert "libcudart.so.12" in redacted and 'name: "attach"' in redacted and 'name: "libraries"' in redacted

@@ -69,3 +69,20 @@ def test_processes_started_before_the_agent_are_marked_and_noted():
     assert predates_agent_notes(growth) == [
         "pid 1 predates the agent: NVML shows 1.5 GiB on GPU 0, 16.0 MiB traced; what it allocated before "
         "the agent started is not traced"]
+
+
+def test_redacting_a_crafted_title_takes_linear_time():
+    # A backtracking pattern took 0.5 s on each of these (the hub redacts on the event loop).
+    import time
+
+    from kvtrace.model.processes import redact_title
+
+    crafted = ["-key" * 256, "-k" + "key-" * 255, "a=" * 512, "--" + "k" * 1022]
+    started = time.monotonic()
+    for _ in range(25):
+        for title in crafted:
+            redact_title(title)
+    assert time.monotonic() - started < 1.0
+    assert redact_title("serve --api-key abc --hf-token=x HF_TOKEN=y --env=MY_SECRET=z -p 80 --key -v") == \
+        "serve --api-key *** --hf-token=*** HF_TOKEN=*** --env=MY_SECRET=*** -p 80 --key -v"
+    assert redact_title("a\u202eb\x9bc\x1b[2J") == "a b c [2J"

@@ -67,9 +67,15 @@ def agent_findings(args: argparse.Namespace) -> list:
     """The running agent's own health: each part that is down and why, and what it refused or lost.
     Warnings only: the host checks decide the exit status."""
     from kvtrace.client import AgentClient
+    from kvtrace.config import ConfigError, config_from_args
     from kvtrace.errors import CommandError
     from kvtrace.sources.bpf.preflight import Finding
 
+    try:
+        if not config_from_args(args).socket.exists():
+            return []  # no agent here to ask (not installed, or elsewhere: --socket)
+    except ConfigError:
+        return []  # said by the client commands; doctor checks the host
     try:
         with AgentClient.from_args(args) as agent:
             info = agent.info()

@@ -288,6 +288,28 @@ def redact_leak_report(message: service_pb2.ListLeakSuspectsResponse) -> service
     return message
 
 
+def redact_info(message: service_pb2.GetAgentInfoResponse) -> service_pb2.GetAgentInfoResponse:
+    """No file paths or pids of other users: libraries by file name only, components that name a
+    library (attach:PATH) as one `attach` entry, reasons that may carry paths left out."""
+    for library in message.attached_libraries:
+        library.path = os.path.basename(library.path)
+        del library.pids[:]
+    attach = [component for component in message.components if component.name.startswith("attach:")]
+    kept = [component for component in message.components if not component.name.startswith("attach:")]
+    del message.components[:]
+    for component in kept:
+        message.components.add(name=component.name, up=component.up,
+                               reason="" if component.name in _REASONS_WITH_PATHS else component.reason)
+    if attach:
+        message.components.add(name="attach", up=False,
+                               reason=f"{len(attach)} libraries refused (the admin socket names them)")
+    return message
+
+
+# Components whose reasons name files of other users (the admin socket has them whole).
+_REASONS_WITH_PATHS = frozenset({"libraries"})
+
+
 def redact_growth(message: service_pb2.GetGrowthResponse) -> service_pb2.GetGrowthResponse:
     for row in message.processes:
         row.title = redact_title(row.title)
@@ -479,7 +501,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         info.counters["events_published"] = self._hub.published_total
         response = info_to_proto(info)
         response.view = self.view
-        return response
+        return redact_info(response) if self.view == VIEW_REDACTED else response
 
     def ListLeakSuspects(self, request, context):
         try:

@@ -36,12 +36,12 @@ class Target:
     torch_probes: tuple[UsdtProbe, ...] = ()  # pytorch:malloc / pytorch:free sites (libc10_cuda)
 
 
-def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, str]:
-    """File-backed executable mappings of a process, as {file id: path as the process sees it}."""
-    found: dict[FileId, str] = {}
+def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, procfs.Mapping]:
+    """File-backed executable mappings of a process, as {file id: its first such mapping}."""
+    found: dict[FileId, procfs.Mapping] = {}
     for mapping in procfs.read_maps(pid, proc):
         if mapping.executable and mapping.inode:
-            found.setdefault(FileId(mapping.device, mapping.inode), mapping.path)
+            found.setdefault(FileId(mapping.device, mapping.inode), mapping)
     return found
 
 
@@ -76,13 +76,15 @@ class Discovery:
         self._verdicts: dict[tuple, tuple[tuple[str, ...], tuple[UsdtProbe, ...]]] = {}
         self.targets: dict[FileId, Target] = {}
 
-    def _open_path(self, pid: int, path: str) -> str | None:
-        candidate = procfs.path_in_root(pid, path, self._proc)
-        try:
-            os.stat(candidate)
-            return str(candidate)
-        except OSError:
-            return None
+    def _open_path(self, pid: int, file_id: FileId, mapping: procfs.Mapping) -> str | None:
+        """A path that opens this very file: through the process's root, or, when that path now
+        holds another file (replaced in place since the process mapped it: `pip install -U`) or
+        none (deleted), through the mapping itself (/proc/PID/map_files, the mapped inode)."""
+        for candidate in (procfs.path_in_root(pid, mapping.path, self._proc),
+                          procfs.mapped_file(pid, mapping, self._proc)):
+            if same_file(str(candidate), file_id):
+                return str(candidate)
+        return None
 
     def _verdict(self, file_id: FileId, path: str) -> tuple[tuple[str, ...], tuple[UsdtProbe, ...]]:
         """(CUDA symbols, PyTorch allocator probes) the file offers; both () for most files."""
@@ -102,10 +104,11 @@ class Discovery:
         """Records which targets `pid` maps now; returns the targets that are new to the agent."""
         new: list[Target] = []
         mapped = executable_mappings(pid, self._proc)
-        for file_id, path in mapped.items():
+        for file_id, mapping in mapped.items():
+            path = mapping.path
             target = self.targets.get(file_id)
             if target is None:
-                open_path = self._open_path(pid, path)
+                open_path = self._open_path(pid, file_id, mapping)
                 if open_path is None:
                     continue
                 symbols, torch_probes = self._verdict(file_id, open_path)

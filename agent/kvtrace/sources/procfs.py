@@ -113,13 +113,13 @@ def environ_value(pid: int, name: str) -> str | None:
 _GPU_DEVICE_FILE = re.compile(r"nvidia\d+")
 
 
-def gpu_device_count(pid: int, proc: Path = PROC) -> int:
+def gpu_device_count(pid: int, proc: Path = PROC) -> int | None:
     """The NVIDIA GPUs the process can open: /dev/nvidiaN as its root shows them (a container sees
-    the GPUs it was given); 0 when none or unreadable."""
+    the GPUs it was given); None when that cannot be read."""
     try:
         return sum(1 for name in os.listdir(path_in_root(pid, "/dev", proc)) if _GPU_DEVICE_FILE.fullmatch(name))
     except OSError:
-        return 0
+        return None
 
 
 def read_process(pid: int, proc: Path = PROC) -> ProcessInfo | None:

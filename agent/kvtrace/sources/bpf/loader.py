@@ -240,7 +240,10 @@ class BpfProbes:
     def _delete_sites(self, cookies: list[int]) -> None:
         table = self._bpf[b"usdt_sites"]
         for cookie in cookies:
-            del table[ctypes.c_uint64(cookie)]
+            try:
+                del table[ctypes.c_uint64(cookie)]
+            except KeyError:
+                pass
 
     def torch_attached_pids(self, key: Hashable) -> set[int]:
         """The pids PyTorch's probes in library `key` are attached for; {-1}: every process."""

@@ -354,14 +354,15 @@ class BpfSource:
         if not any(pid in target.pids and "cuMemAlloc_v2" in target.symbols
                    for target in self.discovery.targets.values()):
             return
-        visible = cuda_visible_count(procfs.environ_value(pid, "CUDA_VISIBLE_DEVICES"),
-                                     procfs.gpu_device_count(pid))
-        device = DEVICE_UNKNOWN if visible > 1 else None
+        host_gpus = procfs.gpu_device_count(pid)
+        visible = (cuda_visible_count(procfs.environ_value(pid, "CUDA_VISIBLE_DEVICES"), host_gpus)
+                   if host_gpus is not None else None)
+        device = DEVICE_UNKNOWN if visible is None or visible > 1 else None
         self.late_device[pid] = device
         if device is not None:
             self._probes().set_process_device(pid, device)
-            log.info("pid %d used CUDA before its probes were in and sees %d GPUs: the device of its "
-                     "threads that never select one is unknown", pid, visible)
+            log.info("pid %d used CUDA before its probes were in and sees %s GPUs: the device of its "
+                     "threads that never select one is unknown", pid, visible if visible is not None else "how many")
 
     def _maps_cuda(self, pid: int) -> bool:
         return any(pid in target.pids for target in self.discovery.targets.values())
@@ -441,7 +442,11 @@ class BpfSource:
         self._idle_since.pop(file_id, None)
         self._preattached.discard(file_id)
         self.discovery.targets.pop(file_id, None)  # a process that maps it later attaches it again
-        seconds = self._probes().detach(file_id)
+        try:
+            seconds = self._probes().detach(file_id)
+        except Exception:  # a link that would not close: said, and the agent goes on
+            log.exception("detaching %s failed", target.path)
+            return
         self.libraries_detached += 1
         log.info("detached %s (no traced process maps it) in %.3f s", target.path, seconds)
 
@@ -495,6 +500,9 @@ class BpfSource:
                 self._forget_process(pid)
                 self.session.forget_process(pid)
                 log.info("process %d exited: what it held is dropped", pid)
+        # Processes that exited holding nothing traced send no exit event: forget them here too.
+        for pid in [pid for pid in {*self.late_device, *self.python} if not psutil.pid_exists(pid)]:
+            self._forget_process(pid)
 
     def _forget_python(self, pid: int) -> None:
         """After exit or exec: its code objects, runtime and mappings are gone (and its CUDA)."""
