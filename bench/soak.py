@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from benchlib import ROOT, Workload, build_stubs, progress, require_bpf
+from benchlib import Workload, build_stubs, code_version, progress, require_bpf
 
 
 def main() -> None:
@@ -68,9 +68,7 @@ def main() -> None:
                 progress(f"{info}")
             time.sleep(1.0)
     first, last = samples[1] if len(samples) > 1 else samples[0], samples[-1]
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    print(f"soak {args.minutes:g} min at {commit}: RSS {first['rss_mib']} -> {last['rss_mib']} MiB, "
+    print(f"soak {args.minutes:g} min, {code_version()}: RSS {first['rss_mib']} -> {last['rss_mib']} MiB, "
           f"fds {first['fds']} -> {last['fds']}, threads {first['threads']} -> {last['threads']}, "
           f"{last['copies']} library copies attached and detached")
 

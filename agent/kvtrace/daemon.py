@@ -98,7 +98,7 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self.otlp: OtlpExporter | None = None
         self._stopping = threading.Event()
-        self._tracing_failed = ""  # why loading the probes failed at start ("auto"): not tried again
+        self._tracing_impossible = False  # the probes could not load at start ("auto"): not tried again
         self._retry_at = 0.0  # monotonic: when to try again after the switch's re-enable failed
 
     def start(self) -> None:
@@ -108,7 +108,7 @@ class Daemon:
         if self.options.tracing == "off":
             self._tracing_down("tracing is off (--tracing off): NVML's figures only")
         elif self.options.tracing_unavailable:
-            self._tracing_failed = self.options.tracing_unavailable
+            self._tracing_impossible = True
             self._tracing_down(f"cannot trace here: {self.options.tracing_unavailable}")
         elif self._switched_off():
             self._tracing_down(self._switched_off_reason())
@@ -164,7 +164,7 @@ class Daemon:
             if again:
                 self._retry_at = time.monotonic() + RETRY_TRACING_SECONDS
             else:
-                self._tracing_failed = reason
+                self._tracing_impossible = True
             self._tracing_down(reason)
             try:
                 source.stop()
@@ -185,7 +185,7 @@ class Daemon:
 
     def _check_off_switch(self) -> None:
         """Takes the probes out while the switch file exists, puts them back when it is gone."""
-        if not self.options.off_switch or self.options.tracing == "off" or self._tracing_failed:
+        if not self.options.off_switch or self.options.tracing == "off" or self._tracing_impossible:
             return
         if self._switched_off():
             if self.source is not None:

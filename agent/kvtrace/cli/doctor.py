@@ -72,12 +72,13 @@ def agent_findings(args: argparse.Namespace) -> list:
     from kvtrace.sources.bpf.preflight import Finding
 
     try:
-        if not config_from_args(args).socket.exists():
-            return []  # no agent here to ask (not installed, or elsewhere: --socket)
+        config = config_from_args(args)
     except ConfigError:
         return []  # said by the client commands; doctor checks the host
+    if not config.socket.exists():
+        return []  # no agent here to ask (not installed, or elsewhere: --socket)
     try:
-        with AgentClient.from_args(args) as agent:
+        with AgentClient.for_config(config) as agent:
             info = agent.info()
     except CommandError as error:
         return [Finding("agent", True, f"no running agent answers: {error}", warning=True)]
