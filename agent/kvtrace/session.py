@@ -18,6 +18,7 @@ from __future__ import annotations
 import platform
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,8 +42,19 @@ from kvtrace.model.ledger import (
 )
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import NativeFrame, Stack, StackTable
+from kvtrace.model.vllm import (
+    KvCacheLayout,
+    SchedulerReport,
+    SleepReport,
+    VllmMetricsSample,
+    VllmRecord,
+    VllmView,
+)
 
-Record = Event | EventsLost | NvmlSample
+Record = Event | EventsLost | NvmlSample | VllmRecord
+
+# Sleep/wake reports kept per process: enough to compare one cycle with the last.
+SLEEP_REPORTS_KEPT = 8
 
 
 class NativeNames(Protocol):
@@ -92,6 +104,11 @@ class Session:
         self._counters: dict[str, int] = {}
         self._libraries: tuple[AttachedLibrary, ...] = ()
         self._nvml: NvmlSample | None = None
+        # vLLM: the plugin's latest reports per process, and the latest scrape of each /metrics URL.
+        self._kv_layouts: dict[int, KvCacheLayout] = {}
+        self._schedulers: dict[int, SchedulerReport] = {}
+        self._sleeps: dict[int, deque[SleepReport]] = {}
+        self._vllm_metrics: dict[str, VllmMetricsSample] = {}
         self.events_total = 0
         self.lost_total = 0
         self.resyncs_total = 0
@@ -125,6 +142,14 @@ class Session:
                         sink.publish_loss(record.count)
                 elif type(record) is NvmlSample:
                     self._nvml = record
+                elif type(record) is SchedulerReport:
+                    self._schedulers[record.pid] = record
+                elif type(record) is KvCacheLayout:
+                    self._kv_layouts[record.pid] = record
+                elif type(record) is SleepReport:
+                    self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT)).append(record)
+                elif type(record) is VllmMetricsSample:
+                    self._vllm_metrics[record.url] = record
                 else:
                     raise TypeError(f"not a record a Session takes: {type(record).__name__}")
 
@@ -141,6 +166,9 @@ class Session:
     def _forget_process(self, pid: int) -> None:
         self.ledger.forget_counters(pid)
         self.processes.forget(pid)
+        self._kv_layouts.pop(pid, None)
+        self._schedulers.pop(pid, None)
+        self._sleeps.pop(pid, None)
         with self._native_lock:
             self._native_forgets += 1
             for key in [key for key in self._native_frames if key[0] == pid]:
@@ -269,6 +297,23 @@ class Session:
 
     def nvml_sample(self) -> NvmlSample | None:
         return self._nvml
+
+    def vllm_view(self) -> VllmView:
+        """The latest vLLM reports and scrapes, copied at once."""
+        with self.lock:
+            return VllmView(dict(self._kv_layouts), dict(self._schedulers),
+                            {pid: tuple(reports) for pid, reports in self._sleeps.items()},
+                            dict(self._vllm_metrics))
+
+    def forget_vllm_metrics(self, url: str) -> None:
+        """A /metrics URL no longer scraped (its API server is gone)."""
+        with self.lock:
+            self._vllm_metrics.pop(url, None)
+
+    def known_processes(self) -> dict[int, ProcessInfo]:
+        """pid -> what is known of every live process the Session has seen (no /proc read here)."""
+        with self.lock:
+            return dict(self.processes.known())
 
     def counters(self) -> dict[str, int]:
         with self.lock:

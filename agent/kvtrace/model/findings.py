@@ -6,11 +6,12 @@ allocation site whose memory is old and growing, not proof of a leak.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.gpus import GpuMemory
 from kvtrace.model.stacks import NativeFrame, Stack
+from kvtrace.model.vllm import Role, VllmEngine, VllmFinding
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class ProcessGpu:
     # The process started before the agent: what it allocated before is in NVML's figure (and in
     # unattributed_bytes), never in the traced one.
     predates_agent: bool = False
+    # outstanding_bytes by what they are for (analysis/roles.py), at the last site sample; empty until then.
+    role_bytes: dict[Role, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class AnalysisSnapshot:
     processes: tuple[ProcessGpu, ...] = ()
     suspects: tuple[LeakSuspect, ...] = ()
     nvml_timestamp_ns: int = 0  # when the NVML figures (gpus, nvml_used_bytes) were sampled; 0: none
+    vllm_engines: tuple[VllmEngine, ...] = ()
+    vllm_findings: tuple[VllmFinding, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class ProcessInfo:
     cgroup: str
     start_time: float  # seconds since the epoch (psutil create_time)
     read_at: float  # time.monotonic() when read
+    parent_pid: int = 0  # 0: unknown (vLLM's engines are found by title and parentage)
 
 
 def container_id(cgroup_text: str) -> str:

@@ -130,6 +130,7 @@ def read_process(pid: int, proc: Path = PROC) -> ProcessInfo | None:
             cmdline = process.cmdline()
             comm = process.name()
             start_time = process.create_time()
+            parent_pid = process.ppid()
     except (psutil.Error, OSError):
         return None
     try:
@@ -140,7 +141,7 @@ def read_process(pid: int, proc: Path = PROC) -> ProcessInfo | None:
     comm = valid_text(comm)
     title = clean_title(" ".join(part for part in cmdline if part).strip() or comm)
     return ProcessInfo(pid, title, comm, container_id(cgroup), valid_text(cgroup.strip().split(":")[-1]),
-                       start_time, time.monotonic())
+                       start_time, time.monotonic(), parent_pid)
 
 
 class MemoryReadError(Exception):
