@@ -1,9 +1,11 @@
 """The agent's composition root: which sources, analysis and servers run, and how they are wired.
 
-    BpfSource ─┐                        ┌─▶ AgentServer (kvtrace.v1; its hub is a Session sink)
-    NvmlSampler ┴─▶ Session ─▶ Analyzer ┼─▶ MetricsServer (/metrics)
-                         │              └─▶ OtlpExporter (the same metrics, pushed over OTLP)
-                         └─▶ JSON printer (--json-events)
+    BpfSource ──────────┐                        ┌─▶ AgentServer (kvtrace.v1; its hub is a Session sink)
+    NvmlSampler ────────┤                        │
+    VllmListener ───────┤  (the vLLM plugin)     │
+    VllmMetricsScraper ─┴─▶ Session ─▶ Analyzer ─┼─▶ MetricsServer (/metrics)
+                              │                  └─▶ OtlpExporter (the same metrics, pushed over OTLP)
+                              └─▶ JSON printer (--json-events)
 
 `kvtrace agent` (cli/agent.py) parses and checks the flags into `DaemonOptions`; everything else
 is decided here. The loop runs in the caller's thread: `run()` until `request_stop()`.
@@ -28,6 +30,7 @@ from kvtrace.model.processes import ProcessTable
 from kvtrace.session import Session
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 from kvtrace.sources.nvml import read_cuda_visible_devices
+from kvtrace.sources.vllm import protocol as vllm_protocol
 from kvtrace.wire import event_to_json
 
 if TYPE_CHECKING:  # imported when started: a host without them still runs the rest
@@ -35,6 +38,8 @@ if TYPE_CHECKING:  # imported when started: a host without them still runs the r
     from kvtrace.servers.otlp import OtlpExporter
     from kvtrace.servers.prometheus import MetricsServer
     from kvtrace.sources.nvml import NvmlSampler
+    from kvtrace.sources.vllm.listener import VllmListener
+    from kvtrace.sources.vllm.metrics import VllmMetricsScraper
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,11 @@ class DaemonOptions:
     tracing_unavailable: str = ""  # why the probes cannot load here (preflight), "" when they can
     # The kill switch: while this file exists the probes are out (NVML only); removed, they go in again.
     off_switch: str = ""
+    # vLLM: the plugin's datagram socket ("" : off), /metrics URLs to scrape, and whether to find vLLM's
+    # API servers in /proc and scrape theirs.
+    vllm_socket: str = vllm_protocol.DEFAULT_SOCKET
+    vllm_metrics_urls: tuple[str, ...] = ()
+    vllm_discover: bool = True
 
 
 class JsonPrinter:
@@ -97,6 +107,8 @@ class Daemon:
         self.server: AgentServer | None = None
         self.metrics: MetricsServer | None = None
         self.otlp: OtlpExporter | None = None
+        self.vllm_listener: VllmListener | None = None
+        self.vllm_metrics: VllmMetricsScraper | None = None
         self._stopping = threading.Event()
         self._tracing_impossible = False  # the probes could not load at start ("auto"): not tried again
         self._retry_at = 0.0  # monotonic: when to try again after the switch's re-enable failed
@@ -147,6 +159,23 @@ class Daemon:
             except ServerSetupError as error:
                 raise CommandError(str(error), ExitCode.FAILURE) from None
             self.session.add_sink(self.server.hub)
+        self._start_vllm()
+
+    def _start_vllm(self) -> None:
+        """The plugin's socket and vLLM's /metrics. After the API, so that the directory both sockets share
+        (/run/kvtrace) is made with the API's mode when it makes it. Neither stops the agent: a socket that
+        cannot be bound leaves the vllm_plugin component down with the reason."""
+        if self.options.vllm_socket:
+            from kvtrace.sources.vllm.listener import VllmListener
+
+            self.vllm_listener = VllmListener(self.session, self.options.vllm_socket)
+            self.vllm_listener.start()
+        if self.options.vllm_discover or self.options.vllm_metrics_urls:
+            from kvtrace.sources.vllm.metrics import VllmMetricsScraper
+
+            self.vllm_metrics = VllmMetricsScraper(self.session, self.options.vllm_metrics_urls,
+                                                   discover=self.options.vllm_discover)
+            self.vllm_metrics.start()
 
     # ---- tracing: on, off, and the kill switch ----
 
@@ -253,6 +282,10 @@ class Daemon:
             self.otlp.stop()  # one last export, at most otlp.STOP_SECONDS even if the collector hangs
         if self.nvml is not None:
             self.nvml.stop()
+        if self.vllm_listener is not None:
+            self.vllm_listener.stop()
+        if self.vllm_metrics is not None:
+            self.vllm_metrics.stop()
         if self.source is not None:
             self.source.stop()
 

@@ -14,7 +14,8 @@ def _components(daemon):
 
 def test_tracing_off_runs_without_probes_and_says_why(tmp_path):
     err = io.StringIO()
-    daemon = Daemon(DaemonOptions(api=None, nvml=False, tracing="off", off_switch=str(tmp_path / "off")),
+    daemon = Daemon(DaemonOptions(api=None, nvml=False, tracing="off", off_switch=str(tmp_path / "off"),
+                                  vllm_socket="", vllm_discover=False),
                     out=io.StringIO(), err=err)
     daemon.start()
     daemon.announce()
@@ -34,7 +35,7 @@ def test_tracing_off_runs_without_probes_and_says_why(tmp_path):
 
 
 def test_probes_that_cannot_load_here_leave_nvml_only_in_auto_mode(tmp_path):
-    daemon = Daemon(DaemonOptions(api=None, nvml=False, tracing="auto",
+    daemon = Daemon(DaemonOptions(api=None, nvml=False, tracing="auto", vllm_socket="", vllm_discover=False,
                                   tracing_unavailable="cannot load BPF without privileges: run as root"),
                     out=io.StringIO(), err=io.StringIO())
     daemon.start()

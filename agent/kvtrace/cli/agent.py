@@ -9,9 +9,11 @@ import signal
 import sys
 
 from kvtrace.analysis.analyzer import AnalysisOptions
-from kvtrace.config import ConfigError, add_api_flags, check_served_paths, config_from_args
+from kvtrace.analysis.vllm import VllmOptions
+from kvtrace.config import ApiConfig, ConfigError, add_api_flags, check_served_paths, config_from_args
 from kvtrace.daemon import DEFAULT_OFF_SWITCH, DaemonOptions
 from kvtrace.errors import CommandError, ExitCode
+from kvtrace.sources.vllm import protocol as vllm_protocol
 
 EPILOG = """examples:
   kvtrace agent                      # trace every CUDA process on this host
@@ -19,6 +21,7 @@ EPILOG = """examples:
   kvtrace agent -p 1234 --json-events
   kvtrace agent --cmdline 'VLLM::Worker' --json-events
   kvtrace agent --otlp-endpoint http://otel-collector:4317   # also push metrics over OTLP
+  kvtrace agent --vllm-metrics-url http://10.0.0.5:8000/metrics   # a vLLM server discovery cannot reach
 """
 
 MAX_LEDGER_ENTRIES = 1 << 26  # 64 Mi entries: gigabytes of kernel memory; far more and the kernel refuses the map
@@ -79,6 +82,33 @@ class AgentCommand:
         parser.add_argument("--forecast-min-history", metavar="SECONDS", type=float, default=300.0,
                             help="forecast time-to-OOM only from this much history of a process "
                                  "(default: %(default)g; less reads the start-up as a leak)")
+        parser.add_argument("--vllm-socket", metavar="PATH|off", default=vllm_protocol.DEFAULT_SOCKET,
+                            help="where the kvtrace vLLM plugin (opt-in: KVTRACE_VLLM_PLUGIN=1 in vLLM's "
+                                 "environment) sends its KV-cache, request and sleep reports (default: "
+                                 "%(default)s; off: none)")
+        parser.add_argument("--vllm-metrics-url", metavar="URL", action="append", default=[],
+                            help="also scrape this vLLM /metrics, e.g. http://127.0.0.1:8000/metrics "
+                                 "(repeatable); vLLM API servers in the agent's network namespace are found "
+                                 "without it")
+        parser.add_argument("--no-vllm-discovery", action="store_true",
+                            help="do not look for vLLM API servers in /proc (scrape --vllm-metrics-url only)")
+        defaults = VllmOptions()
+        parser.add_argument("--vllm-held-seconds", metavar="SECONDS", type=float,
+                            default=defaults.held_after_finish_seconds,
+                            help="finished or aborted requests still holding KV blocks this long are reported "
+                                 "(the abort-path leak; default: %(default)g)")
+        parser.add_argument("--vllm-stuck-seconds", metavar="SECONDS", type=float,
+                            default=defaults.stuck_usage_seconds,
+                            help="KV usage above zero with no request running or waiting this long is reported "
+                                 "(default: %(default)g)")
+        parser.add_argument("--vllm-idle-growth", metavar="BYTES_PER_SECOND", type=float,
+                            default=defaults.idle_growth_bytes_per_second,
+                            help="an engine's GPU memory growing faster than this with no request running is "
+                                 "reported (default: %(default)g)")
+        parser.add_argument("--vllm-cold-start-seconds", metavar="SECONDS", type=float,
+                            default=defaults.cold_start_seconds,
+                            help="after an engine starts (model load, profiling), growth is not reported for "
+                                 "this long (default: %(default)g)")
         add_api_flags(parser)
         from kvtrace.servers.prometheus import add_metrics_flags
 
@@ -151,6 +181,14 @@ class AgentCommand:
             raise CommandError("--site-sample-interval takes 0.1 to 3600 seconds", ExitCode.USAGE)
         if not 0 <= args.forecast_min_history <= 24 * 3600:
             raise CommandError("--forecast-min-history takes 0 to 86400 seconds", ExitCode.USAGE)
+        for flag, value in (("--vllm-held-seconds", args.vllm_held_seconds),
+                            ("--vllm-stuck-seconds", args.vllm_stuck_seconds),
+                            ("--vllm-cold-start-seconds", args.vllm_cold_start_seconds)):
+            if not 0 <= value <= 24 * 3600:
+                raise CommandError(f"{flag} takes 0 to 86400 seconds", ExitCode.USAGE)
+        if not 0 < args.vllm_idle_growth <= 1e12:
+            raise CommandError("--vllm-idle-growth takes more than 0 and at most 1e12 bytes per second",
+                               ExitCode.USAGE)
         try:
             api = None if args.no_api else check_served_paths(config_from_args(args))
         except ConfigError as error:
@@ -173,6 +211,7 @@ class AgentCommand:
                 raise CommandError(str(error), ExitCode.USAGE) from None
         if not 1 <= args.otlp_interval_seconds <= 3600:
             raise CommandError("--otlp-interval-seconds takes 1 to 3600 seconds", ExitCode.USAGE)
+        vllm_socket, vllm_metrics_urls = AgentCommand._vllm_options(args, api)
         from kvtrace.sources.bpf.loader import ProbeSettings
         from kvtrace.sources.bpf.source import BpfOptions
 
@@ -186,8 +225,35 @@ class AgentCommand:
             api=api, json_events=args.json_events, nvml=args.nvml,
             analysis=AnalysisOptions(leak_min_age_seconds=args.leak_min_age,
                                      site_sample_seconds=args.site_sample_interval,
-                                     forecast_min_history_seconds=args.forecast_min_history),
+                                     forecast_min_history_seconds=args.forecast_min_history,
+                                     vllm=VllmOptions(held_after_finish_seconds=args.vllm_held_seconds,
+                                                      stuck_usage_seconds=args.vllm_stuck_seconds,
+                                                      idle_growth_bytes_per_second=args.vllm_idle_growth,
+                                                      cold_start_seconds=args.vllm_cold_start_seconds)),
             metrics_listen="" if args.metrics_listen in ("off", "") else args.metrics_listen,
             metrics_allow_remote=args.metrics_allow_remote,
             otlp_endpoint=otlp_endpoint, otlp_interval_seconds=args.otlp_interval_seconds,
-            tracing=args.tracing, off_switch=args.off_switch)
+            tracing=args.tracing, off_switch=args.off_switch,
+            vllm_socket=vllm_socket, vllm_metrics_urls=vllm_metrics_urls,
+            vllm_discover=not args.no_vllm_discovery)
+
+    @staticmethod
+    def _vllm_options(args: argparse.Namespace, api: ApiConfig | None) -> tuple[str, tuple[str, ...]]:
+        """--vllm-socket ("" when off) and the --vllm-metrics-url list, checked."""
+        from kvtrace.sources.vllm.listener import ListenerSetupError, check_socket_path
+        from kvtrace.sources.vllm.metrics import MAX_URLS, MetricsSetupError, check_metrics_url
+
+        vllm_socket = "" if args.vllm_socket in ("off", "") else args.vllm_socket
+        try:
+            if vllm_socket:
+                check_socket_path(vllm_socket)
+            urls = tuple(dict.fromkeys(check_metrics_url(url) for url in args.vllm_metrics_url))
+        except (ListenerSetupError, MetricsSetupError) as error:
+            raise CommandError(str(error), ExitCode.USAGE) from None
+        if len(urls) > MAX_URLS:
+            raise CommandError(f"--vllm-metrics-url given {len(urls)} times; at most {MAX_URLS}", ExitCode.USAGE)
+        api_paths = () if api is None else (api.socket, api.admin_path)
+        if vllm_socket and os.path.abspath(vllm_socket) in {os.path.abspath(path) for path in api_paths if path}:
+            raise CommandError(f"--vllm-socket {vllm_socket} is the API's socket: choose another path "
+                               f"(default: {vllm_protocol.DEFAULT_SOCKET})", ExitCode.USAGE)
+        return vllm_socket, urls

@@ -1,0 +1,481 @@
+"""The agent's end of the in-engine plugin: a Unix datagram socket the plugin (plugin.py, inside vLLM)
+sends its reports to, each one checked and turned into a model record for the Session.
+
+    plugin (in vLLM) ──JSON datagram──▶ VllmListener ──KvCacheLayout | SchedulerReport | SleepReport──▶ Session
+
+Who may send, and why that is safe: the socket is mode 0666, so any local process may report (vLLM runs
+as whatever user the operator chose; the agent cannot know it in advance). But a process can only report
+about itself: the sender's pid is the kernel's (SO_PASSCRED: SCM_CREDENTIALS on every datagram, the pid
+as the agent's pid namespace sees it), never a field of the message, so a process can make kvtrace
+believe wrong things only about its own KV cache. What a sender can cost is bounded: a datagram is at
+most protocol.MAX_DATAGRAM_BYTES (a longer one is cut by the kernel and dropped here), every field is
+checked against protocol's limits (list lengths, ranges, request ids cut to MAX_REQUEST_ID_CHARS) before
+anything is kept, each pid may send MAX_MESSAGES_PER_SECOND_PER_PID messages a second (more are dropped
+and counted), the Session keeps one layout, one scheduler report and a few sleep reports per pid, and at
+most MAX_SENDERS live processes are followed at once (a process that is gone frees its place and its
+records). A bad message is dropped and counted (vllm_messages_rejected), never an exception out of the
+receiving thread; the reason is logged at debug, and at most one warning a minute says messages are being
+dropped.
+
+The socket's directory must be reachable (search permission) by the vLLM processes' user. It is a
+directory of its own (/run/kvtrace-vllm, 0755), apart from the API's /run/kvtrace (0750 root:kvtrace), so
+that vLLM processes, and pods that mount it, reach the plugin's socket and not the API sockets. A
+directory on the way that others cannot search is named in the component's reason.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from kvtrace.model.vllm import (
+    KvCacheLayout,
+    KvRequest,
+    KvTensor,
+    RequestState,
+    SchedulerReport,
+    SleepPool,
+    SleepReport,
+)
+from kvtrace.session import Session
+from kvtrace.sources.vllm import protocol
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "vllm_plugin"
+SOCKET_MODE = 0o666  # any local process may report, about itself only (see the module's docstring)
+DIRECTORY_MODE = 0o755  # a directory the listener creates: others must reach the socket inside
+SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+MAX_MESSAGES_PER_SECOND_PER_PID = 50  # the plugin sends about 1 a second (protocol.REPORT_INTERVAL_SECONDS)
+MAX_SENDERS = 256  # live processes followed at once; a vLLM host has a few per GPU
+SENDER_SWEEP_SECONDS = 5.0  # how often senders that are gone are forgotten
+WARNING_INTERVAL_SECONDS = 60.0
+RECEIVE_BUFFER_BYTES = 4 << 20  # asked of the kernel (capped by net.core.rmem_max): bursts wait there
+POLL_SECONDS = 0.1  # the receiving thread looks at its stop flag this often
+MAX_TAG_CHARS = 64  # a CuMemAllocator tag ("weights", "kv_cache")
+MAX_INT = (1 << 63) - 1
+MAX_ADDRESS = (1 << 64) - 1
+MAX_COUNT = (1 << 31) - 1  # blocks, requests, devices: far beyond any engine, far below what breaks sums
+
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_STATES = {name: RequestState[name.upper()] for name in protocol.REQUEST_STATES}
+
+
+class ListenerSetupError(Exception):
+    """The socket cannot be bound; the message is one line that names the fix."""
+
+
+class MessageError(ValueError):
+    """A datagram that is not a valid plugin message; the message says which field and why."""
+
+
+def check_socket_path(path: str, flag: str = "--vllm-socket") -> None:
+    """Refuses, with one line, a path the listener could never bind or would have to replace: not UTF-8,
+    too long for a Unix socket, relative, or an existing directory or file that is not a socket."""
+    try:
+        size_bytes = len(path.encode("utf-8"))
+    except UnicodeEncodeError:  # bytes from argv that are not UTF-8
+        raise ListenerSetupError(f"{flag}: the socket path {path!r} is not UTF-8 text") from None
+    if not os.path.isabs(path):
+        raise ListenerSetupError(f"{flag}: give an absolute path (the plugin finds it by name), not {path!r}")
+    if size_bytes > SOCKET_PATH_MAX_BYTES:
+        raise ListenerSetupError(f"{flag}: the socket path is {size_bytes} bytes; a Unix socket's may have at "
+                                 f"most {SOCKET_PATH_MAX_BYTES}: choose a shorter one")
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return  # nothing there yet, or out of reach: binding says which
+    if not stat.S_ISSOCK(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
+        raise ListenerSetupError(f"{flag} {path} is {kind}; the agent will not replace it (move it away, or "
+                                 f"choose another {flag})")
+
+
+# ---- decoding: bytes -> model record (pure; MessageError on anything wrong) ----
+
+
+def decode_message(data: bytes, pid: int, timestamp_ns: int) -> KvCacheLayout | SchedulerReport | SleepReport:
+    """One datagram as the record it reports, stamped with the sender's (kernel-given) pid and the time
+    of receipt. Unknown keys are ignored (a newer plugin may add some within one version)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise MessageError(f"not UTF-8 text (byte {error.start})") from None
+    try:
+        message = json.loads(text)
+    except (ValueError, RecursionError) as error:  # ValueError: bad JSON, or an integer of 4300+ digits
+        raise MessageError(f"not JSON: {str(error)[:80]}") from None
+    if type(message) is not dict:
+        raise MessageError(f"not a JSON object but {_json_type(message)}")
+    version = message.get("v")
+    if type(version) is not int or version != protocol.VERSION:
+        raise MessageError(f"protocol version {version!r:.20}, not {protocol.VERSION} (plugin and agent from "
+                           "different kvtrace releases: install the same one in both)")
+    kind = message.get("type")
+    if kind == protocol.TYPE_SCHEDULER:
+        return _scheduler(message, pid, timestamp_ns)
+    if kind == protocol.TYPE_KV_CACHE:
+        return _kv_cache(message, pid, timestamp_ns)
+    if kind == protocol.TYPE_SLEEP:
+        return _sleep(message, pid, timestamp_ns)
+    raise MessageError(f"unknown type {kind!r:.40}")
+
+
+def _kv_cache(message: dict[str, Any], pid: int, timestamp_ns: int) -> KvCacheLayout:
+    tensors = []
+    for index, entry in enumerate(_list(message, "tensors", protocol.MAX_TENSORS, minimum=1)):
+        address, size_bytes = _entry(entry, "tensors", index, 2)
+        tensors.append(KvTensor(_int_value(address, f"tensors[{index}] address", 1, MAX_ADDRESS),
+                                _int_value(size_bytes, f"tensors[{index}] size_bytes", 1, MAX_INT)))
+    return KvCacheLayout(pid, timestamp_ns, device=_int(message, "device", 0, 4095), tensors=tuple(tensors),
+                         num_blocks=_int(message, "num_blocks", 1, MAX_COUNT),
+                         page_size_bytes=_int(message, "page_size_bytes", 1, MAX_INT),
+                         block_size_tokens=_int(message, "block_size", 1, MAX_COUNT))
+
+
+def _scheduler(message: dict[str, Any], pid: int, timestamp_ns: int) -> SchedulerReport:
+    blocks_total = _int(message, "blocks_total", 0, MAX_COUNT)
+    requests = []
+    for index, entry in enumerate(_list(message, "requests", protocol.MAX_REQUESTS_PER_REPORT)):
+        request_id, state_name, blocks, age = _entry(entry, "requests", index, 4)
+        state = _STATES.get(state_name) if type(state_name) is str else None
+        if state is None:
+            raise MessageError(f"requests[{index}] state {state_name!r:.40} is not one of "
+                               f"{', '.join(protocol.REQUEST_STATES)}")
+        if age is not None:
+            if type(age) not in (int, float) or not math.isfinite(age) or age < 0:
+                raise MessageError(f"requests[{index}] done_age_seconds must be a number >= 0 or null")
+        requests.append(KvRequest(_text(request_id, f"requests[{index}] request id", protocol.MAX_REQUEST_ID_CHARS),
+                                  state, _int_value(blocks, f"requests[{index}] blocks", 0, MAX_COUNT),
+                                  # The model's age is None while the request is not done.
+                                  float(age) if age is not None and state.done else None))
+    omitted = message.get("requests_omitted", 0)
+    return SchedulerReport(pid, timestamp_ns, blocks_total=blocks_total,
+                           blocks_free=_int(message, "blocks_free", 0, blocks_total),
+                           running=_int(message, "running", 0, MAX_COUNT),
+                           waiting=_int(message, "waiting", 0, MAX_COUNT),
+                           blocks_allocated_total=_int(message, "allocated_total", 0, MAX_INT),
+                           blocks_freed_total=_int(message, "freed_total", 0, MAX_INT),
+                           requests=tuple(requests),
+                           requests_omitted=_int_value(omitted, "requests_omitted", 0, MAX_COUNT))
+
+
+def _sleep(message: dict[str, Any], pid: int, timestamp_ns: int) -> SleepReport:
+    pools = []
+    for index, entry in enumerate(_list(message, "pools", protocol.MAX_POOLS)):
+        tag, size_bytes, mapped_bytes = _entry(entry, "pools", index, 3)
+        size_bytes = _int_value(size_bytes, f"pools[{index}] size_bytes", 0, MAX_INT)
+        pools.append(SleepPool(_text(tag, f"pools[{index}] tag", MAX_TAG_CHARS), size_bytes,
+                               _int_value(mapped_bytes, f"pools[{index}] mapped_bytes", 0, size_bytes)))
+    return SleepReport(pid, timestamp_ns, level=_int(message, "level", 0, 2), pools=tuple(pools))
+
+
+def _json_type(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number"}.get(type(value), "null")
+
+
+def _int(message: dict[str, Any], key: str, low: int, high: int) -> int:
+    if key not in message:
+        raise MessageError(f"{key} is missing")
+    return _int_value(message[key], key, low, high)
+
+
+def _int_value(value: object, name: str, low: int, high: int) -> int:
+    # `type(...) is int`: JSON's true/false are bools, which Python counts as ints.
+    if type(value) is not int or not low <= value <= high:
+        raise MessageError(f"{name} must be an integer from {low} to {high}, not {_json_type(value)} "
+                           f"{str(value)[:24]}")
+    return value
+
+
+def _list(message: dict[str, Any], key: str, maximum: int, minimum: int = 0) -> list[Any]:
+    value = message.get(key)
+    if type(value) is not list:
+        raise MessageError(f"{key} must be a list, not {_json_type(value)}")
+    if not minimum <= len(value) <= maximum:
+        raise MessageError(f"{key} has {len(value)} entries; the protocol allows {minimum} to {maximum}")
+    return value
+
+
+def _entry(value: object, key: str, index: int, size: int) -> list[Any]:
+    if type(value) is not list or len(value) != size:
+        raise MessageError(f"{key}[{index}] must be a list of {size}")
+    return value
+
+
+def _text(value: object, name: str, max_chars: int) -> str:
+    """Text every consumer takes: unprintable characters (controls, lone surrogates from a JSON
+    \\ud800 escape) written as escapes, then cut to `max_chars`."""
+    if type(value) is not str or not value:
+        raise MessageError(f"{name} must be non-empty text")
+    if not value.isprintable():
+        value = "".join(char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+                        for char in value[:max_chars])
+    return value[:max_chars]
+
+
+# ---- the socket ----
+
+
+@dataclass
+class _Sender:
+    """A process that reports: its identity (to notice it is gone) and its rate window."""
+
+    create_time: float | None  # psutil's, None when it could not be read
+    window_start: float  # monotonic start of the current one-second window
+    count: int = 0
+
+
+class VllmListener:
+    """Binds the plugin's datagram socket and turns each report into a Session record, in a thread."""
+
+    def __init__(self, session: Session, path: str = protocol.DEFAULT_SOCKET,
+                 max_messages_per_second_per_pid: int = MAX_MESSAGES_PER_SECOND_PER_PID,
+                 max_senders: int = MAX_SENDERS, socket_mode: int = SOCKET_MODE) -> None:
+        self.session = session
+        self.path = path
+        self.max_messages_per_second_per_pid = max_messages_per_second_per_pid
+        self.max_senders = max_senders
+        self.socket_mode = socket_mode
+        self.received = 0  # every datagram read, good or not
+        self.rejected = 0  # of those, dropped (bad, no credentials, over the rate, too many senders)
+        self.last_rejection = ""
+        self._senders: dict[int, _Sender] = {}
+        self._next_sweep = 0.0
+        self._next_warning = 0.0
+        self._socket: socket.socket | None = None
+        self._inode = 0  # of the socket file we bound: stop() removes only that one
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- life cycle ----
+
+    def start(self) -> bool:
+        """Binds and starts receiving; False when it cannot bind (the component says why, the agent
+        goes on without the plugin's reports)."""
+        try:
+            self._bind()
+        except ListenerSetupError as error:
+            log.warning("vLLM plugin reports are off: %s", error)
+            self.session.report_component(COMPONENT, False, str(error))
+            return False
+        reach = self._reach_warning()
+        if reach:
+            log.warning("%s", reach)
+        self.session.report_component(COMPONENT, True, reach)
+        self._report_counters()
+        self._thread = threading.Thread(target=self._run, name="kvtrace-vllm-listener", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self, timeout_seconds: float = 1.0) -> None:
+        """Stops receiving (within POLL_SECONDS), closes the socket and removes its file (if still ours:
+        the plugin then sees no agent and sends nothing)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_seconds)
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+            try:
+                if os.lstat(self.path).st_ino == self._inode:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+
+    def _bind(self) -> None:
+        check_socket_path(self.path)
+        path = Path(self.path)
+        directory = path.parent
+        if not directory.exists():
+            # Only a directory we create gets our mode: never chmod an existing one (it may be /tmp).
+            try:
+                directory.mkdir(parents=True, mode=DIRECTORY_MODE)
+                os.chmod(directory, DIRECTORY_MODE)
+            except OSError as error:
+                raise ListenerSetupError(f"cannot create {directory} for the vLLM plugin's socket: "
+                                         f"{error.strerror} (run the agent as root, or choose another "
+                                         "--vllm-socket)") from None
+        if os.path.lexists(path):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+                try:
+                    probe.connect(self.path)
+                except OSError as error:
+                    if error.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                        raise ListenerSetupError(f"cannot tell whether {path} is in use: {error.strerror}") from None
+                else:
+                    raise ListenerSetupError(f"another process is bound to {path} (is another agent running? "
+                                             "stop it, or choose another --vllm-socket)")
+            log.info("removing stale socket %s", path)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                raise ListenerSetupError(f"cannot remove the stale socket {path}: {error.strerror}") from None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+            except OSError:
+                pass  # the default buffer still works; bursts beyond it are lost by the sender (nonblocking)
+            sock.bind(self.path)
+            self._inode = os.lstat(self.path).st_ino
+            os.chmod(self.path, self.socket_mode)
+            sock.settimeout(POLL_SECONDS)
+        except OSError as error:
+            sock.close()
+            raise ListenerSetupError(f"cannot bind {path}: {error.strerror} (choose another --vllm-socket, "
+                                     "or --vllm-socket off)") from None
+        self._socket = sock
+
+    def _reach_warning(self) -> str:
+        """Why processes of another user cannot reach the socket ("" when they can): a directory on the
+        way that others may not search."""
+        directory = Path(self.path).parent
+        for part in (directory, *directory.parents):
+            try:
+                mode = os.stat(part).st_mode
+            except OSError:
+                continue
+            if not mode & stat.S_IXOTH:
+                return (f"{part} is mode {stat.S_IMODE(mode):04o}: vLLM processes of users other than root and "
+                        f"its group cannot reach {self.path} (make it 0751, e.g. RuntimeDirectoryMode=0751)")
+        return ""
+
+    # ---- receiving ----
+
+    def _run(self) -> None:
+        sock = self._socket
+        assert sock is not None
+        buffer = bytearray(protocol.MAX_DATAGRAM_BYTES)
+        ancillary_size = socket.CMSG_SPACE(_UCRED.size)
+        while not self._stop.is_set():
+            try:
+                size, ancdata, flags, _ = sock.recvmsg_into([buffer], ancillary_size)
+            except TimeoutError:
+                self._maybe_sweep()
+                continue
+            except OSError as error:
+                if self._stop.is_set():
+                    return
+                log.warning("vLLM plugin socket: %s", error)
+                self._stop.wait(POLL_SECONDS)
+                continue
+            try:
+                self._handle(bytes(buffer[:size]), ancdata, flags)
+            except Exception as error:  # a bug here must not end the thread: the message counts as dropped
+                log.debug("handling a vLLM plugin message failed", exc_info=True)
+                self._reject(f"internal error: {error}", 0)
+            self._report_counters()
+            self._maybe_sweep()
+
+    def handle_datagram(self, data: bytes, pid: int | None, truncated: bool = False) -> None:
+        """One datagram from `pid` (None: it came without credentials). For tests and `_run`."""
+        self.received += 1
+        if pid is None or pid <= 0:
+            self._reject("no sender credentials (SCM_CREDENTIALS)", 0)
+            return
+        if truncated:
+            self._reject(f"larger than {protocol.MAX_DATAGRAM_BYTES} bytes", pid)
+            return
+        if not self._admit(pid):
+            return
+        try:
+            record = decode_message(data, pid, time.time_ns())
+        except MessageError as error:
+            self._reject(str(error), pid)
+            return
+        self.session.ingest(record)
+
+    def _handle(self, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
+        pid = None
+        for level, kind, payload in ancdata:
+            if level != socket.SOL_SOCKET:
+                continue
+            if kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
+                pid = _UCRED.unpack_from(payload)[0]
+            elif kind == socket.SCM_RIGHTS:  # descriptors someone passed: never kept open
+                for fd in struct.unpack(f"{len(payload) // 4}i", payload[:len(payload) // 4 * 4]):
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+        self.handle_datagram(data, pid, truncated=bool(flags & socket.MSG_TRUNC))
+
+    def _admit(self, pid: int) -> bool:
+        """The per-pid rate limit and the bound on senders followed at once."""
+        now = time.monotonic()
+        sender = self._senders.get(pid)
+        if sender is None:
+            if len(self._senders) >= self.max_senders:
+                self._sweep()
+            if len(self._senders) >= self.max_senders:
+                self._reject(f"{self.max_senders} processes already report; this one is not followed", pid)
+                return False
+            sender = self._senders[pid] = _Sender(_create_time(pid), now)
+        if now - sender.window_start >= 1.0:
+            sender.window_start, sender.count = now, 0
+        sender.count += 1
+        if sender.count > self.max_messages_per_second_per_pid:
+            self._reject(f"more than {self.max_messages_per_second_per_pid} messages a second", pid)
+            return False
+        return True
+
+    def _reject(self, reason: str, pid: int) -> None:
+        self.rejected += 1
+        self.last_rejection = f"pid {pid}: {reason}" if pid else reason
+        log.debug("dropped a vLLM plugin message: %s", self.last_rejection)
+        now = time.monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + WARNING_INTERVAL_SECONDS
+            log.warning("dropping vLLM plugin messages (%d so far, kvtrace_vllm_messages_rejected_total); last: %s",
+                        self.rejected, self.last_rejection)
+
+    def _report_counters(self) -> None:
+        self.session.report_counters({"vllm_messages_received": self.received,
+                                      "vllm_messages_rejected": self.rejected})
+
+    def _maybe_sweep(self) -> None:
+        if time.monotonic() >= self._next_sweep:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Forgets senders that are gone. One whose pid no longer exists has its records dropped from the
+        Session too (without the BPF source no exit event would); a pid reused by another process only
+        loses its place here, since forgetting it would drop the new process's traced state."""
+        self._next_sweep = time.monotonic() + SENDER_SWEEP_SECONDS
+        gone = []
+        for pid, sender in self._senders.items():
+            create_time = _create_time(pid)
+            if create_time is None or (sender.create_time is not None and create_time != sender.create_time):
+                gone.append((pid, create_time is None))
+        if not gone:
+            return
+        view = self.session.vllm_view()
+        for pid, exited in gone:
+            del self._senders[pid]
+            if exited and (pid in view.layouts or pid in view.schedulers or pid in view.sleeps):
+                self.session.forget_process(pid)
+
+
+def _create_time(pid: int) -> float | None:
+    """When the process started (psutil), None if it is gone or out of reach."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
