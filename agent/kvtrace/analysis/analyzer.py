@@ -12,6 +12,10 @@ sites and leak suspects need a pass over every outstanding entry (about 0.3 s pe
 cudaMalloc'd blocks), so they are sampled every `site_sample_seconds`, and only then is the
 ledger's entry list copied (about 10 ms per 100 000 entries, under the lock).
 
+Site samples also give each traced byte its role (roles.py: KV cache, weights, CUDA graphs, ...),
+and happen at once when the vLLM plugin reports a new KV-cache layout or a sleep/wake. Every tick,
+vllm.py groups vLLM's processes into engines and runs its detectors on the Session's vLLM view.
+
 NVML adds each GPU's free memory (for time-to-OOM) and each process's used memory (for
 unattributed = NVML used - traced: the CUDA context, NCCL buffers, memory allocated before the
 agent started).
@@ -22,7 +26,7 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtrace.analysis.growth import (
     LONG_WINDOW_SECONDS,
@@ -35,11 +39,14 @@ from kvtrace.analysis.growth import (
     time_to_oom_seconds,
 )
 from kvtrace.analysis.leaks import SiteKey, find_suspects, rank_suspects, survey_sites
+from kvtrace.analysis.roles import RoleMemo, kv_ranges_of, role_bytes
+from kvtrace.analysis.vllm import VllmAnalysis, VllmOptions
 from kvtrace.model.blocks import Fragmentation, fragmentation, segments_of
 from kvtrace.model.events import PHYSICAL_LAYERS, Memory
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport, LeakSuspect, ProcessGpu
 from kvtrace.model.gpus import NvmlSample, nvml_index_for_cuda_ordinal
 from kvtrace.model.ledger import LedgerView
+from kvtrace.model.vllm import Role, VllmView
 from kvtrace.session import Session
 
 # Site samples may take at most this share of a core; with millions of live allocations they come
@@ -54,6 +61,7 @@ class AnalysisOptions:
     site_sample_seconds: float = 10.0  # sites are many more than processes: sampled less often
     # No time-to-OOM from less history than this: it would be mostly the start-up (model, KV cache).
     forecast_min_history_seconds: float = MIN_FORECAST_HISTORY_SECONDS
+    vllm: VllmOptions = field(default_factory=VllmOptions)  # the vLLM detectors' thresholds
 
 
 # Analysis reports in every interval_seconds; silent this long, its figures are stale.
@@ -84,6 +92,11 @@ class Analyzer:
         self._fragmentation: dict[tuple[int, int], Fragmentation] = {}  # (pid, device), last site sample
         self._next_tick_monotonic = 0.0
         self._next_site_sample_ns = 0
+        # (pid, device) -> traced bytes by role at the last site sample; replaced whole.
+        self._role_bytes: dict[tuple[int, int], dict[Role, int]] = {}
+        self._role_memo = RoleMemo()
+        self._vllm = VllmAnalysis(options.vllm)
+        self._vllm_marks: tuple[dict[int, int], dict[int, int]] = ({}, {})  # layouts', sleeps' timestamps
 
     def tick(self) -> None:
         """Called by the agent loop after each poll; analyses once per interval."""
@@ -132,12 +145,18 @@ class Analyzer:
         for pid in alive:
             self._counts.setdefault(pid, WindowIncrease()).add(
                 now_ns, (view.allocations_total.get(pid, 0), view.frees_total.get(pid, 0)))
-        if view.entries is not None and now_ns >= self._next_site_sample_ns:
-            self._sample_sites(view, view.entries, now_ns)
+        vllm_view = self.session.vllm_view()
+        moved = self._vllm_memory_moved(vllm_view)
+        if view.entries is not None and (now_ns >= self._next_site_sample_ns or moved):
+            self._sample_sites(view, view.entries, now_ns, vllm_view)
+        elif moved:
+            self._next_site_sample_ns = 0  # roles now: the next tick copies the entries
+        engines, findings = self._vllm.update(vllm_view, self.session.known_processes(), traced, self._role_bytes,
+                                              view.wall_ns, now_ns)
         self.latest = AnalysisSnapshot(
             timestamp_ns=view.wall_ns, gpus=sample.gpus if sample else (),
             processes=self._rows(view, traced, nvml_used, sample), suspects=self._suspects,
-            nvml_timestamp_ns=sample.timestamp_ns if sample else 0)
+            nvml_timestamp_ns=sample.timestamp_ns if sample else 0, vllm_engines=engines, vllm_findings=findings)
         self.session.report_component("analysis", True, stale_after_seconds=STALE_AFTER_SECONDS,
                                       stale_reason="no analysis for a minute (the agent loop is stuck)")
         return self.latest
@@ -160,8 +179,20 @@ class Analyzer:
             for suspect in report.suspects[:limit])
         return dataclasses.replace(report, suspects=suspects)
 
-    def _sample_sites(self, view: LedgerView, entries: list, now_ns: int) -> None:
+    def _vllm_memory_moved(self, vllm_view: VllmView) -> bool:
+        """A new KV-cache layout or sleep/wake report since the last tick: memory changed role (the KV
+        tensors are known now) or went and came back, so roles are sampled without waiting."""
+        marks = ({pid: layout.timestamp_ns for pid, layout in vllm_view.layouts.items()},
+                 {pid: reports[-1].timestamp_ns for pid, reports in vllm_view.sleeps.items() if reports})
+        old, self._vllm_marks = self._vllm_marks, marks
+        return any(old_marks.get(pid) != timestamp for new_marks, old_marks in zip(marks, old, strict=True)
+                   for pid, timestamp in new_marks.items())
+
+    def _sample_sites(self, view: LedgerView, entries: list, now_ns: int, vllm_view: VllmView) -> None:
         self._next_site_sample_ns = now_ns + int(self.options.site_sample_seconds * NS_PER_SECOND)
+        kv_ranges = {pid: kv_ranges_of((tensor.address, tensor.size_bytes) for tensor in layout.tensors)
+                     for pid, layout in vllm_view.layouts.items()}
+        self._role_bytes = role_bytes(entries, self.session.stack, kv_ranges, self._role_memo)
         survey = survey_sites(entries, view.wall_ns, self.options.leak_min_age_seconds)
         for site in [site for site in self._sites if site not in survey.site_bytes]:
             del self._sites[site]  # all freed: a site that comes back starts a new series
@@ -201,7 +232,7 @@ class Analyzer:
                                                         self.options.forecast_min_history_seconds),
                 allocations_1m=allocations, frees_1m=frees, free_ratio_1m=free_ratio(allocations, frees),
                 nvml_index=index, history_seconds=history, fragmentation=self._fragmentation.get((pid, device)),
-                predates_agent=pid in view.predates_agent))
+                predates_agent=pid in view.predates_agent, role_bytes=self._role_bytes.get((pid, device), {})))
         if not view.traced_only:
             # NVML sees processes kvtrace holds nothing of: started before the agent, or using
             # memory no probe sees. All their memory is unattributed.
