@@ -174,6 +174,11 @@ class AgentClient:
     def growth(self, pids: Iterable[int] = ()) -> service_pb2.GetGrowthResponse:
         return self._call(self._stub.GetGrowth, service_pb2.GetGrowthRequest(pids=list(pids)))
 
+    def vllm_engines(self, pids: Iterable[int] = ()) -> service_pb2.GetVllmEnginesResponse:
+        """The vLLM engines (those with one of `pids` as EngineCore or worker; empty: all) and the
+        findings about them."""
+        return self._call(self._stub.GetVllmEngines, service_pb2.GetVllmEnginesRequest(pids=list(pids)))
+
     def _call(self, method, request):
         self._check_socket()
         try:
@@ -198,6 +203,9 @@ class AgentClient:
             return CommandError(self._unreachable(details), ExitCode.AGENT_UNREACHABLE)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             return CommandError(f"the agent refused the request: {details}", ExitCode.USAGE)
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            return CommandError(f"the agent at {self.target} is older than this kvtrace and lacks this call "
+                                f"({details or code.name}); upgrade the agent")
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             return CommandError(f"the agent at {self.target} did not answer within "
                                 f"{self.timeout_seconds:g} s", ExitCode.AGENT_UNREACHABLE)

@@ -36,6 +36,7 @@ from kvtrace.model.findings import (
 from kvtrace.model.ledger import LedgerKey, Outstanding
 from kvtrace.model.processes import ProcessInfo, valid_text
 from kvtrace.model.stacks import Frame, NativeFrame, Stack
+from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
 
 _STACK_STATUS_NAMES = {status: status.name.lower() for status in StackStatus}
 
@@ -185,6 +186,7 @@ def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
             largest_free_bytes=row_fragmentation.largest_free_bytes, ratio=row_fragmentation.ratio,
             segments=row_fragmentation.segments, blocks=row_fragmentation.blocks,
             blocks_outside_segments=row_fragmentation.blocks_outside_segments))
+    message.role_bytes.extend(role_bytes_to_proto(row.role_bytes))
     # None leaves an optional field unset: "not known" stays apart from 0.
     for name, value in (("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
                         ("unattributed_bytes", row.unattributed_bytes),
@@ -203,6 +205,80 @@ def growth_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int]) -> 
         processes=[process_growth_to_proto(row) for row in snapshot.processes if not pids or row.pid in pids])
 
 
+def role_bytes_to_proto(role_bytes: dict[Role, int]) -> list[service_pb2.RoleBytes]:
+    """One entry per role, in the enum's order (a stable order for diffs and tests)."""
+    return [service_pb2.RoleBytes(role=wire_number(role), size_bytes=size_bytes)
+            for role, size_bytes in sorted(role_bytes.items())]
+
+
+def kv_request_to_proto(request: KvRequest) -> service_pb2.VllmRequest:
+    message = service_pb2.VllmRequest(request_id=request.request_id, state=wire_number(request.state),
+                                      blocks=request.blocks)
+    if request.done_age_seconds is not None:
+        message.done_age_seconds = request.done_age_seconds
+    return message
+
+
+def vllm_engine_to_proto(engine: VllmEngine) -> service_pb2.VllmEngine:
+    message = service_pb2.VllmEngine(
+        engine_pid=engine.engine_pid, title=engine.title, worker_pids=list(engine.worker_pids),
+        api_server_pid=engine.api_server_pid, traced_bytes=engine.traced_bytes,
+        role_bytes=role_bytes_to_proto(engine.role_bytes), plugin=engine.plugin,
+        kv_tensor_bytes=engine.kv_tensor_bytes, page_size_bytes=engine.page_size_bytes,
+        block_allocations_per_second=engine.block_allocations_per_second,
+        block_frees_per_second=engine.block_frees_per_second, sleep_level=engine.sleep_level,
+        warming_up=engine.warming_up, holders=[kv_request_to_proto(request) for request in engine.holders],
+        metrics_url=engine.metrics_url, metrics_error=engine.metrics_error,
+        idle_growth_bytes_per_second=engine.idle_growth_bytes_per_second,
+        blocks_held_after_finish=engine.blocks_held_after_finish,
+        sleep_held_by_tag=_tag_bytes_to_proto(engine.sleep_held_by_tag))
+    # None leaves an optional field unset: "not known" stays apart from 0.
+    for name in _ENGINE_OPTIONAL_FIELDS:
+        value = getattr(engine, name)
+        if value is not None:
+            setattr(message, name, value)
+    return message
+
+
+# VllmEngine's fields that may be None, the same names on the wire (optional there).
+_ENGINE_OPTIONAL_FIELDS = ("blocks_total", "blocks_free", "kv_cache_usage_ratio", "metrics_kv_cache_usage_ratio",
+                           "requests_running", "requests_waiting", "frees_per_allocation_1m", "free_blocks_ratio",
+                           "sleep_residual_bytes", "previous_sleep_residual_bytes")
+
+
+def _tag_bytes_to_proto(tag_bytes: dict[str, int]) -> list[service_pb2.TagBytes]:
+    return [service_pb2.TagBytes(tag=tag, size_bytes=size_bytes) for tag, size_bytes in sorted(tag_bytes.items())]
+
+
+def vllm_finding_to_proto(finding: VllmFinding) -> service_pb2.VllmFinding:
+    return service_pb2.VllmFinding(
+        kind=wire_number(finding.kind), engine_pid=finding.engine_pid, message=finding.message,
+        value=finding.value, threshold=finding.threshold, since_ns=finding.since_ns,
+        requests=[kv_request_to_proto(request) for request in finding.requests],
+        held_by_role=role_bytes_to_proto(finding.held_by_role),
+        held_by_tag=_tag_bytes_to_proto(finding.held_by_tag))
+
+
+def engine_matches(engine: VllmEngine, pids: frozenset[int]) -> bool:
+    """A pid filter selects an engine by its EngineCore or any process of it (a worker's pid from
+    `kvtrace ps` finds its engine)."""
+    return not pids or engine.engine_pid in pids or not pids.isdisjoint(engine.worker_pids)
+
+
+def vllm_engines_to_proto(snapshot: AnalysisSnapshot | None,
+                          pids: frozenset[int] = frozenset()) -> service_pb2.GetVllmEnginesResponse:
+    """GetVllmEngines' answer: the selected engines by engine pid, and the findings about them."""
+    if snapshot is None:
+        return service_pb2.GetVllmEnginesResponse()
+    engines = sorted((engine for engine in snapshot.vllm_engines if engine_matches(engine, pids)),
+                     key=lambda engine: engine.engine_pid)
+    selected = {engine.engine_pid for engine in engines}
+    return service_pb2.GetVllmEnginesResponse(
+        timestamp_ns=snapshot.timestamp_ns, engines=[vllm_engine_to_proto(engine) for engine in engines],
+        findings=[vllm_finding_to_proto(finding) for finding in snapshot.vllm_findings
+                  if not pids or finding.engine_pid in selected])
+
+
 
 # ---- wire -> model and JSON ----
 
@@ -212,6 +288,54 @@ _E = TypeVar("_E", bound=enum.IntEnum)
 def _member(enum_type: type[_E], value: int) -> _E | None:
     """The model enum member for a wire value; None for UNSPECIFIED (0)."""
     return enum_type(value) if value else None
+
+
+def _known(enum_type: type[_E], value: int, fallback: _E) -> _E:
+    """The model member for a wire value; `fallback` for a value a newer agent added."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        return fallback
+
+
+def role_bytes_from_proto(entries: Iterable[service_pb2.RoleBytes]) -> dict[Role, int]:
+    """A role a newer agent added counts as `other`: its bytes stay in the total."""
+    role_bytes: dict[Role, int] = {}
+    for entry in entries:
+        role = _known(Role, entry.role, Role.OTHER)
+        role_bytes[role] = role_bytes.get(role, 0) + entry.size_bytes
+    return role_bytes
+
+
+def kv_request_from_proto(message: service_pb2.VllmRequest) -> KvRequest:
+    return KvRequest(request_id=message.request_id,
+                     state=_known(RequestState, message.state, RequestState.UNSPECIFIED),
+                     blocks=message.blocks, done_age_seconds=optional_field(message, "done_age_seconds"))
+
+
+def vllm_engine_from_proto(message: service_pb2.VllmEngine) -> VllmEngine:
+    return VllmEngine(
+        engine_pid=message.engine_pid, title=message.title, worker_pids=tuple(message.worker_pids),
+        api_server_pid=message.api_server_pid, traced_bytes=message.traced_bytes,
+        role_bytes=role_bytes_from_proto(message.role_bytes), plugin=message.plugin,
+        kv_tensor_bytes=message.kv_tensor_bytes, page_size_bytes=message.page_size_bytes,
+        block_allocations_per_second=message.block_allocations_per_second,
+        block_frees_per_second=message.block_frees_per_second, sleep_level=message.sleep_level,
+        warming_up=message.warming_up, holders=tuple(kv_request_from_proto(r) for r in message.holders),
+        metrics_url=message.metrics_url, metrics_error=message.metrics_error,
+        idle_growth_bytes_per_second=message.idle_growth_bytes_per_second,
+        blocks_held_after_finish=message.blocks_held_after_finish,
+        sleep_held_by_tag={entry.tag: entry.size_bytes for entry in message.sleep_held_by_tag},
+        **{name: optional_field(message, name) for name in _ENGINE_OPTIONAL_FIELDS})
+
+
+def vllm_finding_from_proto(message: service_pb2.VllmFinding) -> VllmFinding:
+    return VllmFinding(
+        kind=_known(FindingKind, message.kind, FindingKind.UNSPECIFIED), engine_pid=message.engine_pid,
+        message=message.message, value=message.value, threshold=message.threshold, since_ns=message.since_ns,
+        requests=tuple(kv_request_from_proto(r) for r in message.requests),
+        held_by_role=role_bytes_from_proto(message.held_by_role),
+        held_by_tag={entry.tag: entry.size_bytes for entry in message.held_by_tag})
 
 
 def event_from_proto(message: events_pb2.Event) -> Event | None:
@@ -391,4 +515,58 @@ def leak_report_to_json_dict(response: service_pb2.ListLeakSuspectsResponse) -> 
             "native_caller": native_frame_to_json(suspect.native_caller)
             if suspect.HasField("native_caller") else None,
         } for suspect in response.suspects],
+    }
+
+
+def role_bytes_to_json(role_bytes: dict[Role, int]) -> dict[str, int]:
+    """{"kv_cache": bytes, ...} in the enum's order; the names are the `role` label's."""
+    return {role.label: size_bytes for role, size_bytes in sorted(role_bytes.items())}
+
+
+def kv_request_to_json(request: KvRequest) -> dict[str, Any]:
+    return {"request_id": request.request_id, "state": request.state.name.lower(), "blocks": request.blocks,
+            "done_age_seconds": request.done_age_seconds}
+
+
+def vllm_engine_to_json(engine: VllmEngine) -> dict[str, Any]:
+    return {
+        "engine_pid": engine.engine_pid, "title": engine.title, "worker_pids": list(engine.worker_pids),
+        "api_server_pid": engine.api_server_pid, "traced_bytes": engine.traced_bytes,
+        "role_bytes": role_bytes_to_json(engine.role_bytes), "plugin": engine.plugin,
+        "blocks_total": engine.blocks_total, "blocks_free": engine.blocks_free,
+        "kv_cache_usage_ratio": engine.kv_cache_usage_ratio,
+        "metrics_kv_cache_usage_ratio": engine.metrics_kv_cache_usage_ratio,
+        "requests_running": engine.requests_running, "requests_waiting": engine.requests_waiting,
+        "kv_tensor_bytes": engine.kv_tensor_bytes, "page_size_bytes": engine.page_size_bytes,
+        "block_allocations_per_second": engine.block_allocations_per_second,
+        "block_frees_per_second": engine.block_frees_per_second,
+        "frees_per_allocation_1m": engine.frees_per_allocation_1m,
+        "free_blocks_ratio": engine.free_blocks_ratio,
+        "idle_growth_bytes_per_second": engine.idle_growth_bytes_per_second,
+        "blocks_held_after_finish": engine.blocks_held_after_finish,
+        "sleep_residual_bytes": engine.sleep_residual_bytes,
+        "sleep_held_by_tag": dict(sorted(engine.sleep_held_by_tag.items())),
+        "previous_sleep_residual_bytes": engine.previous_sleep_residual_bytes,
+        "sleep_level": engine.sleep_level, "warming_up": engine.warming_up,
+        "holders": [kv_request_to_json(request) for request in engine.holders],
+        "metrics_url": engine.metrics_url, "metrics_error": engine.metrics_error,
+    }
+
+
+def vllm_finding_to_json(finding: VllmFinding) -> dict[str, Any]:
+    return {
+        "kind": finding.kind.label, "engine_pid": finding.engine_pid, "message": finding.message,
+        "value": finding.value, "threshold": finding.threshold, "since_ns": finding.since_ns,
+        "requests": [kv_request_to_json(request) for request in finding.requests],
+        "held_by_role": role_bytes_to_json(finding.held_by_role),
+        "held_by_tag": dict(sorted(finding.held_by_tag.items())),
+    }
+
+
+def vllm_engines_to_json_dict(response: service_pb2.GetVllmEnginesResponse) -> dict[str, Any]:
+    """The answer of `kvtrace vllm --json`: one object, engines by pid, then the findings."""
+    return {
+        "timestamp_ns": response.timestamp_ns,
+        "engines": [vllm_engine_to_json(vllm_engine_from_proto(engine)) for engine in response.engines],
+        "findings": [vllm_finding_to_json(vllm_finding_from_proto(finding)) for finding in response.findings],
     }

@@ -25,6 +25,7 @@ from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, Pro
 from kvtrace.model.ledger import LedgerCounts, TotalsKey
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import Frame, Stack
+from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
 from kvtrace.servers.prometheus import (
     DEFAULT_LISTEN,
     METRIC_NAMES,
@@ -64,7 +65,8 @@ def synthetic_snapshot(timestamp_ns: int = NOW_NS) -> AnalysisSnapshot:
         processes=(
             ProcessGpu(WORKER, TITLES[WORKER], 0, 100 * GiB, 101 * GiB, 1 * GiB, 6.5e6, 5.25e6, 2520.0,
                        230, 190, 190 / 230,
-                       fragmentation=Fragmentation(WORKER, 0, 96 * GiB, 80 * GiB, 4 * GiB, 7, 4000, 0)),
+                       fragmentation=Fragmentation(WORKER, 0, 96 * GiB, 80 * GiB, 4 * GiB, 7, 4000, 0),
+                       role_bytes={Role.KV_CACHE: 80 * GiB, Role.WEIGHTS: 16 * GiB, Role.UNKNOWN: 4 * GiB}),
             ProcessGpu(ENGINE, TITLES[ENGINE], 1, 3 * GiB, None, None, 0.0, -1.5e3, None, 0, 0, None),
             ProcessGpu(TRAIN, TITLES[TRAIN], -1, 2 * MiB, 600 * MiB, 598 * MiB, 0.0, 0.0, math.inf, 0, 0, None),
         ),
@@ -73,6 +75,16 @@ def synthetic_snapshot(timestamp_ns: int = NOW_NS) -> AnalysisSnapshot:
             LeakSuspect(2, WORKER, TITLES[WORKER], 0, 9, None, CALLER + 64, 2 * GiB, 3, 700.0, 0.0),
             LeakSuspect(3, ENGINE, TITLES[ENGINE], 1, 0, None, CALLER + 128, 512 * MiB, 1, 650.0, 0.0),
         ),
+        # Every vLLM figure known, so that every metric has a sample (tests/unit/test_vllm_outputs.py
+        # has the vLLM exposition in detail).
+        vllm_engines=(VllmEngine(
+            ENGINE, TITLES[ENGINE], (ENGINE, WORKER), plugin=True, traced_bytes=103 * GiB,
+            blocks_total=1000, blocks_free=400, kv_cache_usage_ratio=0.6, metrics_kv_cache_usage_ratio=0.59,
+            requests_running=0, requests_waiting=0, block_allocations_per_second=2.0, block_frees_per_second=1.0,
+            frees_per_allocation_1m=0.5, free_blocks_ratio=0.4, idle_growth_bytes_per_second=6.5e6,
+            blocks_held_after_finish=600, sleep_level=1, sleep_residual_bytes=3 * GiB, warming_up=False),),
+        vllm_findings=(VllmFinding(FindingKind.BLOCKS_HELD_AFTER_FINISH, ENGINE, "600 blocks held", 600, 0,
+                                   timestamp_ns, requests=(KvRequest("req-1", RequestState.ABORTED, 600, 40.0),)),),
     )
 
 
@@ -98,7 +110,8 @@ def synthetic_ledger() -> LedgerCounts:
 
 
 TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full": 0, "blocks_unsent": 5,
-                   "unknown_frees": 11, "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
+                   "unknown_frees": 11, "vllm_messages_received": 40, "vllm_messages_rejected": 2,
+                   "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
                    "events_undecodable": 2, "libraries_attached": 3, "libraries_refused": 29, "libraries_detached": 26,
                    "resyncs": 1}
 
@@ -277,6 +290,8 @@ def test_exact_values_for_a_synthetic_snapshot():
     assert samples(families, "kvtrace_events_lost_total") == {(): 23}
     assert samples(families, "kvtrace_ledger_full_total") == {(): 0}
     assert samples(families, "kvtrace_unknown_frees_total") == {(): 11}
+    assert samples(families, "kvtrace_vllm_messages_received_total") == {(): 40}
+    assert samples(families, "kvtrace_vllm_messages_rejected_total") == {(): 2}
     assert samples(families, "kvtrace_events_undecodable_total") == {(): 2}
     assert samples(families, "kvtrace_component_up") == {
         labels(component="analysis"): 1, labels(component="bpf"): 1, labels(component="exporter"): 1,
@@ -304,7 +319,7 @@ def test_every_declared_metric_is_exported_with_its_type_help_and_labels():
 
 
 ALLOWED_LABELS = {"pid", "title", "gpu", "layer", "memory", "window", "api", "error_code", "component",
-                  "uuid", "version"}
+                  "uuid", "version", "role", "state", "source", "kind"}
 
 
 def test_no_label_carries_an_address_or_a_stack():

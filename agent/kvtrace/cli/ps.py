@@ -11,12 +11,36 @@ from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, printable
 from kvtrace.model.events import PHYSICAL_LAYERS, Memory
-from kvtrace.wire import process_to_json_dict
+from kvtrace.model.vllm import Role
+from kvtrace.wire import process_to_json_dict, role_bytes_from_proto
 
 HEADER = (f"{'PID':>7} {'GPU':>3} {'DEVICE':>10} {'MANAGED':>10} {'PINNED':>10} {'TENSORS':>10} {'FRAG':>5} "
-          f"{'OBJECTS':>8} TITLE")
+          f"{'OBJECTS':>8}")
 
 _COLUMNS = {Memory.DEVICE: "device", Memory.MANAGED: "managed", Memory.HOST: "pinned"}
+
+# Short names of the roles for one-line summaries (`kvtrace ps`, `top --roles`, `kvtrace vllm`).
+ROLE_ABBREVIATIONS = {Role.KV_CACHE: "kv", Role.WEIGHTS: "w", Role.CUDA_GRAPH: "graph", Role.ACTIVATIONS: "act",
+                      Role.OTHER: "other", Role.UNKNOWN: "?"}
+ROLES_LEGEND = "ROLES: kv KV cache, w weights, graph CUDA graphs, act activations, other, ? no Python stack"
+_GiB, _MiB, _KiB = 1 << 30, 1 << 20, 1 << 10
+
+
+def compact_bytes(size: int) -> str:
+    """27.0G, 1.5G, 600M, 60M, 12K, 512B: a size in four or five characters, for a summary on one line."""
+    if size >= _GiB:
+        return f"{size / _GiB:.1f}G"
+    if size >= _MiB:
+        return f"{size / _MiB:.0f}M"
+    if size >= _KiB:
+        return f"{size / _KiB:.0f}K"
+    return f"{size}B"
+
+
+def compact_roles(role_bytes: dict[Role, int]) -> str:
+    """`kv 27.0G w 0.5G act 1.2G`: roles holding any bytes, largest first; "-" when none is known."""
+    held = sorted(((size, role) for role, size in role_bytes.items() if size > 0), key=lambda item: (-item[0], item[1]))
+    return " ".join(f"{ROLE_ABBREVIATIONS.get(role, role.label)} {compact_bytes(size)}" for size, role in held) or "-"
 
 
 class PsCommand:
@@ -26,7 +50,9 @@ class PsCommand:
     (driver + VMM layers, so runtime calls are not counted twice), and the number of objects. Where
     PyTorch's blocks are traced: TENSORS, the bytes its caching allocator has handed to tensors, and
     FRAG, how scattered the rest of its segments is (1 - largest free stretch / free bytes), as of
-    the agent's last site sample.
+    the agent's last site sample. ROLES splits the device memory by what it is for, largest first:
+    kv (vLLM's KV cache), w (weights), graph (CUDA graph pools), act (activations and workspace),
+    other (a Python stack no rule knows), ? (no Python stack); `kvtrace vllm` has the engines.
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -42,9 +68,11 @@ class PsCommand:
             for process in processes:
                 out.write(json.dumps(process_to_json_dict(process), separators=(",", ":")) + "\n")
             return ExitCode.OK
-        print(HEADER, file=out)
         allocator = {(row.pid, row.device): row.fragmentation for row in growth.processes
                      if row.HasField("fragmentation")} if growth is not None else {}
+        roles = {(row.pid, row.device): compact_roles(role_bytes_from_proto(row.role_bytes))
+                 for row in growth.processes} if growth is not None else {}
+        lines: list[tuple[str, str, str]] = []  # (the figures, ROLES, TITLE): ROLES is as wide as its widest
         for process in processes:
             per_device: defaultdict[int, dict[str, int]] = defaultdict(
                 lambda: {"device": 0, "managed": 0, "pinned": 0, "objects": 0})
@@ -61,9 +89,14 @@ class PsCommand:
                 blocks = allocator.get((process.pid, device))
                 tensors = human_bytes(blocks.allocated_bytes) if blocks is not None else "-"
                 frag = f"{blocks.ratio * 100:.0f}%" if blocks is not None else "-"
-                print(f"{process.pid:>7} {gpu:>3} {human_bytes(row['device']):>10} "
-                      f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} {tensors:>10} {frag:>5} "
-                      f"{row['objects']:>8} {printable(process.title or process.comm)}", file=out)
+                lines.append((f"{process.pid:>7} {gpu:>3} {human_bytes(row['device']):>10} "
+                              f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} {tensors:>10} "
+                              f"{frag:>5} {row['objects']:>8}", roles.get((process.pid, device), "-"),
+                              printable(process.title or process.comm)))
+        width = max([len("ROLES"), *(len(line[1]) for line in lines)])
+        print(f"{HEADER} {'ROLES':<{width}} TITLE", file=out)
+        for figures, role_text, title in lines:
+            print(f"{figures} {role_text:<{width}} {title}", file=out)
         for line in predates_agent_notes(growth):
             print(line, file=out)
         return ExitCode.OK

@@ -15,18 +15,20 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtrace.cli.flags import add_pid_flag, positive_seconds
+from kvtrace.cli.ps import ROLES_LEGEND, compact_roles
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, human_duration, printable, signed_bytes
-from kvtrace.wire import optional_field
+from kvtrace.wire import optional_field, role_bytes_from_proto
 
 EPILOG = """examples:
   kvtrace top                           # every process on every GPU, fastest growing first
   kvtrace top --sort ttoom              # soonest out of memory first
   kvtrace top --once -p 1234            # one frame, for a script or a ticket
+  kvtrace top --roles                   # what the memory is for: KV cache, weights, CUDA graphs, ...
 
-keys: g, o, t sort by growth, outstanding, time-to-OOM; q quits.
+keys: g, o, t sort by growth, outstanding, time-to-OOM; r shows or hides the roles; q quits.
 """
 
 # Sort keys: each puts the row an operator should look at first on top; pid breaks ties.
@@ -54,11 +56,12 @@ def _unattributed(value: int | None) -> str:
     return "-" if value is None else signed_bytes(value).lstrip("+")
 
 
-def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interactive: bool = False) -> Group:
+def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interactive: bool = False,
+                 roles: bool = False) -> Group:
     """One screen `width` columns wide: what to trust (age, loss, health), the GPUs, then the
-    process x GPU table."""
+    process x GPU table; with `roles`, a ROLES column (what the traced bytes are for) before the title."""
     counters = info.counters
-    keys = " (g/o/t, q quits)" if interactive else ""
+    keys = " (g/o/t/r, q quits)" if interactive else ""
     health = printable(", ".join(c.name if c.up else f"{c.name} DOWN: {c.reason}" for c in info.components))
     header = [
         f"kvtrace {info.version} | data {_age(now_ns, growth.timestamp_ns)}, "
@@ -83,24 +86,27 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
             human_bytes(nvml_used) if nvml_used is not None else "-",
             _unattributed(optional_field(row, "unattributed_bytes")) + ("*" if row.predates_agent else ""),
             signed_bytes(row.growth_bytes_per_second_1m), signed_bytes(row.growth_bytes_per_second_15m),
-            human_duration(ttoom) if ttoom is not None else "-", frag, printable(row.title)))
+            human_duration(ttoom) if ttoom is not None else "-", frag,
+            *([compact_roles(role_bytes_from_proto(row.role_bytes))] if roles else []), printable(row.title)))
     # Growth columns are per second; "OOM IN" is the time until the GPU's free memory is gone; FRAG
     # how scattered the free part of PyTorch's segments is, where its blocks are traced.
     # The numbers keep their width and the title gets the rest: given more than fits, rich would
     # drop whole columns, the PID among them.
-    columns = ("PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s 1m", "GROW/s 15m", "OOM IN", "FRAG")
+    columns = ("PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s 1m", "GROW/s 15m", "OOM IN", "FRAG",
+               *(("ROLES",) if roles else ()))
     widths = [max(len(name), *(len(cells[i]) for cells in rows)) for i, name in enumerate(columns)]
     table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1), header_style="bold")
     for name, column_width in zip(columns, widths, strict=True):
-        table.add_column(name, justify="right", no_wrap=True, min_width=column_width)
+        table.add_column(name, justify="left" if name == "ROLES" else "right", no_wrap=True, min_width=column_width)
     table.add_column("TITLE", no_wrap=True, overflow="ellipsis",
                      max_width=max(8, width - sum(widths) - len(columns) - 1))
     for cells in rows:
         table.add_row(*(Text(cell) for cell in cells))  # a title like "[bold]x" is text, not markup
-    if any(row.predates_agent for row in growth.processes):
-        return Group(Text("\n".join(header)), Text(""), table,
-                     Text("* started before the agent: what it allocated before is in NVML only"))
-    return Group(Text("\n".join(header)), Text(""), table)
+    notes = [Text("* started before the agent: what it allocated before is in NVML only")] \
+        if any(row.predates_agent for row in growth.processes) else []
+    if roles:
+        notes.append(Text(ROLES_LEGEND))
+    return Group(Text("\n".join(header)), Text(""), table, *notes)
 
 
 class TopCommand:
@@ -110,6 +116,7 @@ class TopCommand:
     uses, the difference (CUDA context, NCCL, memory older than the agent), growth per second over
     1 and 15 minutes, and the time until the GPU's free memory runs out at the 15 min growth. The
     header says how far to trust it: the data's age, lost events and each component's health.
+    With --roles (key r), what the traced bytes are for: KV cache, weights, CUDA graphs, activations.
     """
 
     EPILOG = EPILOG
@@ -122,6 +129,8 @@ class TopCommand:
         parser.add_argument("--interval", metavar="SECONDS", type=positive_seconds, default=2.0,
                             help="refresh every SECONDS (default: %(default)s)")
         parser.add_argument("--once", action="store_true", help="print one frame and exit")
+        parser.add_argument("--roles", action="store_true",
+                            help="show what the traced bytes are for (KV cache, weights, ...); key r toggles it")
         add_socket_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -131,22 +140,24 @@ class TopCommand:
         with AgentClient.from_args(args) as agent:
             if args.once:
                 console.print(render_frame(agent.info(), agent.growth(args.pid), args.sort, time.time_ns(),
-                                           console.width))
+                                           console.width, roles=args.roles))
                 return ExitCode.OK
             self._live(agent, args, console)
         return ExitCode.OK
 
     def _live(self, agent: AgentClient, args: argparse.Namespace, console: Console) -> None:
-        sort = args.sort
+        sort, roles = args.sort, args.roles
         keys = _Keys()
         with keys, Live(console=console, screen=True, auto_refresh=False) as live:
             while True:
                 frame = render_frame(agent.info(), agent.growth(args.pid), sort, time.time_ns(), console.width,
-                                     keys.enabled)
+                                     keys.enabled, roles)
                 live.update(frame, refresh=True)
                 key = keys.read(args.interval)
                 if key == "q":
                     return
+                if key == "r":
+                    roles = not roles
                 sort = SORT_KEYS.get(key, sort)
 
 

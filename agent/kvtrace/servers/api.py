@@ -9,8 +9,8 @@ Secure by default and fail closed:
 
 Who sees what (gRPC Python cannot read SO_PEERCRED, so the kernel's file permissions decide):
 - the socket (--socket, 0660 root:--group) serves VIEW_REDACTED: titles with secrets redacted as
-  /metrics redacts them, no Python stacks or native callers, no addresses; a member of the group
-  learns no more than /metrics tells anyone on the host;
+  /metrics redacts them, no Python stacks or native callers, no addresses, no vLLM request ids; a
+  member of the group learns no more than /metrics tells anyone on the host;
 - the admin socket (--admin-socket, by default next to it; 0600 root, or 0660 with --admin-group)
   and TCP with mTLS serve VIEW_FULL. All share one hub and one set of stream slots.
 
@@ -38,6 +38,7 @@ import heapq
 import logging
 import os
 import pwd
+import re
 import socket
 import ssl
 import stat
@@ -70,6 +71,7 @@ from kvtrace.wire import (
     process_to_proto,
     stack_message,
     stack_to_proto,
+    vllm_engines_to_proto,
 )
 
 try:  # google-re2: linear-time matching for clients' regexes. A host without it refuses them.
@@ -317,6 +319,33 @@ def redact_growth(message: service_pb2.GetGrowthResponse) -> service_pb2.GetGrow
     return message
 
 
+def redact_vllm_engines(message: service_pb2.GetVllmEnginesResponse) -> service_pb2.GetVllmEnginesResponse:
+    """Titles redacted, and request ids left out (counts, states and blocks kept): vLLM takes a
+    request's id from the client's X-Request-Id header or makes one per completion, so an id can
+    carry what a user sent and ties a request to its caller; /metrics names no request, and the
+    group socket must not tell more. A finding's message can name ids and the title: the ids are
+    replaced there by *** (whole words only, longest first) and secrets redacted as in titles."""
+    request_ids: set[str] = set()
+    for engine in message.engines:
+        engine.title = redact_title(engine.title)
+        for request in engine.holders:
+            request_ids.add(request.request_id)
+            request.request_id = ""
+    for finding in message.findings:
+        for request in finding.requests:
+            request_ids.add(request.request_id)
+            request.request_id = ""
+    request_ids.discard("")
+    words = re.compile("|".join(f"(?<![\\w.:-]){re.escape(request_id)}(?![\\w.:-])"
+                                for request_id in sorted(request_ids, key=len, reverse=True))) \
+        if request_ids else None
+    for finding in message.findings:
+        text = words.sub("***", finding.message) if words is not None else finding.message
+        finding.message = redact_title(text)
+    message.view = VIEW_REDACTED
+    return message
+
+
 # ---- stream slots ----
 
 def _end_stalled(context: grpc.ServicerContext, details: str) -> None:
@@ -526,6 +555,15 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         response = growth_to_proto(self._analysis.latest, pids)
         response.view = VIEW_FULL
         return redact_growth(response) if self._redacted else response
+
+    def GetVllmEngines(self, request, context):
+        try:
+            pids = _pids("pids", request.pids)
+        except InvalidArgument as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        response = vllm_engines_to_proto(self._analysis.latest, pids)
+        response.view = VIEW_FULL
+        return redact_vllm_engines(response) if self._redacted else response
 
 
 # ---- the Unix socket ----

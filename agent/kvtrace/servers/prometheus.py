@@ -4,9 +4,11 @@ A custom collector builds every sample at scrape time from the Session (`AgentSt
 Analyzer's latest snapshot, so nothing is kept or updated on the event path.
 
 Labels are bounded: pid, title, gpu, layer, memory, window, api, error_code, component, uuid,
-version. Stacks and addresses are never labels (`kvtrace leaks` and the gRPC API have them). Series
-of a process are exported while it is alive (it holds traced memory, is in the snapshot or is
-known to the Session), so exited processes' series go stale instead of piling up.
+version, and for roles and vLLM engines role (6 values), state (used/free, running/waiting), source
+(plugin/metrics) and kind (6 detectors). Stacks, addresses and request ids are never labels
+(`kvtrace leaks`, `kvtrace vllm` and the gRPC API have them). Series of a process are exported
+while it is alive (it holds traced memory, is in the snapshot or is known to the Session), so
+exited processes' series go stale instead of piling up.
 
 `gpu` on per-process metrics is the CUDA ordinal the process used ("unknown" when it could not be
 known); on kvtrace_gpu_memory_* it is the NVML index. They differ when CUDA_VISIBLE_DEVICES
@@ -36,6 +38,7 @@ from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.ledger import LedgerCounts
 from kvtrace.model.processes import redact_title
+from kvtrace.model.vllm import FindingKind
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class MetricSpec:
 
 _PROCESS = ("pid", "title")
 _PROCESS_GPU = ("pid", "title", "gpu")
+_ENGINE = ("pid", "title")  # a vLLM engine: pid is its EngineCore's (the process that owns the scheduler)
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_outstanding_bytes", "gauge", "bytes", _PROCESS_GPU + ("layer", "memory"),
@@ -109,6 +113,50 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_torch_fragmentation_ratio", "gauge", "ratio", _PROCESS_GPU,
                "1 - largest free stretch / free bytes of PyTorch's segments: 0 when the free memory is one "
                "stretch, near 1 when it is scattered in pieces too small to use (0 when none is free)."),
+    MetricSpec("kvtrace_role_bytes", "gauge", "bytes", _PROCESS_GPU + ("role",),
+               "Traced physical device memory of the process on the GPU by what it is for: role kv_cache, "
+               "weights, cuda_graph, activations, other (a Python stack no rule matches) or unknown (no Python "
+               "stack), from each allocation's stack and the KV tensors the vLLM plugin reported; as of the "
+               "agent's last site sample."),
+    MetricSpec("kvtrace_vllm_kv_blocks", "gauge", "blocks", _ENGINE + ("state",),
+               "KV-cache blocks of the vLLM engine in use (state used) and free (state free; cached blocks "
+               "that may be evicted count as free), from kvtrace's plugin in the engine."),
+    MetricSpec("kvtrace_vllm_kv_cache_usage_ratio", "gauge", "ratio", _ENGINE + ("source",),
+               "KV-cache usage of the vLLM engine, 0 to 1: source plugin is kvtrace's plugin (1 - free / total "
+               "blocks), source metrics is vllm:kv_cache_usage_perc from the engine's /metrics."),
+    MetricSpec("kvtrace_vllm_requests", "gauge", "requests", _ENGINE + ("state",),
+               "Requests of the vLLM engine running and waiting (state), from kvtrace's plugin, else from the "
+               "engine's /metrics."),
+    MetricSpec("kvtrace_vllm_blocks_held_after_finish", "gauge", "blocks", _ENGINE,
+               "KV-cache blocks still held by requests that finished or were aborted longer ago than the "
+               "detector's threshold (30 s by default): the abort-path leak; kvtrace vllm names the requests. "
+               "0 when none; only with the plugin."),
+    MetricSpec("kvtrace_vllm_block_allocations_per_second", "gauge", "blocks per second", _ENGINE,
+               "KV-cache blocks the engine's block pool handed out per second over the last minute (plugin)."),
+    MetricSpec("kvtrace_vllm_block_frees_per_second", "gauge", "blocks per second", _ENGINE,
+               "KV-cache blocks the engine's block pool took back per second over the last minute (plugin)."),
+    MetricSpec("kvtrace_vllm_block_frees_per_allocation", "gauge", "ratio", _ENGINE,
+               "Block frees per block allocation of the engine over the last minute: about 0.95 is healthy, "
+               "below 0.7 suggests blocks that are never given back. Absent without allocations in the minute."),
+    MetricSpec("kvtrace_vllm_free_blocks_ratio", "gauge", "ratio", _ENGINE,
+               "Free KV-cache blocks at the engine's last idle moment over its free blocks at start: healthy "
+               "within 5 % of 1; falling means blocks stay held with nothing running."),
+    MetricSpec("kvtrace_vllm_idle_growth_bytes_per_second", "gauge", "bytes per second", _ENGINE,
+               "Growth of the engine's traced device memory over the last minute while no request runs; 0 "
+               "while one runs."),
+    MetricSpec("kvtrace_vllm_sleep_level", "gauge", "level", _ENGINE,
+               "vLLM sleep mode of the engine: 0 awake, 1 weights offloaded to host memory and KV cache "
+               "discarded, 2 both discarded."),
+    MetricSpec("kvtrace_vllm_sleep_residual_bytes", "gauge", "bytes", _ENGINE,
+               "Traced device memory the engine's processes still hold while it sleeps (absent while awake); "
+               "kvtrace vllm breaks it down by role and pool tag."),
+    MetricSpec("kvtrace_vllm_warming_up", "gauge", "boolean", _ENGINE,
+               "1 inside the cold-start window after the engine started (model load, profiling; 120 s by "
+               "default), while growth findings stay silent; else 0."),
+    MetricSpec("kvtrace_vllm_finding", "gauge", "boolean", _ENGINE + ("kind",),
+               "1 while the vLLM detector's finding holds for the engine, else 0. kind: blocks_held_after_finish, "
+               "stuck_kv_usage, free_blocks_falling, low_free_ratio, idle_growth, sleep_residue; kvtrace vllm "
+               "says what it found."),
     MetricSpec("kvtrace_events_total", "counter", "events", (),
                "Events the probes delivered to the agent's ring buffer."),
     MetricSpec("kvtrace_events_lost_total", "counter", "events", (),
@@ -132,6 +180,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "libraries component is down meanwhile and names one."),
     MetricSpec("kvtrace_libraries_detached_total", "counter", "libraries", (),
                "Libraries whose probes were taken out because no traced process mapped them."),
+    MetricSpec("kvtrace_vllm_messages_received_total", "counter", "messages", (),
+               "Reports the kvtrace vLLM plugin sent to the agent's socket and the agent took."),
+    MetricSpec("kvtrace_vllm_messages_rejected_total", "counter", "messages", (),
+               "Plugin reports the agent dropped: malformed, too large, from a sender over its rate "
+               "limit, or without credentials (a plugin of another kvtrace version?); the agent log says why."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
@@ -150,6 +203,8 @@ _SESSION_COUNTERS = {
     "kvtrace_events_lost_total": "events_lost",
     "kvtrace_ledger_full_total": "ledger_full",
     "kvtrace_unknown_frees_total": "unknown_frees",
+    "kvtrace_vllm_messages_received_total": "vllm_messages_received",
+    "kvtrace_vllm_messages_rejected_total": "vllm_messages_rejected",
     "kvtrace_block_events_unsent_total": "blocks_unsent",
     "kvtrace_events_undecodable_total": "events_undecodable",
     "kvtrace_attached_libraries": "libraries_attached",
@@ -223,10 +278,12 @@ class KvtraceCollector:
         if snapshot is not None:
             live.update(process.pid for process in snapshot.processes)
             live.update(suspect.pid for suspect in snapshot.suspects)
+            live.update(engine.engine_pid for engine in snapshot.vllm_engines)
         fallback: dict[int, str] = {}
         if snapshot is not None:
             fallback = {item.pid: item.title for item in snapshot.processes}
             fallback.update({item.pid: item.title for item in snapshot.suspects})
+            fallback.update({engine.engine_pid: engine.title for engine in snapshot.vllm_engines})
         titles: dict[int, str] = {}
 
         def title(pid: int) -> str:
@@ -238,6 +295,7 @@ class KvtraceCollector:
             self._ledger(families, ledger, live, title)
         if snapshot is not None:
             self._snapshot(families, snapshot, title)
+            self._vllm(families, snapshot, title)
         for name, key in _SESSION_COUNTERS.items():
             if key in counters:
                 families[name].add_metric([], counters[key])
@@ -287,6 +345,8 @@ class KvtraceCollector:
             if process.nvml_used_bytes is not None:
                 families["kvtrace_nvml_used_bytes"].add_metric(labels, process.nvml_used_bytes)
             allocator = process.fragmentation
+            for role, size_bytes in sorted(process.role_bytes.items()):
+                families["kvtrace_role_bytes"].add_metric(labels + [role.label], size_bytes)
             if allocator is not None:
                 families["kvtrace_torch_reserved_bytes"].add_metric(labels, allocator.reserved_bytes)
                 families["kvtrace_torch_allocated_bytes"].add_metric(labels, allocator.allocated_bytes)
@@ -311,6 +371,51 @@ class KvtraceCollector:
             labels = [str(pid), title(pid), gpu_label(device)]
             families["kvtrace_leak_suspects"].add_metric(labels, count)
             families["kvtrace_leak_suspect_bytes"].add_metric(labels, size_bytes)
+
+
+    @staticmethod
+    def _vllm(families, snapshot: AnalysisSnapshot, title) -> None:
+        """The vLLM engines' figures: each only where it is known (the plugin's need the plugin), so
+        that "not known" is no data rather than a 0 that looks healthy."""
+        findings: dict[int, set[FindingKind]] = {}
+        for finding in snapshot.vllm_findings:
+            findings.setdefault(finding.engine_pid, set()).add(finding.kind)
+        for engine in sorted(snapshot.vllm_engines, key=lambda engine: engine.engine_pid):
+            pid = engine.engine_pid
+            labels = [str(pid), title(pid)]
+            if engine.blocks_total is not None and engine.blocks_free is not None:
+                families["kvtrace_vllm_kv_blocks"].add_metric(
+                    labels + ["used"], max(0, engine.blocks_total - engine.blocks_free))
+                families["kvtrace_vllm_kv_blocks"].add_metric(labels + ["free"], engine.blocks_free)
+            usage = families["kvtrace_vllm_kv_cache_usage_ratio"]
+            if engine.plugin and _finite(engine.kv_cache_usage_ratio):
+                usage.add_metric(labels + ["plugin"], engine.kv_cache_usage_ratio)
+            if _finite(engine.metrics_kv_cache_usage_ratio):
+                usage.add_metric(labels + ["metrics"], engine.metrics_kv_cache_usage_ratio)
+            for state, count in (("running", engine.requests_running), ("waiting", engine.requests_waiting)):
+                if count is not None:
+                    families["kvtrace_vllm_requests"].add_metric(labels + [state], count)
+            if engine.plugin:
+                families["kvtrace_vllm_blocks_held_after_finish"].add_metric(labels, engine.blocks_held_after_finish)
+                families["kvtrace_vllm_block_allocations_per_second"].add_metric(
+                    labels, engine.block_allocations_per_second)
+                families["kvtrace_vllm_block_frees_per_second"].add_metric(labels, engine.block_frees_per_second)
+            for name, value in (("kvtrace_vllm_block_frees_per_allocation", engine.frees_per_allocation_1m),
+                                ("kvtrace_vllm_free_blocks_ratio", engine.free_blocks_ratio),
+                                ("kvtrace_vllm_idle_growth_bytes_per_second", engine.idle_growth_bytes_per_second)):
+                if _finite(value):
+                    families[name].add_metric(labels, value)
+            families["kvtrace_vllm_sleep_level"].add_metric(labels, engine.sleep_level)
+            if engine.sleep_residual_bytes is not None:
+                families["kvtrace_vllm_sleep_residual_bytes"].add_metric(labels, engine.sleep_residual_bytes)
+            families["kvtrace_vllm_warming_up"].add_metric(labels, 1.0 if engine.warming_up else 0.0)
+        # Every kind for every engine (0: not found), so an alert can tell "fine" from "no data".
+        pids = sorted({engine.engine_pid for engine in snapshot.vllm_engines} | set(findings))
+        for pid in pids:
+            for kind in FindingKind:
+                if kind is not FindingKind.UNSPECIFIED:
+                    families["kvtrace_vllm_finding"].add_metric(
+                        [str(pid), title(pid), kind.label], 1.0 if kind in findings.get(pid, ()) else 0.0)
 
 
 def _api_name(api: int) -> str:

@@ -13,9 +13,56 @@ class View(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VIEW_UNSPECIFIED: _ClassVar[View]
     VIEW_FULL: _ClassVar[View]
     VIEW_REDACTED: _ClassVar[View]
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_KV_CACHE: _ClassVar[Role]
+    ROLE_WEIGHTS: _ClassVar[Role]
+    ROLE_CUDA_GRAPH: _ClassVar[Role]
+    ROLE_ACTIVATIONS: _ClassVar[Role]
+    ROLE_OTHER: _ClassVar[Role]
+
+class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_STATE_UNSPECIFIED: _ClassVar[RequestState]
+    REQUEST_STATE_WAITING: _ClassVar[RequestState]
+    REQUEST_STATE_RUNNING: _ClassVar[RequestState]
+    REQUEST_STATE_PREEMPTED: _ClassVar[RequestState]
+    REQUEST_STATE_FINISHED: _ClassVar[RequestState]
+    REQUEST_STATE_ABORTED: _ClassVar[RequestState]
+
+class VllmFindingKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VLLM_FINDING_KIND_UNSPECIFIED: _ClassVar[VllmFindingKind]
+    VLLM_FINDING_KIND_BLOCKS_HELD_AFTER_FINISH: _ClassVar[VllmFindingKind]
+    VLLM_FINDING_KIND_STUCK_KV_USAGE: _ClassVar[VllmFindingKind]
+    VLLM_FINDING_KIND_FREE_BLOCKS_FALLING: _ClassVar[VllmFindingKind]
+    VLLM_FINDING_KIND_LOW_FREE_RATIO: _ClassVar[VllmFindingKind]
+    VLLM_FINDING_KIND_IDLE_GROWTH: _ClassVar[VllmFindingKind]
+    VLLM_FINDING_KIND_SLEEP_RESIDUE: _ClassVar[VllmFindingKind]
 VIEW_UNSPECIFIED: View
 VIEW_FULL: View
 VIEW_REDACTED: View
+ROLE_UNSPECIFIED: Role
+ROLE_KV_CACHE: Role
+ROLE_WEIGHTS: Role
+ROLE_CUDA_GRAPH: Role
+ROLE_ACTIVATIONS: Role
+ROLE_OTHER: Role
+REQUEST_STATE_UNSPECIFIED: RequestState
+REQUEST_STATE_WAITING: RequestState
+REQUEST_STATE_RUNNING: RequestState
+REQUEST_STATE_PREEMPTED: RequestState
+REQUEST_STATE_FINISHED: RequestState
+REQUEST_STATE_ABORTED: RequestState
+VLLM_FINDING_KIND_UNSPECIFIED: VllmFindingKind
+VLLM_FINDING_KIND_BLOCKS_HELD_AFTER_FINISH: VllmFindingKind
+VLLM_FINDING_KIND_STUCK_KV_USAGE: VllmFindingKind
+VLLM_FINDING_KIND_FREE_BLOCKS_FALLING: VllmFindingKind
+VLLM_FINDING_KIND_LOW_FREE_RATIO: VllmFindingKind
+VLLM_FINDING_KIND_IDLE_GROWTH: VllmFindingKind
+VLLM_FINDING_KIND_SLEEP_RESIDUE: VllmFindingKind
 
 class StreamEventsRequest(_message.Message):
     __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes")
@@ -305,7 +352,7 @@ class GpuMemory(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class ProcessGrowth(_message.Message):
-    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m", "fragmentation", "predates_agent")
+    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m", "fragmentation", "predates_agent", "role_bytes")
     PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +369,7 @@ class ProcessGrowth(_message.Message):
     FREE_RATIO_1M_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     PREDATES_AGENT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     pid: int
     title: str
     device: int
@@ -338,7 +386,8 @@ class ProcessGrowth(_message.Message):
     free_ratio_1m: float
     fragmentation: Fragmentation
     predates_agent: bool
-    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ..., fragmentation: _Optional[_Union[Fragmentation, _Mapping]] = ..., predates_agent: bool = ...) -> None: ...
+    role_bytes: _containers.RepeatedCompositeFieldContainer[RoleBytes]
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ..., fragmentation: _Optional[_Union[Fragmentation, _Mapping]] = ..., predates_agent: bool = ..., role_bytes: _Optional[_Iterable[_Union[RoleBytes, _Mapping]]] = ...) -> None: ...
 
 class Fragmentation(_message.Message):
     __slots__ = ("reserved_bytes", "allocated_bytes", "largest_free_bytes", "ratio", "segments", "blocks", "blocks_outside_segments")
@@ -357,3 +406,133 @@ class Fragmentation(_message.Message):
     blocks: int
     blocks_outside_segments: int
     def __init__(self, reserved_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., ratio: _Optional[float] = ..., segments: _Optional[int] = ..., blocks: _Optional[int] = ..., blocks_outside_segments: _Optional[int] = ...) -> None: ...
+
+class RoleBytes(_message.Message):
+    __slots__ = ("role", "size_bytes")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    size_bytes: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class TagBytes(_message.Message):
+    __slots__ = ("tag", "size_bytes")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    size_bytes: int
+    def __init__(self, tag: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class VllmRequest(_message.Message):
+    __slots__ = ("request_id", "state", "blocks", "done_age_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DONE_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: RequestState
+    blocks: int
+    done_age_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., blocks: _Optional[int] = ..., done_age_seconds: _Optional[float] = ...) -> None: ...
+
+class VllmEngine(_message.Message):
+    __slots__ = ("engine_pid", "title", "worker_pids", "api_server_pid", "traced_bytes", "role_bytes", "plugin", "blocks_total", "blocks_free", "kv_cache_usage_ratio", "metrics_kv_cache_usage_ratio", "requests_running", "requests_waiting", "kv_tensor_bytes", "page_size_bytes", "block_allocations_per_second", "block_frees_per_second", "frees_per_allocation_1m", "sleep_level", "warming_up", "holders", "metrics_url", "metrics_error", "free_blocks_ratio", "idle_growth_bytes_per_second", "blocks_held_after_finish", "sleep_residual_bytes", "sleep_held_by_tag", "previous_sleep_residual_bytes")
+    ENGINE_PID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    API_SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    TRACED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    METRICS_KV_CACHE_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ALLOCATIONS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FREES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    FREES_PER_ALLOCATION_1M_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    WARMING_UP_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_RATIO_FIELD_NUMBER: _ClassVar[int]
+    IDLE_GROWTH_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_HELD_AFTER_FINISH_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_RESIDUAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_HELD_BY_TAG_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SLEEP_RESIDUAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    engine_pid: int
+    title: str
+    worker_pids: _containers.RepeatedScalarFieldContainer[int]
+    api_server_pid: int
+    traced_bytes: int
+    role_bytes: _containers.RepeatedCompositeFieldContainer[RoleBytes]
+    plugin: bool
+    blocks_total: int
+    blocks_free: int
+    kv_cache_usage_ratio: float
+    metrics_kv_cache_usage_ratio: float
+    requests_running: int
+    requests_waiting: int
+    kv_tensor_bytes: int
+    page_size_bytes: int
+    block_allocations_per_second: float
+    block_frees_per_second: float
+    frees_per_allocation_1m: float
+    sleep_level: int
+    warming_up: bool
+    holders: _containers.RepeatedCompositeFieldContainer[VllmRequest]
+    metrics_url: str
+    metrics_error: str
+    free_blocks_ratio: float
+    idle_growth_bytes_per_second: float
+    blocks_held_after_finish: int
+    sleep_residual_bytes: int
+    sleep_held_by_tag: _containers.RepeatedCompositeFieldContainer[TagBytes]
+    previous_sleep_residual_bytes: int
+    def __init__(self, engine_pid: _Optional[int] = ..., title: _Optional[str] = ..., worker_pids: _Optional[_Iterable[int]] = ..., api_server_pid: _Optional[int] = ..., traced_bytes: _Optional[int] = ..., role_bytes: _Optional[_Iterable[_Union[RoleBytes, _Mapping]]] = ..., plugin: bool = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., metrics_kv_cache_usage_ratio: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_tensor_bytes: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., block_allocations_per_second: _Optional[float] = ..., block_frees_per_second: _Optional[float] = ..., frees_per_allocation_1m: _Optional[float] = ..., sleep_level: _Optional[int] = ..., warming_up: bool = ..., holders: _Optional[_Iterable[_Union[VllmRequest, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., metrics_error: _Optional[str] = ..., free_blocks_ratio: _Optional[float] = ..., idle_growth_bytes_per_second: _Optional[float] = ..., blocks_held_after_finish: _Optional[int] = ..., sleep_residual_bytes: _Optional[int] = ..., sleep_held_by_tag: _Optional[_Iterable[_Union[TagBytes, _Mapping]]] = ..., previous_sleep_residual_bytes: _Optional[int] = ...) -> None: ...
+
+class VllmFinding(_message.Message):
+    __slots__ = ("kind", "engine_pid", "message", "value", "threshold", "since_ns", "requests", "held_by_role", "held_by_tag")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_ROLE_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_TAG_FIELD_NUMBER: _ClassVar[int]
+    kind: VllmFindingKind
+    engine_pid: int
+    message: str
+    value: float
+    threshold: float
+    since_ns: int
+    requests: _containers.RepeatedCompositeFieldContainer[VllmRequest]
+    held_by_role: _containers.RepeatedCompositeFieldContainer[RoleBytes]
+    held_by_tag: _containers.RepeatedCompositeFieldContainer[TagBytes]
+    def __init__(self, kind: _Optional[_Union[VllmFindingKind, str]] = ..., engine_pid: _Optional[int] = ..., message: _Optional[str] = ..., value: _Optional[float] = ..., threshold: _Optional[float] = ..., since_ns: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[VllmRequest, _Mapping]]] = ..., held_by_role: _Optional[_Iterable[_Union[RoleBytes, _Mapping]]] = ..., held_by_tag: _Optional[_Iterable[_Union[TagBytes, _Mapping]]] = ...) -> None: ...
+
+class GetVllmEnginesRequest(_message.Message):
+    __slots__ = ("pids",)
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetVllmEnginesResponse(_message.Message):
+    __slots__ = ("timestamp_ns", "engines", "findings", "view")
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    timestamp_ns: int
+    engines: _containers.RepeatedCompositeFieldContainer[VllmEngine]
+    findings: _containers.RepeatedCompositeFieldContainer[VllmFinding]
+    view: View
+    def __init__(self, timestamp_ns: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[VllmEngine, _Mapping]]] = ..., findings: _Optional[_Iterable[_Union[VllmFinding, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...

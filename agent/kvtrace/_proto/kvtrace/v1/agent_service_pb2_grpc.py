@@ -65,6 +65,11 @@ class AgentServiceStub(object):
                 request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthRequest.SerializeToString,
                 response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthResponse.FromString,
                 _registered_method=True)
+        self.GetVllmEngines = channel.unary_unary(
+                '/kvtrace.v1.AgentService/GetVllmEngines',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer(object):
@@ -125,6 +130,16 @@ class AgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetVllmEngines(self, request, context):
+        """The vLLM engines on the host, from the agent's latest analysis: each engine's processes, its
+        traced memory by role, its KV cache (blocks, usage, the requests holding blocks) and sleep
+        state, with what the vLLM detectors found. Block and request figures need kvtrace's plugin in
+        the engine (KVTRACE_VLLM_PLUGIN=1); usage and request counts also come from vLLM's /metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +172,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.GetGrowth,
                     request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthRequest.FromString,
                     response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthResponse.SerializeToString,
+            ),
+            'GetVllmEngines': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVllmEngines,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -322,6 +342,33 @@ class AgentService(object):
             '/kvtrace.v1.AgentService/GetGrowth',
             kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthRequest.SerializeToString,
             kvtrace_dot_v1_dot_agent__service__pb2.GetGrowthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVllmEngines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/GetVllmEngines',
+            kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesResponse.FromString,
             options,
             channel_credentials,
             insecure,
