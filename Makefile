@@ -18,12 +18,16 @@ $(STAMP): pyproject.toml packaging/setup-host.sh
 	bash packaging/setup-host.sh
 	touch $@
 
-# promtool (Debian ships it only in package `prometheus`) checks packaging/prometheus/ in the tests;
-# that package also starts a Prometheus server, which a test host does not want: disable it.
+# promtool (Debian ships it only in package `prometheus`) checks packaging/prometheus/ in the tests, and
+# amtool (package `prometheus-alertmanager`) packaging/alertmanager/;
+# those packages also start their servers, which a test host does not want: disable them.
 promtool:
 	@command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null && \
 	  { systemctl disable --now prometheus >/dev/null 2>&1 || true; }; }
+	@command -v amtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null && \
+	  { systemctl disable --now prometheus-alertmanager >/dev/null 2>&1 || true; }; }
 
 $(BUF):
 	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \

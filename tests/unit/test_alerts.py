@@ -19,7 +19,10 @@ RULE_TESTS = RULES_DIR / "kvtrace-alerts.test.yml"
 EXPORTED = {spec.name for spec in METRICS}
 # The five, and two that guard the others.
 EXPECTED_ALERTS = {"KvtraceGpuMemoryGrowing", "KvtraceGpuMemoryAlmostFull", "KvtraceTimeToOomShort",
-                   "KvtraceLeakSuspects", "KvtraceEventsLost", "KvtraceComponentDown", "KvtraceLedgerFull"}
+                   "KvtraceLeakSuspects", "KvtraceEventsLost", "KvtraceComponentDown", "KvtraceLedgerFull",
+                   # group kvtrace-vllm, one per detector (tests/unit/test_vllm_recipe.py checks the rest)
+                   "KvtraceVllmBlocksHeldAfterFinish", "KvtraceVllmKvUsageStuck", "KvtraceVllmFreeBlocksFalling",
+                   "KvtraceVllmLowBlockFreeRatio", "KvtraceVllmIdleGrowth", "KvtraceVllmSleepResidue"}
 
 
 def promtool() -> str:

@@ -21,8 +21,9 @@ DOCKERFILE = ROOT / "packaging/docker/Dockerfile"
 # an operator's addition for kernels older than 6.6, never the default.
 ALLOWED_CAPABILITIES = {"CAP_BPF", "CAP_PERFMON", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}
 # Host paths the DaemonSet may mount, and the only one it may write to.
-ALLOWED_HOST_PATHS = {"/sys/kernel/tracing", "/sys/kernel/btf", "/lib/modules", "/usr/src", "/run/kvtrace"}
-WRITABLE_HOST_PATHS = {"/run/kvtrace"}
+ALLOWED_HOST_PATHS = {"/sys/kernel/tracing", "/sys/kernel/btf", "/lib/modules", "/usr/src", "/run/kvtrace",
+                      "/run/kvtrace-vllm"}
+WRITABLE_HOST_PATHS = {"/run/kvtrace", "/run/kvtrace-vllm"}
 
 
 def read_unit(path: Path = UNIT) -> dict[str, dict[str, list[str]]]:
@@ -104,6 +105,8 @@ def test_unit_grants_only_the_capabilities_the_agent_needs():
     ("LimitMEMLOCK", "infinity"),
     ("RuntimeDirectory", "kvtrace"),
     ("RuntimeDirectoryMode", "0750"),
+    ("ReadWritePaths", "/run/kvtrace-vllm"),
+    ("ExecStartPre", "+/usr/bin/install -d -m 0755 /run/kvtrace-vllm"),
     ("Group", "kvtrace"),
     ("UMask", "0077"),
     ("Restart", "on-failure"),
