@@ -14,7 +14,11 @@ KVTRACE = [sys.executable, "-m", "kvtrace.cli.main"]
 
 class AgentProcess:
     def __init__(self, socket: Path, *args: str) -> None:
+        """The vLLM plugin's socket goes next to `socket` unless `args` say where (never the host's
+        /run/kvtrace-vllm: tests run agents side by side)."""
         self.socket = socket
+        if "--vllm-socket" not in args:
+            args = (*args, "--vllm-socket", str(socket.parent / f"{socket.stem}-vllm.sock"))
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._stdout = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
