@@ -4,7 +4,8 @@
 #   bash tests/gpu/run.sh blocks [pytest args]         # tests/gpu/test_torch_blocks.py only
 #   bash tests/gpu/run.sh bench [bench args]           # bench/gpu_overhead.py: overhead, side by side
 #   bash tests/gpu/run.sh blocks-bench [bench args]    # bench/torch_blocks_overhead.py: block tracing's cost
-#   bash tests/gpu/run.sh vllm [pytest args]           # tests/gpu/test_vllm_placement.py, with the vLLM bundle
+#   bash tests/gpu/run.sh vllm [pytest args]           # tests/gpu/test_vllm*.py, with the vLLM bundle
+#   bash tests/gpu/run.sh vllm-bench [bench args]      # bench/vllm_overhead.py: tokens/s untraced, traced, plugin
 #     (upload .vllm+.vllm1, `bash .vllm/install.sh`; then .vllm+.vllm2 and again: it lands in /tmp/vsite)
 # That machine has torch but no bcc and no package registry: bcc comes as the bundle that
 # ../shared/tools/bcc-bundle makes (.bcc/bcc-bundle.tar.xz), missing pure-Python packages as
@@ -12,7 +13,7 @@
 # grpcio-reflection==1.76.0). Both are used only when bcc or a package is not importable already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run.sh tests|blocks|bench|blocks-bench|vllm [args]}; shift
+what=${1:?usage: run.sh tests|blocks|bench|blocks-bench|vllm|vllm-bench [args]}; shift
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
@@ -37,9 +38,12 @@ case $what in
   blocks) exec $python -m pytest tests/gpu/test_torch_blocks.py -s -q -p no:cacheprovider "$@" ;;
   bench) exec $python bench/gpu_overhead.py "$@" ;;
   blocks-bench) exec $python bench/torch_blocks_overhead.py "$@" ;;
-  vllm)
+  vllm|vllm-bench)
     [ -f /tmp/vsite/.vllm_bundle_ok ] || { echo "vLLM is not installed in /tmp/vsite: bash .vllm/install.sh (twice)" >&2; exit 1; }
     export PYTHONPATH=$PYTHONPATH:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0
-    exec $python -m pytest tests/gpu/test_vllm_placement.py -s -q -p no:cacheprovider "$@" ;;
-  *) echo "usage: run.sh tests|blocks|bench|blocks-bench|vllm [args]" >&2; exit 2 ;;
+    if [ "$what" = vllm ]; then
+      exec $python -m pytest tests/gpu/test_vllm.py tests/gpu/test_vllm_placement.py -s -q -p no:cacheprovider "$@"
+    fi
+    exec $python bench/vllm_overhead.py "$@" ;;
+  *) echo "usage: run.sh tests|blocks|bench|blocks-bench|vllm|vllm-bench [args]" >&2; exit 2 ;;
 esac
