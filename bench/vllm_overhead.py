@@ -2,8 +2,8 @@
 measured side by side in one run (as root on the GPU machine, with the vLLM bundle installed).
 
 Three engines (tests/gpu/workloads/vllm_engine.py: random 8-layer Llama, no sleep mode, 0.2 of the
-GPU each) run at once, idle but one: rounds make each generate in turn, the order rotated each
-round, so that drift on the machine hits all alike.
+GPU each), started one after the other, then all alive, idle but one: rounds make each generate in
+turn, the order rotated each round, so that drift on the machine hits all alike.
 
   untraced   nothing attached to its processes
   traced     the real `kvtrace agent -p ...` (probes and Python stacks on its processes)
@@ -115,11 +115,12 @@ def main() -> None:
         envs = {"untraced": base, "traced": base,
                 "plugin": dict(base, KVTRACE_VLLM_PLUGIN="1", KVTRACE_VLLM_SOCKET=str(plugin_socket),
                                PYTHONPATH=os.pathsep.join([str(site), base.get("PYTHONPATH", "")]))}
-        progress("starting three engines")
-        engines = {mode: Engine(mode, envs[mode]) for mode in MODES}
+        engines: dict[str, Engine] = {}
         try:
-            for engine in engines.values():
-                engine.expect("ready")
+            for mode in MODES:  # one at a time: vLLM's start-up memory profile must not see another's
+                progress(f"starting the {mode} engine")
+                engines[mode] = Engine(mode, envs[mode])
+                engines[mode].expect("ready")
             progress("engines ready; starting the agent on the traced and plugin engines")
             pid_args = [arg for mode in ("traced", "plugin") for pid in engines[mode].pids()
                         for arg in ("-p", str(pid))]
