@@ -22,13 +22,15 @@ import pytest
 from agent_process import AgentProcess
 from conftest import check_all, wait_for
 from kvtrace.client import AgentClient
+from kvtrace.model.events import Memory
 
 ENGINE = Path(__file__).parent / "workloads" / "vllm_engine.py"
 MiB = 1 << 20
 
 
 def _vllm_rows(socket) -> dict[int, dict[tuple[int, int], int]]:
-    """pid -> (device, layer) -> outstanding bytes, for the processes vLLM titled."""
+    """pid -> (device, layer) -> outstanding device bytes, for the processes vLLM titled (pinned host
+    memory is on no device)."""
     with AgentClient.for_socket(socket) as client:
         processes = client.processes()
     rows: dict[int, dict[tuple[int, int], int]] = {}
@@ -36,7 +38,8 @@ def _vllm_rows(socket) -> dict[int, dict[tuple[int, int], int]]:
         if process.title.startswith("VLLM::"):
             totals: dict[tuple[int, int], int] = defaultdict(int)
             for total in process.totals:
-                totals[(total.device, total.layer)] += total.size_bytes
+                if total.memory == Memory.DEVICE:
+                    totals[(total.device, total.layer)] += total.size_bytes
             rows[process.pid] = dict(totals)
     return rows
 

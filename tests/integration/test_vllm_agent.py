@@ -13,13 +13,17 @@ THEN the agent ties the reports to the engine by the kernel's sender pid; the ro
 aborted request (not the recent one) and says the usage is stuck; /metrics has the roles, the engine's
 figures and the findings; a malformed datagram from another process is rejected and counted.
 """
+import http.server
 import json
+import os
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +86,30 @@ TARGET = textwrap.dedent("""
 
 
 @pytest.fixture
+def vllm_metrics_server():
+    """vLLM's /metrics as its API server serves it (vLLM 0.24's names, one engine), from this process: the
+    stand-in engine's parent, as `vllm serve` is EngineCore's."""
+    recorded = (Path(__file__).parents[1] / "unit" / "data" / "vllm_0_24_metrics.txt").read_text()
+    body = "\n".join(line for line in recorded.splitlines() if 'engine="1"' not in line).encode() + b"\n"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
 def bpf_here():
     from harness import require_tracing_here
 
@@ -96,7 +124,7 @@ def _metrics(text: str) -> dict[tuple[str, frozenset], float]:
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def test_a_vllm_engines_roles_reports_and_findings(tmp_path, bpf_here, stub_build):
+def test_a_vllm_engines_roles_reports_and_findings(tmp_path, bpf_here, stub_build, vllm_metrics_server):
     script = tmp_path / "engine.py"
     script.write_text(TARGET)
     socket_path = tmp_path / "kvtrace.sock"
@@ -106,7 +134,8 @@ def test_a_vllm_engines_roles_reports_and_findings(tmp_path, bpf_here, stub_buil
     try:
         assert target.stdout.readline().strip() == "ready"
         with AgentProcess(socket_path, "-p", str(target.pid), "--no-nvml", "--vllm-socket", str(plugin_socket),
-                          "--vllm-stuck-seconds", "1", "--site-sample-interval", "1") as agent:
+                          "--vllm-stuck-seconds", "1", "--site-sample-interval", "1",
+                          "--vllm-metrics-url", vllm_metrics_server, "--no-vllm-discovery") as agent:
             time.sleep(1.0)  # the agent reads the target's Python runtime before it allocates
             target.stdin.write("go\n")
             target.stdin.flush()
@@ -122,7 +151,8 @@ def test_a_vllm_engines_roles_reports_and_findings(tmp_path, bpf_here, stub_buil
                 findings = {finding["kind"] for finding in report.get("findings", ())}
                 engines = report.get("engines", [])
                 if ({"blocks_held_after_finish", "stuck_kv_usage"} <= findings and engines
-                        and engines[0]["role_bytes"].get("kv_cache") == 132 * MiB) or time.monotonic() > deadline:
+                        and engines[0]["role_bytes"].get("kv_cache") == 132 * MiB
+                        and engines[0]["metrics_kv_cache_usage_ratio"] is not None) or time.monotonic() > deadline:
                     break
                 target.stdin.write("again\n")
                 target.stdin.flush()
@@ -141,7 +171,9 @@ def test_a_vllm_engines_roles_reports_and_findings(tmp_path, bpf_here, stub_buil
         assert (engine["engine_pid"], engine["title"], engine["plugin"]) == (target.pid, "VLLM::EngineCore", True)
         assert (engine["blocks_total"], engine["blocks_free"], engine["page_size_bytes"]) == (1000, 990, 65536)
         assert engine["kv_tensor_bytes"] == 132 * MiB
-        assert engine["kv_cache_usage_ratio"] == pytest.approx(0.01)
+        assert engine["kv_cache_usage_ratio"] == pytest.approx(0.01)  # the plugin's, beside vLLM's own figure:
+        assert (engine["api_server_pid"], engine["metrics_url"]) == (os.getpid(), vllm_metrics_server)
+        assert engine["metrics_kv_cache_usage_ratio"] == 0.4375
         assert engine["role_bytes"] == {"kv_cache": 132 * MiB, "weights": 32 * MiB, "activations": 16 * MiB,
                                         "other": 8 * MiB}
         assert engine["traced_bytes"] == 188 * MiB

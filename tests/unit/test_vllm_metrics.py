@@ -496,3 +496,15 @@ def test_a_flag_given_url_is_tied_to_the_process_listening_on_its_port(tmp_path)
     assert port_owner("http://127.0.0.1:8001/metrics", proc) == 0  # established, not listening
     assert port_owner("http://10.1.2.3:8000/metrics", proc) == 0  # 127.0.0.1 only: not that address
     assert port_owner("http://vllm.example:8000/metrics", proc) == 0  # no name lookups
+
+
+def test_a_flag_given_url_that_comes_up_later_is_tied_to_its_process_at_once(server):
+    """The agent usually starts before vLLM: the URL's process is looked for again as soon as the URL
+    answers, not only every OWNER_RETRY_SECONDS."""
+    base, _ = server
+    url = f"{base}/metrics"
+    session = Session()
+    scraper = VllmMetricsScraper(session, urls=(url,), discover=False)
+    scraper._url_owners[url] = (0, None, time.monotonic())  # looked for a moment ago, before it was up
+    scraper.scrape_once()
+    assert session.vllm_view().metrics[url].api_server_pid == os.getpid()

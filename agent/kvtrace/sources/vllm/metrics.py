@@ -432,6 +432,7 @@ class VllmMetricsScraper:
         self._ingested_urls: set[str] = set()  # discovered URLs in the Session: dropped when their process goes
         self._reported = False
         self._url_owners: dict[str, tuple[int, int | None, float]] = {}  # url -> (pid, start ticks, looked at)
+        self._answered: set[str] = set()  # flag-given URLs looked up right after they first answered
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -470,9 +471,12 @@ class VllmMetricsScraper:
             if url in scraped or self._stop.is_set():
                 continue
             scraped.add(url)
-            error = self._scrape_url(url, self._owner(url))
+            owner = self._owner(url)
+            error = self._scrape_url(url, owner)
             if error:
                 problems.append(error)
+            elif not owner and self._owner(url, answered=True):  # up now: its process is there to find
+                self._scrape_url(url, self._owner(url))
         self._report(scraped, problems, notes)
 
     def _discover(self, problems: list[str], notes: list[str]) -> None:
@@ -499,15 +503,18 @@ class VllmMetricsScraper:
         for pid in [pid for pid in self._servers if pid not in alive]:
             self._drop(self._servers.pop(pid))
 
-    def _owner(self, url: str) -> int:
+    def _owner(self, url: str, answered: bool = False) -> int:
         """The pid serving a flag-given URL (0: not found), looked up again when that process is gone
-        and, while none is found, at most every OWNER_RETRY_SECONDS."""
+        and, while none is found, at most every OWNER_RETRY_SECONDS, or at once when the URL has just
+        `answered` (a server that was not up yet when last looked for)."""
         pid, ticks, looked_at = self._url_owners.get(url, (0, None, -OWNER_RETRY_SECONDS))
         if pid and start_ticks(pid, self.proc) == ticks:
             return pid
         now = time.monotonic()
-        if not pid and now - looked_at < OWNER_RETRY_SECONDS:
+        if not pid and now - looked_at < OWNER_RETRY_SECONDS and not (answered and url not in self._answered):
             return 0
+        if answered:
+            self._answered.add(url)
         pid = port_owner(url, self.proc)
         self._url_owners[url] = (pid, start_ticks(pid, self.proc) if pid else None, now)
         return pid
