@@ -383,3 +383,31 @@ def test_the_analyzer_publishes_engines_and_findings():
     (engine,) = snapshot.vllm_engines
     assert engine.engine_pid == 100 and engine.blocks_held_after_finish == 10
     assert kinds(snapshot.vllm_findings) == [FindingKind.BLOCKS_HELD_AFTER_FINISH]
+
+
+def test_memory_mapped_back_at_wake_is_no_growth_and_a_quick_wake_and_sleep_is_a_new_cycle():
+    """Seen on the H200: waking maps the pools back (+27.5 GiB with no request) and was taken for idle
+    growth; a wake and the next sleep inside one tick left the second sleep without its predecessor."""
+    host = Host({100: process(100, "VLLM::EngineCore")})
+    pools = (SleepPool("weights", GiB, 0), SleepPool("kv_cache", 27 * GiB, 0))
+    for second in range(20):  # idle and flat, asleep from second 5
+        host.view.schedulers[100] = report(100, second)
+        if second == 5:
+            host.view.sleeps[100] = (SleepReport(100, (T0 + 5) * NS, 1, pools),)
+        host.traced[(100, 0)] = 2 * GiB if second >= 5 else 30 * GiB
+        engine, findings = host.engine()
+    assert engine.sleep_residual_bytes == 2 * GiB and engine.previous_sleep_residual_bytes is None
+    # woke and slept again between two ticks: a second cycle, its predecessor the first
+    host.view.sleeps[100] += (SleepReport(100, (T0 + 20) * NS, 0, ()),
+                              SleepReport(100, int((T0 + 20.5) * NS), 2, pools))
+    host.traced[(100, 0)] = 2 * GiB + 100 * MiB
+    engine, findings = host.engine()
+    assert (engine.sleep_level, engine.previous_sleep_residual_bytes) == (2, 2 * GiB)
+    assert kinds(findings) == [FindingKind.SLEEP_RESIDUE]  # 100 MiB more than the last sleep's residue
+    # awake: the pools come back at once, with no request running: not growth
+    host.view.sleeps[100] += (SleepReport(100, (T0 + 22) * NS, 0, ()),)
+    for second in range(22, 40):
+        host.view.schedulers[100] = report(100, second)
+        host.traced[(100, 0)] = 30 * GiB
+        engine, findings = host.engine()
+        assert FindingKind.IDLE_GROWTH not in kinds(findings), (second, findings)

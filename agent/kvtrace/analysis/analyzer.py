@@ -64,6 +64,10 @@ class AnalysisOptions:
     vllm: VllmOptions = field(default_factory=VllmOptions)  # the vLLM detectors' thresholds
 
 
+# After the vLLM plugin said memory moved (a KV layout, a sleep or wake), roles are sampled at once and
+# again this much later, when the probes' events of the move have surely arrived.
+ROLES_AGAIN_NS = 2 * 1_000_000_000
+
 # Analysis reports in every interval_seconds; silent this long, its figures are stale.
 STALE_AFTER_SECONDS = 60.0
 
@@ -149,6 +153,8 @@ class Analyzer:
         moved = self._vllm_memory_moved(vllm_view)
         if view.entries is not None and (now_ns >= self._next_site_sample_ns or moved):
             self._sample_sites(view, view.entries, now_ns, vllm_view)
+            if moved:  # and again shortly: the probes' events of that memory may still be on their way
+                self._next_site_sample_ns = min(self._next_site_sample_ns, now_ns + ROLES_AGAIN_NS)
         elif moved:
             self._next_site_sample_ns = 0  # roles now: the next tick copies the entries
         engines, findings = self._vllm.update(vllm_view, self.session.known_processes(), traced, self._role_bytes,

@@ -86,6 +86,10 @@ class _EngineState:
     # Idle samples (monotonic ns, wall ns, traced bytes) over the last minute; cleared by a request.
     idle: deque[tuple[int, int, int]] = field(default_factory=deque)
     asleep: bool = False
+    # The last sleep/wake seen (latest report's time, level): memory that sleep() releases and wake_up()
+    # maps back is not growth, so a change restarts the idle window.
+    sleep_mark: tuple[int, int] = (0, 0)
+    asleep_report_ns: int = 0  # the report that started the current sleep
     asleep_since_ns: int = 0
     residue_bytes: int | None = None  # of the current (or, awake, the last) sleep
     previous_residue_bytes: int | None = None  # of the sleep before
@@ -211,7 +215,7 @@ class VllmAnalysis:
             if stuck_seconds >= options.stuck_usage_seconds:
                 findings.append(VllmFinding(
                     FindingKind.STUCK_KV_USAGE, pid,
-                    f"KV cache usage {figures.usage:.1%} with no request running or waiting for "
+                    f"KV cache usage {_usage_text(figures.usage, scheduler)} with no request running or waiting for "
                     f"{stuck_seconds:.0f} s (limit {options.stuck_usage_seconds:g} s): blocks never went back to "
                     f"the pool; see `kvtrace vllm --pid {pid}` for the requests holding them",
                     figures.usage or 0.0, 0.0, state.stuck_since_ns))
@@ -222,6 +226,11 @@ class VllmAnalysis:
         warming_up = info is not None and info.start_time > 0 and \
             now_wall_ns - int(info.start_time * NS_PER_SECOND) < options.cold_start_seconds * NS_PER_SECOND
         idle_growth_bytes_per_second = 0.0
+        sleep_level = _sleep_level(sleeps, metrics)
+        sleep_mark = (max((report.timestamp_ns for report in sleeps), default=0), sleep_level)
+        if sleep_mark != state.sleep_mark:
+            state.sleep_mark = sleep_mark
+            state.idle.clear()  # slept or woke: the pools went or came back, which is no growth
         if figures.running == 0 and not warming_up:
             state.idle.append((now_monotonic_ns, now_wall_ns, traced_bytes))
             while state.idle[0][0] < now_monotonic_ns - SHORT_WINDOW_SECONDS * NS_PER_SECOND:
@@ -234,15 +243,17 @@ class VllmAnalysis:
             state.idle.clear()  # a request ran, the cold start is on, or no source says: not idle
 
         # ---- sleep ----
-        sleep_level = _sleep_level(sleeps, metrics)
         held_by_tag: dict[str, int] = {}
         for report in sleeps:
             if report.level > 0:
                 for pool in report.pools:
                     held_by_tag[pool.tag] = held_by_tag.get(pool.tag, 0) + pool.mapped_bytes
         if sleep_level > 0:
-            if not state.asleep:  # a new sleep: the last one's residue is the one to compare with
+            # A new sleep: the last one's residue is the one to compare with. A sleep report of its own
+            # says so even when no tick saw the engine awake in between (a quick wake and sleep).
+            if not state.asleep or state.asleep_report_ns != sleep_mark[0]:
                 state.asleep = True
+                state.asleep_report_ns = sleep_mark[0]
                 state.asleep_since_ns = max((report.timestamp_ns for report in sleeps if report.level > 0),
                                             default=now_wall_ns)
                 state.previous_residue_bytes = state.residue_bytes
@@ -404,6 +415,14 @@ def _figures(scheduler: SchedulerReport | None, metrics: EngineMetrics | None,
                         round(metrics.requests_waiting) if metrics.requests_waiting is not None else None,
                         sample.timestamp_ns)
     return _Figures()
+
+
+def _usage_text(usage: float | None, scheduler: SchedulerReport | None) -> str:
+    """"0.04% (20 of 55344 blocks)": a usage too small for a percentage alone says how many blocks."""
+    text = f"{usage or 0.0:.2%}"
+    if scheduler is not None:
+        text += f" ({scheduler.blocks_total - scheduler.blocks_free} of {scheduler.blocks_total} blocks)"
+    return text
 
 
 def _sleep_level(sleeps: list, metrics: EngineMetrics | None) -> int:
