@@ -162,9 +162,9 @@ class Daemon:
         self._start_vllm()
 
     def _start_vllm(self) -> None:
-        """The plugin's socket and vLLM's /metrics. After the API, so that the directory both sockets share
-        (/run/kvtrace) is made with the API's mode when it makes it. Neither stops the agent: a socket that
-        cannot be bound leaves the vllm_plugin component down with the reason."""
+        """The plugin's socket (in a directory of its own, /run/kvtrace-vllm by default, apart from the
+        API's) and vLLM's /metrics. Neither stops the agent: a socket that cannot be bound leaves the
+        vllm_plugin component down with the reason."""
         if self.options.vllm_socket:
             from kvtrace.sources.vllm.listener import VllmListener
 

@@ -15,6 +15,7 @@ consistent copy taken under `lock`, never a live view. Writers hold the lock for
 """
 from __future__ import annotations
 
+import dataclasses
 import platform
 import threading
 import time
@@ -53,8 +54,15 @@ from kvtrace.model.vllm import (
 
 Record = Event | EventsLost | NvmlSample | VllmRecord
 
-# Sleep/wake reports kept per process: enough to compare one cycle with the last.
+# Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
+# tests see a process's last few transitions).
 SLEEP_REPORTS_KEPT = 8
+
+
+def _same_but_time(kept: KvCacheLayout | SleepReport | None, new: KvCacheLayout | SleepReport) -> bool:
+    """`new` says what `kept` said: the plugin sends its layout and sleep state again (to an agent that
+    restarted), and a repeat is no new event — its time would restart a sleep cycle or a role sample."""
+    return kept is not None and dataclasses.replace(new, timestamp_ns=kept.timestamp_ns) == kept
 
 
 class NativeNames(Protocol):
@@ -145,9 +153,12 @@ class Session:
                 elif type(record) is SchedulerReport:
                     self._schedulers[record.pid] = record
                 elif type(record) is KvCacheLayout:
-                    self._kv_layouts[record.pid] = record
+                    if not _same_but_time(self._kv_layouts.get(record.pid), record):
+                        self._kv_layouts[record.pid] = record
                 elif type(record) is SleepReport:
-                    self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT)).append(record)
+                    reports = self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT))
+                    if not reports or not _same_but_time(reports[-1], record):
+                        reports.append(record)
                 elif type(record) is VllmMetricsSample:
                     self._vllm_metrics[record.url] = record
                 else:
@@ -166,7 +177,7 @@ class Session:
     def _forget_process(self, pid: int) -> None:
         self.ledger.forget_counters(pid)
         self.processes.forget(pid)
-        self._kv_layouts.pop(pid, None)
+        self._kv_layouts.pop(pid, None)  # as forget_vllm, under the lock already held
         self._schedulers.pop(pid, None)
         self._sleeps.pop(pid, None)
         with self._native_lock:
@@ -304,6 +315,13 @@ class Session:
             return VllmView(dict(self._kv_layouts), dict(self._schedulers),
                             {pid: tuple(reports) for pid, reports in self._sleeps.items()},
                             dict(self._vllm_metrics))
+
+    def forget_vllm(self, pid: int) -> None:
+        """The vLLM plugin's records of `pid` go (the listener no longer follows it); its traced memory stays."""
+        with self.lock:
+            self._kv_layouts.pop(pid, None)
+            self._schedulers.pop(pid, None)
+            self._sleeps.pop(pid, None)
 
     def forget_vllm_metrics(self, url: str) -> None:
         """A /metrics URL no longer scraped (its API server is gone)."""

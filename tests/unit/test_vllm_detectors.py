@@ -411,3 +411,16 @@ def test_memory_mapped_back_at_wake_is_no_growth_and_a_quick_wake_and_sleep_is_a
         host.traced[(100, 0)] = 30 * GiB
         engine, findings = host.engine()
         assert FindingKind.IDLE_GROWTH not in kinds(findings), (second, findings)
+
+
+def test_a_scheduler_report_that_stopped_coming_is_not_taken_for_now():
+    """The plugin's scheduler part may switch itself off after an error: its last report (holders,
+    usage) must not stand for the engine's state for ever."""
+    host = Host({100: process(100, "VLLM::EngineCore")})
+    held = (KvRequest("r-1", RequestState.ABORTED, 4, 100.0),)
+    host.view.schedulers[100] = report(100, 0, free=990, requests=held)
+    engine, findings = host.engine()
+    assert engine.blocks_free == 990 and kinds(findings) == [FindingKind.BLOCKS_HELD_AFTER_FINISH]
+    host.tick(11)  # no report for 11 s
+    engine, findings = host.engine()
+    assert engine.blocks_free is None and engine.kv_cache_usage_ratio is None and findings == []

@@ -61,6 +61,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - http.server's name
         if self.path == "/slow":
             time.sleep(1.0)
+        if self.path == "/drip":  # a byte at a time, each well within the socket's timeout
+            self.send_response(200)
+            self.end_headers()
+            try:
+                for _ in range(40):
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                pass
+            return
         if self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "http://127.0.0.1:1/metrics")
@@ -161,6 +172,7 @@ def test_scraping_a_url_ingests_its_engines_and_reports_up(server):
     ("/garbage", "no vllm: series (is it vLLM's OpenAI server? give its /metrics with --vllm-metrics-url)"),
     ("/malformed", "not Prometheus text"),
     ("/redirect", "HTTP 302"),
+    ("/drip", "the body took more than 0.75 s"),
 ])
 def test_a_failed_scrape_is_a_sample_with_an_error_and_the_component_down(path, says, server):
     base, _ = server
@@ -495,6 +507,7 @@ def test_a_flag_given_url_is_tied_to_the_process_listening_on_its_port(tmp_path)
     assert port_owner("http://127.0.0.1:22/metrics", proc) == 42  # a wildcard listener takes loopback too
     assert port_owner("http://127.0.0.1:8001/metrics", proc) == 0  # established, not listening
     assert port_owner("http://10.1.2.3:8000/metrics", proc) == 0  # 127.0.0.1 only: not that address
+    assert port_owner("http://10.1.2.3:22/metrics", proc) == 0  # a wildcard here, but maybe another machine
     assert port_owner("http://vllm.example:8000/metrics", proc) == 0  # no name lookups
 
 

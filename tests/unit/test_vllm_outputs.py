@@ -83,7 +83,7 @@ def bare_engine() -> VllmEngine:
     """An engine found by title only: no plugin, /metrics' usage and requests."""
     return VllmEngine(OTHER_ENGINE, "VLLM::EngineCore_DP1", (OTHER_ENGINE,), traced_bytes=3 * GiB,
                       kv_cache_usage_ratio=0.25, metrics_kv_cache_usage_ratio=0.25, requests_running=0,
-                      requests_waiting=0)
+                      requests_waiting=0, metrics_url="http://127.0.0.1:8001/metrics")
 
 
 def snapshot(**changes) -> AnalysisSnapshot:
@@ -488,3 +488,12 @@ def test_top_shows_roles_when_asked():
     assert "kv 27.0G act 1.2G w 512M" in with_roles[5] and with_roles[5].rstrip().endswith(ENGINE_TITLE)
     assert with_roles[6].split()[-2:] == ["-", "VLLM::Worker_TP0"]
     assert with_roles[-1].startswith("ROLES: kv KV cache") and vllm_growth is growth
+
+
+def test_an_engine_known_by_title_alone_exports_no_figure_it_does_not_have():
+    """No plugin and no /metrics: whether requests run and whether it sleeps are not known, so neither
+    idle growth nor a sleep level is exported (a 0 would look healthy)."""
+    bare = VllmEngine(ENGINE, "VLLM::EngineCore", (ENGINE,), traced_bytes=GiB)
+    names = {sample.split("{")[0] for sample in exposition(snapshot(vllm_engines=(bare,), vllm_findings=()))}
+    assert "kvtrace_vllm_idle_growth_bytes_per_second" not in names and "kvtrace_vllm_sleep_level" not in names
+    assert "kvtrace_vllm_warming_up" in names

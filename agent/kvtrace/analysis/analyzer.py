@@ -101,6 +101,7 @@ class Analyzer:
         self._role_memo = RoleMemo()
         self._vllm = VllmAnalysis(options.vllm)
         self._vllm_marks: tuple[dict[int, int], dict[int, int]] = ({}, {})  # layouts', sleeps' timestamps
+        self._roles_again_ns = 0  # monotonic: a second role sample after the vLLM plugin said memory moved
 
     def tick(self) -> None:
         """Called by the agent loop after each poll; analyses once per interval."""
@@ -150,13 +151,15 @@ class Analyzer:
             self._counts.setdefault(pid, WindowIncrease()).add(
                 now_ns, (view.allocations_total.get(pid, 0), view.frees_total.get(pid, 0)))
         vllm_view = self.session.vllm_view()
-        moved = self._vllm_memory_moved(vllm_view)
-        if view.entries is not None and (now_ns >= self._next_site_sample_ns or moved):
+        if self._vllm_memory_moved(vllm_view):
+            # Roles now (the next tick copies the entries) and again shortly after: the probes' events of
+            # that memory may still be on their way.
+            self._next_site_sample_ns = 0
+            self._roles_again_ns = now_ns + ROLES_AGAIN_NS
+        if view.entries is not None and now_ns >= self._next_site_sample_ns:
             self._sample_sites(view, view.entries, now_ns, vllm_view)
-            if moved:  # and again shortly: the probes' events of that memory may still be on their way
-                self._next_site_sample_ns = min(self._next_site_sample_ns, now_ns + ROLES_AGAIN_NS)
-        elif moved:
-            self._next_site_sample_ns = 0  # roles now: the next tick copies the entries
+            if self._roles_again_ns > now_ns:
+                self._next_site_sample_ns = min(self._next_site_sample_ns, self._roles_again_ns)
         engines, findings = self._vllm.update(vllm_view, self.session.known_processes(), traced, self._role_bytes,
                                               view.wall_ns, now_ns)
         self.latest = AnalysisSnapshot(

@@ -52,6 +52,8 @@ API_SERVER_TITLE = "VLLM::APIServer"
 _DATA_PARALLEL_RANK = re.compile(r"VLLM::EngineCore_DP(\d+)")
 MAX_PARENT_DEPTH = 8  # a worker's parent chain is walked this far looking for its engine
 REQUEST_IDS_IN_MESSAGE = 3
+# The plugin reports once a second; a scheduler report older than this is no longer the engine's state.
+SCHEDULER_STALE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class VllmAnalysis:
         state = self._states.setdefault(pid, _EngineState())
         info = processes.get(pid)
         scheduler = view.schedulers.get(pid)
+        if scheduler is not None and now_wall_ns - scheduler.timestamp_ns > SCHEDULER_STALE_SECONDS * NS_PER_SECOND:
+            scheduler = None  # the plugin stopped reporting (its part switched off): its figures are not now's
         figures = _figures(scheduler, metrics, sample)
         worker_set = set(workers)
         traced_bytes = sum(traced_by_pid.get(worker, 0) for worker in workers)

@@ -4,7 +4,7 @@ of the vLLM detectors.
 
     sources/vllm/plugin.py (in vLLM) ──datagram──▶ sources/vllm/listener.py ─┐
     sources/vllm/metrics.py (the API server's /metrics) ─────────────────────┴▶ Session.ingest
-    Session ──vllm_view()──▶ analysis/vllm.py (engines, detectors) ──▶ AnalysisSnapshot.vllm
+    Session ──vllm_view()──▶ analysis/vllm.py (engines, detectors) ──▶ AnalysisSnapshot.vllm_engines, vllm_findings
 
 Records here are what sources hand to the Session; `VllmEngine` and `VllmFinding` are what analysis
 hands to the servers. Nothing here knows vLLM's classes or wire shapes: those stay in sources/vllm/.

@@ -139,11 +139,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "Block frees per block allocation of the engine over the last minute: about 0.95 is healthy, "
                "below 0.7 suggests blocks that are never given back. Absent without allocations in the minute."),
     MetricSpec("kvtrace_vllm_free_blocks_ratio", "gauge", "ratio", _ENGINE,
-               "Free KV-cache blocks at the engine's last idle moment over its free blocks at start: healthy "
-               "within 5 % of 1; falling means blocks stay held with nothing running."),
+               "Free KV-cache blocks at the engine's last idle moment over those at its first idle moment: "
+               "healthy within 5 % of 1; falling means blocks stay held with nothing running."),
     MetricSpec("kvtrace_vllm_idle_growth_bytes_per_second", "gauge", "bytes per second", _ENGINE,
                "Growth of the engine's traced device memory over the last minute while no request runs; 0 "
-               "while one runs."),
+               "while one runs; absent where neither the plugin nor /metrics says whether one runs."),
     MetricSpec("kvtrace_vllm_sleep_level", "gauge", "level", _ENGINE,
                "vLLM sleep mode of the engine: 0 awake, 1 weights offloaded to host memory and KV cache "
                "discarded, 2 both discarded."),
@@ -400,16 +400,22 @@ class KvtraceCollector:
                 families["kvtrace_vllm_block_allocations_per_second"].add_metric(
                     labels, engine.block_allocations_per_second)
                 families["kvtrace_vllm_block_frees_per_second"].add_metric(labels, engine.block_frees_per_second)
+            # Idle growth is measured only where something says whether requests run (the plugin or
+            # /metrics), the sleep level only where something reports it: elsewhere, absent.
+            known_running = engine.requests_running is not None
             for name, value in (("kvtrace_vllm_block_frees_per_allocation", engine.frees_per_allocation_1m),
                                 ("kvtrace_vllm_free_blocks_ratio", engine.free_blocks_ratio),
-                                ("kvtrace_vllm_idle_growth_bytes_per_second", engine.idle_growth_bytes_per_second)):
+                                ("kvtrace_vllm_idle_growth_bytes_per_second",
+                                 engine.idle_growth_bytes_per_second if known_running else None)):
                 if _finite(value):
                     families[name].add_metric(labels, value)
-            families["kvtrace_vllm_sleep_level"].add_metric(labels, engine.sleep_level)
+            if engine.plugin or engine.metrics_url:
+                families["kvtrace_vllm_sleep_level"].add_metric(labels, engine.sleep_level)
             if engine.sleep_residual_bytes is not None:
                 families["kvtrace_vllm_sleep_residual_bytes"].add_metric(labels, engine.sleep_residual_bytes)
             families["kvtrace_vllm_warming_up"].add_metric(labels, 1.0 if engine.warming_up else 0.0)
-        # Every kind for every engine (0: not found), so an alert can tell "fine" from "no data".
+        # Every kind for every engine (0: not found), so that a finding that ends shows as 0, not as a
+        # series that stops (a detector whose source is missing, e.g. no plugin, reads 0 too).
         pids = sorted({engine.engine_pid for engine in snapshot.vllm_engines} | set(findings))
         for pid in pids:
             for kind in FindingKind:

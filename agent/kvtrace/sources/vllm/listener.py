@@ -29,9 +29,11 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import stat
 import struct
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -237,6 +239,7 @@ class _Sender:
     create_time: float | None  # psutil's, None when it could not be read
     window_start: float  # monotonic start of the current one-second window
     count: int = 0
+    last_seen: float = 0.0  # monotonic: its last report taken
 
 
 class VllmListener:
@@ -327,20 +330,30 @@ class VllmListener:
             except OSError as error:
                 raise ListenerSetupError(f"cannot remove the stale socket {path}: {error.strerror}") from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        private = None
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
             except OSError:
                 pass  # the default buffer still works; bursts beyond it are lost by the sender (nonblocking)
-            sock.bind(self.path)
+            # Bound and given its mode in a directory of our own, then renamed into place: in the shared
+            # directory itself, someone who may write there could swap the new file for a symlink between
+            # bind and chmod, and the agent (root) would make the link's target 0666.
+            private = tempfile.mkdtemp(prefix=".k", dir=directory)  # short: a socket path has 107 bytes
+            staged = os.path.join(private, "s")
+            sock.bind(staged)
+            os.chmod(staged, self.socket_mode)
+            os.rename(staged, self.path)
             self._inode = os.lstat(self.path).st_ino
-            os.chmod(self.path, self.socket_mode)
             sock.settimeout(POLL_SECONDS)
         except OSError as error:
             sock.close()
             raise ListenerSetupError(f"cannot bind {path}: {error.strerror} (choose another --vllm-socket, "
                                      "or --vllm-socket off)") from None
+        finally:
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
         self._socket = sock
 
     def _reach_warning(self) -> str:
@@ -354,7 +367,8 @@ class VllmListener:
                 continue
             if not mode & stat.S_IXOTH:
                 return (f"{part} is mode {stat.S_IMODE(mode):04o}: vLLM processes of users other than root and "
-                        f"its group cannot reach {self.path} (make it 0751, e.g. RuntimeDirectoryMode=0751)")
+                        f"its group cannot reach {self.path} (make it searchable by others, chmod o+x; the "
+                        "packaged unit makes /run/kvtrace-vllm 0755)")
         return ""
 
     # ---- receiving ----
@@ -393,13 +407,18 @@ class VllmListener:
         if truncated:
             self._reject(f"larger than {protocol.MAX_DATAGRAM_BYTES} bytes", pid)
             return
-        if not self._admit(pid):
+        now = time.monotonic()
+        sender = self._senders.get(pid)
+        if sender is not None and not self._within_rate(sender, pid, now):
             return
         try:
             record = decode_message(data, pid, time.time_ns())
         except MessageError as error:
             self._reject(str(error), pid)
             return
+        if sender is None:  # a place only for a process whose report is good
+            sender = self._follow(pid, now)
+        sender.last_seen = now
         self.session.ingest(record)
 
     def _handle(self, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
@@ -417,17 +436,8 @@ class VllmListener:
                         pass
         self.handle_datagram(data, pid, truncated=bool(flags & socket.MSG_TRUNC))
 
-    def _admit(self, pid: int) -> bool:
-        """The per-pid rate limit and the bound on senders followed at once."""
-        now = time.monotonic()
-        sender = self._senders.get(pid)
-        if sender is None:
-            if len(self._senders) >= self.max_senders:
-                self._sweep()
-            if len(self._senders) >= self.max_senders:
-                self._reject(f"{self.max_senders} processes already report; this one is not followed", pid)
-                return False
-            sender = self._senders[pid] = _Sender(_create_time(pid), now)
+    def _within_rate(self, sender: _Sender, pid: int, now: float) -> bool:
+        """The per-pid rate limit: False (counted) for a message beyond it."""
         if now - sender.window_start >= 1.0:
             sender.window_start, sender.count = now, 0
         sender.count += 1
@@ -435,6 +445,21 @@ class VllmListener:
             self._reject(f"more than {self.max_messages_per_second_per_pid} messages a second", pid)
             return False
         return True
+
+    def _follow(self, pid: int, now: float) -> _Sender:
+        """A place for a new sender. With every place taken (after forgetting the gone), the one silent
+        longest gives its place and its records: no set of processes can keep an engine out, and what the
+        Session keeps stays bounded by max_senders."""
+        if len(self._senders) >= self.max_senders:
+            self._sweep()
+        if len(self._senders) >= self.max_senders:
+            silent = min(self._senders, key=lambda known: self._senders[known].last_seen)
+            del self._senders[silent]
+            self.session.forget_vllm(silent)
+            log.debug("vLLM plugin: %d processes report; pid %d, silent longest, was forgotten", self.max_senders,
+                      silent)
+        sender = self._senders[pid] = _Sender(_create_time(pid), now, count=1)
+        return sender
 
     def _reject(self, reason: str, pid: int) -> None:
         self.rejected += 1

@@ -54,6 +54,8 @@ MAX_URLS = 64  # --vllm-metrics-url given at most this often
 MAX_URL_CHARS = 2048
 MAX_REASON_CHARS = 600  # the component's reason: one line
 OWNER_RETRY_SECONDS = 30.0  # a flag-given URL whose process was not found is looked up again this often
+READ_CHUNK_BYTES = 64 << 10
+BODY_SECONDS_PER_TIMEOUT = 2.5  # the whole body within this many timeouts (vLLM's is tens of KiB)
 
 # The series read (sample names as scraped; counters end in _total).
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second: vLLM before 0.10
@@ -213,10 +215,11 @@ def metrics_urls(ports: Iterable[tuple[str, int]]) -> list[str]:
 
 
 def port_owner(url: str, proc: Path = PROC) -> int:
-    """The pid of the local process listening on `url`'s port (0 when the URL is not local or no process
-    of the agent's network namespace is found): the API server behind a --vllm-metrics-url, so that its
-    figures go to the engines it runs. Reads every process's descriptors: called once per URL and
-    process, not per scrape."""
+    """The pid of the local process listening on `url`'s port (0 when no process of the agent's network
+    namespace is found): the API server behind a --vllm-metrics-url, so that its figures go to the engines
+    it runs. Local means a loopback host, or the exact address a listener is bound to; a wildcard listener
+    is matched from loopback only (another address may be another machine). Reads every process's
+    descriptors: called once per URL and process, not per scrape."""
     parsed = urllib.parse.urlsplit(url)
     try:  # an address, or localhost: no name lookups from here
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
@@ -236,8 +239,10 @@ def port_owner(url: str, proc: Path = PROC) -> int:
             try:
                 hex_address, hex_port = fields[1].split(":")
                 address = ipaddress.ip_address(_address(hex_address))
-                if int(hex_port, 16) == port and (address.is_unspecified or address == host or host.is_loopback
-                                                  and address.is_loopback):
+                # The URL's host is this listener: its own address, or loopback reaching a wildcard or
+                # loopback listener. Any other host may be another machine with the same port open.
+                if int(hex_port, 16) == port and (address == host or host.is_loopback
+                                                  and (address.is_unspecified or address.is_loopback)):
                     inodes.add(int(fields[9]))
             except ValueError:
                 continue
@@ -367,10 +372,23 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 def fetch(url: str, timeout_seconds: float = TIMEOUT_SECONDS, max_bytes: int = MAX_RESPONSE_BYTES) -> str:
     """The body of GET `url`; ScrapeError with one line naming what failed and the fix."""
     hint = "check the address, or give vLLM's /metrics with --vllm-metrics-url"
+    deadline = time.monotonic() + BODY_SECONDS_PER_TIMEOUT * timeout_seconds
     try:
         with _OPENER.open(urllib.request.Request(url, headers={"Accept": "text/plain"}),
                           timeout=timeout_seconds) as response:
-            body = response.read(max_bytes + 1)
+            # In pieces against one deadline: the socket's timeout holds per read, and a server that
+            # drips a byte at a time would otherwise hold the scraper (every URL after it) for hours.
+            chunks, size = [], 0
+            while size <= max_bytes:
+                chunk = response.read1(READ_CHUNK_BYTES)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if time.monotonic() > deadline:
+                    raise ScrapeError(f"GET {url}: the body took more than "
+                                      f"{BODY_SECONDS_PER_TIMEOUT * timeout_seconds:g} s ({hint})")
+            body = b"".join(chunks)
     except urllib.error.HTTPError as error:
         raise ScrapeError(f"GET {url}: HTTP {error.code} {error.reason} ({hint})") from None
     except urllib.error.URLError as error:

@@ -16,9 +16,9 @@ once. Which process does what follows from what it runs:
 - the process that owns the CuMemAllocator (the same) sends a "sleep" message after sleep()/wake_up().
 
 While no agent is there (no socket at KVTRACE_VLLM_SOCKET) the reporter builds nothing: it looks for the
-socket once a second. An agent that starts later, or restarts (a new socket file), gets the KV layout and
-sleep state again at once, and every RESEND_SECONDS in any case, so an engine started before the agent is
-still known.
+socket once a second (the one-off layout and sleep messages are built, and dropped). An agent that starts
+later, or restarts (a new socket file), gets the KV layout and sleep state again at once, and every
+RESEND_SECONDS in any case, so an engine started before the agent is still known.
 
 Never harmful: every patch calls vLLM's original first and returns its result or raises its exception
 unchanged; kvtrace's own part runs after, inside `try`, and a part that fails once logs one warning
@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,7 +82,9 @@ class _State:
         self.pool_id = 0  # id() of the tracked BlockPool (0: none): the counters count only its blocks
         self.allocated_total = 0
         self.freed_total = 0
-        self.finish_notes: dict[str, tuple[float, bool]] = {}  # request id -> (monotonic, aborted)
+        # request id -> (monotonic, aborted), oldest first: dropping the oldest is O(1) (a plain dict's
+        # next(iter()) scans the slots of deleted keys: 5.6 µs per finished request, on vLLM's thread)
+        self.finish_notes: OrderedDict[str, tuple[float, bool]] = OrderedDict()
         self.orphans_first_seen: dict[str, float] = {}  # holders gone from scheduler.requests, unnoted
         # The last "kv_cache" / "sleep" datagrams of this process, sent again to a new agent.
         self.kv_message: bytes | None = None
@@ -109,6 +112,8 @@ def register() -> None:
             return
         path = os.environ.get(protocol.SOCKET_ENV) or protocol.DEFAULT_SOCKET
         with _STATE.lock:
+            if not _STATE.active:
+                os.register_at_fork(after_in_child=_after_fork_in_child)
             _STATE.socket_path = path
             _STATE.active = True
             if not any(getattr(finder, _FINDER_MARK, False) for finder in sys.meta_path):
@@ -275,7 +280,7 @@ def _note_finish(request_id: str, aborted: bool) -> None:
         return  # the first finish counts (finish_requests and _free_request both see it)
     notes[request_id] = (time.monotonic(), aborted)
     while len(notes) > FINISH_NOTES_MAX:
-        notes.pop(next(iter(notes)), None)
+        notes.popitem(last=False)
 
 
 def _track_scheduler(scheduler: Any) -> None:
@@ -292,6 +297,14 @@ def _track_scheduler(scheduler: Any) -> None:
         started = _ensure_reporter()
     if not started:  # a new reporter sends at once; the one already waiting would not for a second
         send_scheduler_report(scheduler)
+
+
+def _after_fork_in_child() -> None:
+    """A fork copies the locks as they were: one held by another thread at the fork would never be let
+    go in the child (vLLM forks its engine and workers). The child starts with fresh ones; its reporter
+    and socket are its own anyway (both are per pid)."""
+    _STATE.lock = threading.Lock()
+    _STATE.report_lock = threading.Lock()
 
 
 def _ensure_reporter() -> bool:
