@@ -424,3 +424,17 @@ def test_a_scheduler_report_that_stopped_coming_is_not_taken_for_now():
     host.tick(11)  # no report for 11 s
     engine, findings = host.engine()
     assert engine.blocks_free is None and engine.kv_cache_usage_ratio is None and findings == []
+
+
+def test_vllm_titles_with_another_prefix_are_vllms():
+    """VLLM_PROCESS_NAME_PREFIX changes the part before `::`; discovery and engine grouping follow one rule."""
+    from kvtrace.model.vllm import API_SERVER, ENGINE, WORKER, data_parallel_rank, vllm_part
+
+    assert [vllm_part(title) for title in ("VLLM::EngineCore", "ACME::EngineCore_DP1", "VLLM::Worker_TP0",
+                                           "VLLM::APIServer_0", "python3 serve.py", "VLLM:EngineCore")] == [
+        ENGINE, ENGINE, WORKER, API_SERVER, None, None]
+    assert [data_parallel_rank(title) for title in ("ACME::EngineCore_DP1", "VLLM::EngineCore")] == ["1", None]
+    host = Host({100: process(100, "ACME::EngineCore_DP1", parent=90),
+                 200: process(200, "ACME::Worker_TP0", parent=100), 90: process(90, "ACME::APIServer_0")})
+    (engine,), _ = host.tick()
+    assert (engine.engine_pid, engine.worker_pids, engine.api_server_pid) == (100, (100, 200), 90)

@@ -24,7 +24,6 @@ The detectors (defaults are the issue's seeds; each finding says the figures and
 """
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,9 @@ from kvtrace.analysis.roles import kv_ranges_of
 from kvtrace.human import human_bytes, printable, signed_bytes
 from kvtrace.model.processes import ProcessInfo
 from kvtrace.model.vllm import (
+    API_SERVER,
+    ENGINE,
+    WORKER,
     EngineMetrics,
     FindingKind,
     KvRequest,
@@ -43,13 +45,11 @@ from kvtrace.model.vllm import (
     VllmFinding,
     VllmMetricsSample,
     VllmView,
+    data_parallel_rank,
+    vllm_part,
 )
 
 MiB = 1 << 20
-ENGINE_TITLE = "VLLM::EngineCore"
-WORKER_TITLE = "VLLM::Worker"
-API_SERVER_TITLE = "VLLM::APIServer"
-_DATA_PARALLEL_RANK = re.compile(r"VLLM::EngineCore_DP(\d+)")
 MAX_PARENT_DEPTH = 8  # a worker's parent chain is walked this far looking for its engine
 REQUEST_IDS_IN_MESSAGE = 3
 # The plugin reports once a second; a scheduler report older than this is no longer the engine's state.
@@ -107,8 +107,9 @@ class _Figures:
     timestamp_ns: int = 0  # when those figures were taken
 
 
-def _is_engine(info: ProcessInfo | None) -> bool:
-    return info is not None and info.title.startswith(ENGINE_TITLE)
+def _is(info: ProcessInfo | None, part: str) -> bool:
+    """The process is that part of vLLM by its title (model/vllm.py's vllm_part)."""
+    return info is not None and vllm_part(info.title) == part
 
 
 class VllmAnalysis:
@@ -132,7 +133,7 @@ class VllmAnalysis:
         for pid in members:
             info = processes.get(pid)
             parent = info.parent_pid if info is not None else 0
-            if parent and (parent in servers or _titled(processes.get(parent), API_SERVER_TITLE)):
+            if parent and (parent in servers or _is(processes.get(parent), API_SERVER)):
                 parents[pid] = parent
                 engines_of_server[parent] = engines_of_server.get(parent, 0) + 1
         traced_by_pid: dict[int, int] = {}
@@ -360,17 +361,13 @@ class VllmAnalysis:
             rate, threshold, rising[0][1])
 
 
-def _titled(info: ProcessInfo | None, prefix: str) -> bool:
-    return info is not None and info.title.startswith(prefix)
-
-
 def _engines_and_workers(view: VllmView, processes: Mapping[int, ProcessInfo]) -> dict[int, tuple[int, ...]]:
     """Engine pid -> its processes (itself first, then its workers in pid order)."""
-    engines = {pid for pid, info in processes.items() if _is_engine(info)}
+    engines = {pid for pid, info in processes.items() if _is(info, ENGINE)}
     engines |= set(view.schedulers)  # the scheduler's owner, whatever its title
     members: dict[int, list[int]] = {pid: [pid] for pid in engines}
     for pid, info in sorted(processes.items()):
-        if pid in engines or not info.title.startswith(WORKER_TITLE):
+        if pid in engines or not _is(info, WORKER):
             continue
         parent = info.parent_pid
         for _ in range(MAX_PARENT_DEPTH):
@@ -386,7 +383,7 @@ def _engines_and_workers(view: VllmView, processes: Mapping[int, ProcessInfo]) -
 def _api_servers(view: VllmView, processes: Mapping[int, ProcessInfo]) -> dict[int, VllmMetricsSample | None]:
     """API server pid -> its latest /metrics scrape (None: titled an API server, not scraped)."""
     servers: dict[int, VllmMetricsSample | None] = {
-        pid: None for pid, info in processes.items() if info.title.startswith(API_SERVER_TITLE)}
+        pid: None for pid, info in processes.items() if _is(info, API_SERVER)}
     for sample in view.metrics.values():
         if sample.api_server_pid:
             servers[sample.api_server_pid] = sample
@@ -399,10 +396,10 @@ def _metrics_of(info: ProcessInfo | None, sample: VllmMetricsSample | None,
     data-parallel rank, else the one engine of a server with one engine."""
     if sample is None or not sample.engines:
         return None
-    match = _DATA_PARALLEL_RANK.match(info.title) if info is not None else None
-    if match is not None:
+    rank = data_parallel_rank(info.title) if info is not None else None
+    if rank is not None:
         for metrics in sample.engines:
-            if metrics.engine == match.group(1):
+            if metrics.engine == rank:
                 return metrics
     if engines_of_server == 1 and len(sample.engines) == 1:
         return sample.engines[0]

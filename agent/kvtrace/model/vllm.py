@@ -12,7 +12,27 @@ hands to the servers. Nothing here knows vLLM's classes or wire shapes: those st
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
+
+# vLLM titles its processes `<prefix>::<part>[_<suffix>]` with setproctitle: VLLM::EngineCore,
+# VLLM::EngineCore_DP1, VLLM::Worker_TP0, VLLM::APIServer_0; the prefix is VLLM unless vLLM's
+# VLLM_PROCESS_NAME_PREFIX says otherwise.
+_TITLE = re.compile(r"[^\s:]+::(EngineCore|Worker|APIServer)")
+_DATA_PARALLEL_RANK = re.compile(r"[^\s:]+::EngineCore_DP(\d+)")
+ENGINE, WORKER, API_SERVER = "EngineCore", "Worker", "APIServer"
+
+
+def vllm_part(title: str) -> str | None:
+    """ENGINE, WORKER or API_SERVER for a title vLLM gave one of its processes; None for any other."""
+    match = _TITLE.match(title.strip())
+    return match.group(1) if match else None
+
+
+def data_parallel_rank(title: str) -> str | None:
+    """The data-parallel rank in an engine's title (VLLM::EngineCore_DP1 -> "1"), vLLM's `engine` label."""
+    match = _DATA_PARALLEL_RANK.match(title.strip())
+    return match.group(1) if match else None
 
 
 class Role(enum.IntEnum):

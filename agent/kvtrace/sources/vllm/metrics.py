@@ -25,7 +25,6 @@ import ipaddress
 import logging
 import math
 import os
-import re
 import threading
 import time
 import urllib.error
@@ -38,7 +37,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace.human import human_bytes
-from kvtrace.model.vllm import EngineMetrics, VllmMetricsSample
+from kvtrace.model.vllm import API_SERVER, EngineMetrics, VllmMetricsSample, vllm_part
 from kvtrace.session import Session
 from kvtrace.sources.procfs import PROC
 
@@ -68,7 +67,6 @@ _WANTED = frozenset((*KV_USAGE, RUNNING, WAITING, SLEEP_STATE, PREEMPTIONS, CACH
 SLEEP_LEVELS = {"awake": 0, "weights_offloaded": 1, "discard_all": 2}
 
 _TCP_LISTEN = "0A"
-_API_SERVER_TITLE = re.compile(r"[^\s:]+::APIServer")  # VLLM::APIServer_0 (VLLM_PROCESS_NAME_PREFIX may differ)
 _SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _CLI_MODULE = "vllm.entrypoints.cli.main"
 
@@ -105,7 +103,7 @@ def is_api_server(argv: list[str]) -> bool:
     server's modules."""
     if not argv:
         return False
-    if _API_SERVER_TITLE.match(argv[0].strip()):
+    if vllm_part(argv[0]) == API_SERVER:
         return True
     if "--headless" in argv:  # `vllm serve --headless`: engines only, no HTTP server
         return False
