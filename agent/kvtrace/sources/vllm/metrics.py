@@ -30,7 +30,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,13 +175,12 @@ def _address(hex_address: str) -> str:
     return str(address)
 
 
-def listening_ports(pid: int, inodes: set[int], proc: Path = PROC) -> list[tuple[str, int]]:
-    """(address, port) of the TCP sockets in LISTEN state whose inode is in `inodes`, as the process's
-    network namespace has them."""
-    found = []
+def _tcp_listeners(net: Path) -> Iterator[tuple[str, int, int]]:
+    """(address, port, inode) of each TCP socket in LISTEN state in one network namespace's tables (`net`:
+    /proc/PID/net for that process's namespace, /proc/net for the agent's own)."""
     for table in ("tcp", "tcp6"):
         try:
-            lines = (proc / str(pid) / "net" / table).read_text(errors="replace").splitlines()[1:]
+            lines = (net / table).read_text(errors="replace").splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -190,13 +189,18 @@ def listening_ports(pid: int, inodes: set[int], proc: Path = PROC) -> list[tuple
             if len(fields) < 10 or fields[3] != _TCP_LISTEN:
                 continue
             try:
-                inode = int(fields[9])
                 hex_address, hex_port = fields[1].split(":")
-                if inode in inodes:
-                    found.append((_address(hex_address), int(hex_port, 16)))
+                listener = (_address(hex_address), int(hex_port, 16), int(fields[9]))
             except ValueError:
                 continue
-    return sorted(set(found), key=lambda item: (item[1], item[0]))
+            yield listener
+
+
+def listening_ports(pid: int, inodes: set[int], proc: Path = PROC) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets in LISTEN state whose inode is in `inodes`, as the process's
+    network namespace has them."""
+    found = {(address, port) for address, port, inode in _tcp_listeners(proc / str(pid) / "net") if inode in inodes}
+    return sorted(found, key=lambda item: (item[1], item[0]))
 
 
 def metrics_urls(ports: Iterable[tuple[str, int]]) -> list[str]:
@@ -225,25 +229,13 @@ def port_owner(url: str, proc: Path = PROC) -> int:
     except ValueError:
         return 0
     inodes: set[int] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = (proc / "net" / table).read_text(errors="replace").splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _TCP_LISTEN:
-                continue
-            try:
-                hex_address, hex_port = fields[1].split(":")
-                address = ipaddress.ip_address(_address(hex_address))
-                # The URL's host is this listener: its own address, or loopback reaching a wildcard or
-                # loopback listener. Any other host may be another machine with the same port open.
-                if int(hex_port, 16) == port and (address == host or host.is_loopback
-                                                  and (address.is_unspecified or address.is_loopback)):
-                    inodes.add(int(fields[9]))
-            except ValueError:
-                continue
+    for text, listener_port, inode in _tcp_listeners(proc / "net"):
+        address = ipaddress.ip_address(text)
+        # The URL's host is this listener: its own address, or loopback reaching a wildcard or loopback
+        # listener. Any other host may be another machine with the same port open.
+        if listener_port == port and (address == host or host.is_loopback
+                                      and (address.is_unspecified or address.is_loopback)):
+            inodes.add(inode)
     if not inodes:
         return 0
     for pid in sorted(int(name) for name in os.listdir(proc) if name.isdigit()):
