@@ -87,11 +87,11 @@ class _EngineState:
     low_ratio_since_ns: int | None = None
     # Idle samples (monotonic ns, wall ns, traced bytes) over the last minute; cleared by a request.
     idle: deque[tuple[int, int, int]] = field(default_factory=deque)
-    asleep: bool = False
     # The last sleep/wake seen (latest report's time, level): memory that sleep() releases and wake_up()
     # maps back is not growth, so a change restarts the idle window.
     sleep_mark: tuple[int, int] = (0, 0)
-    asleep_report_ns: int = 0  # the report that started the current sleep
+    # The time of the report that started the current sleep (0: known from /metrics only); None while awake.
+    asleep_report_ns: int | None = None
     asleep_since_ns: int = 0
     residue_bytes: int | None = None  # of the current (or, awake, the last) sleep
     previous_residue_bytes: int | None = None  # of the sleep before
@@ -256,8 +256,7 @@ class VllmAnalysis:
         if sleep_level > 0:
             # A new sleep: the last one's residue is the one to compare with. A sleep report of its own
             # says so even when no tick saw the engine awake in between (a quick wake and sleep).
-            if not state.asleep or state.asleep_report_ns != sleep_mark[0]:
-                state.asleep = True
+            if state.asleep_report_ns != sleep_mark[0]:
                 state.asleep_report_ns = sleep_mark[0]
                 state.asleep_since_ns = max((report.timestamp_ns for report in sleeps if report.level > 0),
                                             default=now_wall_ns)
@@ -274,7 +273,7 @@ class VllmAnalysis:
                     float(traced_bytes - previous), float(options.sleep_residue_growth_bytes),
                     state.asleep_since_ns, held_by_role=dict(roles), held_by_tag=held_by_tag))
         else:
-            state.asleep = False
+            state.asleep_report_ns = None
 
         engine = VllmEngine(
             engine_pid=pid, title=info.title if info is not None else "", worker_pids=workers,
