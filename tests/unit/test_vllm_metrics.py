@@ -20,6 +20,7 @@ from kvtrace.cli.agent import AgentCommand
 from kvtrace.errors import CommandError
 from kvtrace.model.vllm import EngineMetrics, VllmMetricsSample
 from kvtrace.session import Session
+from kvtrace.sources.procfs import socket_inodes, start_ticks
 from kvtrace.sources.vllm.metrics import (
     COMPONENT,
     MetricsSetupError,
@@ -32,8 +33,6 @@ from kvtrace.sources.vllm.metrics import (
     listening_ports,
     metrics_urls,
     parse_metrics,
-    socket_inodes,
-    start_ticks,
 )
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

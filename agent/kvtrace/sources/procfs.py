@@ -7,9 +7,11 @@ caller must tell "gone" from "empty" (`ProcessMemory` raises MemoryReadError).
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,3 +210,82 @@ class ProcessMemory:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# ---- processes' identity, command lines, sockets (discovery of vLLM's API servers) ----
+
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}
+
+
+def read_argv(pid: int, proc: Path = PROC) -> list[str]:
+    """The process's command line as it is now ([] when gone); a setproctitle title is one element."""
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.rstrip(b"\0").split(b"\0")] if raw else []
+
+
+def net_namespace(pid: int | str, proc: Path = PROC) -> str | None:
+    """The process's network namespace ("net:[4026531840]"); None when it cannot be read."""
+    try:
+        return os.readlink(proc / str(pid) / "ns" / "net")
+    except OSError:
+        return None
+
+
+def start_ticks(pid: int, proc: Path = PROC) -> int | None:
+    """The process's start time in clock ticks (/proc/PID/stat field 22): with the pid, its identity."""
+    try:
+        text = (proc / str(pid) / "stat").read_text(errors="replace")
+        return int(text[text.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def socket_inodes(pid: int, proc: Path = PROC) -> set[int]:
+    """Inodes of the sockets among the process's descriptors. OSError when /proc/PID/fd cannot be read."""
+    directory = proc / str(pid) / "fd"
+    inodes = set()
+    for name in os.listdir(directory):
+        try:
+            target = os.readlink(directory / name)
+        except OSError:
+            continue  # closed since
+        if target.startswith("socket:[") and target.endswith("]"):
+            try:
+                inodes.add(int(target[8:-1]))
+            except ValueError:
+                pass
+    return inodes
+
+
+def _tcp_address(hex_address: str) -> str:
+    """An address of /proc/net/tcp{,6} (32-bit words in host order, i.e. little-endian) as text."""
+    raw = bytes.fromhex(hex_address)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(raw)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def tcp_listeners(net: Path) -> Iterator[tuple[str, int, int]]:
+    """(address, port, inode) of each TCP socket in LISTEN state in one network namespace's tables (`net`:
+    /proc/PID/net for that process's namespace, /proc/net for the agent's own)."""
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (net / table).read_text(errors="replace").splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            # sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode ...
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _TCP_LISTEN:
+                continue
+            try:
+                hex_address, hex_port = fields[1].split(":")
+                listener = (_tcp_address(hex_address), int(hex_port, 16), int(fields[9]))
+            except ValueError:
+                continue
+            yield listener

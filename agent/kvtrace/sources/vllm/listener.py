@@ -40,8 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from kvtrace.model.vllm import (
     KvCacheLayout,
     KvRequest,
@@ -52,6 +50,7 @@ from kvtrace.model.vllm import (
     SleepReport,
 )
 from kvtrace.session import Session
+from kvtrace.sources.procfs import start_ticks
 from kvtrace.sources.vllm import protocol
 
 log = logging.getLogger(__name__)
@@ -236,7 +235,7 @@ def _text(value: object, name: str, max_chars: int) -> str:
 class _Sender:
     """A process that reports: its identity (to notice it is gone) and its rate window."""
 
-    create_time: float | None  # psutil's, None when it could not be read
+    start_ticks: int | None  # with the pid, the process's identity (procfs.start_ticks); None: unreadable
     window_start: float  # monotonic start of the current one-second window
     count: int = 0
     last_seen: float = 0.0  # monotonic: its last report taken
@@ -458,7 +457,7 @@ class VllmListener:
             self.session.forget_vllm(silent)
             log.debug("vLLM plugin: %d processes report; pid %d, silent longest, was forgotten", self.max_senders,
                       silent)
-        sender = self._senders[pid] = _Sender(_create_time(pid), now, count=1)
+        sender = self._senders[pid] = _Sender(start_ticks(pid), now, count=1)
         return sender
 
     def _reject(self, reason: str, pid: int) -> None:
@@ -486,9 +485,9 @@ class VllmListener:
         self._next_sweep = time.monotonic() + SENDER_SWEEP_SECONDS
         gone = []
         for pid, sender in self._senders.items():
-            create_time = _create_time(pid)
-            if create_time is None or (sender.create_time is not None and create_time != sender.create_time):
-                gone.append((pid, create_time is None))
+            ticks = start_ticks(pid)
+            if ticks is None or (sender.start_ticks is not None and ticks != sender.start_ticks):
+                gone.append((pid, ticks is None))
         if not gone:
             return
         view = self.session.vllm_view()
@@ -496,11 +495,3 @@ class VllmListener:
             del self._senders[pid]
             if exited and (pid in view.layouts or pid in view.schedulers or pid in view.sleeps):
                 self.session.forget_process(pid)
-
-
-def _create_time(pid: int) -> float | None:
-    """When the process started (psutil), None if it is gone or out of reach."""
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, OSError):
-        return None

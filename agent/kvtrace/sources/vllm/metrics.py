@@ -4,15 +4,16 @@ and waiting, sleep state, preemptions, the cache's block count); this scrapes it
     /proc (vLLM API servers, the ports they listen on) ─┐
     --vllm-metrics-url ─────────────────────────────────┴─▶ GET /metrics ─▶ VllmMetricsSample ─▶ Session
 
-Discovery: a process is a vLLM API server when its title starts with "VLLM::APIServer" (several API
+Discovery: a process is a vLLM API server when its title is `VLLM::APIServer_N` (model/vllm.py's rule; several API
 servers) or its command line runs vLLM's OpenAI server (`vllm serve`, `-m vllm.entrypoints.openai.api_server`,
 `-m vllm.entrypoints.cli.main serve`). Its TCP ports are the LISTEN sockets among its descriptors
 (/proc/PID/fd inodes matched with /proc/PID/net/tcp and tcp6); each is tried until one answers /metrics
 with vllm: series. A process in another network namespace (a container with its own network) cannot be
 reached at its listening address from here: it is skipped, and the component says to give its URL with
---vllm-metrics-url. The small /proc readers live here rather than in sources/procfs because only this
-needs them; they take `proc` like procfs's, and psutil is not used for them because it reads the
-agent's own /proc/net, not the process's network namespace.
+--vllm-metrics-url. The /proc readers (command lines, start ticks, sockets, TCP listeners) are procfs's,
+which the plugin's listener shares; psutil is not used for sockets because it reads the agent's own
+/proc/net, not the process's network namespace. A server in another network namespace is a note in the
+component, not a failure: the plugin reports the same figures from inside the engine.
 
 Cost: one round every `interval_seconds` reads every process's cmdline (a few ms on a busy host), and
 GETs each URL once with a 2 s timeout and at most 4 MiB read. Only the lines of the few series used are
@@ -30,7 +31,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtrace.human import human_bytes
 from kvtrace.model.vllm import API_SERVER, EngineMetrics, VllmMetricsSample, vllm_part
 from kvtrace.session import Session
-from kvtrace.sources.procfs import PROC
+from kvtrace.sources.procfs import PROC, net_namespace, read_argv, socket_inodes, start_ticks, tcp_listeners
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,6 @@ CACHE_CONFIG = "vllm:cache_config_info"
 _WANTED = frozenset((*KV_USAGE, RUNNING, WAITING, SLEEP_STATE, PREEMPTIONS, CACHE_CONFIG))
 SLEEP_LEVELS = {"awake": 0, "weights_offloaded": 1, "discard_all": 2}
 
-_TCP_LISTEN = "0A"
 _SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _CLI_MODULE = "vllm.entrypoints.cli.main"
 
@@ -122,84 +122,10 @@ def is_api_server(argv: list[str]) -> bool:
     return os.path.basename(argv[index]) == "vllm" and argv[index + 1:index + 2] == ["serve"]
 
 
-def read_argv(pid: int, proc: Path = PROC) -> list[str]:
-    """The process's command line as it is now ([] when gone); a setproctitle title is one element."""
-    try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode("utf-8", "replace") for part in raw.rstrip(b"\0").split(b"\0")] if raw else []
-
-
-def net_namespace(pid: int | str, proc: Path = PROC) -> str | None:
-    """The process's network namespace ("net:[4026531840]"); None when it cannot be read."""
-    try:
-        return os.readlink(proc / str(pid) / "ns" / "net")
-    except OSError:
-        return None
-
-
-def start_ticks(pid: int, proc: Path = PROC) -> int | None:
-    """The process's start time in clock ticks (/proc/PID/stat field 22): with the pid, its identity."""
-    try:
-        text = (proc / str(pid) / "stat").read_text(errors="replace")
-        return int(text[text.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def socket_inodes(pid: int, proc: Path = PROC) -> set[int]:
-    """Inodes of the sockets among the process's descriptors. OSError when /proc/PID/fd cannot be read."""
-    directory = proc / str(pid) / "fd"
-    inodes = set()
-    for name in os.listdir(directory):
-        try:
-            target = os.readlink(directory / name)
-        except OSError:
-            continue  # closed since
-        if target.startswith("socket:[") and target.endswith("]"):
-            try:
-                inodes.add(int(target[8:-1]))
-            except ValueError:
-                pass
-    return inodes
-
-
-def _address(hex_address: str) -> str:
-    """An address of /proc/net/tcp{,6} (32-bit words in host order, i.e. little-endian) as text."""
-    raw = bytes.fromhex(hex_address)
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(raw)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
-
-
-def _tcp_listeners(net: Path) -> Iterator[tuple[str, int, int]]:
-    """(address, port, inode) of each TCP socket in LISTEN state in one network namespace's tables (`net`:
-    /proc/PID/net for that process's namespace, /proc/net for the agent's own)."""
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = (net / table).read_text(errors="replace").splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            # sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode ...
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _TCP_LISTEN:
-                continue
-            try:
-                hex_address, hex_port = fields[1].split(":")
-                listener = (_address(hex_address), int(hex_port, 16), int(fields[9]))
-            except ValueError:
-                continue
-            yield listener
-
-
 def listening_ports(pid: int, inodes: set[int], proc: Path = PROC) -> list[tuple[str, int]]:
     """(address, port) of the TCP sockets in LISTEN state whose inode is in `inodes`, as the process's
     network namespace has them."""
-    found = {(address, port) for address, port, inode in _tcp_listeners(proc / str(pid) / "net") if inode in inodes}
+    found = {(address, port) for address, port, inode in tcp_listeners(proc / str(pid) / "net") if inode in inodes}
     return sorted(found, key=lambda item: (item[1], item[0]))
 
 
@@ -229,7 +155,7 @@ def port_owner(url: str, proc: Path = PROC) -> int:
     except ValueError:
         return 0
     inodes: set[int] = set()
-    for text, listener_port, inode in _tcp_listeners(proc / "net"):
+    for text, listener_port, inode in tcp_listeners(proc / "net"):
         address = ipaddress.ip_address(text)
         # The URL's host is this listener: its own address, or loopback reaching a wildcard or loopback
         # listener. Any other host may be another machine with the same port open.
