@@ -7,8 +7,14 @@ STAMP := $(VENV)/.setup-stamp
 # buf (protobuf lint and breaking-change check) comes from npm, pinned; npm from the distribution.
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
+# speedscope's file-format schema, which tests/unit/test_flamegraph.py checks speedscope exports against,
+# comes with its npm package, pinned. npm brings node, which tests/unit/test_perfetto.py runs Perfetto's
+# trace processor (WebAssembly) in.
+SPEEDSCOPE_VERSION := 1.25.0
+NPM_FROM_DISTRIBUTION := command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends npm >/dev/null; }
 
-.PHONY: setup run test test-unit test-integration test-gpu lint proto-release bench install-service promtool clean
+.PHONY: setup run test test-unit test-integration test-gpu lint proto-release bench install-service promtool speedscope clean
 
 setup: $(STAMP)
 	@# tracefs does not survive a reboot; the rest does.
@@ -30,9 +36,14 @@ promtool:
 	  { systemctl disable --now prometheus-alertmanager >/dev/null 2>&1 || true; }; }
 
 $(BUF):
-	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -qq --no-install-recommends npm >/dev/null; }
+	@$(NPM_FROM_DISTRIBUTION)
 	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION)
+
+# Installed again when the pinned version changes.
+speedscope:
+	@grep -qs '"version": "$(SPEEDSCOPE_VERSION)"' .tools/node_modules/speedscope/package.json || { \
+	  $(NPM_FROM_DISTRIBUTION) && \
+	  npm install --silent --no-audit --no-fund --save-exact --prefix .tools speedscope@$(SPEEDSCOPE_VERSION); }
 
 # The gate CI runs before the tests: ruff, mypy over the package, buf lint, and buf breaking against
 # kvtrace.v1 as last released (proto/released.binpb; a breaking change needs a new package, v2).
@@ -49,10 +60,10 @@ proto-release: $(BUF)
 run: setup
 	$(KVTRACE) agent $(ARGS)
 
-test: setup promtool
+test: setup promtool speedscope
 	$(PYTHON) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
-test-unit: setup promtool
+test-unit: setup promtool speedscope
 	$(PYTHON) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: setup
