@@ -70,7 +70,13 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
         return 0;
     /* Forgotten only once user space is told: when the ring is full, the periodic sweep finds the
      * pid still tracked and drops what it held. */
-    if (emit(KVT_KIND_PROCESS_EXIT, KVT_API_PROCESS_EXIT, 0, 0, 0, 0, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0) == 0)
+    /* do_exit() stores the wait status before this tracepoint: (status << 8), or the signal. */
+    s32 wait_status = 0;
+    if (KVT_TASK_EXIT_CODE_OFFSET >= 0) {
+        struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+        bpf_probe_read_kernel(&wait_status, sizeof(wait_status), (void *)task + KVT_TASK_EXIT_CODE_OFFSET);
+    }
+    if (emit(KVT_KIND_PROCESS_EXIT, KVT_API_PROCESS_EXIT, 0, 0, 0, 0, 0, KVT_DEVICE_UNKNOWN, wait_status, 0, 0) == 0)
         tracked_pids.delete(&pid);
     return 0;
 }

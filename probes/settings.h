@@ -20,6 +20,10 @@
 #ifndef KVT_TASK_FSBASE_OFFSET
 #error "KVT_TASK_FSBASE_OFFSET: task_struct.thread.fsbase from BTF, or -1"
 #endif
+/* Offset of exit_code in task_struct, from BTF: a process exit carries its wait status. -1: none. */
+#ifndef KVT_TASK_EXIT_CODE_OFFSET
+#error "KVT_TASK_EXIT_CODE_OFFSET: task_struct.exit_code from BTF, or -1"
+#endif
 /* Events submitted on a CPU before the reader is woken; the rest the reader takes on its timer.
  * Every wakeup costs the traced thread an interrupt on the spot (on a virtual machine, an exit to
  * the hypervisor): one per event was a large part of a probe's cost. */

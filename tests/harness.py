@@ -43,6 +43,9 @@ class CallSink:
     def publish_loss(self, lost_count: int) -> None:
         pass
 
+    def publish_state(self, record) -> None:
+        pass
+
 
 class TracingHarness:
     def __init__(self, pids: Iterable[int] = (), **options) -> None:

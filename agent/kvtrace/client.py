@@ -16,6 +16,7 @@ import argparse
 import os
 import stat
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,12 @@ class AgentClient:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AgentClient:
         """The client of a command with `config.add_socket_flag`: flag > $KVTRACE_SOCKET > file;
-        the admin socket ($KVTRACE_ADMIN_SOCKET, the file, next to it) when this user may use it."""
+        the admin socket ($KVTRACE_ADMIN_SOCKET, the file, next to it) when this user may use it.
+        With `--input FILE` (cli.flags.add_input_flags), the same calls answered from a recording."""
+        if getattr(args, "input", None) is not None:
+            from kvtrace.reports.replay import RecordingClient
+
+            return RecordingClient.from_args(args)
         try:
             client = cls.for_config(config_from_args(args))
         except ConfigError as error:
@@ -110,6 +116,10 @@ class AgentClient:
 
     def close(self) -> None:
         self._channel.close()
+
+    def now_ns(self) -> int:
+        """The time the answers stand at (ages are counted to it): now, for a live agent."""
+        return time.time_ns()
 
     # ---- calls ----
 
@@ -179,10 +189,35 @@ class AgentClient:
         findings about them."""
         return self._call(self._stub.GetVllmEngines, service_pb2.GetVllmEnginesRequest(pids=list(pids)))
 
-    def _call(self, method, request):
+    def stream_recording(self, pids: Iterable[int] = (), title_regex: str = "",
+                         duration_seconds: float | None = None) -> Iterator[service_pb2.StreamRecordingResponse]:
+        """A recording as the agent sends it: the header first, then frames, for `duration_seconds`
+        (None: until the caller stops reading)."""
+        self._check_socket()
+        request = service_pb2.StreamRecordingRequest(pids=list(pids), title_regex=title_regex)
+        return self._until_deadline(self._stub.StreamRecording(request, timeout=duration_seconds))
+
+    def _until_deadline(self, responses) -> Iterator:
+        """A stream whose deadline is its planned end: reaching it ends the stream, not in error."""
+        try:
+            yield from responses
+        except grpc.RpcError as error:
+            if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise self._command_error(error) from None
+
+    def dump_flight_recorder(self, reason: str = "") -> service_pb2.FlightDump:
+        """Has the agent's flight recorder write its last seconds now; where it went."""
+        request = service_pb2.DumpFlightRecorderRequest(reason=reason)
+        return self._call(self._stub.DumpFlightRecorder, request, timeout_seconds=120.0).dump
+
+    def flight_dumps(self) -> service_pb2.ListFlightDumpsResponse:
+        return self._call(self._stub.ListFlightDumps, service_pb2.ListFlightDumpsRequest())
+
+    def _call(self, method, request, timeout_seconds: float | None = None):
         self._check_socket()
         try:
-            response = method(request, timeout=self.timeout_seconds)
+            response = method(request, timeout=timeout_seconds or self.timeout_seconds)
         except grpc.RpcError as error:
             raise self._command_error(error) from None
         return self._saw(response)
@@ -203,6 +238,8 @@ class AgentClient:
             return CommandError(self._unreachable(details), ExitCode.AGENT_UNREACHABLE)
         if code is grpc.StatusCode.INVALID_ARGUMENT:
             return CommandError(f"the agent refused the request: {details}", ExitCode.USAGE)
+        if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+            return CommandError(f"the agent at {self.target} refused: {details}")
         if code is grpc.StatusCode.UNIMPLEMENTED:
             return CommandError(f"the agent at {self.target} is older than this kvtrace and lacks this call "
                                 f"({details or code.name}); upgrade the agent")

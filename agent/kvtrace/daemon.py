@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
@@ -26,7 +27,10 @@ from kvtrace.config import ApiConfig
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_bytes
 from kvtrace.model.events import PHYSICAL_LAYERS, Event, Layer, Memory
+from kvtrace.model.gpus import NvmlSample
+from kvtrace.model.ledger import LedgerResynced
 from kvtrace.model.processes import ProcessTable
+from kvtrace.reports.flight import FlightOptions
 from kvtrace.session import Session
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 from kvtrace.sources.nvml import read_cuda_visible_devices
@@ -34,6 +38,8 @@ from kvtrace.sources.vllm import protocol as vllm_protocol
 from kvtrace.wire import event_to_json
 
 if TYPE_CHECKING:  # imported when started: a host without them still runs the rest
+    from kvtrace.reports.flight import FlightRecorder
+    from kvtrace.reports.recorder import FileRecorder
     from kvtrace.servers.api import AgentServer
     from kvtrace.servers.otlp import OtlpExporter
     from kvtrace.servers.prometheus import MetricsServer
@@ -75,6 +81,10 @@ class DaemonOptions:
     vllm_socket: str = vllm_protocol.DEFAULT_SOCKET
     vllm_metrics_urls: tuple[str, ...] = ()
     vllm_discover: bool = True
+    flight: FlightOptions | None = field(default_factory=FlightOptions)  # None: no flight recorder
+    record: Path | None = None  # --record FILE
+    record_max_bytes: int = 256 << 20
+    record_keep: int = 4
 
 
 class JsonPrinter:
@@ -91,6 +101,9 @@ class JsonPrinter:
 
     def publish_loss(self, lost_count: int) -> None:
         pass  # counted in kvtrace_events_lost_total and the summary; the JSON stream has no gap marker
+
+    def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
+        pass  # the JSON stream has events only
 
 
 class Daemon:
@@ -109,6 +122,9 @@ class Daemon:
         self.otlp: OtlpExporter | None = None
         self.vllm_listener: VllmListener | None = None
         self.vllm_metrics: VllmMetricsScraper | None = None
+        self.flight: FlightRecorder | None = None
+        self.recorder: FileRecorder | None = None
+        self._flight_dump_requested = False  # SIGUSR1: the loop dumps at its next turn
         self._stopping = threading.Event()
         self._tracing_impossible = False  # the probes could not load at start ("auto"): not tried again
         self._retry_at = 0.0  # monotonic: when to try again after the switch's re-enable failed
@@ -117,6 +133,7 @@ class Daemon:
         """Loads the probes and starts every part; raises CommandError with one line on failure."""
         if self.options.json_events:
             self.session.add_sink(JsonPrinter(self.session, self.out))
+        self._start_recorders()
         if self.options.tracing == "off":
             self._tracing_down("tracing is off (--tracing off): NVML's figures only")
         elif self.options.tracing_unavailable:
@@ -153,13 +170,47 @@ class Daemon:
         if self.options.api is not None:
             from kvtrace.servers.api import AgentServer, ServerSetupError
 
-            self.server = AgentServer(self.session, self.analyzer, self.options.api)
+            self.server = AgentServer(self.session, self.analyzer, self.options.api, flight=self.flight)
             try:
                 self.server.start()
             except ServerSetupError as error:
                 raise CommandError(str(error), ExitCode.FAILURE) from None
             self.session.add_sink(self.server.hub)
         self._start_vllm()
+
+    def _start_recorders(self) -> None:
+        """The flight recorder (a dump directory that cannot be made leaves it down, with the reason)
+        and --record's file (which must open: it was asked for)."""
+        min_age = self.options.analysis.leak_min_age_seconds
+        if self.options.flight is not None:
+            from kvtrace.reports.flight import FlightRecorder
+
+            flight = FlightRecorder(self.session, self.options.flight, min_age)
+            try:
+                flight.start()
+                self.flight = flight
+                self.session.report_component("flight_recorder", True)
+            except OSError as error:
+                reason = (f"cannot use {self.options.flight.directory} for dumps: {error.strerror} "
+                          "(give a writable --flight-dir)")
+                log.warning("flight recorder off: %s", reason)
+                self.session.report_component("flight_recorder", False, reason)
+        if self.options.record is not None:
+            from kvtrace.reports.recorder import FileRecorder
+
+            recorder = FileRecorder(self.session, self.options.record, min_age,
+                                    self.options.record_max_bytes, self.options.record_keep)
+            try:
+                recorder.start()
+            except OSError as error:
+                raise CommandError(f"cannot record to {self.options.record}: {error.strerror}",
+                                   ExitCode.USAGE) from None
+            self.recorder = recorder
+            self.session.report_component("recording", True)
+
+    def request_flight_dump(self) -> None:
+        """SIGUSR1: safe from a signal handler (the loop writes the dump)."""
+        self._flight_dump_requested = True
 
     def _start_vllm(self) -> None:
         """The plugin's socket (in a directory of its own, /run/kvtrace-vllm by default, apart from the
@@ -262,11 +313,29 @@ class Daemon:
             if time.monotonic() >= next_switch_check:
                 next_switch_check = time.monotonic() + OFF_SWITCH_CHECK_SECONDS
                 self._check_off_switch()
+            latest = self.analyzer.latest
             self.analyzer.tick()
+            if self.flight is not None:
+                if self.analyzer.latest is not latest:
+                    self.flight.check(self.analyzer.latest)
+                if self._flight_dump_requested:
+                    self._flight_dump_requested = False
+                    self._dump_on_signal()
             self.out.flush()
             if not self.options.json_events and time.monotonic() >= next_summary:
                 next_summary += SUMMARY_INTERVAL_SECONDS
                 self._summary()
+
+    def _dump_on_signal(self) -> None:
+        from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+        from kvtrace.reports.flight import FlightDumpError
+
+        assert self.flight is not None
+        try:
+            dump = self.flight.request(service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, "SIGUSR1")
+            print(f"flight recorder: SIGUSR1: wrote {dump.path}", file=self.err, flush=True)
+        except FlightDumpError as error:
+            log.error("flight recorder: SIGUSR1: %s", error)
 
     def stop(self) -> None:
         """Stops every part, the servers first (clients are told at once), then the probes."""
@@ -288,6 +357,10 @@ class Daemon:
             self.vllm_metrics.stop()
         if self.source is not None:
             self.source.stop()
+        if self.recorder is not None:
+            self.recorder.stop()  # after the probes: the last events are in the file
+        if self.flight is not None:
+            self.flight.stop()
 
     def _summary(self) -> None:
         counters = self.session.counters()

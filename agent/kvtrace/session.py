@@ -15,12 +15,13 @@ consistent copy taken under `lock`, never a live view. Writers hold the lock for
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import platform
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +38,7 @@ from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import (
     Ledger,
     LedgerCounts,
+    LedgerResynced,
     LedgerView,
     Outstanding,
     ledger_view,
@@ -82,6 +84,27 @@ class Sink(Protocol):
         """`lost_count` events never reached the agent at this point of the stream."""
         ...
 
+    def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
+        """What is not an event, in the stream's order: an NVML round, or the ledger replaced by an
+        exact copy (recordings write it as a new checkpoint)."""
+        ...
+
+
+class ExitWatcher(Protocol):
+    def __call__(self, exit_event: Event, ledger: Ledger) -> None:
+        """Called under the Session's lock just before a process's exit drops what it held from
+        `ledger` (the flight recorder copies the ledger for a process that died holding memory)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SessionCheckpoint:
+    """The Session's state when a sink joined: the events it gets next apply to these entries."""
+
+    timestamp_ns: int
+    entries: list[Outstanding]
+    processes: dict[int, ProcessInfo]
+
 
 @dataclass
 class _Component:
@@ -108,6 +131,10 @@ class Session:
         self._native_lock = threading.Lock()
         self._native_forgets = 0  # a name found across a forget may be the old process's: not kept
         self._sinks: list[Sink] = []
+        self._exit_watchers: list[ExitWatcher] = []
+        # The clocks analysis reads: the system's, or a replayed recording's time (reports/replay.py).
+        self.wall_clock_ns: Callable[[], int] = time.time_ns
+        self.monotonic_clock_ns: Callable[[], int] = time.monotonic_ns
         self._components: dict[str, _Component] = {}
         self._counters: dict[str, int] = {}
         self._libraries: tuple[AttachedLibrary, ...] = ()
@@ -125,7 +152,27 @@ class Session:
 
     def add_sink(self, sink: Sink) -> None:
         with self.lock:
-            self._sinks.append(sink)
+            self._sinks = [*self._sinks, sink]
+
+    def subscribe(self, sink: Sink) -> SessionCheckpoint:
+        """Adds `sink` and copies the ledger at the same moment: the sink's events apply to exactly
+        these entries (a recording starts with them)."""
+        with self.lock:
+            self._sinks = [*self._sinks, sink]
+            return self.checkpoint_locked()
+
+    def checkpoint_locked(self) -> SessionCheckpoint:
+        """A copy of the ledger and the processes known, now; call it holding `lock` (sinks do)."""
+        entries = [copy.copy(entry) for entry in self.ledger.entries()]  # later maps change the live ones
+        return SessionCheckpoint(self.wall_clock_ns(), entries, dict(self.processes.known()))
+
+    def remove_sink(self, sink: Sink) -> None:
+        with self.lock:
+            self._sinks = [existing for existing in self._sinks if existing is not sink]
+
+    def add_exit_watcher(self, watcher: ExitWatcher) -> None:
+        with self.lock:
+            self._exit_watchers.append(watcher)
 
     def ingest(self, record: Record) -> None:
         self.ingest_many((record,))
@@ -139,6 +186,10 @@ class Session:
                 if type(record) is Event:
                     self._attribute(record)
                     self.events_total += 1
+                    if record.kind is Kind.PROCESS_EXIT:
+                        record.freed_bytes = self.ledger.physical_device_bytes(record.pid)
+                        for watcher in self._exit_watchers:
+                            watcher(record, self.ledger)
                     self.ledger.apply(record)
                     if record.kind is Kind.PROCESS_EXIT:
                         self._forget_process(record.pid)
@@ -150,6 +201,8 @@ class Session:
                         sink.publish_loss(record.count)
                 elif type(record) is NvmlSample:
                     self._nvml = record
+                    for sink in sinks:
+                        sink.publish_state(record)
                 elif type(record) is SchedulerReport:
                     self._schedulers[record.pid] = record
                 elif type(record) is KvCacheLayout:
@@ -207,6 +260,9 @@ class Session:
         with self.lock:
             self.ledger.resync(entries)
             self.resyncs_total += 1
+            resynced = LedgerResynced(self.wall_clock_ns())
+            for sink in self._sinks:
+                sink.publish_state(resynced)
 
     def forget_process(self, pid: int) -> None:
         """A process found gone without an exit event: drop what it held and what is known of it."""
@@ -303,7 +359,7 @@ class Session:
                     titles[pid] = info.title
                     if info.start_time < self.started_wall_seconds:
                         predates.add(pid)
-            return ledger_view(self.ledger, time.time_ns(), time.monotonic_ns(), with_entries, titles,
+            return ledger_view(self.ledger, self.wall_clock_ns(), self.monotonic_clock_ns(), with_entries, titles,
                                self.traced_only, frozenset(predates))
 
     def nvml_sample(self) -> NvmlSample | None:

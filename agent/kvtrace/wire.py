@@ -33,6 +33,7 @@ from kvtrace.model.findings import (
     LeakSuspect,
     ProcessGpu,
 )
+from kvtrace.model.gpus import NvmlProcessMemory, NvmlSample
 from kvtrace.model.ledger import LedgerKey, Outstanding
 from kvtrace.model.processes import ProcessInfo, valid_text
 from kvtrace.model.stacks import Frame, NativeFrame, Stack
@@ -64,7 +65,8 @@ def event_to_proto(event: Event) -> events_pb2.Event:
     kind = event.kind
     payload: events_pb2.Allocation | events_pb2.DeviceChange | events_pb2.ContextDestroy
     if kind is Kind.PROCESS_EXIT:
-        message.process_exit.SetInParent()
+        message.process_exit.wait_status = event.error_code
+        message.process_exit.freed_bytes = event.freed_bytes
         return message
     if kind is Kind.SET_DEVICE:
         payload = message.device_change
@@ -362,7 +364,8 @@ def event_from_proto(message: events_pb2.Event) -> Event | None:
                           timestamp_ns=message.timestamp_ns, address=call.context)
         elif payload == "process_exit":
             event = Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=message.pid, tid=message.tid,
-                          timestamp_ns=message.timestamp_ns)
+                          timestamp_ns=message.timestamp_ns, error_code=message.process_exit.wait_status,
+                          freed_bytes=message.process_exit.freed_bytes)
         else:
             return None
         if payload != "process_exit":
@@ -433,7 +436,7 @@ def event_to_json(event: Event, stack: Stack | None = None,
     }
     if event.api is Api.cuMemMap:
         data["handle"] = event.handle
-    elif event.api is Api.cuMemUnmap:
+    elif event.api is Api.cuMemUnmap or event.kind is Kind.PROCESS_EXIT:
         data["freed_bytes"] = event.freed_bytes
     elif event.layer is Layer.TORCH:
         data["stream"] = event.stream
@@ -570,3 +573,34 @@ def vllm_engines_to_json_dict(response: service_pb2.GetVllmEnginesResponse) -> d
         "engines": [vllm_engine_to_json(vllm_engine_from_proto(engine)) for engine in response.engines],
         "findings": [vllm_finding_to_json(vllm_finding_from_proto(finding)) for finding in response.findings],
     }
+
+
+# ---- recordings (the frames; the file around them is kvtrace.reports.recording) ----
+
+def nvml_to_proto(sample: NvmlSample) -> service_pb2.NvmlRound:
+    return service_pb2.NvmlRound(
+        timestamp_ns=sample.timestamp_ns, gpus=[gpu_to_proto(gpu) for gpu in sample.gpus],
+        processes=[service_pb2.NvmlProcessUsage(gpu_index=process.gpu_index, pid=process.pid,
+                                                used_bytes=process.used_bytes)
+                   for process in sample.processes])
+
+
+def nvml_from_proto(message: service_pb2.NvmlRound) -> NvmlSample:
+    return NvmlSample(
+        timestamp_ns=message.timestamp_ns,
+        gpus=tuple(GpuMemory(index=gpu.index, uuid=gpu.uuid, name=gpu.name, total_bytes=gpu.total_bytes,
+                             used_bytes=gpu.used_bytes, free_bytes=gpu.free_bytes, reserved_bytes=gpu.reserved_bytes)
+                   for gpu in message.gpus),
+        processes=tuple(NvmlProcessMemory(gpu_index=process.gpu_index, pid=process.pid,
+                                          used_bytes=optional_field(process, "used_bytes"))
+                        for process in message.processes))
+
+
+def recorded_process_to_proto(info: ProcessInfo) -> service_pb2.RecordedProcess:
+    return service_pb2.RecordedProcess(pid=info.pid, title=info.title, comm=info.comm, container=info.container,
+                                       start_time_ns=int(info.start_time * 1e9), parent_pid=info.parent_pid)
+
+
+def recorded_process_from_proto(message: service_pb2.RecordedProcess) -> ProcessInfo:
+    return ProcessInfo(pid=message.pid, title=message.title, comm=message.comm, container=message.container,
+                       cgroup="", start_time=message.start_time_ns / 1e9, read_at=0.0, parent_pid=message.parent_pid)

@@ -76,6 +76,9 @@ class Seen:
     def publish_loss(self, lost_count: int) -> None:
         self.events.append(lost_count)
 
+    def publish_state(self, record) -> None:
+        pass
+
 
 def test_an_event_that_cannot_be_decoded_is_counted_told_as_lost_and_resyncs():
     # GIVEN a full-size record of a kind this agent does not know (probes of another build)

@@ -123,6 +123,13 @@ class Analyzer:
         earliest = now_ns + int(spent_ns / SITE_SAMPLE_MAX_CPU)
         self._next_site_sample_ns = max(self._next_site_sample_ns, earliest)
 
+    def site_sample_due(self, monotonic_ns: int) -> bool:
+        return monotonic_ns >= self._next_site_sample_ns
+
+    def sample_sites_now(self) -> None:
+        """The next update samples sites whatever the pace (a replay's last analysis)."""
+        self._next_site_sample_ns = 0
+
     def _nvml(self) -> NvmlSample | None:
         """The latest NVML figures; None when there are none (NVML off, down, or no GPU answered)."""
         sample = self.session.nvml_sample()
@@ -178,7 +185,7 @@ class Analyzer:
         entries = self.session.outstanding()
         titles = self.session.process_titles()
         min_age = self.options.leak_min_age_seconds if min_age_seconds is None else min_age_seconds
-        report = find_suspects(entries, time.time_ns() if wall_ns is None else wall_ns, min_age,
+        report = find_suspects(entries, self.session.wall_clock_ns() if wall_ns is None else wall_ns, min_age,
                                self.site_growth, titles, self.session.stack, pids)
         # Only the suspects returned are named: the first lookup in a library reads its symbols.
         suspects = tuple(

@@ -7,12 +7,15 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 from kvtrace.analysis.analyzer import AnalysisOptions
 from kvtrace.analysis.vllm import VllmOptions
+from kvtrace.cli.flags import parse_size
 from kvtrace.config import ApiConfig, ConfigError, add_api_flags, check_served_paths, config_from_args
 from kvtrace.daemon import DEFAULT_OFF_SWITCH, DaemonOptions
 from kvtrace.errors import CommandError, ExitCode
+from kvtrace.reports.flight import FlightOptions
 from kvtrace.sources.vllm import protocol as vllm_protocol
 
 EPILOG = """examples:
@@ -109,6 +112,14 @@ class AgentCommand:
                             default=defaults.cold_start_seconds,
                             help="after an engine starts (model load, profiling), growth is not reported for "
                                  "this long (default: %(default)g)")
+        parser.add_argument("--record", metavar="FILE", type=Path,
+                            help="record every event, stack, process and NVML round to FILE, rotated into "
+                                 "FILE.1, FILE.2, ... (`kvtrace leaks --input FILE` reads it)")
+        parser.add_argument("--record-max-size", metavar="SIZE", type=parse_size, default=256 << 20,
+                            help="rotate the recording at this size (default: 256MiB)")
+        parser.add_argument("--record-keep", metavar="N", type=int, default=4,
+                            help="rotated recordings kept besides FILE (default: %(default)s)")
+        add_flight_flags(parser)
         add_api_flags(parser)
         from kvtrace.servers.prometheus import add_metrics_flags
 
@@ -141,6 +152,7 @@ class AgentCommand:
 
         daemon = Daemon(options)
         signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
+        signal.signal(signal.SIGUSR1, lambda *_: daemon.request_flight_dump())
         try:
             daemon.start()  # Ctrl-C here raises KeyboardInterrupt: stop what started
             # From now on both signals ask the loop to end (within 0.1 s). An exception raised by
@@ -212,6 +224,16 @@ class AgentCommand:
         if not 1 <= args.otlp_interval_seconds <= 3600:
             raise CommandError("--otlp-interval-seconds takes 1 to 3600 seconds", ExitCode.USAGE)
         vllm_socket, vllm_metrics_urls = AgentCommand._vllm_options(args, api)
+        try:
+            flight = flight_options_from_args(args)
+        except ValueError as error:
+            raise CommandError(str(error), ExitCode.USAGE) from None
+        if args.record is not None and (args.record.is_dir() or not args.record.parent.is_dir()):
+            raise CommandError(f"--record {args.record}: give a file in an existing directory", ExitCode.USAGE)
+        if not 1 << 20 <= args.record_max_size <= 1 << 40:
+            raise CommandError("--record-max-size takes 1MiB to 1TiB", ExitCode.USAGE)
+        if not 0 <= args.record_keep <= 1000:
+            raise CommandError("--record-keep takes 0 to 1000", ExitCode.USAGE)
         from kvtrace.sources.bpf.loader import ProbeSettings
         from kvtrace.sources.bpf.source import BpfOptions
 
@@ -235,7 +257,8 @@ class AgentCommand:
             otlp_endpoint=otlp_endpoint, otlp_interval_seconds=args.otlp_interval_seconds,
             tracing=args.tracing, off_switch=args.off_switch,
             vllm_socket=vllm_socket, vllm_metrics_urls=vllm_metrics_urls,
-            vllm_discover=not args.no_vllm_discovery)
+            vllm_discover=not args.no_vllm_discovery, flight=flight, record=args.record,
+            record_max_bytes=args.record_max_size, record_keep=args.record_keep)
 
     @staticmethod
     def _vllm_options(args: argparse.Namespace, api: ApiConfig | None) -> tuple[str, tuple[str, ...]]:
@@ -257,3 +280,43 @@ class AgentCommand:
             raise CommandError(f"--vllm-socket {vllm_socket} is the API's socket: choose another path "
                                f"(default: {vllm_protocol.DEFAULT_SOCKET})", ExitCode.USAGE)
         return vllm_socket, urls
+
+
+def add_flight_flags(parser: argparse.ArgumentParser) -> None:
+    """`kvtrace agent`'s flight recorder flags."""
+    defaults = FlightOptions()
+    parser.add_argument("--flight-dir", metavar="DIR", type=Path, default=defaults.directory,
+                        help="where the flight recorder writes its dumps (default: %(default)s)")
+    parser.add_argument("--flight-window", metavar="SECONDS", type=float, default=defaults.window_seconds,
+                        help="seconds of events the flight recorder keeps to dump (default: %(default)g)")
+    parser.add_argument("--flight-max-records", metavar="N", type=int, default=defaults.max_records,
+                        help="records it keeps at most, whatever the window; ~300 bytes each "
+                             "(default: %(default)s)")
+    parser.add_argument("--flight-max-dumps", metavar="N", type=int, default=defaults.max_dumps,
+                        help="dumps kept on disk, the oldest removed first (default: %(default)s)")
+    parser.add_argument("--flight-max-size", metavar="SIZE", type=parse_size, default=defaults.max_total_bytes,
+                        help="disk the dumps may use together (default: 2GiB)")
+    parser.add_argument("--flight-time-to-oom", metavar="SECONDS", type=float, default=defaults.time_to_oom_seconds,
+                        help="dump when a process's forecast time to out-of-memory falls under this "
+                             "(default: %(default)g; 0: never)")
+    parser.add_argument("--no-flight-recorder", action="store_true",
+                        help="keep no ring of recent events and write no dumps (on out-of-memory, a process "
+                             "dying with GPU memory, a near time-to-OOM, SIGUSR1)")
+
+
+def flight_options_from_args(args: argparse.Namespace) -> FlightOptions | None:
+    """The flight recorder flags, checked (ValueError with the flag's name); None when it is off."""
+    if args.no_flight_recorder:
+        return None
+    if not 1 <= args.flight_window <= 3600:
+        raise ValueError("--flight-window takes 1 to 3600 seconds")
+    if not 1000 <= args.flight_max_records <= 50_000_000:
+        raise ValueError("--flight-max-records takes 1000 to 50000000")
+    if not 1 <= args.flight_max_dumps <= 10_000:
+        raise ValueError("--flight-max-dumps takes 1 to 10000")
+    if not 0 <= args.flight_time_to_oom <= 7 * 24 * 3600:
+        raise ValueError("--flight-time-to-oom takes 0 to one week in seconds")
+    max_bytes = args.flight_max_size
+    return FlightOptions(directory=args.flight_dir, window_seconds=args.flight_window,
+                         max_records=args.flight_max_records, max_dumps=args.flight_max_dumps,
+                         max_total_bytes=max_bytes, time_to_oom_seconds=args.flight_time_to_oom)

@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import decimal
 import re
+from pathlib import Path
+
+from kvtrace.reports.replay import AtTime
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
@@ -59,3 +64,37 @@ def positive_seconds(text: str) -> float:
     if not 0.1 <= seconds <= 3600:
         raise argparse.ArgumentTypeError(f"not an interval from 0.1 to 3600 seconds: {text!r}")
     return seconds
+
+
+NS_PER_SECOND = 1_000_000_000
+_DURATION = re.compile(r"^\+(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
+_DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_at(text: str) -> AtTime:
+    """`--at`: "end", "+90s" / "+2m" (after the recording starts), "@1764660000.5" (Unix seconds), or an
+    ISO 8601 time ("2026-12-02T07:30:00", local unless it says its zone)."""
+    text = text.strip()
+    if text == "end":
+        return AtTime(end=True)
+    match = _DURATION.match(text)
+    if match:
+        return AtTime(after_start_ns=int(float(match.group(1)) * _DURATION_SECONDS[match.group(2)] * 1e9))
+    try:
+        if text.startswith("@"):  # exact to the nanosecond: a float of seconds is not
+            return AtTime(wall_ns=int(decimal.Decimal(text[1:]) * NS_PER_SECOND))
+        moment = datetime.datetime.fromisoformat(text)
+    except (ValueError, decimal.InvalidOperation):
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (examples: end, +90s, +2m, @1764660000, 2026-12-02T07:30:00)") from None
+    return AtTime(wall_ns=int(moment.timestamp() * 1e9))
+
+
+def add_input_flags(parser: argparse.ArgumentParser) -> None:
+    """--input FILE and --at TIME: the command reads a recording instead of the agent."""
+    parser.add_argument("--input", metavar="FILE", type=Path,
+                        help="read a recording (`kvtrace record`, `kvtrace agent --record`, a flight recorder "
+                             "dump) instead of the running agent")
+    parser.add_argument("--at", metavar="TIME", type=parse_at,
+                        help="with --input: the state at this time: end, +SECONDS after the start (+90s, +2m), "
+                             "@UNIX_SECONDS or an ISO time (default: a dump's trigger, else the end)")

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from kvtrace.cli.flags import add_pid_flag, non_negative_seconds, positive_count
+from kvtrace.cli.flags import add_input_flags, add_pid_flag, non_negative_seconds, positive_count
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
@@ -70,6 +70,7 @@ class LeaksCommand:
                             help="show the N most suspicious sites (default: %(default)s)")
         parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
         add_socket_flag(parser)
+        add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         with AgentClient.from_args(args) as agent:

@@ -6,6 +6,7 @@ import json
 import sys
 from collections import defaultdict
 
+from kvtrace.cli.flags import add_input_flags
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
@@ -58,6 +59,7 @@ class PsCommand:
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="one JSON object per process and line")
         add_socket_flag(parser)
+        add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         with AgentClient.from_args(args) as agent:

@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TextIO
 
-from kvtrace.cli.flags import add_pid_flag
+from kvtrace.cli.flags import add_input_flags, add_pid_flag
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
@@ -54,6 +53,7 @@ class SnapshotCommand:
         parser.add_argument("-o", "--output", metavar="FILE", type=Path,
                             help="where --format memory-viz writes (a .pickle file)")
         add_socket_flag(parser)
+        add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         output_format = "json" if args.json else args.format
@@ -73,7 +73,8 @@ class SnapshotCommand:
             for message in agent.snapshot(pids=args.pid):
                 by_pid[message.pid].append(outstanding_from_proto(message))
                 titles.setdefault(message.pid, (message.title, message.container))
-        print_table(out, by_pid, titles, time.time_ns())
+            now_ns = agent.now_ns()
+        print_table(out, by_pid, titles, now_ns)
         return ExitCode.OK
 
     def _memory_viz(self, args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import re
 import sys
 import time
 
-from kvtrace.cli.flags import add_pid_flag, parse_size
+from kvtrace.cli.flags import add_input_flags, add_pid_flag, parse_size
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
@@ -64,6 +64,7 @@ class TailCommand:
         parser.add_argument("--stacks", action="store_true",
                             help="print the Python stack under each allocation (innermost first)")
         add_socket_flag(parser)
+        add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         if args.cmdline:

@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvtrace.cli.flags import add_pid_flag, positive_seconds
+from kvtrace.cli.flags import add_input_flags, add_pid_flag, positive_seconds
 from kvtrace.cli.ps import ROLES_LEGEND, compact_roles
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
@@ -132,14 +132,15 @@ class TopCommand:
         parser.add_argument("--roles", action="store_true",
                             help="show what the traced bytes are for (KV cache, weights, ...); key r toggles it")
         add_socket_flag(parser)
+        add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         # A terminal (or $COLUMNS) sets the width; into a file or pipe, lines are not cut at 80.
         wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
         console = Console(file=sys.stdout, width=160 if wide else None)
         with AgentClient.from_args(args) as agent:
-            if args.once:
-                console.print(render_frame(agent.info(), agent.growth(args.pid), args.sort, time.time_ns(),
+            if args.once or args.input is not None:  # a recording is one moment: one frame
+                console.print(render_frame(agent.info(), agent.growth(args.pid), args.sort, agent.now_ns(),
                                            console.width, roles=args.roles))
                 return ExitCode.OK
             self._live(agent, args, console)

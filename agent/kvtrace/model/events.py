@@ -139,10 +139,12 @@ class Event:
     size_bytes: int = 0
     address: int = 0
     device: int = DEVICE_UNKNOWN
-    error_code: int = 0
+    error_code: int = 0  # the call's CUDA error; a process exit's wait status (signal, or status << 8)
     caller_address: int = 0
     handle: int = 0  # cuMemMap: the physical-memory handle mapped at `address`
-    freed_bytes: int = 0  # cuMemUnmap: physical bytes freed (handles released earlier, now unmapped)
+    # cuMemUnmap: physical bytes freed (handles released earlier, now unmapped); a process exit: the
+    # physical device bytes it still held (the Session fills it in)
+    freed_bytes: int = 0
     stream: int = 0  # pytorch_malloc: the CUDA stream id the block was allocated on
     comm: str = ""
     title: str = ""  # full process title from /proc/PID/cmdline (the Session fills it in)

@@ -270,6 +270,14 @@ def holds_device_memory(entry: Outstanding) -> bool:
 
 
 @dataclass(frozen=True)
+class LedgerResynced:
+    """The ledger was replaced by an exact copy (after lost events): what came before no longer adds up
+    to it, so a recording writes the new state."""
+
+    timestamp_ns: int
+
+
+@dataclass(frozen=True)
 class LedgerCounts:
     """A consistent copy of the ledger's totals and counters (what /metrics exports)."""
 

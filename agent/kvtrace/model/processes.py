@@ -90,6 +90,11 @@ class ProcessTable:
     def forget(self, pid: int) -> None:
         self._cache.pop(pid, None)
 
+    def remember(self, info: ProcessInfo) -> None:
+        """What is known of a process from elsewhere (a recording): kept until forgotten (without a
+        reader, never read again)."""
+        self._cache[info.pid] = info
+
     def known(self) -> dict[int, ProcessInfo]:
         return dict(self._cache)
 

@@ -50,21 +50,27 @@ class StackTable:
 
     def __init__(self) -> None:
         self._ids: dict[Stack, int] = {}
-        self._stacks: list[Stack] = []
+        self._stacks: dict[int, Stack] = {}
+        self._next_id = 1
 
     def intern(self, stack: Stack) -> int:
         stack_id = self._ids.get(stack)
         if stack_id is None:
-            self._stacks.append(stack)
-            stack_id = len(self._stacks)
-            self._ids[stack] = stack_id
+            stack_id = self._next_id
+            self.define(stack_id, stack)
         return stack_id
+
+    def define(self, stack_id: int, stack: Stack) -> None:
+        """Gives `stack` the id another table gave it (a replayed recording keeps the agent's ids)."""
+        if stack_id < 1:
+            raise ValueError(f"stack ids start at 1, not {stack_id}")
+        self._stacks[stack_id] = stack
+        self._ids.setdefault(stack, stack_id)
+        self._next_id = max(self._next_id, stack_id + 1)
 
     def get(self, stack_id: int) -> Stack:
         """The stack with this id; KeyError for an id this table never gave out."""
-        if not 1 <= stack_id <= len(self._stacks):
-            raise KeyError(stack_id)
-        return self._stacks[stack_id - 1]
+        return self._stacks[stack_id]
 
     def __len__(self) -> int:
         return len(self._stacks)

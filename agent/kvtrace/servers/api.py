@@ -58,7 +58,9 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import ApiConfig
 from kvtrace.model.events import Event, Kind, Layer
 from kvtrace.model.ledger import Outstanding
-from kvtrace.model.processes import ProcessInfo, redact_title
+from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo, redact_title
+from kvtrace.reports.flight import FlightDumpError, FlightRecorder
+from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, encode_stream, recording_header
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 from kvtrace.servers.hub import EventFilter, EventHub, Lost, Subscription, TitlePattern
 from kvtrace.wire import (
@@ -405,15 +407,26 @@ class StreamSlots:
 
 # ---- the service ----
 
+MAX_RECORDING_STREAMS = 4
+MAX_DUMP_REASON_CHARS = 256
+
+
+def printable_reason(text: str) -> str:
+    """A client's reason as one line of plain text (it goes into the log and the dump's header)."""
+    return CONTROL_CHARACTERS.sub(" ", text)
+
+
 class AgentServicer(service_grpc.AgentServiceServicer):
     """AgentService for one view: VIEW_REDACTED on the group socket, VIEW_FULL elsewhere."""
 
     def __init__(self, state: AgentState, analysis: AgentAnalysis, hub: EventHub,
                  limits: ServerLimits, view: service_pb2.View = VIEW_FULL,
-                 slots: StreamSlots | None = None) -> None:
+                 slots: StreamSlots | None = None, flight: FlightRecorder | None = None) -> None:
         self._state = state
         self._analysis = analysis
         self._hub = hub
+        self._flight = flight
+        self._recordings = threading.BoundedSemaphore(MAX_RECORDING_STREAMS)
         self._limits = limits
         self.view = view
         self._redacted = view == VIEW_REDACTED
@@ -475,6 +488,65 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             messages.append(event_to_proto(item))
         return messages
 
+    def StreamRecording(self, request, context):
+        self._admin_only(context, "a recording holds stacks and addresses")
+        try:
+            wanted = ProcessFilter(_pids("pids", request.pids),
+                                   compile_title_regex(request.title_regex) if request.title_regex else None)
+        except InvalidArgument as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if not self._recordings.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the agent already streams {MAX_RECORDING_STREAMS} recordings (its limit)")
+        queue = RecordQueue(self._state, wanted)
+        context.add_callback(queue.close)  # a cancel wakes the reader
+        try:
+            checkpoint = self._state.subscribe(queue)
+            encoder = FrameEncoder(self._state.stack, self._state.process)
+            encoder.wanted = wanted
+            header = recording_header(self._state.started_wall_seconds,
+                                      self._analysis.options.leak_min_age_seconds, checkpoint.timestamp_ns,
+                                      wanted.describe(request.title_regex))
+            yield service_pb2.StreamRecordingResponse(header=header)
+            for frames in encode_stream(queue, encoder, checkpoint, wanted, self._limits.batch_max_events,
+                                        lambda: context.is_active() and not self.stopping.is_set(),
+                                        self._limits.idle_wake_seconds):
+                yield service_pb2.StreamRecordingResponse(frames=frames)
+            if self.stopping.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the kvtrace agent is shutting down")
+        finally:
+            self._state.remove_sink(queue)
+            queue.close()
+            self._recordings.release()
+
+    def DumpFlightRecorder(self, request, context):
+        self._admin_only(context, "a dump is written on the agent's host")
+        flight = self._flight
+        if flight is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the agent runs without a flight recorder "
+                          "(it was started with --no-flight-recorder)")
+            return None  # abort raised
+        if len(request.reason) > MAX_DUMP_REASON_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reason: more than {MAX_DUMP_REASON_CHARS} characters")
+        reason = "asked through the API" + (f": {printable_reason(request.reason)}" if request.reason else "")
+        try:
+            dump = flight.request(service_pb2.FLIGHT_TRIGGER_KIND_REQUEST, reason)
+        except FlightDumpError as error:
+            context.abort(grpc.StatusCode.INTERNAL, str(error))
+        return service_pb2.DumpFlightRecorderResponse(dump=dump)
+
+    def ListFlightDumps(self, request, context):
+        self._admin_only(context, "dumps name processes and paths on the agent's host")
+        if self._flight is None:
+            return service_pb2.ListFlightDumpsResponse()
+        return service_pb2.ListFlightDumpsResponse(dumps=self._flight.dumps(),
+                                                   directory=str(self._flight.options.directory))
+
+    def _admin_only(self, context: grpc.ServicerContext, why: str) -> None:
+        if self._redacted:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{why}: use the admin socket (run as root, or ask for the agent's --admin-group)")
+
     def GetSnapshot(self, request, context):
         try:
             pids = _pids("pids", request.pids)
@@ -488,7 +560,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         page_size = request.page_size or DEFAULT_PAGE_SIZE
-        timestamp_ns = time.time_ns()
+        timestamp_ns = self._state.wall_clock_ns()
         candidates = [entry for entry in self._state.outstanding()
                       if (not pids or entry.key.pid in pids) and (not layers or entry.key.layer in layers)
                       and (after is None or _ledger_order(entry) > after)]
@@ -645,15 +717,16 @@ class AgentServer:
     and TCP with mTLS (full detail) when configured. One hub and one set of stream slots for all."""
 
     def __init__(self, state: AgentState, analysis: AgentAnalysis, config: ApiConfig,
-                 limits: ServerLimits = ServerLimits(), max_queued_events: int | None = None) -> None:
+                 limits: ServerLimits = ServerLimits(), max_queued_events: int | None = None,
+                 flight: FlightRecorder | None = None) -> None:
         self.state = state
         # Each stream's bounded queue; the agent adds this as a Session sink.
         self.hub = EventHub(max_queued_events) if max_queued_events else EventHub()
         self.config = config
         self.limits = limits
         self.slots = StreamSlots(limits)
-        self.servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_FULL, self.slots)
-        self.redacted_servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_REDACTED, self.slots)
+        self.servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_FULL, self.slots, flight)
+        self.redacted_servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_REDACTED, self.slots, flight)
         self.health = health.HealthServicer()
         self.tcp_port: int | None = None
         self._servers: list[grpc.Server] = []

@@ -8,13 +8,17 @@ consistent copy, never a live view, and must be quick.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.model.agent import AgentInfo, ComponentStatus, TrackedProcess
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport
 from kvtrace.model.ledger import LedgerCounts, Outstanding
 from kvtrace.model.processes import ProcessInfo
 from kvtrace.model.stacks import Stack
+
+if TYPE_CHECKING:
+    from kvtrace.analysis.analyzer import AnalysisOptions
+    from kvtrace.session import SessionCheckpoint, Sink
 
 
 class AgentState(Protocol):
@@ -61,9 +65,29 @@ class AgentState(Protocol):
         """pid -> full process title of the processes the agent knows (alive)."""
         ...
 
+    def wall_clock_ns(self) -> int:
+        """The time the state stands at: now, or a replayed recording's time."""
+        ...
+
+    started_wall_seconds: float
+    """When the agent started (memory allocated before then was never seen)."""
+
+    def subscribe(self, sink: Sink) -> SessionCheckpoint:
+        """Adds a sink, with a copy of the ledger taken at the same moment (a recording's start)."""
+        ...
+
+    def checkpoint_locked(self) -> SessionCheckpoint:
+        """A copy of the ledger now; called by a sink, under the state's lock."""
+        ...
+
+    def remove_sink(self, sink: Sink) -> None: ...
+
 
 class AgentAnalysis(Protocol):
     """What analysis found (kvtrace.analysis.analyzer.Analyzer)."""
+
+    options: AnalysisOptions
+    """The thresholds analysis runs with (a recording's header keeps --leak-min-age)."""
 
     latest: AnalysisSnapshot | None
     """The latest analysis (growth, NVML, time-to-OOM, suspects at the default age), None before

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
+from kvtrace.model.gpus import NvmlSample
+from kvtrace.model.ledger import LedgerResynced
 from kvtrace.model.processes import redact_title
 
 DEFAULT_MAX_QUEUED_EVENTS = 65536
@@ -256,6 +258,9 @@ class EventHub:
             self.kernel_lost_total += lost_count
             for subscription in self._subscriptions:
                 subscription.offer_kernel_loss(lost_count)
+
+    def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
+        """Streams carry events only."""
 
     def close_all(self) -> None:
         """Wakes every reader so that streams end (at shutdown)."""

@@ -33,6 +33,7 @@ class ProbeSettings:
     max_threads: int = 65536
     max_stacks: int = 16384
     task_fsbase_offset: int = -1  # from BTF; -1 disables Python stacks
+    task_exit_code_offset: int = -1  # from BTF; -1: process exits carry no wait status
     wakeup_events: int = 512  # events a CPU submits before it wakes the reader; else its timer takes them
     # How probes go in: uprobe_multi links (Linux 6.6+: detaching waits for one grace period per
     # link, in parallel, where a perf-event uprobe waits for its own, one after another, under a
@@ -47,6 +48,7 @@ class ProbeSettings:
         return [
             f"-DKVT_MAX_STACKS={self.max_stacks}",
             f"-DKVT_TASK_FSBASE_OFFSET={self.task_fsbase_offset}",
+            f"-DKVT_TASK_EXIT_CODE_OFFSET={self.task_exit_code_offset}",
             f"-DKVT_MAX_LEDGER_ENTRIES={self.max_ledger_entries}",
             f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
             f"-DKVT_MAX_THREADS={self.max_threads}",

@@ -140,6 +140,13 @@ class BpfSource:
                 log.warning("%s", self.python_stacks_down)
         elif not self.options.python_stacks:
             self.python_stacks_down = "Python stacks disabled by configuration"
+        if settings.task_exit_code_offset < 0:
+            from kvtrace.sources.bpf.btf import BtfError, task_exit_code_offset
+
+            try:
+                settings = replace(settings, task_exit_code_offset=task_exit_code_offset())
+            except BtfError as error:  # exits then say nothing of how the process ended
+                log.warning("process exits carry no exit status: %s", error)
         self.options.settings = settings
         self.session.traced_only = self.filtering
         self.session.report_component("python_stacks", not self.python_stacks_down, self.python_stacks_down)

@@ -41,6 +41,15 @@ class VllmFindingKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VLLM_FINDING_KIND_LOW_FREE_RATIO: _ClassVar[VllmFindingKind]
     VLLM_FINDING_KIND_IDLE_GROWTH: _ClassVar[VllmFindingKind]
     VLLM_FINDING_KIND_SLEEP_RESIDUE: _ClassVar[VllmFindingKind]
+
+class FlightTriggerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLIGHT_TRIGGER_KIND_UNSPECIFIED: _ClassVar[FlightTriggerKind]
+    FLIGHT_TRIGGER_KIND_OUT_OF_MEMORY: _ClassVar[FlightTriggerKind]
+    FLIGHT_TRIGGER_KIND_PROCESS_DIED: _ClassVar[FlightTriggerKind]
+    FLIGHT_TRIGGER_KIND_TIME_TO_OOM: _ClassVar[FlightTriggerKind]
+    FLIGHT_TRIGGER_KIND_SIGNAL: _ClassVar[FlightTriggerKind]
+    FLIGHT_TRIGGER_KIND_REQUEST: _ClassVar[FlightTriggerKind]
 VIEW_UNSPECIFIED: View
 VIEW_FULL: View
 VIEW_REDACTED: View
@@ -63,6 +72,12 @@ VLLM_FINDING_KIND_FREE_BLOCKS_FALLING: VllmFindingKind
 VLLM_FINDING_KIND_LOW_FREE_RATIO: VllmFindingKind
 VLLM_FINDING_KIND_IDLE_GROWTH: VllmFindingKind
 VLLM_FINDING_KIND_SLEEP_RESIDUE: VllmFindingKind
+FLIGHT_TRIGGER_KIND_UNSPECIFIED: FlightTriggerKind
+FLIGHT_TRIGGER_KIND_OUT_OF_MEMORY: FlightTriggerKind
+FLIGHT_TRIGGER_KIND_PROCESS_DIED: FlightTriggerKind
+FLIGHT_TRIGGER_KIND_TIME_TO_OOM: FlightTriggerKind
+FLIGHT_TRIGGER_KIND_SIGNAL: FlightTriggerKind
+FLIGHT_TRIGGER_KIND_REQUEST: FlightTriggerKind
 
 class StreamEventsRequest(_message.Message):
     __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes")
@@ -536,3 +551,149 @@ class GetVllmEnginesResponse(_message.Message):
     findings: _containers.RepeatedCompositeFieldContainer[VllmFinding]
     view: View
     def __init__(self, timestamp_ns: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[VllmEngine, _Mapping]]] = ..., findings: _Optional[_Iterable[_Union[VllmFinding, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
+
+class StreamRecordingRequest(_message.Message):
+    __slots__ = ("pids", "title_regex")
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    TITLE_REGEX_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    title_regex: str
+    def __init__(self, pids: _Optional[_Iterable[int]] = ..., title_regex: _Optional[str] = ...) -> None: ...
+
+class StreamRecordingResponse(_message.Message):
+    __slots__ = ("header", "frames")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    header: RecordingHeader
+    frames: _containers.RepeatedCompositeFieldContainer[RecordingFrame]
+    def __init__(self, header: _Optional[_Union[RecordingHeader, _Mapping]] = ..., frames: _Optional[_Iterable[_Union[RecordingFrame, _Mapping]]] = ...) -> None: ...
+
+class DumpFlightRecorderRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class DumpFlightRecorderResponse(_message.Message):
+    __slots__ = ("dump",)
+    DUMP_FIELD_NUMBER: _ClassVar[int]
+    dump: FlightDump
+    def __init__(self, dump: _Optional[_Union[FlightDump, _Mapping]] = ...) -> None: ...
+
+class ListFlightDumpsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListFlightDumpsResponse(_message.Message):
+    __slots__ = ("dumps", "directory")
+    DUMPS_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    dumps: _containers.RepeatedCompositeFieldContainer[FlightDump]
+    directory: str
+    def __init__(self, dumps: _Optional[_Iterable[_Union[FlightDump, _Mapping]]] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class FlightDump(_message.Message):
+    __slots__ = ("path", "trigger", "size_bytes", "event_count")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    trigger: FlightTrigger
+    size_bytes: int
+    event_count: int
+    def __init__(self, path: _Optional[str] = ..., trigger: _Optional[_Union[FlightTrigger, _Mapping]] = ..., size_bytes: _Optional[int] = ..., event_count: _Optional[int] = ...) -> None: ...
+
+class RecordingHeader(_message.Message):
+    __slots__ = ("agent_version", "host", "kernel_release", "start_time_ns", "agent_start_time_ns", "leak_min_age_seconds", "filter_description", "trigger")
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_RELEASE_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_START_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    LEAK_MIN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FILTER_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    agent_version: str
+    host: str
+    kernel_release: str
+    start_time_ns: int
+    agent_start_time_ns: int
+    leak_min_age_seconds: float
+    filter_description: str
+    trigger: FlightTrigger
+    def __init__(self, agent_version: _Optional[str] = ..., host: _Optional[str] = ..., kernel_release: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_start_time_ns: _Optional[int] = ..., leak_min_age_seconds: _Optional[float] = ..., filter_description: _Optional[str] = ..., trigger: _Optional[_Union[FlightTrigger, _Mapping]] = ...) -> None: ...
+
+class FlightTrigger(_message.Message):
+    __slots__ = ("kind", "timestamp_ns", "pid", "device", "reason", "window_seconds")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: FlightTriggerKind
+    timestamp_ns: int
+    pid: int
+    device: int
+    reason: str
+    window_seconds: float
+    def __init__(self, kind: _Optional[_Union[FlightTriggerKind, str]] = ..., timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[int] = ..., reason: _Optional[str] = ..., window_seconds: _Optional[float] = ...) -> None: ...
+
+class RecordingFrame(_message.Message):
+    __slots__ = ("event", "checkpoint", "nvml", "process")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    NVML_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    event: _events_pb2.Event
+    checkpoint: RecordingCheckpoint
+    nvml: NvmlRound
+    process: RecordedProcess
+    def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., checkpoint: _Optional[_Union[RecordingCheckpoint, _Mapping]] = ..., nvml: _Optional[_Union[NvmlRound, _Mapping]] = ..., process: _Optional[_Union[RecordedProcess, _Mapping]] = ...) -> None: ...
+
+class RecordingCheckpoint(_message.Message):
+    __slots__ = ("timestamp_ns", "allocations", "last")
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    timestamp_ns: int
+    allocations: _containers.RepeatedCompositeFieldContainer[OutstandingAllocation]
+    last: bool
+    def __init__(self, timestamp_ns: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., last: bool = ...) -> None: ...
+
+class NvmlRound(_message.Message):
+    __slots__ = ("timestamp_ns", "gpus", "processes")
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    timestamp_ns: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuMemory]
+    processes: _containers.RepeatedCompositeFieldContainer[NvmlProcessUsage]
+    def __init__(self, timestamp_ns: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[NvmlProcessUsage, _Mapping]]] = ...) -> None: ...
+
+class NvmlProcessUsage(_message.Message):
+    __slots__ = ("gpu_index", "pid", "used_bytes")
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    gpu_index: int
+    pid: int
+    used_bytes: int
+    def __init__(self, gpu_index: _Optional[int] = ..., pid: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+
+class RecordedProcess(_message.Message):
+    __slots__ = ("pid", "title", "comm", "container", "start_time_ns", "parent_pid")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    title: str
+    comm: str
+    container: str
+    start_time_ns: int
+    parent_pid: int
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., comm: _Optional[str] = ..., container: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., parent_pid: _Optional[int] = ...) -> None: ...

@@ -70,6 +70,21 @@ class AgentServiceStub(object):
                 request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesRequest.SerializeToString,
                 response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesResponse.FromString,
                 _registered_method=True)
+        self.StreamRecording = channel.unary_stream(
+                '/kvtrace.v1.AgentService/StreamRecording',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.StreamRecordingRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.StreamRecordingResponse.FromString,
+                _registered_method=True)
+        self.DumpFlightRecorder = channel.unary_unary(
+                '/kvtrace.v1.AgentService/DumpFlightRecorder',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.DumpFlightRecorderRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.DumpFlightRecorderResponse.FromString,
+                _registered_method=True)
+        self.ListFlightDumps = channel.unary_unary(
+                '/kvtrace.v1.AgentService/ListFlightDumps',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer(object):
@@ -140,6 +155,32 @@ class AgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamRecording(self, request, context):
+        """Streams a recording: first the header, the stacks, processes and ledger the events apply to
+        (a checkpoint copied together with the subscription, so nothing is missed or counted twice),
+        then every event, loss report and NVML round as it happens. `kvtrace record` writes the frames
+        to a file. Admin view only: a recording holds stacks and addresses (PERMISSION_DENIED on the
+        group socket). Shares StreamEvents' limit of concurrent streams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DumpFlightRecorder(self, request, context):
+        """Makes the flight recorder dump its last seconds now, as SIGUSR1 does, and says where.
+        FAILED_PRECONDITION when the agent runs without a flight recorder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFlightDumps(self, request, context):
+        """Lists the flight recorder's dumps still on disk, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +218,21 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.GetVllmEngines,
                     request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesRequest.FromString,
                     response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesResponse.SerializeToString,
+            ),
+            'StreamRecording': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamRecording,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.StreamRecordingRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.StreamRecordingResponse.SerializeToString,
+            ),
+            'DumpFlightRecorder': grpc.unary_unary_rpc_method_handler(
+                    servicer.DumpFlightRecorder,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.DumpFlightRecorderRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.DumpFlightRecorderResponse.SerializeToString,
+            ),
+            'ListFlightDumps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFlightDumps,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +425,87 @@ class AgentService(object):
             '/kvtrace.v1.AgentService/GetVllmEngines',
             kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesRequest.SerializeToString,
             kvtrace_dot_v1_dot_agent__service__pb2.GetVllmEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamRecording(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/StreamRecording',
+            kvtrace_dot_v1_dot_agent__service__pb2.StreamRecordingRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.StreamRecordingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DumpFlightRecorder(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/DumpFlightRecorder',
+            kvtrace_dot_v1_dot_agent__service__pb2.DumpFlightRecorderRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.DumpFlightRecorderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFlightDumps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/ListFlightDumps',
+            kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -264,8 +264,12 @@ class ContextDestroy(_message.Message):
     def __init__(self, api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., context: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ...) -> None: ...
 
 class ProcessExit(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("wait_status", "freed_bytes")
+    WAIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    wait_status: int
+    freed_bytes: int
+    def __init__(self, wait_status: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
 
 class EventsLost(_message.Message):
     __slots__ = ("dropped_count", "kernel_lost_count")

@@ -1,0 +1,313 @@
+"""The flight recorder: the agent keeps its last seconds of records in memory and writes them to a
+file when something goes wrong, so that what led to an OOM is there after the process is gone.
+
+Triggers: an allocation that fails with out-of-memory, a process that dies (a signal, or a non-zero
+exit) holding GPU memory, a forecast time-to-OOM under a threshold (checked after each analysis),
+SIGUSR1, and the DumpFlightRecorder call. Each kind dumps at most once per cooldown (the signal and
+the call always do); dumps are bounded in count and bytes, the oldest removed first.
+
+A dump is a recording (reports/recording.py) that replays like any other:
+
+    header (with the trigger) | checkpoint: what was held before the window | the window's records
+    | checkpoint: the ledger at the trigger
+
+The first checkpoint is the ledger at the trigger less what the window's events allocate, so a
+replay rebuilds the window; the last one makes the state at the trigger exact whatever happened in
+between (an allocation from before the window freed inside it, a VMM handle mapped inside it).
+Reports read a dump at its trigger unless asked for another time.
+
+The ring holds model records, not encoded frames: appending costs a reference (this runs under the
+Session's lock for every event); encoding happens only when a dump is written, on its own thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+from kvtrace.human import human_bytes
+from kvtrace.model.events import Event, EventsLost, Kind
+from kvtrace.model.findings import AnalysisSnapshot
+from kvtrace.model.gpus import NvmlSample
+from kvtrace.model.ledger import Ledger, LedgerResynced
+from kvtrace.reports.recorder import FrameEncoder, recording_header
+from kvtrace.reports.recording import RecordingError, RecordingReader, RecordingWriter
+from kvtrace.session import Session, SessionCheckpoint
+
+log = logging.getLogger(__name__)
+
+# cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY are both 2.
+OUT_OF_MEMORY_ERRORS = frozenset({2})
+DUMP_SUFFIX = ".kvtrace"
+DUMP_PREFIX = "flight-"
+
+TriggerKind = service_pb2.FlightTriggerKind
+_TRIGGER_NAMES = {
+    service_pb2.FLIGHT_TRIGGER_KIND_OUT_OF_MEMORY: "oom",
+    service_pb2.FLIGHT_TRIGGER_KIND_PROCESS_DIED: "died",
+    service_pb2.FLIGHT_TRIGGER_KIND_TIME_TO_OOM: "time-to-oom",
+    service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL: "signal",
+    service_pb2.FLIGHT_TRIGGER_KIND_REQUEST: "request",
+}
+_ALWAYS = frozenset({service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, service_pb2.FLIGHT_TRIGGER_KIND_REQUEST})
+
+RingRecord = Event | EventsLost | NvmlSample
+
+
+def trigger_name(kind: int) -> str:
+    return _TRIGGER_NAMES.get(kind, "unknown")  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class FlightOptions:
+    directory: Path = Path("/var/lib/kvtrace/flight")
+    window_seconds: float = 120.0
+    # Records kept at most, whatever the window: ~300 bytes each (~60 MiB at the default). A busier
+    # host keeps fewer seconds; the dump's header says how many.
+    max_records: int = 200_000
+    max_dumps: int = 16
+    max_total_bytes: int = 2 << 30
+    time_to_oom_seconds: float = 300.0  # 0: no dump on the forecast
+    cooldown_seconds: float = 60.0  # per trigger kind (the signal and the API call always dump)
+
+
+@dataclass
+class _Pending:
+    trigger: service_pb2.FlightTrigger
+    start: SessionCheckpoint  # held before the window
+    records: list[RingRecord]
+    end: SessionCheckpoint  # the ledger at the trigger
+    done: threading.Event = field(default_factory=threading.Event)
+    dump: service_pb2.FlightDump | None = None
+    error: str | None = None
+
+
+class FlightDumpError(Exception):
+    """A dump could not be written (the message says why)."""
+
+
+class FlightRecorder:
+    """A Session sink keeping the last `window_seconds` of records, and the dumps it writes."""
+
+    def __init__(self, session: Session, options: FlightOptions, leak_min_age_seconds: float) -> None:
+        self.session = session
+        self.options = options
+        self._leak_min_age_seconds = leak_min_age_seconds
+        self._ring: deque[RingRecord] = deque(maxlen=options.max_records)
+        self._last_dump_monotonic: dict[int, float] = {}
+        self._pending: queue.Queue[_Pending | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._dumps_lock = threading.Lock()  # guards the counters below, read by servers
+        self.dumps_total = 0
+        self.dump_failures_total = 0
+        self._written: dict[str, service_pb2.FlightDump] = {}  # path -> dump, of this agent's dumps
+        self.signal_requested = False  # set by the SIGUSR1 handler, acted on by the agent loop
+
+    def start(self) -> None:
+        self.options.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.session.add_sink(self)
+        self.session.add_exit_watcher(self._on_exit)
+        self._thread = threading.Thread(target=self._write_dumps, name="kvtrace-flight", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.session.remove_sink(self)
+        self._pending.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- the Session's side (under its lock) ----
+
+    def publish(self, event: Event) -> None:
+        self._append(event)
+        if event.kind is Kind.ALLOC_FAILED and event.error_code in OUT_OF_MEMORY_ERRORS:
+            self._trigger_locked(service_pb2.FlightTrigger(
+                kind=service_pb2.FLIGHT_TRIGGER_KIND_OUT_OF_MEMORY, timestamp_ns=event.timestamp_ns,
+                pid=event.pid, device=event.device,
+                reason=f"{event.api.name} of {human_bytes(event.size_bytes)} failed with out of memory "
+                       f"(error {event.error_code}) in pid {event.pid} {event.title or event.comm}"))
+
+    def publish_loss(self, lost_count: int) -> None:
+        self._append(EventsLost(lost_count, time.time_ns()))
+
+    def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
+        if type(record) is NvmlSample:
+            self._append(record)
+        else:  # the ring's events no longer add up to the ledger: the window starts again here
+            self._ring.clear()
+
+    def _append(self, record: RingRecord) -> None:
+        ring = self._ring
+        ring.append(record)
+        oldest_kept_ns = record.timestamp_ns - int(self.options.window_seconds * 1e9)
+        while ring[0].timestamp_ns < oldest_kept_ns:
+            ring.popleft()
+
+    def _on_exit(self, exit_event: Event, ledger: Ledger) -> None:
+        """Before the exit drops what the process held: a death holding GPU memory dumps."""
+        if exit_event.error_code == 0 or exit_event.freed_bytes == 0:
+            return
+        status = exit_event.error_code
+        how = f"killed by signal {status & 0x7f}" if status & 0x7f else f"exited with status {status >> 8}"
+        self._trigger_locked(service_pb2.FlightTrigger(
+            kind=service_pb2.FLIGHT_TRIGGER_KIND_PROCESS_DIED, timestamp_ns=exit_event.timestamp_ns,
+            pid=exit_event.pid, device=-1,
+            reason=f"pid {exit_event.pid} {exit_event.title or exit_event.comm} {how} holding "
+                   f"{human_bytes(exit_event.freed_bytes)} of GPU memory"))
+
+    def _trigger_locked(self, trigger: service_pb2.FlightTrigger) -> _Pending | None:
+        """Copies the ring and the ledger for a dump (the Session's lock is held); None when the
+        trigger's kind dumped less than a cooldown ago."""
+        now = time.monotonic()
+        last = self._last_dump_monotonic.get(trigger.kind)
+        if trigger.kind not in _ALWAYS and last is not None and now - last < self.options.cooldown_seconds:
+            return None
+        self._last_dump_monotonic[trigger.kind] = now
+        end = self.session.checkpoint_locked()
+        records = list(self._ring)
+        # Everything the window's events allocate is replayed from them: the first checkpoint holds the
+        # rest. Records of the window's first nanosecond go with the checkpoint, as the ring may have
+        # let go of others of that nanosecond.
+        cutoff_ns = records[0].timestamp_ns + 1 if records else trigger.timestamp_ns
+        records = [record for record in records if record.timestamp_ns >= cutoff_ns]
+        start = SessionCheckpoint(cutoff_ns - 1, [entry for entry in end.entries if entry.timestamp_ns < cutoff_ns],
+                                  end.processes)
+        trigger.window_seconds = max(0.0, (trigger.timestamp_ns - cutoff_ns) / 1e9)
+        pending = _Pending(trigger, start, records, end)
+        self._pending.put(pending)
+        log.warning("flight recorder: %s: dumping the last %.0f s", trigger.reason, trigger.window_seconds)
+        return pending
+
+    # ---- the agent's side ----
+
+    def check(self, snapshot: AnalysisSnapshot | None) -> None:
+        """After an analysis: a forecast time-to-OOM under the threshold dumps."""
+        threshold = self.options.time_to_oom_seconds
+        if snapshot is None or threshold <= 0:
+            return
+        for row in snapshot.processes:
+            if row.time_to_oom_seconds is not None and row.time_to_oom_seconds < threshold:
+                with self.session.lock:
+                    self._trigger_locked(service_pb2.FlightTrigger(
+                        kind=service_pb2.FLIGHT_TRIGGER_KIND_TIME_TO_OOM, timestamp_ns=snapshot.timestamp_ns,
+                        pid=row.pid, device=row.device,
+                        reason=f"pid {row.pid} {row.title}: GPU {row.device} forecast out of memory in "
+                               f"{row.time_to_oom_seconds:.0f} s (threshold {threshold:g} s)"))
+                return
+
+    def request(self, kind: service_pb2.FlightTriggerKind, reason: str,
+                wait_seconds: float = 60.0) -> service_pb2.FlightDump:
+        """A dump now (SIGUSR1, DumpFlightRecorder): waits until it is written."""
+        with self.session.lock:
+            pending = self._trigger_locked(service_pb2.FlightTrigger(
+                kind=kind, timestamp_ns=self.session.wall_clock_ns(), device=-1, reason=reason))
+        assert pending is not None  # these kinds have no cooldown
+        if not pending.done.wait(wait_seconds):
+            raise FlightDumpError(f"the dump did not finish within {wait_seconds:g} s")
+        if pending.dump is None:
+            raise FlightDumpError(pending.error or "the dump failed")
+        return pending.dump
+
+    def dumps(self) -> list[service_pb2.FlightDump]:
+        """The dumps on disk, newest first."""
+        found = []
+        with self._dumps_lock:
+            written = dict(self._written)
+        for path in self._dump_files():
+            dump = written.get(str(path))
+            if dump is None:  # an earlier agent's: the header says why, the events are not counted
+                try:
+                    with RecordingReader.open(path) as reader:
+                        dump = service_pb2.FlightDump(path=str(path), trigger=reader.header.trigger,
+                                                      size_bytes=path.stat().st_size)
+                except (OSError, RecordingError):
+                    continue
+            found.append(dump)
+        return sorted(found, key=lambda dump: dump.trigger.timestamp_ns, reverse=True)
+
+    def _dump_files(self) -> list[Path]:
+        try:
+            return [path for path in self.options.directory.iterdir()
+                    if path.name.startswith(DUMP_PREFIX) and path.name.endswith(DUMP_SUFFIX)]
+        except OSError:
+            return []
+
+    # ---- the writer thread ----
+
+    def _write_dumps(self) -> None:
+        while True:
+            pending = self._pending.get()
+            if pending is None:
+                return
+            try:
+                pending.dump = self._write(pending)
+                with self._dumps_lock:
+                    self.dumps_total += 1
+                    self._written[pending.dump.path] = pending.dump
+                log.warning("flight recorder: wrote %s (%d events, %s)", pending.dump.path,
+                            pending.dump.event_count, human_bytes(pending.dump.size_bytes))
+                self._enforce_bounds()
+            except OSError as error:
+                pending.error = f"cannot write a flight recorder dump in {self.options.directory}: {error.strerror}"
+                with self._dumps_lock:
+                    self.dump_failures_total += 1
+                log.error("%s", pending.error)
+            finally:
+                pending.done.set()
+            self.session.report_counters({"flight_dumps": self.dumps_total,
+                                          "flight_dump_failures": self.dump_failures_total})
+
+    def _write(self, pending: _Pending) -> service_pb2.FlightDump:
+        trigger = pending.trigger
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(trigger.timestamp_ns / 1e9))
+        name = f"{DUMP_PREFIX}{stamp}-{trigger_name(trigger.kind)}" + (f"-{trigger.pid}" if trigger.pid else "")
+        path = self.options.directory / f"{name}{DUMP_SUFFIX}"
+        for number in range(1, 100):
+            if not path.exists():
+                break
+            path = self.options.directory / f"{name}.{number}{DUMP_SUFFIX}"
+        header = recording_header(self.session.started_wall_seconds, self._leak_min_age_seconds,
+                                  pending.start.timestamp_ns,
+                                  trigger=trigger)
+        writer = RecordingWriter.create(path, header, exclusive=True)
+        encoder = FrameEncoder(self.session.stack, lambda pid: pending.end.processes.get(pid))
+        try:
+            for frame in encoder.checkpoint(pending.start):
+                writer.write(frame)
+            for record in pending.records:
+                for frame in encoder.record(record):
+                    writer.write(frame)
+            for frame in encoder.checkpoint(pending.end):
+                writer.write(frame)
+        finally:
+            writer.close()
+        return service_pb2.FlightDump(path=str(path), trigger=trigger, size_bytes=path.stat().st_size,
+                                      event_count=encoder.events_encoded)
+
+    def _enforce_bounds(self) -> None:
+        """The oldest dumps go until at most max_dumps and max_total_bytes are on disk."""
+        files = []
+        for path in self._dump_files():
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        while files and (len(files) > self.options.max_dumps or total > self.options.max_total_bytes):
+            _, size, path = files.pop(0)
+            try:
+                os.unlink(path)
+                total -= size
+                log.info("flight recorder: removed %s (bounded to %d dumps, %s)", path, self.options.max_dumps,
+                         human_bytes(self.options.max_total_bytes))
+            except OSError:
+                pass
+

@@ -1,0 +1,344 @@
+"""Recording a running agent: the Session's records as recording frames.
+
+    Session ──sink──▶ RecordQueue ──▶ FrameEncoder ──▶ RecordingWriter   `kvtrace agent --record FILE`
+                                                   └─▶ StreamRecording   `kvtrace record -o FILE`
+    Session ──sink──▶ FlightRecorder (a ring of the last seconds) ──dump──▶ a file per trigger
+
+Every recording starts with a checkpoint, the ledger copied at the moment the sink joined (or the
+file rotated, or the ledger was resynced after lost events), so that replaying it rebuilds the
+ledger exactly: the checkpoint, then each event applied in order. Sinks run under the Session's lock:
+they only queue model records; encoding and writing happen on the recorder's own thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtrace import __version__
+from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+from kvtrace._proto.kvtrace.v1 import events_pb2
+from kvtrace.model.events import Event, EventsLost
+from kvtrace.model.gpus import NvmlSample
+from kvtrace.model.ledger import LedgerResynced, Outstanding
+from kvtrace.model.processes import ProcessInfo
+from kvtrace.model.stacks import Stack
+from kvtrace.reports.recording import RecordingWriter
+from kvtrace.servers.backend import AgentState
+from kvtrace.servers.hub import TitlePattern
+from kvtrace.session import Session, SessionCheckpoint
+from kvtrace.wire import (
+    event_to_proto,
+    lost_to_proto,
+    nvml_to_proto,
+    outstanding_to_proto,
+    recorded_process_to_proto,
+    stack_message,
+)
+
+log = logging.getLogger(__name__)
+
+# A checkpoint of a large ledger is split into frames of this many allocations (~1 MiB each).
+CHECKPOINT_FRAME_ENTRIES = 8192
+DEFAULT_MAX_QUEUED_RECORDS = 262144  # per recording; past it records are dropped and counted
+FLUSH_SECONDS = 1.0  # a crash loses at most this much of a recording
+
+QueuedRecord = Event | EventsLost | NvmlSample | SessionCheckpoint
+
+
+@dataclass(frozen=True)
+class ProcessFilter:
+    """Which processes a recording keeps; empty: all."""
+
+    pids: frozenset[int] = frozenset()
+    title_regex: TitlePattern | None = None
+
+    def wants(self, pid: int, title: str) -> bool:
+        if self.pids and pid not in self.pids:
+            return False
+        return self.title_regex is None or self.title_regex.search(title) is not None
+
+    @property
+    def everything(self) -> bool:
+        return not self.pids and self.title_regex is None
+
+    def describe(self, title_regex: str = "") -> str:
+        parts = []
+        if self.pids:
+            parts.append("pids " + ",".join(str(pid) for pid in sorted(self.pids)))
+        if title_regex:
+            parts.append(f"title ~ {title_regex}")
+        return "; ".join(parts)
+
+
+def recording_header(agent_started_wall_seconds: float, leak_min_age_seconds: float, start_time_ns: int,
+                     filter_description: str = "",
+                     trigger: service_pb2.FlightTrigger | None = None) -> service_pb2.RecordingHeader:
+    return service_pb2.RecordingHeader(
+        agent_version=__version__, host=socket.gethostname(), kernel_release=platform.release(),
+        start_time_ns=start_time_ns, agent_start_time_ns=int(agent_started_wall_seconds * 1e9),
+        leak_min_age_seconds=leak_min_age_seconds, filter_description=filter_description, trigger=trigger)
+
+
+class FrameEncoder:
+    """Model records -> frames of one recording: each stack is defined once, before the first
+    allocation that uses it; each process is written before its first event."""
+
+    def __init__(self, stack_of: Callable[[int], Stack | None],
+                 process_of: Callable[[int], ProcessInfo | None]) -> None:
+        self._stack_of = stack_of
+        self._process_of = process_of
+        self._sent_stacks: set[int] = set()
+        self._sent_processes: dict[int, str] = {}  # pid -> title written
+        self.events_encoded = 0
+        self.wanted = ProcessFilter()  # what later checkpoints keep (the first is filtered by its caller)
+
+    def restart(self) -> None:
+        """A new file starts: it defines its stacks and processes again."""
+        self._sent_stacks.clear()
+        self._sent_processes.clear()
+
+    def checkpoint(self, checkpoint: SessionCheckpoint,
+                   wanted: ProcessFilter = ProcessFilter()) -> Iterator[service_pb2.RecordingFrame]:
+        entries = [entry for entry in checkpoint.entries
+                   if wanted.everything or wanted.wants(entry.key.pid, _title(checkpoint.processes, entry))]
+        for entry in entries:
+            info = checkpoint.processes.get(entry.key.pid)
+            yield from self._process(entry.key.pid, info)
+            yield from self._stack(entry.stack_id)
+        for start in range(0, max(len(entries), 1), CHECKPOINT_FRAME_ENTRIES):
+            part = entries[start:start + CHECKPOINT_FRAME_ENTRIES]
+            yield service_pb2.RecordingFrame(checkpoint=service_pb2.RecordingCheckpoint(
+                timestamp_ns=checkpoint.timestamp_ns, last=start + CHECKPOINT_FRAME_ENTRIES >= len(entries),
+                allocations=[outstanding_to_proto(entry, checkpoint.processes.get(entry.key.pid))
+                             for entry in part]))
+
+    def record(self, record: QueuedRecord) -> Iterator[service_pb2.RecordingFrame]:
+        if type(record) is Event:
+            yield from self._process(record.pid, None, record)
+            yield from self._stack(record.stack_id)
+            self.events_encoded += 1
+            yield service_pb2.RecordingFrame(event=event_to_proto(record))
+        elif type(record) is EventsLost:
+            message = lost_to_proto(0, record.count)
+            message.timestamp_ns = record.timestamp_ns
+            yield service_pb2.RecordingFrame(event=message)
+        elif type(record) is NvmlSample:
+            yield service_pb2.RecordingFrame(nvml=nvml_to_proto(record))
+        elif type(record) is SessionCheckpoint:
+            yield from self.checkpoint(record, self.wanted)
+
+    def _process(self, pid: int, info: ProcessInfo | None,
+                 event: Event | None = None) -> Iterator[service_pb2.RecordingFrame]:
+        title = event.title if event is not None else (info.title if info is not None else "")
+        if self._sent_processes.get(pid) == title:
+            return
+        self._sent_processes[pid] = title
+        if info is None:
+            info = self._process_of(pid)
+        if info is None and event is not None:
+            info = ProcessInfo(pid, event.title, event.comm, event.container, "", 0.0, 0.0)
+        if info is not None:
+            yield service_pb2.RecordingFrame(process=recorded_process_to_proto(info))
+
+    def _stack(self, stack_id: int) -> Iterator[service_pb2.RecordingFrame]:
+        if not stack_id or stack_id in self._sent_stacks:
+            return
+        self._sent_stacks.add(stack_id)
+        stack = self._stack_of(stack_id)
+        if stack is not None:
+            yield service_pb2.RecordingFrame(event=events_pb2.Event(stack_definition=stack_message(stack_id, stack)))
+
+
+def _title(processes: dict[int, ProcessInfo], entry: Outstanding) -> str:
+    info = processes.get(entry.key.pid)
+    return info.title if info is not None else ""
+
+
+class RecordQueue:
+    """A Session sink that queues what one recording wants, bounded: past `max_records` records are
+    dropped, and the recording gets a loss marker where they are missing.
+
+    `request_checkpoint()` makes the next event bring a copy of the ledger as it stands after that
+    event (a rotated file starts with it)."""
+
+    def __init__(self, session: AgentState, wanted: ProcessFilter = ProcessFilter(),
+                 max_records: int = DEFAULT_MAX_QUEUED_RECORDS) -> None:
+        self._session = session
+        self._wanted = wanted
+        self._max_records = max_records
+        self._records: deque[QueuedRecord] = deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._dropped = 0  # since the last marker
+        self.dropped_total = 0
+        self._checkpoint_requested = False
+        self.closed = False
+
+    # ---- the Session's side (under its lock) ----
+
+    def publish(self, event: Event) -> None:
+        if not self._wanted.everything and not self._wanted.wants(event.pid, event.title):
+            return
+        self._put(event)
+        if self._checkpoint_requested:
+            self._checkpoint_requested = False
+            self._put(self._checkpoint())
+
+    def publish_loss(self, lost_count: int) -> None:
+        self._put(EventsLost(lost_count, time.time_ns()))
+
+    def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
+        if type(record) is NvmlSample:
+            self._put(record)
+        else:
+            self._put(self._checkpoint())
+
+    def _checkpoint(self) -> SessionCheckpoint:
+        return self._session.checkpoint_locked()  # a sink runs under the Session's lock
+
+    def _put(self, record: QueuedRecord) -> None:
+        with self._ready:
+            if len(self._records) >= self._max_records and type(record) is not SessionCheckpoint:
+                self._dropped += 1
+                self.dropped_total += 1
+                return
+            if self._dropped:
+                self._records.append(EventsLost(self._dropped, time.time_ns()))
+                self._dropped = 0
+            self._records.append(record)
+            self._ready.notify()
+
+    # ---- the recorder's side ----
+
+    def request_checkpoint(self) -> None:
+        self._checkpoint_requested = True
+
+    def take(self, max_records: int, wait_seconds: float) -> list[QueuedRecord]:
+        """Up to `max_records` records, waiting up to `wait_seconds` for the first."""
+        with self._ready:
+            if not self._records and not self.closed:
+                self._ready.wait(wait_seconds)
+            taken: list[QueuedRecord] = []
+            while self._records and len(taken) < max_records:
+                taken.append(self._records.popleft())
+            return taken
+
+    def close(self) -> None:
+        with self._ready:
+            self.closed = True
+            self._ready.notify_all()
+
+
+class FileRecorder:
+    """`kvtrace agent --record FILE`: every record into FILE, rotated at `max_bytes` into FILE.1 ..
+    FILE.<keep> (the oldest dropped). Each file starts with a checkpoint, so any one replays alone."""
+
+    def __init__(self, session: Session, path: Path, leak_min_age_seconds: float,
+                 max_bytes: int = 256 << 20, keep: int = 4) -> None:
+        self.session = session
+        self.path = path
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._leak_min_age_seconds = leak_min_age_seconds
+        self._queue = RecordQueue(session)
+        self._encoder = FrameEncoder(session.stack, session.process)
+        self._writer: RecordingWriter | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.rotations_total = 0
+        self.error: str | None = None
+
+    def start(self) -> None:
+        checkpoint = self.session.subscribe(self._queue)
+        self._open(checkpoint)
+        self._thread = threading.Thread(target=self._run, name="kvtrace-record", daemon=True)
+        self._thread.start()
+        log.info("recording to %s (rotated at %d MiB, %d kept)", self.path, self.max_bytes >> 20, self.keep)
+
+    def _open(self, checkpoint: SessionCheckpoint) -> None:
+        header = recording_header(self.session.started_wall_seconds, self._leak_min_age_seconds,
+                                  checkpoint.timestamp_ns)
+        self._writer = RecordingWriter.create(self.path, header)
+        self._encoder.restart()
+        for frame in self._encoder.checkpoint(checkpoint):
+            self._writer.write(frame)
+        self._writer.flush()
+
+    def _run(self) -> None:
+        next_flush = time.monotonic() + FLUSH_SECONDS
+        rotating = False
+        try:
+            while not self._stop.is_set():
+                for record in self._queue.take(4096, FLUSH_SECONDS):
+                    if rotating and type(record) is SessionCheckpoint:
+                        rotating = False
+                        self._rotate(record)
+                        continue
+                    assert self._writer is not None
+                    for frame in self._encoder.record(record):
+                        self._writer.write(frame)
+                if time.monotonic() >= next_flush:
+                    assert self._writer is not None
+                    self._writer.flush()
+                    next_flush = time.monotonic() + FLUSH_SECONDS
+                    if not rotating and self._writer.size_bytes >= self.max_bytes:
+                        rotating = True
+                        self._queue.request_checkpoint()
+        except OSError as error:
+            self.error = f"recording to {self.path} stopped: {error.strerror}"
+            log.error("%s", self.error)
+            self.session.report_component("recording", False, self.error)
+            self.session.remove_sink(self._queue)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+
+    def _rotate(self, checkpoint: SessionCheckpoint) -> None:
+        assert self._writer is not None
+        self._writer.close()
+        for index in range(self.keep - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{index}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
+        if self.keep > 0:
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self.rotations_total += 1
+        self._open(checkpoint)
+
+    def stop(self) -> None:
+        self.session.remove_sink(self._queue)
+        self._queue.close()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+def encode_stream(queue: RecordQueue, encoder: FrameEncoder, checkpoint: SessionCheckpoint,
+                  wanted: ProcessFilter, max_frames: int, active: Callable[[], bool],
+                  wait_seconds: float = 0.5) -> Iterator[list[service_pb2.RecordingFrame]]:
+    """The frames of a recording streamed to a client (StreamRecording), in batches: the checkpoint
+    first, then what the queue gets, until `active()` is false or the queue closes."""
+    batch: list[service_pb2.RecordingFrame] = []
+    for frame in encoder.checkpoint(checkpoint, wanted):
+        batch.append(frame)
+        if len(batch) >= max_frames:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+    while active() and not queue.closed:
+        batch = [frame for record in queue.take(max_frames, wait_seconds) for frame in encoder.record(record)]
+        if batch:
+            yield batch
+
+
+def frames_of(records: Iterable[QueuedRecord], encoder: FrameEncoder) -> Iterator[service_pb2.RecordingFrame]:
+    for record in records:
+        yield from encoder.record(record)

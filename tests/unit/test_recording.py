@@ -1,0 +1,319 @@
+"""The recording file: its format (versions, damage, appending), recording a Session (checkpoint,
+rotation, StreamRecording and `kvtrace record`), and replay: the reports read from a file give what
+they gave live."""
+import io
+import json
+import struct
+import threading
+import time
+import zlib
+from contextlib import redirect_stdout
+
+import pytest
+
+from fake_agent import FakeAgent, MiB, event, served
+from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+from kvtrace._proto.kvtrace.v1 import events_pb2
+from kvtrace.cli.flags import parse_at
+from kvtrace.cli.main import main
+from kvtrace.model.events import Api, Event, Kind
+from kvtrace.model.stacks import Frame, Stack
+from kvtrace.reports.recorder import FileRecorder
+from kvtrace.reports.recording import FORMAT_VERSION, MAGIC, RecordingError, RecordingReader, RecordingWriter
+from kvtrace.reports.replay import replay
+
+NS = 1_000_000_000
+
+
+def header(**fields) -> service_pb2.RecordingHeader:
+    return service_pb2.RecordingHeader(**{"agent_version": "test", "host": "h", "start_time_ns": 1, **fields})
+
+
+def frame(timestamp_ns: int) -> service_pb2.RecordingFrame:
+    return service_pb2.RecordingFrame(event=events_pb2.Event(timestamp_ns=timestamp_ns, pid=7))
+
+
+def ledger_of(session) -> list:
+    return sorted((entry.key, entry.size_bytes, entry.device, entry.stack_id, entry.timestamp_ns, entry.tid)
+                  for entry in session.outstanding())
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+# ---- the file ----
+
+def test_frames_come_back_in_order_across_chunks(tmp_path):
+    path = tmp_path / "r.kvtrace"
+    writer = RecordingWriter.create(path, header(host="gpu-7"))
+    for index in range(23):
+        writer.write(frame(index + 1))
+        if index % 5 == 4:
+            writer.flush()  # several chunks
+    writer.close()
+    with RecordingReader.open(path) as reader:
+        assert reader.header.host == "gpu-7"
+        assert [f.event.timestamp_ns for f in reader.frames()] == list(range(1, 24))
+        assert reader.damage is None
+
+
+def test_a_newer_format_is_refused_with_what_to_do(tmp_path):
+    path = tmp_path / "new.kvtrace"
+    encoded = header().SerializeToString()
+    path.write_bytes(MAGIC + struct.pack("<HI", FORMAT_VERSION + 1, len(encoded)) + encoded)
+    with pytest.raises(RecordingError, match=f"format {FORMAT_VERSION + 1}, newer .* upgrade kvtrace"):
+        RecordingReader.open(path)
+
+
+def test_a_file_that_is_no_recording_is_refused(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"not": "a recording"}')
+    with pytest.raises(RecordingError, match="is not a kvtrace recording .*kvtrace record"):
+        RecordingReader.open(path)
+    path.write_bytes(MAGIC[:5])
+    with pytest.raises(RecordingError, match="not a kvtrace recording"):
+        RecordingReader.open(path)
+    path.write_bytes(MAGIC + b"\x01")
+    with pytest.raises(RecordingError, match="cut short inside its header"):
+        RecordingReader.open(path)
+
+
+def test_a_cut_file_is_read_up_to_the_damage_and_says_where(tmp_path):
+    path = tmp_path / "cut.kvtrace"
+    writer = RecordingWriter.create(path, header())
+    for index in range(10):
+        writer.write(frame(index + 1))
+    writer.flush()
+    whole = path.stat().st_size
+    for index in range(10, 20):
+        writer.write(frame(index + 1))
+    writer.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:-7])  # the writer died inside its second chunk
+    with RecordingReader.open(path) as reader:
+        assert [f.event.timestamp_ns for f in reader.frames()] == list(range(1, 11))
+        assert reader.damage == (f"{path} is damaged at byte {whole}: cut short: the last chunk has "
+                                 f"{len(data) - 7 - whole - 8} of its {len(data) - whole - 8} bytes "
+                                 "(the writer stopped while writing it); read up to there")
+
+
+def test_a_corrupt_chunk_fails_its_checksum(tmp_path):
+    path = tmp_path / "bad.kvtrace"
+    writer = RecordingWriter.create(path, header())
+    writer.write(frame(1))
+    writer.close()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with RecordingReader.open(path) as reader:
+        assert list(reader.frames()) == []
+        assert "fails its checksum" in reader.damage
+
+
+def test_appending_cuts_a_damaged_tail_then_adds(tmp_path):
+    path = tmp_path / "a.kvtrace"
+    writer = RecordingWriter.create(path, header())
+    writer.write(frame(1))
+    writer.close()
+    with path.open("ab") as file:
+        file.write(struct.pack("<II", 1000, 0) + b"partial")
+    writer = RecordingWriter.append(path)
+    writer.write(frame(2))
+    writer.close()
+    with RecordingReader.open(path) as reader:
+        assert [f.event.timestamp_ns for f in reader.frames()] == [1, 2]
+        assert reader.damage is None
+
+
+def test_a_record_of_a_newer_kvtrace_is_skipped_and_counted(tmp_path):
+    path = tmp_path / "n.kvtrace"
+    writer = RecordingWriter.create(path, header())
+    writer.write(frame(1))
+    writer.close()
+    unknown = b"\xfa\x3f\x01\x00"  # field 1023, length 1: a record this reader does not know
+    data = struct.pack("<I", len(unknown)) + unknown + struct.pack("<I", len(frame(2).SerializeToString())) + \
+        frame(2).SerializeToString()
+    compressed = zlib.compress(data)
+    with path.open("ab") as file:
+        file.write(struct.pack("<II", len(compressed), zlib.crc32(compressed)) + compressed)
+    with RecordingReader.open(path) as reader:
+        assert [f.event.timestamp_ns for f in reader.frames()] == [1, 2]
+        assert reader.unknown_frames == 1
+
+
+def test_recording_files_are_private(tmp_path):
+    writer = RecordingWriter.create(tmp_path / "p.kvtrace", header())
+    writer.close()
+    assert (tmp_path / "p.kvtrace").stat().st_mode & 0o777 == 0o600
+
+
+# ---- recording a Session, replaying it ----
+
+def _leaky(agent: FakeAgent, start_ns: int, count: int = 23, address: int = 0x100000) -> int:
+    leak = agent.stacks.intern(Stack((Frame("leak_kv", "/app/leak.py", 12), Frame("step", "/app/serve.py", 40))))
+    agent.apply(*[event(address=address + index * MiB, ts=start_ns + index * NS, stack_id=leak)
+                  for index in range(count)])
+    return leak
+
+
+def test_a_recording_replays_to_the_live_ledger_with_the_agents_stack_ids(tmp_path):
+    agent = FakeAgent()
+    start = time.time_ns() + NS  # after the recording's checkpoint
+    agent.stacks.intern(Stack((Frame("unused", "/x.py", 1),)))  # ids in the file are the agent's, not renumbered
+    _leaky(agent, start, count=5)  # held before the recording starts: in its checkpoint
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    leak = _leaky(agent, start + 10 * NS, address=0x900000)
+    agent.apply(event(kind=Kind.FREE, api=Api.cuMemFree_v2, address=0x100000, size=MiB, ts=start + 50 * NS))
+    recorder.stop()
+    replayed = replay(tmp_path / "r.kvtrace")
+    assert ledger_of(replayed.session) == ledger_of(agent.session)
+    assert len(replayed.session.outstanding()) == 5 - 1 + 23
+    assert replayed.session.stack(leak) == agent.session.stack(leak) and leak == 2
+    assert replayed.events_replayed == 23 + 1
+    assert replayed.session.process(200).title == "VLLM::Worker_TP0"
+
+
+def test_the_replay_at_a_time_holds_what_was_held_then(tmp_path):
+    agent = FakeAgent()
+    start = time.time_ns() + NS  # after the recording's checkpoint
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, start)
+    recorder.stop()
+    at_ns = start + 10 * NS  # allocations 0..10
+    replayed = replay(tmp_path / "r.kvtrace", at_ns=at_ns)
+    assert len(replayed.session.outstanding()) == 11
+    assert replayed.at_ns == at_ns and replayed.stopped_at_time
+
+
+def test_a_rotated_recording_starts_each_file_with_a_checkpoint(tmp_path):
+    agent = FakeAgent()
+    start = time.time_ns() + NS
+    path = tmp_path / "r.kvtrace"
+    recorder = FileRecorder(agent.session, path, 60.0, max_bytes=600, keep=2)
+    recorder.start()
+    for round_number in range(6):
+        _leaky(agent, start + round_number * 100 * NS, count=50, address=0x100000000 * (round_number + 1))
+        time.sleep(1.1)  # the recorder checks the size once a flush
+    recorder.stop()
+    assert recorder.rotations_total >= 2
+    assert path.with_name("r.kvtrace.1").exists() and path.with_name("r.kvtrace.2").exists()
+    assert not path.with_name("r.kvtrace.3").exists()  # keep=2
+    # Each file alone replays to the ledger of its time: the newest to the live one.
+    assert ledger_of(replay(path).session) == ledger_of(agent.session)
+    older = replay(path.with_name("r.kvtrace.1"))
+    assert 0 < len(older.session.outstanding()) < 6 * 50
+
+
+def test_a_resync_writes_a_checkpoint_so_the_replay_stays_exact(tmp_path):
+    agent = FakeAgent()
+    start = time.time_ns() + NS  # after the recording's checkpoint
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, start)
+    agent.lose(3)
+    kept = [entry for entry in agent.session.outstanding() if entry.key.address % (2 * MiB) == 0]
+    agent.session.resync(kept)  # the kernel's exact copy: some frees were in the lost events
+    recorder.stop()
+    assert ledger_of(replay(tmp_path / "r.kvtrace").session) == ledger_of(agent.session)
+
+
+def test_record_then_every_report_reads_the_file_as_it_read_the_agent(tmp_path):
+    """`kvtrace record` over the real API while events arrive; then snapshot, ps and leaks from the
+    file equal what the agent answered at the same moment."""
+    agent = FakeAgent()
+    start = time.time_ns() + NS
+    _leaky(agent, start, count=7)
+    output = tmp_path / "gpu.kvtrace"
+    with served(agent) as (server, _):
+        socket = str(server.config.admin_path)
+
+        def feed():
+            time.sleep(0.5)
+            _leaky(agent, start + 100 * NS, address=0x10000000)
+            agent.apply(event(kind=Kind.FREE, api=Api.cuMemFree_v2, address=0x100000, size=MiB, ts=start + 150 * NS))
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        assert run_cli("record", "-o", str(output), "--duration", "2", "--socket", socket)[0] == 0
+        feeder.join()
+        live = {name: run_cli(*argv, "--socket", socket)[1] for name, argv in (
+            ("snapshot", ("snapshot", "--json")), ("ps", ("ps", "--json")))}
+    replayed = {name: run_cli(*argv, "--input", str(output))[1] for name, argv in (
+        ("snapshot", ("snapshot", "--json")), ("ps", ("ps", "--json")))}
+    assert live["snapshot"].count("\n") == 7 - 1 + 23
+    assert replayed == live
+
+
+def test_leaks_from_a_recording_name_the_same_suspects(tmp_path):
+    agent = FakeAgent()
+    start = time.time_ns() + NS
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, start)
+    recorder.stop()
+    at_ns = start + 200 * NS
+    agent.freeze_clock(at_ns)
+    with served(agent) as (server, _):
+        _, live = run_cli("leaks", "--json", "--min-age", "0", "--socket", str(server.config.admin_path))
+    _, replayed = run_cli("leaks", "--json", "--min-age", "0", "--input", str(tmp_path / "r.kvtrace"),
+                          "--at", f"@{at_ns // NS}.{at_ns % NS:09d}")
+    live_report, replayed_report = json.loads(live), json.loads(replayed)
+    assert live_report["suspects"][0]["stack"][0]["function"] == "leak_kv"
+    for report in (live_report, replayed_report):
+        for suspect in report["suspects"]:
+            suspect.pop("growth_bytes_per_second")  # sampled on the agent's clock, not the file's
+    assert replayed_report == live_report
+
+
+def test_tail_reads_the_recorded_events_through_the_servers_filter(tmp_path):
+    agent = FakeAgent()
+    start = time.time_ns() + NS  # after the recording's checkpoint
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, start)
+    agent.apply(event(pid=100, address=0x5, ts=start + 60 * NS))
+    recorder.stop()
+    code, out = run_cli("tail", "--json", "--input", str(tmp_path / "r.kvtrace"), "-p", "200")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and len(lines) == 23 and {line["pid"] for line in lines} == {200}
+    code, out = run_cli("tail", "--json", "--stacks", "--input", str(tmp_path / "r.kvtrace"))
+    assert len(out.splitlines()) == 24 and json.loads(out.splitlines()[0])["stack"][0]["function"] == "leak_kv"
+
+
+def test_a_bad_recording_is_one_clear_line(tmp_path, capsys):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    assert main(["leaks", "--input", str(path)]) == 2
+    assert "is not a kvtrace recording" in capsys.readouterr().err
+    assert main(["ps", "--input", str(tmp_path / "missing.kvtrace")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "field", "value"), [
+    ("end", "end", True), ("+90s", "after_start_ns", 90 * NS), ("+2m", "after_start_ns", 120 * NS),
+    ("@1764660000.5", "wall_ns", 1764660000_500_000_000),
+])
+def test_at_takes_times_people_write(text, field, value):
+    assert getattr(parse_at(text), field) == value
+
+
+def test_at_refuses_what_is_not_a_time():
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="not a time: 'yesterday'"):
+        parse_at("yesterday")
+
+
+def test_an_exit_says_how_much_memory_it_freed():
+    agent = FakeAgent()
+    agent.apply(event(address=0x1, size=3 * MiB), event(address=0x2, size=MiB))
+    exit_event = Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=200, tid=200,
+                       timestamp_ns=time.time_ns(), error_code=9)
+    agent.apply(exit_event)
+    assert exit_event.freed_bytes == 4 * MiB
