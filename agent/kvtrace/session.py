@@ -172,7 +172,11 @@ class Session:
 
     def add_exit_watcher(self, watcher: ExitWatcher) -> None:
         with self.lock:
-            self._exit_watchers.append(watcher)
+            self._exit_watchers = [*self._exit_watchers, watcher]
+
+    def remove_exit_watcher(self, watcher: ExitWatcher) -> None:
+        with self.lock:
+            self._exit_watchers = [existing for existing in self._exit_watchers if existing != watcher]
 
     def ingest(self, record: Record) -> None:
         self.ingest_many((record,))

@@ -8,6 +8,7 @@ import threading
 import time
 import zlib
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 
@@ -317,3 +318,42 @@ def test_an_exit_says_how_much_memory_it_freed():
                        timestamp_ns=time.time_ns(), error_code=9)
     agent.apply(exit_event)
     assert exit_event.freed_bytes == 4 * MiB
+
+
+# ---- exports from a recording ----
+
+def _recorded(tmp_path) -> tuple[FakeAgent, Path]:
+    agent = FakeAgent()
+    start = time.time_ns() + NS
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, start)
+    agent.apply(event(pid=100, address=0x5, size=3 * MiB, ts=start + 60 * NS))
+    agent.apply(event(kind=Kind.FREE, api=Api.cuMemFree_v2, address=0x100000, size=MiB, ts=start + 61 * NS))
+    recorder.stop()
+    return agent, tmp_path / "r.kvtrace"
+
+
+def test_a_flame_graph_from_a_recording_is_the_live_one(tmp_path):
+    agent, path = _recorded(tmp_path)
+    with served(agent) as (server, _):
+        _, live = run_cli("flamegraph", "--socket", str(server.config.admin_path))
+    code, replayed = run_cli("flamegraph", "--input", str(path))
+    assert code == 0 and replayed == live
+    assert replayed.splitlines() == [
+        "pid 100 VLLM::EngineCore;GPU 0;[no Python stack];[cuMemAlloc_v2] 3145728",
+        f"pid 200 VLLM::Worker_TP0;GPU 0;step (/app/serve.py:40);leak_kv (/app/leak.py:12);[cuMemAlloc_v2] {22 * MiB}",
+    ]
+    code, _ = run_cli("flamegraph", "--input", str(path), "-o", str(tmp_path / "held.json"))
+    document = json.loads((tmp_path / "held.json").read_text())
+    assert code == 0 and [sum(profile["weights"]) for profile in document["profiles"]] == [3 * MiB, 22 * MiB]
+
+
+def test_a_perfetto_trace_of_a_recording_has_every_call(tmp_path, capsys):
+    _, path = _recorded(tmp_path)
+    assert main(["perfetto", "--input", str(path), "-o", str(tmp_path / "r.pftrace")]) == 0
+    err = capsys.readouterr().err
+    assert "wrote" in err and "25 events, 25 calls" in err  # 23 + 1 allocations and 1 free
+    assert (tmp_path / "r.pftrace").stat().st_size > 0
+    assert main(["perfetto", "-o", str(tmp_path / "x.pftrace")]) == 2
+    assert "--input FILE, or --duration" in capsys.readouterr().err

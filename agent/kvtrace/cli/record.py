@@ -26,8 +26,10 @@ FLUSH_SECONDS = 1.0
 
 
 class RecordCommand:
-    """Record what the running kvtrace agent sees to a file: the memory held when it starts, then
-    every allocation, free, stack, process and NVML round, until Ctrl-C or --duration.
+    """Record what the running kvtrace agent sees to a file, for any report to read later.
+
+    The file holds the memory held when recording starts, then every allocation, free, stack,
+    process and NVML round, until Ctrl-C or --duration.
 
     Every report reads the file as it reads the agent (`kvtrace leaks|snapshot|ps|top|tail --input
     FILE [--at TIME]`), after the processes are gone. The file holds stacks, addresses and titles:
@@ -56,35 +58,42 @@ class RecordCommand:
         if args.output.is_dir():
             raise CommandError(f"{args.output} is a directory: give a file name, e.g. {args.output / 'gpu.kvtrace'}",
                                ExitCode.USAGE)
-        progress = Progress(args.output)
         with AgentClient.from_args(args) as agent:
-            responses = agent.stream_recording(args.pid, args.cmdline or "", args.duration)
-            writer: RecordingWriter | None = None
-            try:
-                for response in responses:
-                    if writer is None:
-                        if not response.HasField("header"):
-                            raise CommandError("the agent's recording did not start with a header; upgrade the agent")
-                        try:
-                            writer = RecordingWriter.create(args.output, response.header)
-                        except OSError as error:
-                            raise CommandError(f"cannot write {args.output}: {error.strerror}",
-                                               ExitCode.USAGE) from None
-                        print(f"Recording to {args.output}. Hit Ctrl-C to end.", file=sys.stderr, flush=True)
-                    for frame in response.frames:
-                        writer.write(frame)
-                        progress.count(frame)
-                    progress.tick(writer)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                if writer is not None:
-                    writer.close()
-        if writer is None:
-            raise CommandError("the agent sent nothing to record")
+            progress = record_to(agent, args.output, args.pid, args.cmdline or "", args.duration)
         print(f"wrote {args.output}: {progress.summary()}; read it with "
               f"`kvtrace leaks --input {args.output}`", file=sys.stderr)
         return ExitCode.OK
+
+
+def record_to(agent: AgentClient, output: Path, pids: list[int], title_regex: str,
+              duration_seconds: float | None) -> Progress:
+    """Writes the agent's recording to `output` until the duration passes (or Ctrl-C)."""
+    progress = Progress(output)
+    responses = agent.stream_recording(pids, title_regex, duration_seconds)
+    writer: RecordingWriter | None = None
+    try:
+        for response in responses:
+            if writer is None:
+                if not response.HasField("header"):
+                    raise CommandError("the agent's recording did not start with a header; upgrade the agent")
+                try:
+                    writer = RecordingWriter.create(output, response.header)
+                except OSError as error:
+                    raise CommandError(f"cannot write {output}: {error.strerror}", ExitCode.USAGE) from None
+                until = f" for {duration_seconds:g} s" if duration_seconds else ""
+                print(f"Recording to {output}{until}. Hit Ctrl-C to end.", file=sys.stderr, flush=True)
+            for frame in response.frames:
+                writer.write(frame)
+                progress.count(frame)
+            progress.tick(writer)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        raise CommandError("the agent sent nothing to record")
+    return progress
 
 
 class Progress:

@@ -118,6 +118,7 @@ class FlightRecorder:
 
     def stop(self) -> None:
         self.session.remove_sink(self)
+        self.session.remove_exit_watcher(self._on_exit)
         self._pending.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -134,7 +135,7 @@ class FlightRecorder:
                        f"(error {event.error_code}) in pid {event.pid} {event.title or event.comm}"))
 
     def publish_loss(self, lost_count: int) -> None:
-        self._append(EventsLost(lost_count, time.time_ns()))
+        self._append(EventsLost(lost_count, self.session.wall_clock_ns()))
 
     def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
         if type(record) is NvmlSample:
@@ -169,7 +170,10 @@ class FlightRecorder:
         if trigger.kind not in _ALWAYS and last is not None and now - last < self.options.cooldown_seconds:
             return None
         self._last_dump_monotonic[trigger.kind] = now
-        end = self.session.checkpoint_locked()
+        # Stamped at the trigger, not at the copy (later): a replay read at the trigger stops at the first
+        # record after it, and would leave out the very checkpoint that makes it exact.
+        copied = self.session.checkpoint_locked()
+        end = SessionCheckpoint(trigger.timestamp_ns, copied.entries, copied.processes)
         records = list(self._ring)
         # Everything the window's events allocate is replayed from them: the first checkpoint holds the
         # rest. Records of the window's first nanosecond go with the checkpoint, as the ring may have
@@ -252,12 +256,13 @@ class FlightRecorder:
                     self._written[pending.dump.path] = pending.dump
                 log.warning("flight recorder: wrote %s (%d events, %s)", pending.dump.path,
                             pending.dump.event_count, human_bytes(pending.dump.size_bytes))
-                self._enforce_bounds()
-            except OSError as error:
-                pending.error = f"cannot write a flight recorder dump in {self.options.directory}: {error.strerror}"
+                self._enforce_bounds(keep=Path(pending.dump.path))
+            except Exception as error:  # the thread lives on: the next dump may well succeed
+                reason = error.strerror if isinstance(error, OSError) else repr(error)
+                pending.error = f"cannot write a flight recorder dump in {self.options.directory}: {reason}"
                 with self._dumps_lock:
                     self.dump_failures_total += 1
-                log.error("%s", pending.error)
+                log.error("%s", pending.error, exc_info=not isinstance(error, OSError))
             finally:
                 pending.done.set()
             self.session.report_counters({"flight_dumps": self.dumps_total,
@@ -275,7 +280,9 @@ class FlightRecorder:
         header = recording_header(self.session.started_wall_seconds, self._leak_min_age_seconds,
                                   pending.start.timestamp_ns,
                                   trigger=trigger)
-        writer = RecordingWriter.create(path, header, exclusive=True)
+        # Written under a hidden name, renamed whole: what lists or watches the directory never sees half.
+        partial = path.with_name(f".{path.name}.partial")
+        writer = RecordingWriter.create(partial, header, exclusive=True)
         encoder = FrameEncoder(self.session.stack, lambda pid: pending.end.processes.get(pid))
         try:
             for frame in encoder.checkpoint(pending.start):
@@ -285,24 +292,32 @@ class FlightRecorder:
                     writer.write(frame)
             for frame in encoder.checkpoint(pending.end):
                 writer.write(frame)
+            writer.close()
+            os.rename(partial, path)
         finally:
             writer.close()
+            partial.unlink(missing_ok=True)
         return service_pb2.FlightDump(path=str(path), trigger=trigger, size_bytes=path.stat().st_size,
                                       event_count=encoder.events_encoded)
 
-    def _enforce_bounds(self) -> None:
-        """The oldest dumps go until at most max_dumps and max_total_bytes are on disk."""
+    def _enforce_bounds(self, keep: Path) -> None:
+        """The oldest dumps go until at most max_dumps and max_total_bytes are on disk; `keep`, the dump
+        just written, stays even when it alone is over the bytes (it is the one wanted now)."""
         files = []
+        kept_bytes = 0
         for path in self._dump_files():
             try:
                 stat = path.stat()
             except OSError:
                 continue
-            files.append((stat.st_mtime, stat.st_size, path))
+            if path == keep:
+                kept_bytes = stat.st_size
+            else:
+                files.append((stat.st_mtime_ns, path.name, stat.st_size, path))
         files.sort()
-        total = sum(size for _, size, _ in files)
-        while files and (len(files) > self.options.max_dumps or total > self.options.max_total_bytes):
-            _, size, path = files.pop(0)
+        total = kept_bytes + sum(size for _, _, size, _ in files)
+        while files and (len(files) + 1 > self.options.max_dumps or total > self.options.max_total_bytes):
+            _, _, size, path = files.pop(0)
             try:
                 os.unlink(path)
                 total -= size

@@ -12,6 +12,7 @@ ps|top --input FILE` are the live commands talking to a file.
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import sys
 import tempfile
@@ -30,8 +31,10 @@ from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
 from kvtrace.client import AgentClient
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import Event, EventsLost, Kind, Layer
+from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import ProcessInfo, ProcessTable
+from kvtrace.model.stacks import Stack
 from kvtrace.reports.recording import RecordingError, RecordingReader
 from kvtrace.session import Session
 from kvtrace.wire import (
@@ -373,3 +376,77 @@ def _progress(path: Path) -> Callable[[int, int], None] | None:
         print(f"\rkvtrace: replaying {path}: {position * 100 // total}% ({frames} records)",
               end="", file=sys.stderr, flush=True)
     return show
+
+
+@dataclass
+class RecordedStream:
+    """A recording as model records, read as they are used: the ledger at its start, then its events,
+    NVML rounds and losses in order. `stacks` and `titles` fill in as the records are read (a stack is
+    defined before the first event that uses it)."""
+
+    header: service_pb2.RecordingHeader
+    checkpoint: list[Outstanding]
+    stacks: dict[int, Stack]
+    titles: dict[int, str]
+    records: Iterator[Event | NvmlSample | EventsLost]
+    later_checkpoints: int = 0  # the ledger replaced again (a resync, a dump's end): not in `records`
+
+
+def read_records(reader: RecordingReader) -> RecordedStream:
+    """The stream of an open recording (the caller closes the reader when done with the records)."""
+    frames = reader.frames()
+    checkpoint: list[Outstanding] = []
+    stacks: dict[int, Stack] = {}
+    titles: dict[int, str] = {}
+    pending: list[service_pb2.RecordingFrame] = []
+    for frame in frames:
+        record = frame.WhichOneof("record")
+        if record == "checkpoint":
+            for message in frame.checkpoint.allocations:
+                try:
+                    checkpoint.append(outstanding_from_proto(message))
+                except ValueError:
+                    continue
+                titles.setdefault(message.pid, message.title or message.comm)
+            if frame.checkpoint.last:
+                break
+        elif record in ("process", "event") and not (record == "event" and _is_call(frame.event)):
+            _define(frame, stacks, titles)
+        else:  # a recording without a checkpoint: it starts from nothing
+            pending.append(frame)
+            break
+    stream = RecordedStream(reader.header, checkpoint, stacks, titles, iter(()))
+    stream.records = _records(itertools.chain(pending, frames), stream)
+    return stream
+
+
+def _is_call(message: events_pb2.Event) -> bool:
+    return not message.HasField("stack_definition")
+
+
+def _define(frame: service_pb2.RecordingFrame, stacks: dict[int, Stack], titles: dict[int, str]) -> None:
+    if frame.HasField("process"):
+        titles[frame.process.pid] = frame.process.title or frame.process.comm
+    elif frame.event.HasField("stack_definition"):
+        stack_id, stack = stack_from_proto(frame.event.stack_definition)
+        stacks[stack_id] = stack
+
+
+def _records(frames: Iterable[service_pb2.RecordingFrame],
+             stream: RecordedStream) -> Iterator[Event | NvmlSample | EventsLost]:
+    for frame in frames:
+        record = frame.WhichOneof("record")
+        if record == "nvml":
+            yield nvml_from_proto(frame.nvml)
+        elif record == "checkpoint":
+            stream.later_checkpoints += frame.checkpoint.last
+        elif record == "process" or frame.event.HasField("stack_definition"):
+            _define(frame, stream.stacks, stream.titles)
+        elif frame.event.HasField("events_lost"):
+            lost = frame.event.events_lost
+            yield EventsLost(lost.dropped_count + lost.kernel_lost_count, frame.event.timestamp_ns)
+        else:
+            event = event_from_proto(frame.event)
+            if event is not None:
+                stream.titles.setdefault(event.pid, event.title or event.comm)
+                yield event

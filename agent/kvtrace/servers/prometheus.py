@@ -180,6 +180,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "libraries component is down meanwhile and names one."),
     MetricSpec("kvtrace_libraries_detached_total", "counter", "libraries", (),
                "Libraries whose probes were taken out because no traced process mapped them."),
+    MetricSpec("kvtrace_flight_dumps_total", "counter", "dumps", (),
+               "Flight recorder dumps written (an allocation failed with out-of-memory, a process died holding "
+               "GPU memory, a near time-to-OOM, SIGUSR1 or a request); `kvtrace flight` lists them."),
+    MetricSpec("kvtrace_flight_dump_failures_total", "counter", "dumps", (),
+               "Flight recorder dumps that could not be written (the agent log says why: a full disk?)."),
     MetricSpec("kvtrace_vllm_messages_received_total", "counter", "messages", (),
                "Reports the kvtrace vLLM plugin sent to the agent's socket and the agent took."),
     MetricSpec("kvtrace_vllm_messages_rejected_total", "counter", "messages", (),
@@ -210,6 +215,8 @@ _SESSION_COUNTERS = {
     "kvtrace_attached_libraries": "libraries_attached",
     "kvtrace_libraries_refused_total": "libraries_refused",
     "kvtrace_libraries_detached_total": "libraries_detached",
+    "kvtrace_flight_dumps_total": "flight_dumps",
+    "kvtrace_flight_dump_failures_total": "flight_dump_failures",
 }
 
 
