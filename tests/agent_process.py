@@ -14,11 +14,14 @@ KVTRACE = [sys.executable, "-m", "kvtrace.cli.main"]
 
 class AgentProcess:
     def __init__(self, socket: Path, *args: str) -> None:
-        """The vLLM plugin's socket goes next to `socket` unless `args` say where (never the host's
-        /run/kvtrace-vllm: tests run agents side by side)."""
+        """The vLLM plugin's socket and the flight recorder's dumps go next to `socket` unless `args`
+        say where (never the host's /run/kvtrace-vllm or /var/lib/kvtrace: tests run agents side by
+        side, and must not write into the host's state)."""
         self.socket = socket
         if "--vllm-socket" not in args:
             args = (*args, "--vllm-socket", str(socket.parent / f"{socket.stem}-vllm.sock"))
+        if "--flight-dir" not in args:
+            args = (*args, "--flight-dir", str(socket.parent / f"{socket.stem}-flight"))
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._stdout = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(

@@ -150,8 +150,8 @@ def test_a_failure_that_is_not_out_of_memory_writes_no_dump(tmp_path, recorders)
 def test_the_dump_holds_exactly_the_last_window_and_what_came_before_through_its_first_checkpoint(
         tmp_path, recorders):
     """31 allocations 1 s apart (t = 0..30 s), the failure at 31 s, a 10 s window: the ring keeps the
-    records of 21..31 s; the first of them goes with the checkpoint (records of the window's first
-    nanosecond do), so the dump's events are the allocations of 22..30 s and the failure."""
+    records of 21..31 s and let go of those of 0..20 s, which the first checkpoint holds; the dump's
+    events are the allocations of 21..30 s and the failure."""
     agent = FakeAgent()
     recorder = recorders(agent, tmp_path, window_seconds=10)
     start = time.time_ns() - 60 * NS
@@ -161,17 +161,17 @@ def test_the_dump_holds_exactly_the_last_window_and_what_came_before_through_its
     (path,) = written(recorder)
 
     allocations = allocation_events(path)
-    assert [message.timestamp_ns for message in allocations] == [start + second * NS for second in range(22, 31)]
+    assert [message.timestamp_ns for message in allocations] == [start + second * NS for second in range(21, 31)]
     assert len(allocation_events(path, Kind.ALLOC_FAILED)) == 1
     first, last = checkpoints_of(path)
-    assert sorted(entry.timestamp_ns for entry in first.allocations) == [start + second * NS for second in range(22)]
-    assert first.timestamp_ns == start + 21 * NS and header_of(path).start_time_ns == start + 21 * NS
+    assert sorted(entry.timestamp_ns for entry in first.allocations) == [start + second * NS for second in range(21)]
+    assert first.timestamp_ns == start + 20 * NS and header_of(path).start_time_ns == start + 20 * NS
     assert len(last.allocations) == 31 and last.timestamp_ns == start + 31 * NS
-    assert header_of(path).trigger.window_seconds == pytest.approx(10.0)
-    assert recorder.dumps()[0].event_count == 9 + 1
+    assert header_of(path).trigger.window_seconds == pytest.approx(11.0)  # from just after the last let go
+    assert recorder.dumps()[0].event_count == 10 + 1
     replayed = replay(path)
-    assert ledger_of(replayed.session) == live and len(live) == 31  # 22 from the checkpoint, 9 replayed
-    assert replayed.events_replayed == 9 + 1
+    assert ledger_of(replayed.session) == live and len(live) == 31  # 21 from the checkpoint, 10 replayed
+    assert replayed.events_replayed == 10 + 1
 
 
 def test_a_vmm_handle_mapped_inside_the_window_replays_exactly_at_the_trigger(tmp_path, recorders):
@@ -202,9 +202,9 @@ def test_the_ring_keeps_at_most_max_records_and_the_dump_still_replays_exactly(t
     start = time.time_ns() - 60 * NS
     leaky(agent, start, count=1009, spacing_ns=1_000_000)  # all within the 120 s window
     dump = recorder.request(REQUEST, "test")
-    assert dump.event_count == 1000 - 1  # the ring held 1000; its first record goes with the checkpoint
+    assert dump.event_count == 1000  # the ring held 1000; the 9 it let go of are in the first checkpoint
     first, last = checkpoints_of(Path(dump.path))
-    assert len(first.allocations) == 1009 - 999 and len(last.allocations) == 1009
+    assert len(first.allocations) == 1009 - 1000 and len(last.allocations) == 1009
     assert ledger_of(replay(Path(dump.path)).session) == ledger_of(agent.session)
 
 
@@ -279,7 +279,7 @@ def test_a_request_dumps_even_within_the_cooldown_and_lists_newest_first(tmp_pat
     path = Path(dump.path)
     assert path.parent == tmp_path and path.exists() and path.name.endswith("-request.kvtrace")
     assert dump.size_bytes == path.stat().st_size
-    assert dump.event_count == 23  # 22 allocations (the first goes with the checkpoint) and the failure
+    assert dump.event_count == 24  # 23 allocations and the failure: the ring let go of nothing
     assert dump.trigger.kind == REQUEST and dump.trigger.reason == "before the driver upgrade"
     second = recorder.request(REQUEST, "again")
     assert [listed.path for listed in recorder.dumps()] == [second.path, dump.path, str(dump_files(tmp_path)[0])]
@@ -366,12 +366,13 @@ def test_a_resync_restarts_the_window_and_a_dump_after_it_replays_exactly(tmp_pa
     agent.lose(3)
     kept = [entry for entry in agent.session.outstanding() if entry.key.address % (2 * MiB) == 0]
     agent.session.resync(kept)  # the kernel's exact copy: some frees were in the lost events
-    leaky(agent, start + 30 * NS, count=7, address=0x10000000)
+    after = time.time_ns()  # events after the resync are stamped after it, before the request
+    leaky(agent, after, count=7, address=0x10000000, spacing_ns=1)
     dump = recorder.request(REQUEST, "after the resync")
-    assert dump.event_count == 7 - 1  # only what came after the resync; its first goes with the checkpoint
-    assert header_of(Path(dump.path)).start_time_ns == start + 30 * NS
+    assert dump.event_count == 7  # only what came after the resync
     first, _ = checkpoints_of(Path(dump.path))
-    assert len(first.allocations) == len(kept) + 1 and len(kept) == 11
+    assert len(first.allocations) == len(kept) and len(kept) == 11
+    assert header_of(Path(dump.path)).start_time_ns < after
     assert ledger_of(replay(Path(dump.path)).session) == ledger_of(agent.session)
 
 
@@ -400,7 +401,7 @@ def test_kvtrace_flight_dumps_and_lists_through_the_admin_socket_only(tmp_path, 
             code, out = run_cli("flight", "--json", "--socket", admin)
             (listed,) = [json.loads(line) for line in out.splitlines()]
             assert code == 0 and listed["path"] == str(path) and listed["trigger"] == "request"
-            assert listed["reason"] == "asked through the API: x" and listed["event_count"] == 22
+            assert listed["reason"] == "asked through the API: x" and listed["event_count"] == 23
 
             group = service_grpc.AgentServiceStub(grpc.insecure_channel(f"unix:{config.socket}"))
             for call, request in ((group.DumpFlightRecorder, service_pb2.DumpFlightRecorderRequest(reason="x")),

@@ -99,7 +99,9 @@ class FlightRecorder:
         self.session = session
         self.options = options
         self._leak_min_age_seconds = leak_min_age_seconds
-        self._ring: deque[RingRecord] = deque(maxlen=options.max_records)
+        self._ring: deque[RingRecord] = deque()
+        # The newest time the ring let go of (evicted, or cleared at a resync); None while it holds all.
+        self._let_go_ns: int | None = None
         self._last_dump_monotonic: dict[int, float] = {}
         self._pending: queue.Queue[_Pending | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -142,13 +144,16 @@ class FlightRecorder:
             self._append(record)
         else:  # the ring's events no longer add up to the ledger: the window starts again here
             self._ring.clear()
+            self._let_go_ns = record.timestamp_ns
 
     def _append(self, record: RingRecord) -> None:
         ring = self._ring
         ring.append(record)
         oldest_kept_ns = record.timestamp_ns - int(self.options.window_seconds * 1e9)
-        while ring[0].timestamp_ns < oldest_kept_ns:
-            ring.popleft()
+        while ring[0].timestamp_ns < oldest_kept_ns or len(ring) > self.options.max_records:
+            let_go = ring.popleft().timestamp_ns
+            if self._let_go_ns is None or let_go > self._let_go_ns:
+                self._let_go_ns = let_go
 
     def _on_exit(self, exit_event: Event, ledger: Ledger) -> None:
         """Before the exit drops what the process held: a death holding GPU memory dumps."""
@@ -176,9 +181,12 @@ class FlightRecorder:
         end = SessionCheckpoint(trigger.timestamp_ns, copied.entries, copied.processes)
         records = list(self._ring)
         # Everything the window's events allocate is replayed from them: the first checkpoint holds the
-        # rest. Records of the window's first nanosecond go with the checkpoint, as the ring may have
-        # let go of others of that nanosecond.
-        cutoff_ns = records[0].timestamp_ns + 1 if records else trigger.timestamp_ns
+        # rest. Once the ring has let go of records, those of the same nanosecond as the newest it let go
+        # of (or older: events come a little out of order across CPUs) go with the checkpoint too.
+        if self._let_go_ns is not None:
+            cutoff_ns = self._let_go_ns + 1
+        else:
+            cutoff_ns = min(records[0].timestamp_ns if records else trigger.timestamp_ns, trigger.timestamp_ns)
         records = [record for record in records if record.timestamp_ns >= cutoff_ns]
         start = SessionCheckpoint(cutoff_ns - 1, [entry for entry in end.entries if entry.timestamp_ns < cutoff_ns],
                                   end.processes)
