@@ -259,11 +259,12 @@ class Session:
         with self.lock:
             return self.stacks.intern(stack)
 
-    def resync(self, entries: Iterable[Outstanding]) -> None:
-        """Replaces the outstanding set with an exact copy (a source's kernel ledger, after loss)."""
+    def resync(self, entries: Iterable[Outstanding], counted: bool = True) -> None:
+        """Replaces the outstanding set with an exact copy (a source's kernel ledger, after loss; a
+        recording's checkpoint, which is no resync of this Session's: not `counted`)."""
         with self.lock:
             self.ledger.resync(entries)
-            self.resyncs_total += 1
+            self.resyncs_total += counted
             resynced = LedgerResynced(self.wall_clock_ns())
             for sink in self._sinks:
                 sink.publish_state(resynced)

@@ -124,6 +124,8 @@ def replay(path: Path, at_ns: int | None = None, use_default_at: bool = True,
             feeder.feed(frame, timestamp_ns)
         if at_ns is not None:
             clock.now_ns = max(clock.now_ns, at_ns)
+        # What the agent's own counters said of loss is not recorded; the loss markers are.
+        session.report_counters({"events_lost": session.lost_total})
         feeder.finish()
         return Replay(path, header, session, analyzer, clock.now_ns, max(feeder.end_ns, clock.now_ns),
                       session.events_total, reader.damage, reader.unknown_frames, stopped)
@@ -171,7 +173,7 @@ class _Feeder:
                     self.session.processes.remember(ProcessInfo(message.pid, message.title, message.comm,
                                                                 message.container, "", 0.0, 0.0))
             if frame.checkpoint.last:
-                self.session.resync(self._checkpoint)
+                self.session.resync(self._checkpoint, counted=False)
                 self._checkpoint = []
                 self.started = True
         elif record == "nvml":
