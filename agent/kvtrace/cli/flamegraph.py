@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from kvtrace.model.events import PHYSICAL_LAYERS, Layer
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.stacks import Stack
 from kvtrace.reports.flamegraph import folded_stacks, speedscope_document
+from kvtrace.reports.output import write_whole
 from kvtrace.wire import outstanding_from_proto, stack_from_proto
 
 EPILOG = """examples:
@@ -87,9 +87,7 @@ class FlamegraphCommand:
 
 
 def _write(path: Path, text: str) -> None:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # stacks and titles: private
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
+    try:  # stacks and titles: private to the user who asked
+        write_whole(path, lambda file: file.write(text.encode()), "flame graph", "held.speedscope.json", 0o600)
     except OSError as error:
         raise CommandError(f"cannot write {path}: {error.strerror}", ExitCode.USAGE) from None

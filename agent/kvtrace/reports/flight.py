@@ -100,6 +100,8 @@ class FlightRecorder:
         self.options = options
         self._leak_min_age_seconds = leak_min_age_seconds
         self._ring: deque[RingRecord] = deque()
+        self._window_ns = int(options.window_seconds * 1e9)  # read for every event: not recomputed
+        self._max_records = options.max_records
         # The newest time the ring let go of (evicted, or cleared at a resync); None while it holds all.
         self._let_go_ns: int | None = None
         self._last_dump_monotonic: dict[int, float] = {}
@@ -149,8 +151,8 @@ class FlightRecorder:
     def _append(self, record: RingRecord) -> None:
         ring = self._ring
         ring.append(record)
-        oldest_kept_ns = record.timestamp_ns - int(self.options.window_seconds * 1e9)
-        while ring[0].timestamp_ns < oldest_kept_ns or len(ring) > self.options.max_records:
+        oldest_kept_ns = record.timestamp_ns - self._window_ns
+        while ring[0].timestamp_ns < oldest_kept_ns or len(ring) > self._max_records:
             let_go = ring.popleft().timestamp_ns
             if self._let_go_ns is None or let_go > self._let_go_ns:
                 self._let_go_ns = let_go

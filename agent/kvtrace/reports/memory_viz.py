@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvtrace.model.blocks import Segment
 from kvtrace.model.stacks import Stack
+from kvtrace.reports.output import write_whole
 
 # PyTorch's caching allocator (c10/cuda/CUDACachingAllocator.cpp) constants this format leans on.
 BLOCK_GRANULARITY_BYTES = 512  # kMinBlockSize: every block size is a multiple of it
@@ -127,23 +126,8 @@ def write_pickle(path: str | os.PathLike[str], snapshot: dict[str, Any]) -> None
     crash never leaves half a file where a viewer would find it. The file gets the permissions a
     plain open() would (0666 less the umask): whoever opens the viewer may not be root.
     """
-    target = Path(path)
-    if target.is_dir():
-        raise IsADirectoryError(
-            f"{target} is a directory: give the snapshot a file name, e.g. {target / 'snapshot.pickle'}"
-        )
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            pickle.dump(snapshot, file, protocol=PICKLE_PROTOCOL)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        # Whatever stopped us (a full disk, a value pickle refuses, Ctrl-C), leave no temporary behind.
-        temporary.unlink(missing_ok=True)
-        raise
+    write_whole(path, lambda file: pickle.dump(snapshot, file, protocol=PICKLE_PROTOCOL), "snapshot",
+                "snapshot.pickle")
 
 
 def segment_type(segment: VizSegment) -> str:

@@ -30,17 +30,16 @@ nanoseconds, on the trace's default clock.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import chain
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventsLost, Kind, Layer, StackStatus
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import Ledger, LedgerKey, Outstanding
 from kvtrace.model.stacks import Stack
+from kvtrace.reports.output import write_whole
 
 Record = Event | NvmlSample | EventsLost
 
@@ -83,22 +82,12 @@ def write_perfetto_trace(path: str | os.PathLike[str], checkpoint: Iterable[Outs
     # Imported here: only this export needs it (the `perfetto` extra).
     from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
-    target = Path(path)
-    if target.is_dir():
-        raise IsADirectoryError(
-            f"{target} is a directory: give the trace a file name, e.g. {target / 'kvtrace.pftrace'}")
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            writer = _TraceWriter(StreamingTraceProtoBuilder(file), stack_of, titles)
-            writer.write(checkpoint, records, start_ns)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    def write(file: BinaryIO) -> _TraceWriter:
+        writer = _TraceWriter(StreamingTraceProtoBuilder(file), stack_of, titles)
+        writer.write(checkpoint, records, start_ns)
+        return writer
+
+    writer = write_whole(path, write, "trace", "kvtrace.pftrace")
     return writer.summary()
 
 
