@@ -132,8 +132,11 @@ class Session:
         self._native_forgets = 0  # a name found across a forget may be the old process's: not kept
         self._sinks: list[Sink] = []
         self._exit_watchers: list[ExitWatcher] = []
-        # The clocks analysis reads: the system's, or a replayed recording's time (reports/replay.py).
-        self.wall_clock_ns: Callable[[], int] = time.time_ns
+        # One clock for every record: wall-clock nanoseconds as CLOCK_MONOTONIC plus the offset fixed now
+        # (the probes' events are stamped so), so that a step of the system clock (chrony at boot)
+        # never puts records out of order. A replay sets both to the recording's time (reports/replay.py).
+        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
+        self.wall_clock_ns: Callable[[], int] = lambda: time.monotonic_ns() + self.clock_offset_ns
         self.monotonic_clock_ns: Callable[[], int] = time.monotonic_ns
         self._components: dict[str, _Component] = {}
         self._counters: dict[str, int] = {}
@@ -272,7 +275,7 @@ class Session:
     def forget_process(self, pid: int) -> None:
         """A process found gone without an exit event: drop what it held and what is known of it."""
         self.ingest(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=pid, tid=pid,
-                          timestamp_ns=time.time_ns()))
+                          timestamp_ns=self.wall_clock_ns()))
 
     def report_component(self, name: str, up: bool, reason: str = "",
                          stale_after_seconds: float | None = None, stale_reason: str = "") -> None:

@@ -7,7 +7,7 @@ import decimal
 import re
 from pathlib import Path
 
-from kvtrace.reports.replay import AtTime
+from kvtrace.reports.recording import AtTime
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}

@@ -18,6 +18,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -25,6 +26,7 @@ from google.protobuf.message import DecodeError
 
 from kvtrace import __version__
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+from kvtrace.model.ledger import Outstanding
 
 MAGIC = b"KVTRACE-REC\n"
 FORMAT_VERSION = 1
@@ -35,6 +37,25 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 64 << 20  # compressed; a writer's chunks are far smaller (CHUNK_TARGET_BYTES of frames)
 CHUNK_TARGET_BYTES = 256 << 10  # frames buffered before a chunk is compressed and written
 COMPRESSION_LEVEL = 3  # zlib: ~4x smaller event streams at well over 50 MB/s
+
+
+@dataclass(frozen=True)
+class RecordedCheckpoint:
+    """A recording's checkpoint, read whole: the ledger the records after it apply to (at the start of a
+    file, after a resync, at the end of a flight recorder's dump)."""
+
+    timestamp_ns: int
+    entries: tuple[Outstanding, ...]
+
+
+@dataclass(frozen=True)
+class AtTime:
+    """When in a recording to read it (`--at`): a wall-clock time, a time after its start, or its end
+    (unset: its end)."""
+
+    wall_ns: int | None = None
+    after_start_ns: int | None = None
+    end: bool = False
 
 
 class RecordingError(Exception):

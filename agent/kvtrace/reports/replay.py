@@ -35,7 +35,7 @@ from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import Stack
-from kvtrace.reports.recording import RecordingError, RecordingReader
+from kvtrace.reports.recording import AtTime, RecordingError, RecordingReader
 from kvtrace.session import Session
 from kvtrace.wire import (
     event_from_proto,
@@ -49,16 +49,6 @@ from kvtrace.wire import (
 NS_PER_SECOND = 1_000_000_000
 ANALYSIS_INTERVAL_NS = NS_PER_SECOND  # as the agent's default --interval
 PROGRESS_EVERY_FRAMES = 200_000
-
-
-@dataclass(frozen=True)
-class AtTime:
-    """When in a recording to read it (`--at`): a wall-clock time, a time after its start, or its end.
-    Unset, a flight recorder's dump is read at its trigger and anything else at its end."""
-
-    wall_ns: int | None = None
-    after_start_ns: int | None = None
-    end: bool = False
 
 
 class RecordedClock:

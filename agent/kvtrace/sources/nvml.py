@@ -282,7 +282,8 @@ class NvmlSampler:
             processes.extend(on_gpu)
         if not gpus:
             raise NvmlError("; ".join(failures))
-        self.latest = NvmlSample(time.time_ns(), tuple(gpus), tuple(processes))
+        now_ns = self.session.wall_clock_ns() if self.session is not None else time.time_ns()
+        self.latest = NvmlSample(now_ns, tuple(gpus), tuple(processes))
         if self.session is not None:
             self.session.ingest(self.latest)
         if failures:  # the backend asks for a lost GPU afresh next round; the others keep going
@@ -314,7 +315,7 @@ class NvmlSampler:
     def _down(self, reason: str) -> None:
         self.latest = None  # no stale figures: a forecast from them would mislead
         if self.session is not None:
-            self.session.ingest(NvmlSample(time.time_ns(), (), ()))
+            self.session.ingest(NvmlSample(self.session.wall_clock_ns(), (), ()))
         self._initialized = False
         self._set_status(False, reason)
 

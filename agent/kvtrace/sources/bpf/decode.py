@@ -18,10 +18,12 @@ from kvtrace.sources.bpf import abi
 
 
 class Clock:
-    """bpf_ktime_get_ns() is CLOCK_MONOTONIC; events carry wall-clock nanoseconds."""
+    """bpf_ktime_get_ns() is CLOCK_MONOTONIC; events carry wall-clock nanoseconds, on the Session's
+    clock (monotonic + the offset it fixed when it started) so that every record agrees after a step
+    of the system clock."""
 
-    def __init__(self) -> None:
-        self.offset_ns = time.time_ns() - time.monotonic_ns()
+    def __init__(self, offset_ns: int | None = None) -> None:
+        self.offset_ns = time.time_ns() - time.monotonic_ns() if offset_ns is None else offset_ns
 
     def wall_ns(self, monotonic_ns: int) -> int:
         return monotonic_ns + self.offset_ns

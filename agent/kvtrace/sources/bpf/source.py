@@ -81,7 +81,7 @@ class BpfSource:
         self.session = session
         self.options = options or BpfOptions()
         self.discovery = Discovery()
-        self.clock = Clock()
+        self.clock = Clock(session.clock_offset_ns)
         self._probes_factory = probes_factory
         self.probes: BpfProbes | None = None
         self.refused: dict[str, str] = {}  # path -> why it was not attached
@@ -294,7 +294,7 @@ class BpfSource:
         # its process's rate. Subscribers are told in-band; the ledger comes back from the kernel's.
         missed = counters["events_lost"] + counters["blocks_unsent"] + self._undecodable
         if missed > self._missed_seen:
-            self.session.ingest(EventsLost(missed - self._missed_seen, time.time_ns()))
+            self.session.ingest(EventsLost(missed - self._missed_seen, self.session.wall_clock_ns()))
             self._missed_seen = missed
             self._resync_due = True
         if self._resync_due and now >= self._next_resync_allowed:
@@ -503,7 +503,7 @@ class BpfSource:
             if not psutil.pid_exists(pid):
                 if pid in self._selected:
                     self._swept_exited.add(pid)
-                self._drop_in_kernel(pid, time.time_ns())
+                self._drop_in_kernel(pid, self.session.wall_clock_ns())
                 self._forget_process(pid)
                 self.session.forget_process(pid)
                 log.info("process %d exited: what it held is dropped", pid)
