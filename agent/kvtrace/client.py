@@ -96,11 +96,7 @@ class AgentClient:
     def from_args(cls, args: argparse.Namespace) -> AgentClient:
         """The client of a command with `config.add_socket_flag`: flag > $KVTRACE_SOCKET > file;
         the admin socket ($KVTRACE_ADMIN_SOCKET, the file, next to it) when this user may use it.
-        With `--input FILE` (cli.flags.add_input_flags), the same calls answered from a recording."""
-        if getattr(args, "input", None) is not None:
-            from kvtrace.reports.replay import RecordingClient
-
-            return RecordingClient.from_args(args)
+        (A command with --input reads a recording instead: kvtrace.cli.recorded.connect.)"""
         try:
             client = cls.for_config(config_from_args(args))
         except ConfigError as error:

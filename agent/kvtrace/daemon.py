@@ -315,12 +315,11 @@ class Daemon:
                 self._check_off_switch()
             latest = self.analyzer.latest
             self.analyzer.tick()
-            if self.flight is not None:
-                if self.analyzer.latest is not latest:
-                    self.flight.check(self.analyzer.latest)
-                if self._flight_dump_requested:
-                    self._flight_dump_requested = False
-                    self._dump_on_signal()
+            if self.flight is not None and self.analyzer.latest is not latest:
+                self.flight.check(self.analyzer.latest)
+            if self._flight_dump_requested:
+                self._flight_dump_requested = False
+                self._dump_on_signal()
             self.out.flush()
             if not self.options.json_events and time.monotonic() >= next_summary:
                 next_summary += SUMMARY_INTERVAL_SECONDS
@@ -328,14 +327,12 @@ class Daemon:
 
     def _dump_on_signal(self) -> None:
         from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
-        from kvtrace.reports.flight import FlightDumpError
 
-        assert self.flight is not None
-        try:
-            dump = self.flight.request(service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, "SIGUSR1")
-            print(f"flight recorder: SIGUSR1: wrote {dump.path}", file=self.err, flush=True)
-        except FlightDumpError as error:
-            log.error("flight recorder: SIGUSR1: %s", error)
+        if self.flight is None:
+            log.warning("SIGUSR1: no flight recorder to dump (--no-flight-recorder, or its directory failed)")
+            return
+        # The dump is written on the recorder's thread, which logs where: this loop drains the probes' ring.
+        self.flight.request_soon(service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, "SIGUSR1")
 
     def stop(self) -> None:
         """Stops every part, the servers first (clients are told at once), then the probes."""

@@ -20,6 +20,7 @@ import dataclasses
 import platform
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -132,6 +133,9 @@ class Session:
         self._native_forgets = 0  # a name found across a forget may be the old process's: not kept
         self._sinks: list[Sink] = []
         self._exit_watchers: list[ExitWatcher] = []
+        # The last checkpoint copied (weakly: it lives as long as a recording holds it) and where.
+        self._checkpoint_position: tuple[int, int, int] | None = None
+        self._checkpoint_shared: Callable[[], SessionCheckpoint | None] = lambda: None
         # One clock for every record: wall-clock nanoseconds as CLOCK_MONOTONIC plus the offset fixed now
         # (the probes' events are stamped so), so that a step of the system clock (chrony at boot)
         # never puts records out of order. A replay sets both to the recording's time (reports/replay.py).
@@ -165,9 +169,16 @@ class Session:
             return self.checkpoint_locked()
 
     def checkpoint_locked(self) -> SessionCheckpoint:
-        """A copy of the ledger and the processes known, now; call it holding `lock` (sinks do)."""
+        """A copy of the ledger and the processes known, now; call it holding `lock` (sinks do). Sinks
+        asking at the same point of the stream (several recordings after a resync) share one copy."""
+        position = (self.events_total, self.resyncs_total, len(self._sinks))
+        shared = self._checkpoint_shared() if self._checkpoint_position == position else None
+        if shared is not None:
+            return shared
         entries = [copy.copy(entry) for entry in self.ledger.entries()]  # later maps change the live ones
-        return SessionCheckpoint(self.wall_clock_ns(), entries, dict(self.processes.known()))
+        checkpoint = SessionCheckpoint(self.wall_clock_ns(), entries, dict(self.processes.known()))
+        self._checkpoint_position, self._checkpoint_shared = position, weakref.ref(checkpoint)
+        return checkpoint
 
     def remove_sink(self, sink: Sink) -> None:
         with self.lock:

@@ -133,6 +133,21 @@ def test_hostile_names_and_titles_cannot_break_the_format(stacks):
                       "[cuMemAlloc_v2]"]
 
 
+def test_bidi_controls_in_a_title_or_frame_come_out_as_spaces():
+    # GIVEN a title whose right-to-left override would show "gpj.exe" as "exe.jpg", and a frame with
+    # an isolate, a line separator and a C1 next-line
+    title = "python \u202egpj.exe"
+    table = StackTable()
+    table.intern(Stack((Frame("f\u2066x\u2028y\x85z", "/tmp/a.py", 1),)))
+    # WHEN folded
+    lines = folded_stacks(ledger_of(malloc(0x1000, 3 * MiB, stack_id=1)).entries(), table.get, {PID: title})
+    # THEN none of them is left, and the line still parses as 4 frames
+    assert len(lines) == 1 and len(lines[0].splitlines()) == 1
+    assert not any(character in lines[0] for character in "\u202e\u2066\u2028\x85")
+    assert parse(lines[0]) == (["pid 4242 python  gpj.exe", "GPU 0", "f x y z (/tmp/a.py:1)", "[cuMemAlloc_v2]"],
+                               3 * MiB)
+
+
 def test_only_device_memory_at_the_chosen_layers_counts(stacks):
     vmm_handle = event(api=Api.cuMemCreate, layer=Layer.VMM, obj=ObjectKind.VMM_HANDLE, address=0x99,
                        size=4 * MiB, stack_id=2)

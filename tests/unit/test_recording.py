@@ -258,7 +258,7 @@ def test_leaks_from_a_recording_name_the_same_suspects(tmp_path):
     recorder.start()
     _leaky(agent, start)
     recorder.stop()
-    at_ns = start + 200 * NS
+    at_ns = start + 22 * NS  # the last allocation: the end of the recording
     agent.freeze_clock(at_ns)
     with served(agent) as (server, _):
         _, live = run_cli("leaks", "--json", "--min-age", "0", "--socket", str(server.config.admin_path))
@@ -357,3 +357,116 @@ def test_a_perfetto_trace_of_a_recording_has_every_call(tmp_path, capsys):
     assert (tmp_path / "r.pftrace").stat().st_size > 0
     assert main(["perfetto", "-o", str(tmp_path / "x.pftrace")]) == 2
     assert "--input FILE, or --duration" in capsys.readouterr().err
+
+
+# ---- what the review asked for ----
+
+def test_a_recording_that_could_not_keep_up_is_exact_again_after_its_checkpoint(tmp_path):
+    """A queue of 5 and a burst of 20 allocations: 15 are dropped (a `dropped_count` marker, not the
+    kernel's), and the first event that finds room brings a checkpoint, so the replay ends exact."""
+    from kvtrace.reports.recorder import FrameEncoder, RecordQueue, recording_header
+
+    agent = FakeAgent()
+    queue = RecordQueue(agent.session, max_records=5)
+    checkpoint = agent.session.subscribe(queue)
+    start = time.time_ns() + NS
+    _leaky(agent, start, count=20)
+    assert queue.dropped_total == 15
+    taken = queue.take(100, 0)  # the reader catches up
+    agent.apply(*[event(kind=Kind.FREE, api=Api.cuMemFree_v2, address=0x100000 + index * MiB, size=MiB,
+                        ts=start + (30 + index) * NS) for index in range(3)])
+    taken += queue.take(100, 0)
+    encoder = FrameEncoder(agent.session.stack, agent.session.process)
+    writer = RecordingWriter.create(tmp_path / "r.kvtrace", recording_header(0.0, 60.0, checkpoint.timestamp_ns))
+    for frame in [*encoder.checkpoint(checkpoint), *(f for record in taken for f in encoder.record(record))]:
+        writer.write(frame)
+    writer.close()
+    replayed = replay(tmp_path / "r.kvtrace")
+    assert ledger_of(replayed.session) == ledger_of(agent.session) and len(agent.session.outstanding()) == 17
+    losses = [f.event.events_lost for f in RecordingReader.open(tmp_path / "r.kvtrace").frames()
+              if f.HasField("event") and f.event.HasField("events_lost")]
+    assert [(lost.dropped_count, lost.kernel_lost_count) for lost in losses] == [(15, 0)]
+
+
+def test_a_time_outside_the_recording_is_read_at_its_edge_and_said(tmp_path, capsys):
+    agent = FakeAgent()
+    start = time.time_ns() + NS
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, start)
+    recorder.stop()
+    code, out = run_cli("ps", "--json", "--input", str(tmp_path / "r.kvtrace"), "--at", "+3h")
+    err = capsys.readouterr().err
+    assert code == 0 and "is after the recording ends" in err and "read at its end" in err
+    assert json.loads(out)["totals"][0]["object_count"] == 23
+    replayed = replay(tmp_path / "r.kvtrace", at_ns=start + 3 * 3600 * NS)
+    assert replayed.at_ns == start + 22 * NS  # its last event, not three hours on
+    assert main(["ps", "--at", "+3h"]) == 2
+    assert "--at reads a recording at a time: give the recording with --input FILE" in capsys.readouterr().err
+
+
+def test_a_restarted_agent_keeps_the_recording_it_finds_as_file_1(tmp_path):
+    agent = FakeAgent()
+    path = tmp_path / "r.kvtrace"
+    first = FileRecorder(agent.session, path, 60.0)
+    first.start()
+    _leaky(agent, time.time_ns() + NS)
+    first.stop()
+    second = FileRecorder(FakeAgent().session, path, 60.0)
+    second.start()
+    second.stop()
+    assert len(replay(path.with_name("r.kvtrace.1")).session.outstanding()) == 23
+    assert len(replay(path).session.outstanding()) == 0
+
+
+def test_a_dump_holding_a_record_stamped_after_its_trigger_still_replays_to_the_trigger(tmp_path):
+    """Events come a little out of order across CPUs: a record stamped after the failing call is in
+    the ring when the dump is copied. The dump is read to its end: the ledger at the trigger."""
+    from kvtrace.reports.flight import FlightOptions, FlightRecorder
+
+    agent = FakeAgent()
+    recorder = FlightRecorder(agent.session, FlightOptions(directory=tmp_path), 60.0)
+    recorder.start()
+    start = time.time_ns() - 10 * NS
+    agent.apply(event(address=0x1, ts=start + NS), event(address=0x2, ts=start + 3 * NS),
+                event(address=0x3, ts=start + 2 * NS - 1),
+                event(kind=Kind.ALLOC_FAILED, address=0, size=1 << 40, error_code=2, ts=start + 2 * NS))
+    recorder.stop()
+    (path,) = tmp_path.glob("flight-*.kvtrace")
+    replayed = replay(path)
+    assert ledger_of(replayed.session) == ledger_of(agent.session) and len(agent.session.outstanding()) == 3
+
+
+def test_the_group_socket_gets_no_recording():
+    from kvtrace.client import AgentClient
+    from kvtrace.errors import CommandError
+
+    with served() as (server, _):
+        with AgentClient(f"unix://{server.config.socket}") as client:
+            with pytest.raises(CommandError, match="a recording holds stacks and addresses: use the admin socket"):
+                next(iter(client.stream_recording()))
+
+
+def test_tail_of_a_recording_reads_the_events_without_replaying_it(tmp_path, capsys):
+    agent = FakeAgent()
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, time.time_ns() + NS)
+    recorder.stop()
+    code, out = run_cli("tail", "--json", "--input", str(tmp_path / "r.kvtrace"))
+    assert code == 0 and len(out.splitlines()) == 23
+    assert "state at" not in capsys.readouterr().err  # no replay, no description of one
+
+
+def test_a_process_stopped_with_sigterm_holding_memory_is_no_death_to_dump(tmp_path):
+    from kvtrace.reports.flight import FlightOptions, FlightRecorder
+
+    agent = FakeAgent()
+    recorder = FlightRecorder(agent.session, FlightOptions(directory=tmp_path), 60.0)
+    recorder.start()
+    agent.apply(event(address=0x1), Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=200, tid=200,
+                                          timestamp_ns=time.time_ns(), error_code=15))
+    agent.apply(event(pid=300, address=0x1), Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=300,
+                                                   tid=300, timestamp_ns=time.time_ns(), error_code=9))
+    recorder.stop()
+    assert [path.name.split("-")[3] for path in tmp_path.glob("flight-*.kvtrace")] == ["died"]

@@ -290,7 +290,7 @@ def add_flight_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flight-window", metavar="SECONDS", type=float, default=defaults.window_seconds,
                         help="seconds of events the flight recorder keeps to dump (default: %(default)g)")
     parser.add_argument("--flight-max-records", metavar="N", type=int, default=defaults.max_records,
-                        help="records it keeps at most, whatever the window; ~300 bytes each "
+                        help="records it keeps at most, whatever the window; ~270 bytes each "
                              "(default: %(default)s)")
     parser.add_argument("--flight-max-dumps", metavar="N", type=int, default=defaults.max_dumps,
                         help="dumps kept on disk, the oldest removed first (default: %(default)s)")

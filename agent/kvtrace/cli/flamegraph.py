@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from kvtrace.cli.flags import add_input_flags, add_pid_flag
-from kvtrace.client import AgentClient
+from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import PHYSICAL_LAYERS, Layer
@@ -59,7 +59,7 @@ class FlamegraphCommand:
         entries: list[Outstanding] = []
         stacks: dict[int, Stack] = {}
         titles: dict[int, str] = {}
-        with AgentClient.from_args(args) as agent:
+        with connect(args) as agent:
             for page in agent.snapshot_pages(pids=args.pid):
                 for message in page.allocations:
                     try:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from kvtrace.cli.flags import add_input_flags, add_pid_flag, non_negative_seconds, positive_count
-from kvtrace.client import AgentClient
+from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, human_duration, human_rate, printable
@@ -73,7 +73,7 @@ class LeaksCommand:
         add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        with AgentClient.from_args(args) as agent:
+        with connect(args) as agent:
             response = agent.leak_suspects(pids=args.pid, min_age_seconds=args.min_age, limit=args.limit)
         if args.json:
             print(json.dumps(leak_report_to_json_dict(response), ensure_ascii=False), file=sys.stdout)

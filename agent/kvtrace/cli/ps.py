@@ -7,7 +7,7 @@ import sys
 from collections import defaultdict
 
 from kvtrace.cli.flags import add_input_flags
-from kvtrace.client import AgentClient
+from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, printable
@@ -62,7 +62,7 @@ class PsCommand:
         add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        with AgentClient.from_args(args) as agent:
+        with connect(args) as agent:
             processes = agent.processes()
             growth = agent.growth() if not args.json else None
         out = sys.stdout

@@ -88,6 +88,12 @@ def record_to(agent: AgentClient, output: Path, pids: list[int], title_regex: st
             progress.tick(writer)
     except KeyboardInterrupt:
         pass
+    except CommandError as error:
+        if writer is None:
+            raise
+        # The agent stopped (or went away): what was written is a whole recording up to there.
+        print(f"kvtrace: the recording ended early: {error}; {output} holds everything up to then",
+              file=sys.stderr)
     finally:
         if writer is not None:
             writer.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kvtrace.cli.flags import add_input_flags, add_pid_flag
-from kvtrace.client import AgentClient
+from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_age, human_bytes, printable
@@ -63,7 +63,7 @@ class SnapshotCommand:
             raise CommandError("-o/--output goes with --format memory-viz; the table and JSON go to stdout",
                                ExitCode.USAGE)
         out = sys.stdout
-        with AgentClient.from_args(args) as agent:
+        with connect(args) as agent:
             if output_format == "json":
                 for entry in agent.snapshot(pids=args.pid):
                     out.write(json.dumps(outstanding_to_json_dict(entry), separators=(",", ":")) + "\n")
@@ -85,7 +85,7 @@ class SnapshotCommand:
                                ExitCode.USAGE)
         entries: list[Outstanding] = []
         stacks: dict[int, Stack] = {}
-        with AgentClient.from_args(args) as agent:
+        with connect(args) as agent:
             for page in agent.snapshot_pages(pids=args.pid):
                 entries.extend(outstanding_from_proto(message) for message in page.allocations)
                 stacks.update(stack_from_proto(stack) for stack in page.stacks)

@@ -8,7 +8,7 @@ import sys
 import time
 
 from kvtrace.cli.flags import add_input_flags, add_pid_flag, parse_size
-from kvtrace.client import AgentClient
+from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_bytes, printable
@@ -79,7 +79,7 @@ class TailCommand:
                                    ExitCode.USAGE) from None
         layers = [Layer[name.upper()] for name in args.layer]
         out = sys.stdout
-        with AgentClient.from_args(args) as agent:
+        with connect(args, events_only=True) as agent:
             batches = agent.stream_batches(pids=args.pid, title_regex=args.cmdline or "", layers=layers,
                                            min_size_bytes=args.min_size)
             if not args.json:

@@ -16,6 +16,7 @@ from rich.text import Text
 
 from kvtrace.cli.flags import add_input_flags, add_pid_flag, positive_seconds
 from kvtrace.cli.ps import ROLES_LEGEND, compact_roles
+from kvtrace.cli.recorded import connect
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
@@ -138,7 +139,7 @@ class TopCommand:
         # A terminal (or $COLUMNS) sets the width; into a file or pipe, lines are not cut at 80.
         wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
         console = Console(file=sys.stdout, width=160 if wide else None)
-        with AgentClient.from_args(args) as agent:
+        with connect(args) as agent:
             if args.once or args.input is not None:  # a recording is one moment: one frame
                 console.print(render_frame(agent.info(), agent.growth(args.pid), args.sort, agent.now_ns(),
                                            console.width, roles=args.roles))

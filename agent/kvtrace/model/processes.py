@@ -9,6 +9,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 # Container ids in cgroup paths: docker-<id>.scope, cri-containerd-<id>.scope, crio-<id>,
 # /docker/<id>, /kubepods/.../<id>
@@ -59,6 +60,12 @@ def container_id(cgroup_text: str) -> str:
 
 
 ProcessReader = Callable[[int], "ProcessInfo | None"]
+
+
+class TitlePattern(Protocol):
+    """A compiled title regex (RE2's; Python's `re` only in tests of trusted patterns)."""
+
+    def search(self, text: str): ...
 
 
 def _unknown(pid: int) -> ProcessInfo | None:

@@ -18,13 +18,13 @@ outstanding, not leaked: they are what each stack holds now.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvtrace import __version__
 from kvtrace.model.events import DEVICE_UNKNOWN, MEMORY_OBJECTS, PHYSICAL_LAYERS, Layer, Memory
 from kvtrace.model.ledger import Outstanding
+from kvtrace.model.processes import CONTROL_CHARACTERS
 from kvtrace.model.stacks import Stack
 
 SPEEDSCOPE_SCHEMA_URL = "https://www.speedscope.app/file-format-schema.json"
@@ -35,8 +35,6 @@ TRUNCATED_FRAME = "[truncated]"
 # every line of the file huge.
 MAX_FRAME_CHARS = 512
 MAX_TITLE_CHARS = 200
-
-_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class _Frame(NamedTuple):
@@ -57,7 +55,7 @@ def folded_stacks(entries: Iterable[Outstanding], stack_of: Callable[[int], Stac
     A path is ``pid <pid> <title>``, ``GPU <ordinal>`` (``GPU ?`` when the device is unknown), the
     Python frames outermost first as ``function (file:line)`` (``[no Python stack]`` for an entry
     without one), then the API that allocated, e.g. ``[cuMemAlloc_v2]``. Semicolons in names
-    become colons and control characters spaces, so every line parses as the format says.
+    become colons and control and bidi characters spaces, so every line parses as the format says.
     """
     lines = []
     for (pid, device), paths in _bytes_by_path(entries, stack_of, layers).items():
@@ -166,5 +164,7 @@ def _capped(text: str, limit: int) -> str:
 
 
 def _folded_text(text: str) -> str:
-    """`;` separates frames and a newline ends the line: neither may appear inside a frame."""
-    return _CONTROL_CHARACTERS.sub(" ", text.replace(";", ":"))
+    """`;` separates frames and a newline ends the line: neither may appear inside a frame. Control
+    characters (line breaks among them) become spaces, and so do the bidi controls that would make
+    a terminal or a viewer show the frame's text other than as it is."""
+    return CONTROL_CHARACTERS.sub(" ", text.replace(";", ":"))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
+import signal
 import threading
 import time
 from collections import deque
@@ -42,6 +44,8 @@ from kvtrace.session import Session, SessionCheckpoint
 
 log = logging.getLogger(__name__)
 
+# Signals that stop a process on purpose: its end with memory held is no death to dump.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 # cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY are both 2.
 OUT_OF_MEMORY_ERRORS = frozenset({2})
 DUMP_SUFFIX = ".kvtrace"
@@ -68,7 +72,7 @@ def trigger_name(kind: int) -> str:
 class FlightOptions:
     directory: Path = Path("/var/lib/kvtrace/flight")
     window_seconds: float = 120.0
-    # Records kept at most, whatever the window: ~300 bytes each (~60 MiB at the default). A busier
+    # Records kept at most, whatever the window: ~270 bytes each (~51 MiB at the default). A busier
     # host keeps fewer seconds; the dump's header says how many.
     max_records: int = 200_000
     max_dumps: int = 16
@@ -104,17 +108,18 @@ class FlightRecorder:
         self._max_records = options.max_records
         # The newest time the ring let go of (evicted, or cleared at a resync); None while it holds all.
         self._let_go_ns: int | None = None
-        self._last_dump_monotonic: dict[int, float] = {}
+        self._last_dump_monotonic: dict[tuple[int, int], float] = {}  # (trigger kind, pid) -> last dump
         self._pending: queue.Queue[_Pending | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._dumps_lock = threading.Lock()  # guards the counters below, read by servers
         self.dumps_total = 0
         self.dump_failures_total = 0
         self._written: dict[str, service_pb2.FlightDump] = {}  # path -> dump, of this agent's dumps
-        self.signal_requested = False  # set by the SIGUSR1 handler, acted on by the agent loop
 
     def start(self) -> None:
         self.options.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for partial in self.options.directory.glob(f".{DUMP_PREFIX}*{DUMP_SUFFIX}.partial"):
+            partial.unlink(missing_ok=True)  # an agent killed while writing a dump (at an OOM, likely)
         self.session.add_sink(self)
         self.session.add_exit_watcher(self._on_exit)
         self._thread = threading.Thread(target=self._write_dumps, name="kvtrace-flight", daemon=True)
@@ -158,10 +163,11 @@ class FlightRecorder:
                 self._let_go_ns = let_go
 
     def _on_exit(self, exit_event: Event, ledger: Ledger) -> None:
-        """Before the exit drops what the process held: a death holding GPU memory dumps."""
-        if exit_event.error_code == 0 or exit_event.freed_bytes == 0:
-            return
+        """Before the exit drops what the process held: a death holding GPU memory dumps. SIGTERM and
+        SIGINT are how processes are stopped on purpose (systemd, Kubernetes, Ctrl-C): no dump."""
         status = exit_event.error_code
+        if status == 0 or exit_event.freed_bytes == 0 or status & 0x7f in STOP_SIGNALS:
+            return
         how = f"killed by signal {status & 0x7f}" if status & 0x7f else f"exited with status {status >> 8}"
         self._trigger_locked(service_pb2.FlightTrigger(
             kind=service_pb2.FLIGHT_TRIGGER_KIND_PROCESS_DIED, timestamp_ns=exit_event.timestamp_ns,
@@ -173,10 +179,11 @@ class FlightRecorder:
         """Copies the ring and the ledger for a dump (the Session's lock is held); None when the
         trigger's kind dumped less than a cooldown ago."""
         now = time.monotonic()
-        last = self._last_dump_monotonic.get(trigger.kind)
+        key = (trigger.kind, trigger.pid)
+        last = self._last_dump_monotonic.get(key)
         if trigger.kind not in _ALWAYS and last is not None and now - last < self.options.cooldown_seconds:
             return None
-        self._last_dump_monotonic[trigger.kind] = now
+        self._last_dump_monotonic[key] = now
         # Stamped at the trigger, not at the copy (later): a replay read at the trigger stops at the first
         # record after it, and would leave out the very checkpoint that makes it exact.
         copied = self.session.checkpoint_locked()
@@ -215,13 +222,18 @@ class FlightRecorder:
                                f"{row.time_to_oom_seconds:.0f} s (threshold {threshold:g} s)"))
                 return
 
-    def request(self, kind: service_pb2.FlightTriggerKind, reason: str,
-                wait_seconds: float = 60.0) -> service_pb2.FlightDump:
-        """A dump now (SIGUSR1, DumpFlightRecorder): waits until it is written."""
+    def request_soon(self, kind: service_pb2.FlightTriggerKind, reason: str) -> _Pending:
+        """A dump now (SIGUSR1): copied at once, written on the recorder's thread (which logs it)."""
         with self.session.lock:
             pending = self._trigger_locked(service_pb2.FlightTrigger(
                 kind=kind, timestamp_ns=self.session.wall_clock_ns(), device=-1, reason=reason))
         assert pending is not None  # these kinds have no cooldown
+        return pending
+
+    def request(self, kind: service_pb2.FlightTriggerKind, reason: str,
+                wait_seconds: float = 60.0) -> service_pb2.FlightDump:
+        """A dump now (DumpFlightRecorder): waits until it is written."""
+        pending = self.request_soon(kind, reason)
         if not pending.done.wait(wait_seconds):
             raise FlightDumpError(f"the dump did not finish within {wait_seconds:g} s")
         if pending.dump is None:
@@ -287,6 +299,8 @@ class FlightRecorder:
             if not path.exists():
                 break
             path = self.options.directory / f"{name}.{number}{DUMP_SUFFIX}"
+        else:  # a hundred dumps of this name within a second: a name that cannot be taken
+            path = self.options.directory / f"{name}.{secrets.token_hex(4)}{DUMP_SUFFIX}"
         header = recording_header(self.session.started_wall_seconds, self._leak_min_age_seconds,
                                   pending.start.timestamp_ns,
                                   trigger=trigger)

@@ -19,9 +19,15 @@ What the trace holds, per traced process (a process track named ``<title>`` with
   named after the API, with size_bytes, address, device, layer and the Python stack (outermost
   frame first) as arguments; a failure adds its CUDA error_code.
 
-And per GPU, ``NVML GPU <i> used bytes`` and ``NVML GPU <i> free bytes``, plus an ``events lost``
-instant on the ``kvtrace`` track wherever the source dropped events (the figures after it are
-still the ledger's, which the agent resynced from the kernel's exact copy).
+And per GPU, ``NVML GPU <i> used bytes`` and ``NVML GPU <i> free bytes``. On the ``kvtrace``
+track, an ``events lost`` instant wherever the source dropped events, and a ``ledger replaced``
+instant at each checkpoint inside the recording (a `RecordedCheckpoint`: the agent resynced its
+ledger from the kernel's exact copy, or a flight recorder dump's state at its trigger).
+
+After a loss the traced figures are the replayed ledger's, which misses whatever the lost events
+changed; they are exact again from the next checkpoint, where the writer's ledger is replaced by the
+checkpoint's entries and every traced and torch counter that differs gets its new value (0 for
+memory that went, a new track for a process first seen there) at the checkpoint's time.
 
 CUDA device n (traced) and NVML GPU i are numbered differently: CUDA counts the GPUs a process can
 see, NVML all of them in PCI order (model/gpus.py). Timestamps are the recording's wall-clock
@@ -40,13 +46,16 @@ from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import Ledger, LedgerKey, Outstanding
 from kvtrace.model.stacks import Stack
 from kvtrace.reports.output import write_whole
+from kvtrace.reports.recording import RecordedCheckpoint
 
-Record = Event | NvmlSample | EventsLost
+Record = Event | NvmlSample | EventsLost | RecordedCheckpoint
 
 # The calls that become instants; the others (maps, context and process events) show only through
 # the counters they change.
 INSTANT_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.ALLOC_FAILED})
 LOSS_TRACK_NAME = "kvtrace"
+CHECKPOINT_MARKER = "ledger replaced"
+CHECKPOINT_WHY = "checkpoint: the agent resynced its ledger, or a flight recorder dump's state at its trigger"
 # All packets come from this one writer: one sequence.
 _SEQUENCE_ID = 1
 # Names, titles and frames come from the traced processes: capped, so one cannot bloat every packet.
@@ -66,18 +75,20 @@ class PerfettoSummary:
     loss_markers: int
     events: int  # events applied to the ledger
     events_lost: int  # the sum of the loss markers' counts
+    checkpoints: int  # ledgers replaced midway (RecordedCheckpoint records), each with a marker
 
 
 def write_perfetto_trace(path: str | os.PathLike[str], checkpoint: Iterable[Outstanding],
                          records: Iterable[Record], stack_of: Callable[[int], Stack | None],
                          titles: dict[int, str], start_ns: int | None = None) -> PerfettoSummary:
     """Writes the trace of a recording to `path`; `checkpoint` is the ledger at its start, `records`
-    its events, NVML samples and losses in time order. The starting values are placed at `start_ns`,
-    by default the first record's time.
+    its events, NVML samples, losses and later checkpoints in time order. The starting values are
+    placed at `start_ns`, by default the first record's time.
 
     The trace goes to a temporary file in the same directory, renamed over `path` once complete, so
     a failure (a record the ledger refuses, a full disk) never leaves half a trace where a viewer
-    would open it. The caller's checkpoint entries are copied, not changed.
+    would open it. It is created 0600: it holds stacks, titles and addresses. The caller's checkpoint
+    entries are copied, not changed.
     """
     # Imported here: only this export needs it (the `perfetto` extra).
     from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
@@ -87,7 +98,7 @@ def write_perfetto_trace(path: str | os.PathLike[str], checkpoint: Iterable[Outs
         writer.write(checkpoint, records, start_ns)
         return writer
 
-    writer = write_whole(path, write, "trace", "kvtrace.pftrace")
+    writer = write_whole(path, write, "trace", "kvtrace.pftrace", 0o600)
     return writer.summary()
 
 
@@ -109,15 +120,14 @@ class _TraceWriter:
         self._nvml_held: set[tuple[int, int]] = set()  # (pid, NVML index) listed by the last sample
         self._stack_texts: dict[int, str] = {}
         self._packets = self._counter_values = self._instants = self._loss_markers = 0
-        self._events = self._events_lost = 0
+        self._events = self._events_lost = self._checkpoints = 0
 
     def summary(self) -> PerfettoSummary:
         return PerfettoSummary(self._packets, len(self._uuids), self._counter_values, self._instants,
-                               self._loss_markers, self._events, self._events_lost)
+                               self._loss_markers, self._events, self._events_lost, self._checkpoints)
 
     def write(self, checkpoint: Iterable[Outstanding], records: Iterable[Record], start_ns: int | None) -> None:
-        # The ledger changes entries in place (VMM mapping counts): it gets copies.
-        entries = [replace(entry) for entry in checkpoint]
+        entries = _copies(checkpoint)
         self._ledger.resync(entries)
         remaining: Iterator[Record] = iter(records)
         first = next(remaining, None)
@@ -133,9 +143,11 @@ class _TraceWriter:
                 self._on_nvml(record)
             elif isinstance(record, EventsLost):
                 self._on_loss(record)
+            elif isinstance(record, RecordedCheckpoint):
+                self._on_checkpoint(record)
             else:
-                raise TypeError(
-                    f"a Perfetto trace is made of events, NVML samples and losses, not {type(record).__name__}")
+                raise TypeError("a Perfetto trace is made of events, NVML samples, losses and checkpoints, "
+                                f"not {type(record).__name__}")
 
     # ---- records ----
 
@@ -168,16 +180,26 @@ class _TraceWriter:
         self._nvml_held |= listed
 
     def _on_loss(self, loss: EventsLost) -> None:
-        track = self._track(("loss",), lambda descriptor: setattr(descriptor, "name", LOSS_TRACK_NAME))
-        self._instant(loss.timestamp_ns, track, "events lost", {"count": loss.count})
+        self._instant(loss.timestamp_ns, self._loss_track(), "events lost", {"count": loss.count})
         self._loss_markers += 1
         self._events_lost += loss.count
+
+    def _on_checkpoint(self, checkpoint: RecordedCheckpoint) -> None:
+        """The ledger becomes the checkpoint's; every process it or the old one held gets its new values."""
+        entries = _copies(checkpoint.entries)
+        self._ledger.resync(entries)
+        self._instant(checkpoint.timestamp_ns, self._loss_track(), CHECKPOINT_MARKER,
+                      {"why": CHECKPOINT_WHY, "entries": len(entries)})
+        self._checkpoints += 1
+        for pid in sorted(self._held.keys() | {entry.key.pid for entry in entries}):
+            self._update_counters(pid, checkpoint.timestamp_ns)
 
     # ---- counters ----
 
     def _update_counters(self, pid: int, timestamp_ns: int) -> None:
-        """Writes the pid's counters that differ from what was last written. Only the event's own
-        pid can change: the ledger applies an event to that process's entries alone."""
+        """Writes the pid's counters that differ from what was last written. After an event only its
+        own pid can change (the ledger applies it to that process's entries alone); after a
+        checkpoint, any."""
         now = self._held_now(pid)
         before = self._held.get(pid, {})
         for key in sorted(now.keys() | before.keys()):
@@ -271,6 +293,9 @@ class _TraceWriter:
             self._emit(packet)
         return uuid
 
+    def _loss_track(self) -> int:
+        return self._track(("loss",), lambda descriptor: setattr(descriptor, "name", LOSS_TRACK_NAME))
+
     def _process_track(self, pid: int, title: str = "") -> int:
         def describe(descriptor: Any) -> None:
             descriptor.process.pid = pid
@@ -318,6 +343,12 @@ class _TraceWriter:
     def _emit(self, packet: Any) -> None:
         self._builder.write_packet(packet)
         self._packets += 1
+
+
+def _copies(entries: Iterable[Outstanding]) -> list[Outstanding]:
+    """The ledger changes the entries it holds (VMM mapping counts, stack ids on resync): it gets
+    copies, so the caller's checkpoint stays as it was."""
+    return [replace(entry) for entry in entries]
 
 
 def _text(text: str) -> str:

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +50,18 @@ CHECKPOINT_FRAME_ENTRIES = 8192
 DEFAULT_MAX_QUEUED_RECORDS = 262144  # per recording; past it records are dropped and counted
 FLUSH_SECONDS = 1.0  # a crash loses at most this much of a recording
 
-QueuedRecord = Event | EventsLost | NvmlSample | SessionCheckpoint
+CHECKPOINT_AFTER_DROPS_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class _Dropped:
+    """Records this recording's own queue dropped (its reader was too slow), at this point."""
+
+    count: int
+    timestamp_ns: int
+
+
+QueuedRecord = Event | EventsLost | NvmlSample | SessionCheckpoint | _Dropped
 
 
 @dataclass(frozen=True)
@@ -126,8 +137,12 @@ class FrameEncoder:
             yield from self._stack(record.stack_id)
             self.events_encoded += 1
             yield service_pb2.RecordingFrame(event=event_to_proto(record))
-        elif type(record) is EventsLost:
+        elif type(record) is EventsLost:  # lost in the kernel's ring: the agent never saw them
             message = lost_to_proto(0, record.count)
+            message.timestamp_ns = record.timestamp_ns
+            yield service_pb2.RecordingFrame(event=message)
+        elif type(record) is _Dropped:  # the agent saw them; this recording could not keep up
+            message = lost_to_proto(record.count, 0)
             message.timestamp_ns = record.timestamp_ns
             yield service_pb2.RecordingFrame(event=message)
         elif type(record) is NvmlSample:
@@ -163,22 +178,28 @@ def _title(processes: dict[int, ProcessInfo], entry: Outstanding) -> str:
 
 
 class RecordQueue:
-    """A Session sink that queues what one recording wants, bounded: past `max_records` records are
-    dropped, and the recording gets a loss marker where they are missing.
+    """A Session sink that queues what one recording wants, bounded to `max_records`.
 
-    `request_checkpoint()` makes the next event bring a copy of the ledger as it stands after that
-    event (a rotated file starts with it)."""
+    Past the bound, records are dropped: the recording gets a loss marker where they are missing and,
+    once the queue has room again (a quarter of it) and at most once a second, a checkpoint — the
+    ledger as it stands after the event that found room — so that its replay is exact again from
+    there. A resync of the Session's ledger (after events lost in the kernel) is followed by a
+    checkpoint the same way. `request_checkpoint()` makes the next event bring one (a rotated file
+    starts with it)."""
 
     def __init__(self, session: AgentState, wanted: ProcessFilter = ProcessFilter(),
                  max_records: int = DEFAULT_MAX_QUEUED_RECORDS) -> None:
         self._session = session
         self._wanted = wanted
         self._max_records = max_records
+        self._room_records = max_records * 3 // 4  # a checkpoint after drops waits for this much room
         self._records: deque[QueuedRecord] = deque()
         self._ready = threading.Condition(threading.Lock())
         self._dropped = 0  # since the last marker
         self.dropped_total = 0
-        self._checkpoint_requested = False
+        self._checkpoint_due = False
+        self._dropped_since_checkpoint = False
+        self._last_drop_checkpoint = -CHECKPOINT_AFTER_DROPS_SECONDS
         self.closed = False
 
     # ---- the Session's side (under its lock) ----
@@ -186,39 +207,57 @@ class RecordQueue:
     def publish(self, event: Event) -> None:
         if not self._wanted.everything and not self._wanted.wants(event.pid, event.title):
             return
-        self._put(event)
-        if self._checkpoint_requested:
-            self._checkpoint_requested = False
-            self._put(self._checkpoint())
+        if self._put(event) and self._checkpoint_due and self._may_checkpoint():
+            self._checkpoint_due = False
+            with self._ready:
+                self._records.append(self._session.checkpoint_locked())  # a sink runs under its lock
+                self._ready.notify()
 
     def publish_loss(self, lost_count: int) -> None:
-        self._put(EventsLost(lost_count, time.time_ns()))
+        self._put(EventsLost(lost_count, self._session.wall_clock_ns()))
 
     def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
         if type(record) is NvmlSample:
             self._put(record)
-        else:
-            self._put(self._checkpoint())
+        elif len(self._records) < self._max_records:  # the events so far no longer add up to the ledger
+            self._checkpoint_due = False
+            with self._ready:
+                self._records.append(self._session.checkpoint_locked())
+                self._ready.notify()
+        else:  # no room: the first event that finds room brings it
+            self._checkpoint_due = True
 
-    def _checkpoint(self) -> SessionCheckpoint:
-        return self._session.checkpoint_locked()  # a sink runs under the Session's lock
+    def _may_checkpoint(self) -> bool:
+        """After drops: only with room again, and at most once a second (it copies the ledger)."""
+        if not self._dropped_since_checkpoint:
+            return True
+        now = time.monotonic()
+        if len(self._records) > self._room_records or \
+                now - self._last_drop_checkpoint < CHECKPOINT_AFTER_DROPS_SECONDS:
+            return False
+        self._last_drop_checkpoint = now
+        self._dropped_since_checkpoint = False
+        return True
 
-    def _put(self, record: QueuedRecord) -> None:
+    def _put(self, record: QueuedRecord) -> bool:
+        """Queues the record; False when it was dropped."""
         with self._ready:
-            if len(self._records) >= self._max_records and type(record) is not SessionCheckpoint:
+            if len(self._records) >= self._max_records:
                 self._dropped += 1
                 self.dropped_total += 1
-                return
+                self._checkpoint_due = self._dropped_since_checkpoint = True
+                return False
             if self._dropped:
-                self._records.append(EventsLost(self._dropped, time.time_ns()))
+                self._records.append(_Dropped(self._dropped, self._session.wall_clock_ns()))
                 self._dropped = 0
             self._records.append(record)
             self._ready.notify()
+            return True
 
     # ---- the recorder's side ----
 
     def request_checkpoint(self) -> None:
-        self._checkpoint_requested = True
+        self._checkpoint_due = True
 
     def take(self, max_records: int, wait_seconds: float) -> list[QueuedRecord]:
         """Up to `max_records` records, waiting up to `wait_seconds` for the first."""
@@ -256,6 +295,8 @@ class FileRecorder:
         self.error: str | None = None
 
     def start(self) -> None:
+        if self.path.exists():  # an earlier agent's recording (of a crash, maybe): kept as FILE.1
+            self._shift_older()
         checkpoint = self.session.subscribe(self._queue)
         self._open(checkpoint)
         self._thread = threading.Thread(target=self._run, name="kvtrace-record", daemon=True)
@@ -275,8 +316,11 @@ class FileRecorder:
         next_flush = time.monotonic() + FLUSH_SECONDS
         rotating = False
         try:
-            while not self._stop.is_set():
-                for record in self._queue.take(4096, FLUSH_SECONDS):
+            while True:
+                records = self._queue.take(4096, FLUSH_SECONDS)
+                if not records and self._stop.is_set():
+                    break  # stopped, and what was queued before is written
+                for record in records:
                     if rotating and type(record) is SessionCheckpoint:
                         rotating = False
                         self._rotate(record)
@@ -291,9 +335,10 @@ class FileRecorder:
                     if not rotating and self._writer.size_bytes >= self.max_bytes:
                         rotating = True
                         self._queue.request_checkpoint()
-        except OSError as error:
-            self.error = f"recording to {self.path} stopped: {error.strerror}"
-            log.error("%s", self.error)
+        except Exception as error:  # the file stays readable up to here; the component says why it stopped
+            reason = error.strerror if isinstance(error, OSError) else repr(error)
+            self.error = f"recording to {self.path} stopped: {reason}"
+            log.error("%s", self.error, exc_info=not isinstance(error, OSError))
             self.session.report_component("recording", False, self.error)
             self.session.remove_sink(self._queue)
         finally:
@@ -303,14 +348,18 @@ class FileRecorder:
     def _rotate(self, checkpoint: SessionCheckpoint) -> None:
         assert self._writer is not None
         self._writer.close()
+        self._shift_older()
+        self.rotations_total += 1
+        self._open(checkpoint)
+
+    def _shift_older(self) -> None:
+        """FILE -> FILE.1 -> ... -> FILE.<keep>; the oldest beyond goes (with keep 0, FILE itself)."""
         for index in range(self.keep - 1, 0, -1):
             older = self.path.with_name(f"{self.path.name}.{index}")
             if older.exists():
                 os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
         if self.keep > 0:
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        self.rotations_total += 1
-        self._open(checkpoint)
 
     def stop(self) -> None:
         self.session.remove_sink(self._queue)
@@ -334,11 +383,5 @@ def encode_stream(queue: RecordQueue, encoder: FrameEncoder, checkpoint: Session
     if batch:
         yield batch
     while active() and not queue.closed:
-        batch = [frame for record in queue.take(max_frames, wait_seconds) for frame in encoder.record(record)]
-        if batch:
-            yield batch
-
-
-def frames_of(records: Iterable[QueuedRecord], encoder: FrameEncoder) -> Iterator[service_pb2.RecordingFrame]:
-    for record in records:
-        yield from encoder.record(record)
+        # Also empty, when nothing came: the client learns the stream is alive (and flushes its file).
+        yield [frame for record in queue.take(max_frames, wait_seconds) for frame in encoder.record(record)]

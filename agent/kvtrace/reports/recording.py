@@ -11,16 +11,23 @@ counted). The format version changes only when this layout does; a newer one is 
 Chunks are independent: a writer flushes one at least every second, so a crash loses at most that,
 and a reader stops at the first chunk that is cut short or fails its checksum, having read everything
 before it, and says where (`RecordingReader.damage`). Appending to a file first drops such a tail.
+
+A file may come from anywhere, so the reader trusts nothing in it: a chunk is read only up to
+MAX_CHUNK_BYTES and inflated only up to MAX_CHUNK_FRAMES_BYTES (a zlib bomb is damage, not gigabytes
+of memory), a frame must fit in its chunk, and a header with times or ages no kvtrace writes is
+refused. One chunk is in memory at a time.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 from google.protobuf.message import DecodeError
 
@@ -37,6 +44,14 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 64 << 20  # compressed; a writer's chunks are far smaller (CHUNK_TARGET_BYTES of frames)
 CHUNK_TARGET_BYTES = 256 << 10  # frames buffered before a chunk is compressed and written
 COMPRESSION_LEVEL = 3  # zlib: ~4x smaller event streams at well over 50 MB/s
+# Inflated; a writer's chunk holds CHUNK_TARGET_BYTES of frames plus at most one large frame (a checkpoint
+# of up to 8192 allocations, ~1-2 MiB), so this is generous, and bounds what a hostile chunk costs.
+MAX_CHUNK_FRAMES_BYTES = 64 << 20
+MAX_HEADER_TIME_NS = 1 << 62  # year ~2116: a later time in a header is damage
+MAX_HEADER_SECONDS = 365 * 24 * 3600.0  # one year: the longest age or window a header may give
+_INFLATE_INPUT_BYTES = 64 << 10  # a chunk is inflated in pieces: a bomb is refused holding ~one cap of it
+_INFLATE_OUTPUT_BYTES = 1 << 20
+_ZEROS = re.compile(b"\0+")  # runs of zero-length (empty) frames are skipped at once, not one by one
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,44 @@ class RecordingError(Exception):
     """The file is not a recording this kvtrace can read; the message says why and what to do."""
 
 
+class _Damage(Exception):
+    """A chunk that cannot be read; the message says how (for `RecordingReader.damage`)."""
+
+
+def _inflate(compressed: bytes) -> bytes:
+    """A chunk's frames: its zlib stream, which must end exactly at the chunk's end and inflate to at most
+    MAX_CHUNK_FRAMES_BYTES. Fed and drained in pieces, so that a bomb is refused before it is held whole
+    (zlib.decompress would inflate it all, and joining the pieces would hold it twice)."""
+    limit = MAX_CHUNK_FRAMES_BYTES  # read at each call: tests lower it
+    inflater = zlib.decompressobj()
+    view = memoryview(compressed)
+    pieces: list[bytes] = []
+    size = 0
+    fed = 0
+    pending: bytes | memoryview = b""
+    try:
+        while not inflater.eof:
+            if not pending and fed < len(view):
+                pending = view[fed:fed + _INFLATE_INPUT_BYTES]
+                fed += len(pending)
+            piece = inflater.decompress(pending, min(_INFLATE_OUTPUT_BYTES, limit + 1 - size))
+            pending = inflater.unconsumed_tail
+            size += len(piece)
+            if size > limit:
+                raise _Damage(f"a chunk inflates to more than {limit} bytes, more than any kvtrace writes in one")
+            if not piece and not pending and fed == len(view):
+                break  # every byte fed, nothing more comes out: the stream does not end in the chunk
+            pieces.append(piece)
+    except zlib.error as error:
+        raise _Damage(f"a chunk does not decompress ({error})") from None
+    if not inflater.eof:
+        raise _Damage("a chunk's zlib stream does not end within the chunk")
+    trailing = len(inflater.unused_data) + len(view) - fed
+    if trailing:
+        raise _Damage(f"a chunk has {trailing} bytes after its zlib stream")
+    return b"".join(pieces)
+
+
 class RecordingWriter:
     """Writes one recording file: `write` frames, `flush` at least every second, `close` at the end."""
 
@@ -76,7 +129,8 @@ class RecordingWriter:
     def create(cls, path: Path, header: service_pb2.RecordingHeader, exclusive: bool = False) -> RecordingWriter:
         """A new file at `path` (replacing one there unless `exclusive`), created 0600: it holds stacks,
         addresses and process titles."""
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC) | os.O_CLOEXEC
+        # Never through a symbolic link: the agent writes as root, often in a directory others can write.
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC) | os.O_CLOEXEC | os.O_NOFOLLOW
         fd = os.open(path, flags, 0o600)
         file = os.fdopen(fd, "wb")
         encoded = header.SerializeToString()
@@ -142,6 +196,7 @@ class RecordingReader:
         self.header = self._read_header()
         self.data_start = self._file.tell()
         self.position = self.data_start  # the end of the last whole chunk read
+        self._chunk_start = self.data_start  # where the chunk last yielded by chunks() starts
 
     @classmethod
     def open(cls, path: Path) -> RecordingReader:
@@ -187,7 +242,26 @@ class RecordingReader:
             header.ParseFromString(encoded)
         except DecodeError:
             raise RecordingError(f"{self.path} has a damaged header: not readable") from None
+        self._check_header(header)
         return header
+
+    def _check_header(self, header: service_pb2.RecordingHeader) -> None:
+        """Refuses values no kvtrace writes, which reports would otherwise turn into nonsense or errors
+        (a NaN age, a time past what a datetime holds). Text fields are printed escaped elsewhere."""
+        seconds = {"leak_min_age_seconds": header.leak_min_age_seconds,
+                   "trigger.window_seconds": header.trigger.window_seconds}
+        for name, value in seconds.items():
+            if not (math.isfinite(value) and 0.0 <= value <= MAX_HEADER_SECONDS):
+                self._refuse_header(name, repr(value), f"0 to {MAX_HEADER_SECONDS:.0f} seconds")
+        times_ns = {"start_time_ns": header.start_time_ns, "agent_start_time_ns": header.agent_start_time_ns,
+                    "trigger.timestamp_ns": header.trigger.timestamp_ns}
+        for name, value_ns in times_ns.items():
+            if value_ns >= MAX_HEADER_TIME_NS:
+                self._refuse_header(name, str(value_ns), f"below {MAX_HEADER_TIME_NS}, the year 2116")
+
+    def _refuse_header(self, name: str, value: str, expected: str) -> NoReturn:
+        raise RecordingError(f"{self.path} is damaged or was not written by kvtrace: its header's {name} is "
+                             f"{value} (expected {expected}); not readable")
 
     def chunks(self) -> Iterator[bytes]:
         """Each whole chunk's frames, decompressed; stops at the end or at damage."""
@@ -201,7 +275,7 @@ class RecordingReader:
                 return
             length, crc = _CHUNK.unpack(head)
             if length > MAX_CHUNK_BYTES:
-                self._damaged(start, f"a chunk claims {length} bytes")
+                self._damaged(start, f"a chunk claims {length} bytes, more than the {MAX_CHUNK_BYTES} a chunk may hold")
                 return
             compressed = self._file.read(length)
             if len(compressed) < length:
@@ -212,30 +286,48 @@ class RecordingReader:
                 self._damaged(start, "a chunk fails its checksum")
                 return
             try:
-                data = zlib.decompress(compressed)
-            except zlib.error as error:
-                self._damaged(start, f"a chunk does not decompress ({error})")
+                data = _inflate(compressed)
+            except _Damage as damage:
+                self._damaged(start, str(damage))
                 return
+            del compressed  # one chunk in memory at a time
             self.position = start + _CHUNK.size + length
+            self._chunk_start = start
             yield data
 
     def frames(self) -> Iterator[service_pb2.RecordingFrame]:
-        """Every frame in order, up to the end or the first damage."""
+        """Every frame in order, up to the end or the first damage (a bad frame is told by its chunk's
+        start and its index in the chunk, from 0)."""
         for data in self.chunks():
+            start = self._chunk_start
             offset = 0
+            index = 0
             while offset < len(data):
-                if offset + _FRAME.size > len(data):
-                    self._damaged(self.position, "a chunk ends inside a frame's length")
+                left = len(data) - offset
+                if left < _FRAME.size:
+                    self._damaged(start, f"the chunk there ends inside the length of its frame {index}")
                     return
                 (length,) = _FRAME.unpack_from(data, offset)
+                if length == 0:  # an empty RecordingFrame: a newer writer's empty record, unknown here
+                    zeros = _ZEROS.match(data, offset)  # this frame's 4 zero bytes and any that follow
+                    run = max(1, ((zeros.end() if zeros else 0) - offset) // _FRAME.size)  # always progresses
+                    self.unknown_frames += run
+                    index += run
+                    offset += run * _FRAME.size
+                    continue
                 offset += _FRAME.size
+                if length > left - _FRAME.size:
+                    self._damaged(start, f"frame {index} of the chunk there claims {length} bytes, past the "
+                                         f"chunk's end ({left - _FRAME.size} bytes left)")
+                    return
                 frame = service_pb2.RecordingFrame()
                 try:
                     frame.ParseFromString(data[offset:offset + length])
                 except DecodeError:
-                    self._damaged(self.position, "a frame does not decode")
+                    self._damaged(start, f"frame {index} of the chunk there does not decode")
                     return
                 offset += length
+                index += 1
                 if frame.WhichOneof("record") is None:
                     self.unknown_frames += 1
                     continue

@@ -58,11 +58,11 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import ApiConfig
 from kvtrace.model.events import Event, Kind, Layer
 from kvtrace.model.ledger import Outstanding
-from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo, redact_title
+from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo, TitlePattern, redact_title
 from kvtrace.reports.flight import FlightDumpError, FlightRecorder
 from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, encode_stream, recording_header
 from kvtrace.servers.backend import AgentAnalysis, AgentState
-from kvtrace.servers.hub import EventFilter, EventHub, Lost, Subscription, TitlePattern
+from kvtrace.servers.hub import EventFilter, EventHub, Lost, Subscription
 from kvtrace.wire import (
     event_to_proto,
     growth_to_proto,

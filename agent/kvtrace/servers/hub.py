@@ -25,12 +25,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerResynced
-from kvtrace.model.processes import redact_title
+from kvtrace.model.processes import TitlePattern, redact_title
 
 DEFAULT_MAX_QUEUED_EVENTS = 65536
 
@@ -39,12 +38,6 @@ DEFAULT_MAX_QUEUED_EVENTS = 65536
 _TITLE_CACHE_MAX_ENTRIES = 4096
 # What a title regex sees of a title: its cost is linear in this (RE2), whatever the title.
 TITLE_MATCH_MAX_CHARS = 4096
-
-
-class TitlePattern(Protocol):
-    """A compiled title regex (RE2's; Python's `re` only in tests of trusted patterns)."""
-
-    def search(self, text: str): ...
 
 
 @dataclass(frozen=True)
