@@ -270,7 +270,7 @@ def test_a_process_killed_holding_memory_dumps_and_a_clean_exit_does_not(tmp_pat
     3 << 8) and freed_bytes 18 MiB; the clean exit writes no dump; the kill writes exactly one, trigger
     "died", named and listed by `kvtrace flight` as "killed by signal 9 holding 18.0 MiB", which
     replays to the 18 runtime and 18 driver objects the process held when it died; the exit with
-    status 3 comes within the trigger's cooldown and writes none."""
+    status 3 writes its own (the cooldown is per process), "exited with status 3"."""
     flight = tmp_path / "flight"
     socket = tmp_path / "kvtrace.sock"
     held = LEAKS - FREES
@@ -305,14 +305,18 @@ def test_a_process_killed_holding_memory_dumps_and_a_clean_exit_does_not(tmp_pat
                 failing_exit = exit_of(failing.pid)
             finally:
                 tail.close()
-            poll(lambda: dumps_in(flight), "the dump of the killed process")
+            poll(lambda: len(dumps_in(flight)) == 2, "the dumps of the killed and the failed process")
             listing = json_lines(kvtrace("flight", "--json", "--socket", str(socket)))
             assert agent.stop() == 0, agent.stderr_text()
     assert [(event["error_code"], event["freed_bytes"]) for event in (clean_exit, killed_exit, failing_exit)] \
         == [(0, held * MiB), (signal.SIGKILL, held * MiB), (3 << 8, held * MiB)]
-    (dump,) = dumps_in(flight)  # the clean exit's would have come first and held off the kill's
-    assert f"-died-{killed.pid}" in dump.name
-    (listed,) = listing
+    dumps = {int(path.name.rsplit("-", 1)[1].split(".")[0]): path for path in dumps_in(flight)}
+    assert sorted(dumps) == sorted([killed.pid, failing.pid])  # none for the clean exit
+    dump = dumps[killed.pid]
+    listed = next(entry for entry in listing if entry["pid"] == killed.pid)
+    failed = next(entry for entry in listing if entry["pid"] == failing.pid)
+    assert failed["trigger"] == "died"
+    assert failed["reason"].endswith(" exited with status 3 holding 18.0 MiB of GPU memory")
     assert (listed["path"], listed["trigger"], listed["pid"]) == (str(dump), "died", killed.pid)
     assert listed["reason"].startswith(f"pid {killed.pid} ")
     assert listed["reason"].endswith(" killed by signal 9 holding 18.0 MiB of GPU memory")
