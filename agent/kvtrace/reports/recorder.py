@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kvtrace import __version__
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
@@ -28,11 +29,9 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.events import Event, EventsLost
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerResynced, Outstanding
-from kvtrace.model.processes import ProcessInfo
+from kvtrace.model.processes import ProcessInfo, TitlePattern
 from kvtrace.model.stacks import Stack
 from kvtrace.reports.recording import RecordingWriter
-from kvtrace.servers.backend import AgentState
-from kvtrace.servers.hub import TitlePattern
 from kvtrace.session import Session, SessionCheckpoint
 from kvtrace.wire import (
     event_to_proto,
@@ -177,6 +176,14 @@ def _title(processes: dict[int, ProcessInfo], entry: Outstanding) -> str:
     return info.title if info is not None else ""
 
 
+class CheckpointSource(Protocol):
+    """What a RecordQueue reads of the Session it is a sink of (under the Session's lock)."""
+
+    def checkpoint_locked(self) -> SessionCheckpoint: ...
+
+    def wall_clock_ns(self) -> int: ...
+
+
 class RecordQueue:
     """A Session sink that queues what one recording wants, bounded to `max_records`.
 
@@ -187,7 +194,7 @@ class RecordQueue:
     checkpoint the same way. `request_checkpoint()` makes the next event bring one (a rotated file
     starts with it)."""
 
-    def __init__(self, session: AgentState, wanted: ProcessFilter = ProcessFilter(),
+    def __init__(self, session: CheckpointSource, wanted: ProcessFilter = ProcessFilter(),
                  max_records: int = DEFAULT_MAX_QUEUED_RECORDS) -> None:
         self._session = session
         self._wanted = wanted
