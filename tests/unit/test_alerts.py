@@ -20,6 +20,7 @@ EXPORTED = {spec.name for spec in METRICS}
 # The five, and two that guard the others.
 EXPECTED_ALERTS = {"KvtraceGpuMemoryGrowing", "KvtraceGpuMemoryAlmostFull", "KvtraceTimeToOomShort",
                    "KvtraceLeakSuspects", "KvtraceEventsLost", "KvtraceComponentDown", "KvtraceLedgerFull",
+                   "KvtraceFlightDumpWritten",  # docs/recordings.md
                    # group kvtrace-vllm, one per detector (tests/unit/test_vllm_recipe.py checks the rest)
                    "KvtraceVllmBlocksHeldAfterFinish", "KvtraceVllmKvUsageStuck", "KvtraceVllmFreeBlocksFalling",
                    "KvtraceVllmLowBlockFreeRatio", "KvtraceVllmIdleGrowth", "KvtraceVllmSleepResidue"}
