@@ -470,3 +470,15 @@ def test_a_process_stopped_with_sigterm_holding_memory_is_no_death_to_dump(tmp_p
                                                    tid=300, timestamp_ns=time.time_ns(), error_code=9))
     recorder.stop()
     assert [path.name.split("-")[3] for path in tmp_path.glob("flight-*.kvtrace")] == ["died"]
+
+
+def test_events_stamped_before_the_recording_started_still_replay_exactly(tmp_path):
+    """The probes stamp a call when it returns; the agent ingests it a little later, so the first events
+    a recording gets can be older than its checkpoint. They apply after it, as the agent applied them."""
+    agent = FakeAgent()
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, time.time_ns() - 30 * NS)  # stamped up to 30 s before the checkpoint
+    recorder.stop()
+    replayed = replay(tmp_path / "r.kvtrace")
+    assert ledger_of(replayed.session) == ledger_of(agent.session) and len(agent.session.outstanding()) == 23

@@ -78,6 +78,8 @@ class PerfettoCommand:
             raise CommandError(f"cannot write {output}: {error.strerror or error}", ExitCode.USAGE) from None
         if damage:
             print(f"kvtrace: warning: {damage}", file=sys.stderr)
+        replaced = f", the ledger replaced {summary.checkpoints} times (marked)" if summary.checkpoints else ""
         print(f"wrote {output}: {summary.events} events, {summary.instants} calls, {summary.counter_values} "
-              f"counter values on {summary.tracks} tracks; open it on https://ui.perfetto.dev", file=sys.stderr)
+              f"counter values on {summary.tracks} tracks{replaced}; open it on https://ui.perfetto.dev",
+              file=sys.stderr)
         return ExitCode.OK
