@@ -327,12 +327,16 @@ class Daemon:
 
     def _dump_on_signal(self) -> None:
         from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+        from kvtrace.reports.flight import FlightDumpError
 
         if self.flight is None:
             log.warning("SIGUSR1: no flight recorder to dump (--no-flight-recorder, or its directory failed)")
             return
         # The dump is written on the recorder's thread, which logs where: this loop drains the probes' ring.
-        self.flight.request_soon(service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, "SIGUSR1")
+        try:
+            self.flight.request_soon(service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, "SIGUSR1")
+        except FlightDumpError as error:
+            log.warning("SIGUSR1: %s", error)
 
     def stop(self) -> None:
         """Stops every part, the servers first (clients are told at once), then the probes."""

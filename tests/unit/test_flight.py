@@ -2,6 +2,7 @@
 wrong (an out-of-memory failure, a death holding GPU memory, a near time-to-OOM, a request), THEN one
 dump holds exactly the last window of records, replays to the ledger at the trigger, and the dumps on
 disk stay private and bounded."""
+import dataclasses
 import io
 import json
 import time
@@ -434,3 +435,32 @@ def test_the_dump_directory_is_made_0700_and_dumps_are_0600(tmp_path, recorders)
     assert directory.stat().st_mode & 0o777 == 0o700
     dump = recorder.request(REQUEST, "private")
     assert Path(dump.path).stat().st_mode & 0o777 == 0o600
+
+
+# ---- bounded work ----
+
+def test_a_near_oom_of_each_process_dumps_for_each(tmp_path, recorders):
+    agent = FakeAgent()
+    recorder = recorders(agent, tmp_path)
+    leaky(agent, time.time_ns() - 60 * NS)
+    snapshot = snapshot_with(120.0)
+    other = dataclasses.replace(snapshot.processes[1], pid=300, title="python train.py")
+    recorder.check(dataclasses.replace(snapshot, processes=(*snapshot.processes, other)))
+    assert sorted(path.name.rsplit("-", 1)[1] for path in written(recorder)) == ["200.kvtrace", "300.kvtrace"]
+
+
+def test_while_the_writer_is_behind_no_more_ledger_copies_are_queued(tmp_path):
+    """The writer thread is not started: 4 dumps wait; the 5th trigger copies nothing, is counted as a
+    failure, and a request says to ask again."""
+    from kvtrace.reports.flight import MAX_PENDING_DUMPS, FlightDumpError
+
+    agent = FakeAgent()
+    recorder = FlightRecorder(agent.session, FlightOptions(directory=tmp_path), 60.0)
+    agent.session.add_sink(recorder)  # a sink, without its writer
+    leaky(agent, time.time_ns() - 60 * NS)
+    for _ in range(MAX_PENDING_DUMPS):
+        recorder.request_soon(REQUEST, "queued")
+    with pytest.raises(FlightDumpError, match="4 dumps are still being written; ask again in a moment"):
+        recorder.request_soon(REQUEST, "one too many")
+    agent.apply(out_of_memory(time.time_ns()))
+    assert recorder.dump_failures_total == 2 and recorder._pending.qsize() == MAX_PENDING_DUMPS

@@ -44,6 +44,8 @@ from kvtrace.session import Session, SessionCheckpoint
 
 log = logging.getLogger(__name__)
 
+# Dumps copied and waiting for the writer, at most: each holds a copy of the ledger.
+MAX_PENDING_DUMPS = 4
 # Signals that stop a process on purpose: its end with memory held is no death to dump.
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 # cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY are both 2.
@@ -183,6 +185,12 @@ class FlightRecorder:
         last = self._last_dump_monotonic.get(key)
         if trigger.kind not in _ALWAYS and last is not None and now - last < self.options.cooldown_seconds:
             return None
+        if self._pending.qsize() >= MAX_PENDING_DUMPS:  # the writer is behind: no more copies of the ledger
+            with self._dumps_lock:
+                self.dump_failures_total += 1
+            log.warning("flight recorder: %s: not dumped, %d dumps are still being written", trigger.reason,
+                        MAX_PENDING_DUMPS)
+            return None
         self._last_dump_monotonic[key] = now
         # Stamped at the trigger, not at the copy (later): a replay read at the trigger stops at the first
         # record after it, and would leave out the very checkpoint that makes it exact.
@@ -212,7 +220,7 @@ class FlightRecorder:
         threshold = self.options.time_to_oom_seconds
         if snapshot is None or threshold <= 0:
             return
-        for row in snapshot.processes:
+        for row in snapshot.processes:  # each process has its own cooldown
             if row.time_to_oom_seconds is not None and row.time_to_oom_seconds < threshold:
                 with self.session.lock:
                     self._trigger_locked(service_pb2.FlightTrigger(
@@ -220,14 +228,14 @@ class FlightRecorder:
                         pid=row.pid, device=row.device,
                         reason=f"pid {row.pid} {row.title}: GPU {row.device} forecast out of memory in "
                                f"{row.time_to_oom_seconds:.0f} s (threshold {threshold:g} s)"))
-                return
 
     def request_soon(self, kind: service_pb2.FlightTriggerKind, reason: str) -> _Pending:
         """A dump now (SIGUSR1): copied at once, written on the recorder's thread (which logs it)."""
         with self.session.lock:
             pending = self._trigger_locked(service_pb2.FlightTrigger(
                 kind=kind, timestamp_ns=self.session.wall_clock_ns(), device=-1, reason=reason))
-        assert pending is not None  # these kinds have no cooldown
+        if pending is None:  # these kinds have no cooldown: the writer is behind
+            raise FlightDumpError(f"{MAX_PENDING_DUMPS} dumps are still being written; ask again in a moment")
         return pending
 
     def request(self, kind: service_pb2.FlightTriggerKind, reason: str,
