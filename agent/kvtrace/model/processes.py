@@ -68,6 +68,33 @@ class TitlePattern(Protocol):
     def search(self, text: str): ...
 
 
+# What a title regex sees of a title: its cost is linear in this (RE2), whatever the title.
+TITLE_MATCH_MAX_CHARS = 4096
+# Results are cached per title: titles are few, so the regex runs once per title instead of once per
+# event. Bounded so an exec storm cannot grow it.
+TITLE_CACHE_MAX_ENTRIES = 4096
+
+
+class TitleMatcher:
+    """A client's title regex as filters run it: on at most TITLE_MATCH_MAX_CHARS of a title, once per
+    distinct title; with `redacted`, on the title as the redacted view shows it (so that the regex cannot
+    probe for a secret the view hides)."""
+
+    def __init__(self, pattern: TitlePattern, redacted: bool = False) -> None:
+        self._pattern = pattern
+        self._redacted = redacted
+        self._matches: dict[str, bool] = {}
+
+    def matches(self, title: str) -> bool:
+        found = self._matches.get(title)
+        if found is None:
+            if len(self._matches) >= TITLE_CACHE_MAX_ENTRIES:
+                self._matches.clear()
+            shown = redact_title(title) if self._redacted else title
+            found = self._matches[title] = self._pattern.search(shown[:TITLE_MATCH_MAX_CHARS]) is not None
+        return found
+
+
 def _unknown(pid: int) -> ProcessInfo | None:
     return None
 

@@ -29,7 +29,7 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.events import Event, EventsLost
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerResynced, Outstanding
-from kvtrace.model.processes import ProcessInfo, TitlePattern
+from kvtrace.model.processes import ProcessInfo, TitleMatcher, TitlePattern
 from kvtrace.model.stacks import Stack
 from kvtrace.reports.recording import RecordingWriter
 from kvtrace.session import Session, SessionCheckpoint
@@ -63,21 +63,19 @@ class _Dropped:
 QueuedRecord = Event | EventsLost | NvmlSample | SessionCheckpoint | _Dropped
 
 
-@dataclass(frozen=True)
 class ProcessFilter:
-    """Which processes a recording keeps; empty: all."""
+    """Which processes a recording keeps; empty: all. The title regex runs as StreamEvents' does (once
+    per distinct title, on a bounded part of it): this is asked for every event, under the Session's lock."""
 
-    pids: frozenset[int] = frozenset()
-    title_regex: TitlePattern | None = None
+    def __init__(self, pids: frozenset[int] = frozenset(), title_regex: TitlePattern | None = None) -> None:
+        self.pids = pids
+        self._titles = TitleMatcher(title_regex) if title_regex is not None else None
+        self.everything = not pids and title_regex is None
 
     def wants(self, pid: int, title: str) -> bool:
         if self.pids and pid not in self.pids:
             return False
-        return self.title_regex is None or self.title_regex.search(title) is not None
-
-    @property
-    def everything(self) -> bool:
-        return not self.pids and self.title_regex is None
+        return self._titles is None or self._titles.matches(title)
 
     def describe(self, title_regex: str = "") -> str:
         parts = []
@@ -86,6 +84,9 @@ class ProcessFilter:
         if title_regex:
             parts.append(f"title ~ {title_regex}")
         return "; ".join(parts)
+
+
+EVERYTHING = ProcessFilter()
 
 
 def recording_header(agent_started_wall_seconds: float, leak_min_age_seconds: float, start_time_ns: int,
@@ -101,22 +102,22 @@ class FrameEncoder:
     """Model records -> frames of one recording: each stack is defined once, before the first
     allocation that uses it; each process is written before its first event."""
 
-    def __init__(self, stack_of: Callable[[int], Stack | None],
-                 process_of: Callable[[int], ProcessInfo | None]) -> None:
+    def __init__(self, stack_of: Callable[[int], Stack | None], process_of: Callable[[int], ProcessInfo | None],
+                 wanted: ProcessFilter | None = None) -> None:
         self._stack_of = stack_of
         self._process_of = process_of
         self._sent_stacks: set[int] = set()
         self._sent_processes: dict[int, str] = {}  # pid -> title written
         self.events_encoded = 0
-        self.wanted = ProcessFilter()  # what later checkpoints keep (the first is filtered by its caller)
+        self._wanted = wanted if wanted is not None else EVERYTHING  # what its checkpoints keep
 
     def restart(self) -> None:
         """A new file starts: it defines its stacks and processes again."""
         self._sent_stacks.clear()
         self._sent_processes.clear()
 
-    def checkpoint(self, checkpoint: SessionCheckpoint,
-                   wanted: ProcessFilter = ProcessFilter()) -> Iterator[service_pb2.RecordingFrame]:
+    def checkpoint(self, checkpoint: SessionCheckpoint) -> Iterator[service_pb2.RecordingFrame]:
+        wanted = self._wanted
         entries = [entry for entry in checkpoint.entries
                    if wanted.everything or wanted.wants(entry.key.pid, _title(checkpoint.processes, entry))]
         for entry in entries:
@@ -147,7 +148,7 @@ class FrameEncoder:
         elif type(record) is NvmlSample:
             yield service_pb2.RecordingFrame(nvml=nvml_to_proto(record))
         elif type(record) is SessionCheckpoint:
-            yield from self.checkpoint(record, self.wanted)
+            yield from self.checkpoint(record)
 
     def _process(self, pid: int, info: ProcessInfo | None,
                  event: Event | None = None) -> Iterator[service_pb2.RecordingFrame]:
@@ -194,10 +195,10 @@ class RecordQueue:
     checkpoint the same way. `request_checkpoint()` makes the next event bring one (a rotated file
     starts with it)."""
 
-    def __init__(self, session: CheckpointSource, wanted: ProcessFilter = ProcessFilter(),
+    def __init__(self, session: CheckpointSource, wanted: ProcessFilter | None = None,
                  max_records: int = DEFAULT_MAX_QUEUED_RECORDS) -> None:
         self._session = session
-        self._wanted = wanted
+        self._wanted = wanted if wanted is not None else EVERYTHING
         self._max_records = max_records
         self._room_records = max_records * 3 // 4  # a checkpoint after drops waits for this much room
         self._records: deque[QueuedRecord] = deque()
@@ -377,12 +378,12 @@ class FileRecorder:
 
 
 def encode_stream(queue: RecordQueue, encoder: FrameEncoder, checkpoint: SessionCheckpoint,
-                  wanted: ProcessFilter, max_frames: int, active: Callable[[], bool],
+                  max_frames: int, active: Callable[[], bool],
                   wait_seconds: float = 0.5) -> Iterator[list[service_pb2.RecordingFrame]]:
     """The frames of a recording streamed to a client (StreamRecording), in batches: the checkpoint
     first, then what the queue gets, until `active()` is false or the queue closes."""
     batch: list[service_pb2.RecordingFrame] = []
-    for frame in encoder.checkpoint(checkpoint, wanted):
+    for frame in encoder.checkpoint(checkpoint):
         batch.append(frame)
         if len(batch) >= max_frames:
             yield batch

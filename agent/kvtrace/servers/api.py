@@ -502,13 +502,12 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         context.add_callback(queue.close)  # a cancel wakes the reader
         try:
             checkpoint = self._state.subscribe(queue)
-            encoder = FrameEncoder(self._state.stack, self._state.process)
-            encoder.wanted = wanted
+            encoder = FrameEncoder(self._state.stack, self._state.process, wanted)
             header = recording_header(self._state.started_wall_seconds,
                                       self._analysis.options.leak_min_age_seconds, checkpoint.timestamp_ns,
                                       wanted.describe(request.title_regex))
             yield service_pb2.StreamRecordingResponse(header=header)
-            for frames in encode_stream(queue, encoder, checkpoint, wanted, self._limits.batch_max_events,
+            for frames in encode_stream(queue, encoder, checkpoint, self._limits.batch_max_events,
                                         lambda: context.is_active() and not self.stopping.is_set(),
                                         self._limits.idle_wake_seconds):
                 yield service_pb2.StreamRecordingResponse(frames=frames)

@@ -17,7 +17,7 @@ adjacent (a new loss adds to the last marker), so at most as many markers as eve
 
 The title filter is a client's regular expression: it must be a linear-time engine's (servers/api.py
 compiles it with RE2), it sees at most TITLE_MATCH_MAX_CHARS of the title, and it runs once per
-distinct title, not per event.
+distinct title, not per event (model/processes.py's TitleMatcher).
 """
 from __future__ import annotations
 
@@ -29,15 +29,10 @@ from dataclasses import dataclass
 from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerResynced
-from kvtrace.model.processes import TitlePattern, redact_title
+from kvtrace.model.processes import TitleMatcher, TitlePattern
 
 DEFAULT_MAX_QUEUED_EVENTS = 65536
 
-# The title regex result is cached per title: titles are few, and the regex then runs once per
-# title instead of once per event in the event loop. Bounded so an exec storm cannot grow it.
-_TITLE_CACHE_MAX_ENTRIES = 4096
-# What a title regex sees of a title: its cost is linear in this (RE2), whatever the title.
-TITLE_MATCH_MAX_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,8 @@ class Subscription:
         self._queued_events = 0  # events in _queue (markers not counted)
         self._lock = threading.Lock()
         self._ready = threading.Event()  # set when something was queued since the reader looked
-        self._title_matches: dict[str, bool] = {}
+        self._titles = TitleMatcher(event_filter.title_regex, event_filter.redacted_titles) \
+            if event_filter.title_regex is not None else None
 
     def wants(self, event: Event) -> bool:
         wanted = self.event_filter
@@ -93,17 +89,7 @@ class Subscription:
             return False
         if wanted.min_size_bytes and event.kind in SIZED_KINDS and event.size_bytes < wanted.min_size_bytes:
             return False
-        if wanted.title_regex is not None:
-            title = event.title
-            matches = self._title_matches.get(title)
-            if matches is None:
-                if len(self._title_matches) >= _TITLE_CACHE_MAX_ENTRIES:
-                    self._title_matches.clear()
-                shown = redact_title(title) if wanted.redacted_titles else title
-                matches = self._title_matches[title] = \
-                    wanted.title_regex.search(shown[:TITLE_MATCH_MAX_CHARS]) is not None
-            return matches
-        return True
+        return self._titles is None or self._titles.matches(event.title)
 
     def offer(self, event: Event) -> bool:
         """Queues the event; False when the queue is full (the hub then parks this subscriber)."""
