@@ -29,7 +29,9 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ApiConfig, ConfigError, config_from_args
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import Kind, Layer
-from kvtrace.wire import wire_numbers
+from kvtrace.model.ledger import Outstanding
+from kvtrace.model.stacks import Stack
+from kvtrace.wire import outstanding_from_proto, stack_from_proto, wire_numbers
 
 DEFAULT_TARGET = f"unix://{DEFAULT_SOCKET}"
 # A snapshot page of 10000 entries with long process titles can pass gRPC's default 4 MiB.
@@ -48,6 +50,15 @@ class ClientTls:
     key: Path
     server_ca: Path
     server_name: str | None = None  # the name in the agent's certificate, if not the target host
+
+
+@dataclass
+class HeldMemory:
+    """What a snapshot holds, as the model's: the objects, the stacks they refer to, pid -> title."""
+
+    entries: list[Outstanding]
+    stacks: dict[int, Stack]
+    titles: dict[int, str]
 
 
 class AgentClient:
@@ -163,6 +174,20 @@ class AgentClient:
             if not response.next_page_token:
                 return
             request.page_token = response.next_page_token
+
+    def held(self, pids: Iterable[int] = ()) -> HeldMemory:
+        """Every outstanding object as the model's, with the stacks it refers to and its process's title
+        (objects of a kind this client does not know, from a newer agent, are left out)."""
+        held = HeldMemory([], {}, {})
+        for page in self.snapshot_pages(pids):
+            for message in page.allocations:
+                try:
+                    held.entries.append(outstanding_from_proto(message))
+                except ValueError:
+                    continue
+                held.titles.setdefault(message.pid, message.title or message.comm)
+            held.stacks.update(stack_from_proto(stack) for stack in page.stacks)
+        return held
 
     def processes(self) -> list[service_pb2.Process]:
         return list(self._call(self._stub.ListProcesses, service_pb2.ListProcessesRequest()).processes)

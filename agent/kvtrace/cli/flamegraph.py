@@ -11,11 +11,8 @@ from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import PHYSICAL_LAYERS, Layer
-from kvtrace.model.ledger import Outstanding
-from kvtrace.model.stacks import Stack
 from kvtrace.reports.flamegraph import folded_stacks, speedscope_document
 from kvtrace.reports.output import write_whole
-from kvtrace.wire import outstanding_from_proto, stack_from_proto
 
 EPILOG = """examples:
   kvtrace flamegraph -o held.speedscope.json          # open on https://www.speedscope.app
@@ -56,18 +53,9 @@ class FlamegraphCommand:
         output_format = args.format or ("speedscope" if args.output and args.output.suffix == ".json" else "folded")
         if args.output is not None and args.output.is_dir():
             raise CommandError(f"{args.output} is a directory: give a file name", ExitCode.USAGE)
-        entries: list[Outstanding] = []
-        stacks: dict[int, Stack] = {}
-        titles: dict[int, str] = {}
         with connect(args) as agent:
-            for page in agent.snapshot_pages(pids=args.pid):
-                for message in page.allocations:
-                    try:
-                        entries.append(outstanding_from_proto(message))
-                    except ValueError:  # a newer agent's kind of object
-                        continue
-                    titles.setdefault(message.pid, message.title or message.comm)
-                stacks.update(stack_from_proto(stack) for stack in page.stacks)
+            held = agent.held(pids=args.pid)
+        entries, stacks, titles = held.entries, held.stacks, held.titles
         layers = (Layer.TORCH,) if args.blocks else PHYSICAL_LAYERS
         if output_format == "folded":
             text = "".join(line + "\n" for line in folded_stacks(entries, stacks.get, titles, layers))

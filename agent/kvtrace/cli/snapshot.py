@@ -16,8 +16,7 @@ from kvtrace.human import human_age, human_bytes, printable
 from kvtrace.model.blocks import Segment, segments_of
 from kvtrace.model.events import Layer
 from kvtrace.model.ledger import Outstanding, holds_device_memory
-from kvtrace.model.stacks import Stack
-from kvtrace.wire import outstanding_from_proto, outstanding_to_json_dict, stack_from_proto
+from kvtrace.wire import outstanding_from_proto, outstanding_to_json_dict
 
 EPILOG = """examples:
   kvtrace snapshot               # every process, largest objects first; blocks inside their segments
@@ -83,12 +82,9 @@ class SnapshotCommand:
         if len(args.pid) != 1 or args.output is None:
             raise CommandError("--format memory-viz takes one process and a file: -p PID -o FILE.pickle",
                                ExitCode.USAGE)
-        entries: list[Outstanding] = []
-        stacks: dict[int, Stack] = {}
         with connect(args) as agent:
-            for page in agent.snapshot_pages(pids=args.pid):
-                entries.extend(outstanding_from_proto(message) for message in page.allocations)
-                stacks.update(stack_from_proto(stack) for stack in page.stacks)
+            held = agent.held(pids=args.pid)
+        entries, stacks = held.entries, held.stacks
         segments, outside = segments_of(entries)
         if not any(segment.blocks for segment in segments):
             raise CommandError(f"no PyTorch blocks are traced in pid {args.pid[0]} (is it a PyTorch process, "
