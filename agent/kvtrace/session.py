@@ -92,9 +92,10 @@ class Sink(Protocol):
 
 
 class ExitWatcher(Protocol):
-    def __call__(self, exit_event: Event, ledger: Ledger) -> None:
-        """Called under the Session's lock just before a process's exit drops what it held from
-        `ledger` (the flight recorder copies the ledger for a process that died holding memory)."""
+    def __call__(self, exit_event: Event) -> None:
+        """Called under the Session's lock just before a process's exit drops what it held from the
+        ledger (`exit_event.freed_bytes` is set): the flight recorder copies the ledger for a process
+        that died holding memory."""
         ...
 
 
@@ -207,7 +208,7 @@ class Session:
                     if record.kind is Kind.PROCESS_EXIT:
                         record.freed_bytes = self.ledger.physical_device_bytes(record.pid)
                         for watcher in self._exit_watchers:
-                            watcher(record, self.ledger)
+                            watcher(record)
                     self.ledger.apply(record)
                     if record.kind is Kind.PROCESS_EXIT:
                         self._forget_process(record.pid)

@@ -37,7 +37,7 @@ from kvtrace.human import human_bytes
 from kvtrace.model.events import Event, EventsLost, Kind
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.gpus import NvmlSample
-from kvtrace.model.ledger import Ledger, LedgerResynced
+from kvtrace.model.ledger import LedgerResynced
 from kvtrace.reports.recorder import FrameEncoder, recording_header
 from kvtrace.reports.recording import RecordingError, RecordingReader, RecordingWriter
 from kvtrace.session import Session, SessionCheckpoint
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # Dumps copied and waiting for the writer, at most: each holds a copy of the ledger.
 MAX_PENDING_DUMPS = 4
+# (trigger kind, pid) cooldowns kept before the ones past their cooldown are forgotten.
+MAX_COOLDOWNS_KEPT = 1024
 # Signals that stop a process on purpose: its end with memory held is no death to dump.
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 # cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY are both 2.
@@ -164,7 +166,7 @@ class FlightRecorder:
             if self._let_go_ns is None or let_go > self._let_go_ns:
                 self._let_go_ns = let_go
 
-    def _on_exit(self, exit_event: Event, ledger: Ledger) -> None:
+    def _on_exit(self, exit_event: Event) -> None:
         """Before the exit drops what the process held: a death holding GPU memory dumps. SIGTERM and
         SIGINT are how processes are stopped on purpose (systemd, Kubernetes, Ctrl-C): no dump."""
         status = exit_event.error_code
@@ -191,9 +193,12 @@ class FlightRecorder:
             log.warning("flight recorder: %s: not dumped, %d dumps are still being written", trigger.reason,
                         MAX_PENDING_DUMPS)
             return None
+        if len(self._last_dump_monotonic) >= MAX_COOLDOWNS_KEPT:  # many processes over time: forget cold ones
+            self._last_dump_monotonic = {kept: at for kept, at in self._last_dump_monotonic.items()
+                                         if now - at < self.options.cooldown_seconds}
         self._last_dump_monotonic[key] = now
-        # Stamped at the trigger, not at the copy (later): a replay read at the trigger stops at the first
-        # record after it, and would leave out the very checkpoint that makes it exact.
+        # Stamped at the trigger, not at the copy (later): a replay asked for the trigger's time (--at)
+        # stops at the first record after it, and would leave out the very checkpoint that makes it exact.
         copied = self.session.checkpoint_locked()
         end = SessionCheckpoint(trigger.timestamp_ns, copied.entries, copied.processes)
         records = list(self._ring)

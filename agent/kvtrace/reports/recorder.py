@@ -192,8 +192,8 @@ class RecordQueue:
     once the queue has room again (a quarter of it) and at most once a second, a checkpoint — the
     ledger as it stands after the event that found room — so that its replay is exact again from
     there. A resync of the Session's ledger (after events lost in the kernel) is followed by a
-    checkpoint the same way. `request_checkpoint()` makes the next event bring one (a rotated file
-    starts with it)."""
+    checkpoint at once (with no room, by the first event that finds some). `request_checkpoint()` makes
+    the next event bring one (a rotated file starts with it)."""
 
     def __init__(self, session: CheckpointSource, wanted: ProcessFilter | None = None,
                  max_records: int = DEFAULT_MAX_QUEUED_RECORDS) -> None:
