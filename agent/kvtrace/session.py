@@ -209,6 +209,7 @@ class Session:
                         record.freed_bytes = self.ledger.physical_device_bytes(record.pid)
                         for watcher in self._exit_watchers:
                             watcher(record)
+                        self._checkpoint_position = None  # a watcher's copy is of the ledger before the exit
                     self.ledger.apply(record)
                     if record.kind is Kind.PROCESS_EXIT:
                         self._forget_process(record.pid)

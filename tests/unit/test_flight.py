@@ -464,3 +464,4 @@ def test_while_the_writer_is_behind_no_more_ledger_copies_are_queued(tmp_path):
         recorder.request_soon(REQUEST, "one too many")
     agent.apply(out_of_memory(time.time_ns()))
     assert recorder.dump_failures_total == 2 and recorder._pending.qsize() == MAX_PENDING_DUMPS
+
