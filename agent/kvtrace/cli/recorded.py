@@ -44,7 +44,7 @@ def connect(args: argparse.Namespace, events_only: bool = False) -> AgentClient:
             header = reader.header
     except RecordingError as error:
         raise CommandError(str(error), ExitCode.USAGE) from None
-    return RecordingClient(args.input, header, resolve_at(getattr(args, "at", None), header), not events_only)
+    return RecordingClient(args.input, resolve_at(getattr(args, "at", None), header), not events_only)
 
 
 class ReplayServer:
@@ -69,10 +69,8 @@ class RecordingClient(AgentClient):
     """AgentClient's calls answered from a recording: with `replay_now`, the file is replayed and
     served on a private socket; `stream_batches` reads the events from the file either way."""
 
-    def __init__(self, path: Path, header: service_pb2.RecordingHeader, at_ns: int | None,
-                 replay_now: bool = True) -> None:
+    def __init__(self, path: Path, at_ns: int | None, replay_now: bool = True) -> None:
         self.path = path
-        self.header = header
         self.at_ns = at_ns
         self.replay: Replay | None = None
         self._server: ReplayServer | None = None
