@@ -7,6 +7,7 @@ import decimal
 import re
 from pathlib import Path
 
+from kvtrace.errors import CommandError, ExitCode
 from kvtrace.reports.recording import AtTime
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -98,3 +99,18 @@ def add_input_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--at", metavar="TIME", type=parse_at,
                         help="with --input: the state at this time: end, +SECONDS after the start (+90s, +2m), "
                              "@UNIX_SECONDS or an ISO time (default: a dump's trigger, else the end)")
+
+
+def check_cmdline(text: str | None) -> None:
+    """--cmdline of a client command (the agent compiles it with RE2; Python's `re` catches most mistakes
+    here, with a clear line): UTF-8 text and a valid regular expression."""
+    if not text:
+        return
+    try:
+        text.encode("utf-8")  # argv bytes that are not UTF-8 come as lone surrogates
+    except UnicodeEncodeError:
+        raise CommandError("--cmdline is not UTF-8 text (titles are matched as text)", ExitCode.USAGE) from None
+    try:
+        re.compile(text)
+    except re.error as error:
+        raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None

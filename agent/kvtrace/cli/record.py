@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
 
-from kvtrace.cli.flags import add_pid_flag
+from kvtrace.cli.flags import add_pid_flag, check_cmdline
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_bytes
+from kvtrace.reports.recorder import FLUSH_SECONDS
 from kvtrace.reports.recording import RecordingWriter
 
 EPILOG = """examples:
@@ -22,7 +22,6 @@ EPILOG = """examples:
 """
 
 PROGRESS_SECONDS = 10.0
-FLUSH_SECONDS = 1.0
 
 
 class RecordCommand:
@@ -50,11 +49,7 @@ class RecordCommand:
     def run(self, args: argparse.Namespace) -> int:
         if args.duration is not None and not 0 < args.duration <= 7 * 24 * 3600:
             raise CommandError("--duration takes more than 0 and at most one week in seconds", ExitCode.USAGE)
-        if args.cmdline:
-            try:
-                re.compile(args.cmdline)
-            except re.error as error:
-                raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None
+        check_cmdline(args.cmdline)
         if args.output.is_dir():
             raise CommandError(f"{args.output} is a directory: give a file name, e.g. {args.output / 'gpu.kvtrace'}",
                                ExitCode.USAGE)

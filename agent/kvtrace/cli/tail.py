@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 
-from kvtrace.cli.flags import add_input_flags, add_pid_flag, parse_size
+from kvtrace.cli.flags import add_input_flags, add_pid_flag, check_cmdline, parse_size
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
-from kvtrace.errors import CommandError, ExitCode
+from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, printable
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind, Layer
 from kvtrace.model.stacks import Stack
@@ -67,16 +66,7 @@ class TailCommand:
         add_input_flags(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        if args.cmdline:
-            try:
-                args.cmdline.encode("utf-8")  # argv bytes that are not UTF-8 come as lone surrogates
-            except UnicodeEncodeError:
-                raise CommandError("--cmdline is not UTF-8 text (titles are matched as text)", ExitCode.USAGE) from None
-            try:
-                re.compile(args.cmdline)
-            except re.error as error:
-                raise CommandError(f"--cmdline is not a valid regular expression: {error}",
-                                   ExitCode.USAGE) from None
+        check_cmdline(args.cmdline)
         layers = [Layer[name.upper()] for name in args.layer]
         out = sys.stdout
         with connect(args, events_only=True) as agent:
