@@ -232,6 +232,10 @@ class AgentClient:
         request = service_pb2.DumpFlightRecorderRequest(reason=reason)
         return self._call(self._stub.DumpFlightRecorder, request, timeout_seconds=120.0).dump
 
+    def cross_checks(self, pids: Iterable[int] = ()) -> service_pb2.GetCrossCheckResponse:
+        """The CUPTI tracers (`kvtrace run`) of `pids` (empty: all) and their agreement with the uprobes."""
+        return self._call(self._stub.GetCrossCheck, service_pb2.GetCrossCheckRequest(pids=list(pids)))
+
     def flight_dumps(self) -> service_pb2.ListFlightDumpsResponse:
         return self._call(self._stub.ListFlightDumps, service_pb2.ListFlightDumpsRequest())
 

@@ -34,7 +34,8 @@ from kvtrace.model.agent import (
     OutstandingTotal,
     TrackedProcess,
 )
-from kvtrace.model.events import Api, Event, EventsLost, Kind
+from kvtrace.model.crosscheck import CrossCheck, ProcessCrossCheck, Side, TracerStatus
+from kvtrace.model.events import Api, Event, EventsLost, Kind, Source
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import (
     Ledger,
@@ -155,6 +156,13 @@ class Session:
         self.events_total = 0
         self.lost_total = 0
         self.resyncs_total = 0
+        # CUPTI (`kvtrace run`) is a second witness where the uprobes trace too (the agent with BPF): its
+        # events are matched against theirs, never added to the ledger twice. Elsewhere (`kvtrace run
+        # --output`, a replay) CUPTI's events are the ledger's.
+        self.cupti_witness = False
+        self._crosscheck = CrossCheck()
+        self._crosscheck_settled_ns = 0
+        self.witnessed_total = 0
 
     # ---- writing: sources ----
 
@@ -201,7 +209,19 @@ class Session:
         the sinks where the gap is; an NVML sample replaces the last one."""
         with self.lock:
             sinks = self._sinks
+            if self.cupti_witness:
+                now_ns = self.wall_clock_ns()
+                if now_ns - self._crosscheck_settled_ns > 1_000_000_000:
+                    self._crosscheck_settled_ns = now_ns
+                    self._crosscheck.settle(now_ns)
             for record in records:
+                if type(record) is Event and self.cupti_witness and (
+                        record.source is Source.CUPTI or self._crosscheck.follows(record.pid)):
+                    if record.source is Source.CUPTI:
+                        self._crosscheck.witness(record, Side.CUPTI, self.wall_clock_ns())
+                        self.witnessed_total += 1
+                        continue  # the uprobes' own event of this call is the ledger's
+                    self._crosscheck.witness(record, Side.UPROBE, self.wall_clock_ns())
                 if type(record) is Event:
                     self._attribute(record)
                     self.events_total += 1
@@ -213,6 +233,7 @@ class Session:
                     self.ledger.apply(record)
                     if record.kind is Kind.PROCESS_EXIT:
                         self._forget_process(record.pid)
+                        self._crosscheck.process_exited(record.pid)
                     for sink in sinks:
                         sink.publish(record)
                 elif type(record) is EventsLost:
@@ -259,6 +280,32 @@ class Session:
                 del self._native_frames[key]
         if self._native_names is not None:
             self._native_names.forget(pid)
+
+    def set_cupti_witness(self, witness: bool) -> None:
+        """The uprobes trace every process here: CUPTI's events are compared with theirs instead of
+        entering the ledger (the daemon with its BPF source)."""
+        with self.lock:
+            self.cupti_witness = witness
+
+    def report_tracer(self, status: TracerStatus) -> None:
+        """What a process's CUPTI tracer said of itself (tracing, held by another profiler, ...)."""
+        with self.lock:
+            self._crosscheck.tracer(status, self.wall_clock_ns())
+
+    def cross_checks(self, pid: int | None = None) -> list[ProcessCrossCheck]:
+        """The CUPTI tracers known and, where the uprobes traced the same process, how the two
+        witnesses agree (copies; `pid` for one process, exited ones included)."""
+        with self.lock:
+            self._crosscheck.settle(self.wall_clock_ns())
+            checks = self._crosscheck.all() if pid is None else [
+                check for check in (self._crosscheck.get(pid),) if check is not None]
+            return [copy.deepcopy(check) for check in checks]
+
+    def cross_check_totals(self) -> dict[tuple[Api, str], int]:
+        """(api, matched|uprobe_only|cupti_only|mismatched) -> calls, over every process so far."""
+        with self.lock:
+            self._crosscheck.settle(self.wall_clock_ns())
+            return dict(self._crosscheck.totals)
 
     def process_execed(self, pid: int) -> None:
         """The process exec'd: its title is read afresh at its next event."""
@@ -415,6 +462,10 @@ class Session:
             counters = dict(self._counters)
             counters["events_seen"] = self.events_total
             counters["resyncs"] = self.resyncs_total
+            if self.witnessed_total or self._crosscheck.processes or self._crosscheck.finished:
+                counters["cupti_events_witnessed"] = self.witnessed_total
+                counters["crosscheck_disagreements"] = sum(
+                    count for (_, result), count in self._crosscheck.totals.items() if result != "matched")
         return counters
 
     def components(self) -> list[ComponentStatus]:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.agent import AgentInfo, TrackedProcess
+from kvtrace.model.crosscheck import ProcessCrossCheck, Side
 from kvtrace.model.events import (
     SIZED_KINDS,
     Api,
@@ -24,6 +25,7 @@ from kvtrace.model.events import (
     Layer,
     Memory,
     ObjectKind,
+    Source,
     StackStatus,
 )
 from kvtrace.model.findings import (
@@ -62,6 +64,8 @@ def event_to_proto(event: Event) -> events_pb2.Event:
     arguments and copying it in, and this runs for every event of every stream."""
     message = events_pb2.Event(timestamp_ns=event.timestamp_ns, pid=event.pid, tid=event.tid,
                                comm=event.comm, title=event.title, container=event.container)
+    if event.source is not Source.UPROBE:
+        message.source = wire_number(event.source)
     kind = event.kind
     payload: events_pb2.Allocation | events_pb2.DeviceChange | events_pb2.ContextDestroy
     if kind is Kind.PROCESS_EXIT:
@@ -267,6 +271,33 @@ def engine_matches(engine: VllmEngine, pids: frozenset[int]) -> bool:
     return not pids or engine.engine_pid in pids or not pids.isdisjoint(engine.worker_pids)
 
 
+_SEEN_BY = {Side.UPROBE: events_pb2.EVENT_SOURCE_UPROBE, Side.CUPTI: events_pb2.EVENT_SOURCE_CUPTI, None: 0}
+
+
+def cross_checks_to_proto(checks: Iterable[ProcessCrossCheck],
+                          with_addresses: bool = True) -> service_pb2.GetCrossCheckResponse:
+    """The CUPTI tracers and their agreement with the uprobes; `with_addresses` False (the group
+    socket) leaves the disagreements' addresses out."""
+    response = service_pb2.GetCrossCheckResponse()
+    for check in checks:
+        status = check.status
+        message = response.processes.add(
+            pid=check.pid, state=status.state, reason=status.reason, holder=status.holder,
+            compared=check.compared, finished=check.finished, pending_count=check.pending)
+        message.counters.update({name: value for name, value in status.counters.items() if value >= 0})
+        for api, row in sorted(check.apis.items()):
+            message.apis.add(api=wire_number(api), api_name=api.name, matched_count=row.matched,
+                             uprobe_only_count=row.uprobe_only, cupti_only_count=row.cupti_only,
+                             mismatched_count=row.mismatched)
+        for example in check.examples:
+            message.disagreements.add(
+                seen_by=_SEEN_BY[example.side], api=wire_number(example.api), api_name=example.api.name,
+                failed=example.failed, address=example.address if with_addresses else 0,
+                size_bytes=example.size_bytes, device=example.device, timestamp_ns=example.timestamp_ns,
+                detail=example.detail)
+    return response
+
+
 def vllm_engines_to_proto(snapshot: AnalysisSnapshot | None,
                           pids: frozenset[int] = frozenset()) -> service_pb2.GetVllmEnginesResponse:
     """GetVllmEngines' answer: the selected engines by engine pid, and the findings about them."""
@@ -374,6 +405,8 @@ def event_from_proto(message: events_pb2.Event) -> Event | None:
     except ValueError:  # an enum value this client does not know: a newer agent
         return None
     event.comm, event.title, event.container = message.comm, message.title, message.container
+    if message.source == events_pb2.EVENT_SOURCE_CUPTI:
+        event.source = Source.CUPTI
     return event
 
 

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtrace import __version__
 from kvtrace.model.agent import ComponentStatus
 from kvtrace.model.blocks import Fragmentation
+from kvtrace.model.crosscheck import ProcessCrossCheck, TracerStatus
 from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
 from kvtrace.model.ledger import LedgerCounts, TotalsKey
@@ -152,6 +153,12 @@ class FakeSource:
         self._check("titles")
         return self.titles
 
+    def cross_checks(self):
+        return [ProcessCrossCheck(4242, TracerStatus(4242, "tracing"), compared=True)]
+
+    def cross_check_totals(self):
+        return {(Api.cuMemAlloc_v2, "matched"): 23, (Api.cuMemFree_v2, "uprobe_only"): 1}
+
 
 @contextmanager
 def served(source):
@@ -184,6 +191,12 @@ class ProxySource:
 
     def process_titles(self):
         return self.target.process_titles()
+
+    def cross_checks(self):
+        return self.target.cross_checks()
+
+    def cross_check_totals(self):
+        return self.target.cross_check_totals()
 
 
 _PROXY = ProxySource()
@@ -319,7 +332,7 @@ def test_every_declared_metric_is_exported_with_its_type_help_and_labels():
 
 
 ALLOWED_LABELS = {"pid", "title", "gpu", "layer", "memory", "window", "api", "error_code", "component",
-                  "uuid", "version", "role", "state", "source", "kind"}
+                  "uuid", "version", "role", "state", "source", "kind", "result"}
 
 
 def test_no_label_carries_an_address_or_a_stack():

@@ -290,6 +290,12 @@ class Source:
     def process_titles(self):
         return {ENGINE: ENGINE_TITLE}
 
+    def cross_checks(self):
+        return []
+
+    def cross_check_totals(self):
+        return {}
+
 
 def exposition(value: AnalysisSnapshot, prefixes=("kvtrace_vllm_", "kvtrace_role_bytes")) -> list[str]:
     registry = CollectorRegistry()

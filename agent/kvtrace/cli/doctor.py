@@ -42,6 +42,7 @@ class DoctorCommand:
         findings += agent_findings(args)
         if args.pid is not None:
             findings += process_findings(args.pid)
+            findings += cross_check_findings(args, args.pid)
         if args.json:
             print(json.dumps([finding.to_json_dict() for finding in findings], indent=2))
         else:
@@ -58,6 +59,8 @@ _AGENT_COUNTERS = {
                          "probe quota): processes using them were not traced meanwhile",
     "events_lost": "events lost with the ring buffer full (the ledger was resynced; stacks and rates "
                    "of those events are missing)",
+    "crosscheck_disagreements": "calls the uprobes and CUPTI (`kvtrace run`) did not see alike: "
+                                "`kvtrace doctor --pid PID` names them",
     "ledger_full": "allocations the in-kernel ledger had no room for: restart with a larger "
                    "--max-ledger-entries",
 }
@@ -88,6 +91,62 @@ def agent_findings(args: argparse.Namespace) -> list:
     for name, meaning in _AGENT_COUNTERS.items():
         if info.counters.get(name, 0):
             findings.append(Finding(f"agent {name}", True, f"{info.counters[name]} {meaning}", warning=True))
+    return findings
+
+
+def cross_check_findings(args: argparse.Namespace, pid: int) -> list:
+    """What the running agent heard from `pid`'s CUPTI tracer (`kvtrace run`), and whether CUPTI and the
+    uprobes saw its calls alike. Warnings only."""
+    from kvtrace.client import AgentClient
+    from kvtrace.config import ConfigError, config_from_args
+    from kvtrace.errors import CommandError
+    from kvtrace.sources.bpf.preflight import Finding
+
+    try:
+        config = config_from_args(args)
+    except ConfigError:
+        return []
+    if not config.socket.exists():
+        return []
+    try:
+        with AgentClient.for_config(config) as agent:
+            response = agent.cross_checks([pid])
+    except CommandError as error:
+        return [Finding(f"pid {pid} cupti", True, f"the agent did not answer: {error}", warning=True)]
+    return [finding for check in response.processes for finding in describe_cross_check(check)]
+
+
+def describe_cross_check(check) -> list:
+    """A ProcessCrossCheck (kvtrace.v1) as doctor's findings."""
+    from kvtrace.sources.bpf.preflight import Finding
+
+    name = f"pid {check.pid} cupti"
+    state = {"tracing": "traced by CUPTI (kvtrace run)", "gone": "its CUPTI tracer has gone",
+             "held": f"CUPTI is held by {check.holder or 'another subscriber'}: kvtrace run traced nothing here "
+                     "(the uprobes still do)",
+             "unavailable": "CUPTI unavailable", "off": "CUPTI tracing opted out"}.get(check.state, check.state)
+    if check.reason:
+        state += f": {check.reason}"
+    findings = [Finding(name, True, state, warning=check.state in ("held", "unavailable"))]
+    if not check.compared:
+        return findings
+    matched = sum(row.matched_count for row in check.apis)
+    rows = [row for row in check.apis if row.uprobe_only_count or row.cupti_only_count or row.mismatched_count]
+    per_api = ", ".join(f"{row.api_name} {row.matched_count}" for row in check.apis if row.matched_count)
+    pending = f"; {check.pending_count} still waiting for the other witness (up to 10 s)" if check.pending_count else ""
+    if not rows:
+        findings.append(Finding(f"{name} cross-check", True, f"CUPTI and the uprobes agree: {matched} calls seen "
+                                f"alike ({per_api or 'none yet'}){pending}"))
+        return findings
+    disagreements = "; ".join(
+        f"{row.api_name}: {row.uprobe_only_count} by the uprobes only, {row.cupti_only_count} by CUPTI only, "
+        f"{row.mismatched_count} seen differently" for row in rows)
+    examples = "; ".join(
+        f"{'uprobes' if d.seen_by == 1 else 'CUPTI' if d.seen_by == 2 else 'both'}: {d.api_name}"
+        f"{' (failed)' if d.failed else ''} {d.size_bytes} B at {d.address:#x}{' — ' + d.detail if d.detail else ''}"
+        for d in list(check.disagreements)[-3:])
+    findings.append(Finding(f"{name} cross-check", True, f"{matched} calls seen alike, but {disagreements}"
+                            f"{pending}. Latest: {examples}", warning=True))
     return findings
 
 

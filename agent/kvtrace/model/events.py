@@ -95,6 +95,14 @@ class Api(enum.IntEnum):
 DEVICE_UNKNOWN = -1
 
 
+class Source(enum.IntEnum):
+    """Who saw the call: the agent's uprobes (in the kernel, every process) or CUPTI inside the process
+    (`kvtrace run`: no root, and a second witness of the same calls)."""
+
+    UPROBE = 1
+    CUPTI = 2
+
+
 class StackStatus(enum.IntEnum):
     """Why an event has (or lacks) a Python stack. The probes' KVT_STACK_* values, plus what user
     space decides (UNRESOLVED)."""
@@ -151,6 +159,7 @@ class Event:
     container: str = ""  # container id from the cgroup path, "" on the host
     stack_id: int = 0  # interned Python stack (model/stacks.py); 0 = none
     stack_status: StackStatus = StackStatus.NOT_WALKED
+    source: Source = Source.UPROBE
 
 
 @dataclass(frozen=True, slots=True)

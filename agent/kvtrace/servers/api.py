@@ -64,6 +64,7 @@ from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, e
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 from kvtrace.servers.hub import EventFilter, EventHub, Lost, Subscription
 from kvtrace.wire import (
+    cross_checks_to_proto,
     event_to_proto,
     growth_to_proto,
     info_to_proto,
@@ -626,6 +627,15 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         response = growth_to_proto(self._analysis.latest, pids)
         response.view = VIEW_FULL
         return redact_growth(response) if self._redacted else response
+
+    def GetCrossCheck(self, request, context):
+        try:
+            pids = _pids("pids", request.pids)
+        except InvalidArgument as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        checks = [check for check in self._state.cross_checks() if not pids or check.pid in pids]
+        return cross_checks_to_proto(sorted(checks, key=lambda check: (not check.finished, check.pid)),
+                                     with_addresses=not self._redacted)
 
     def GetVllmEngines(self, request, context):
         try:

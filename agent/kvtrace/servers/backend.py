@@ -11,6 +11,8 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.model.agent import AgentInfo, ComponentStatus, TrackedProcess
+from kvtrace.model.crosscheck import ProcessCrossCheck
+from kvtrace.model.events import Api
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport
 from kvtrace.model.ledger import LedgerCounts, Outstanding
 from kvtrace.model.processes import ProcessInfo
@@ -81,6 +83,14 @@ class AgentState(Protocol):
         ...
 
     def remove_sink(self, sink: Sink) -> None: ...
+
+    def cross_checks(self, pid: int | None = None) -> list[ProcessCrossCheck]:
+        """The CUPTI tracers heard from (`kvtrace run`) and their agreement with the uprobes, as copies."""
+        ...
+
+    def cross_check_totals(self) -> dict[tuple[Api, str], int]:
+        """(api, matched|uprobe_only|cupti_only|mismatched) -> calls compared so far, all processes."""
+        ...
 
 
 class AgentAnalysis(Protocol):

@@ -185,6 +185,15 @@ METRICS: tuple[MetricSpec, ...] = (
                "GPU memory, a near time-to-OOM, SIGUSR1 or a request); `kvtrace flight` lists them."),
     MetricSpec("kvtrace_flight_dump_failures_total", "counter", "dumps", (),
                "Flight recorder dumps that could not be written (the agent log says why: a full disk?)."),
+    MetricSpec("kvtrace_crosscheck_calls_total", "counter", "calls", ("api", "result"),
+               "Calls of processes traced both by the uprobes and by CUPTI from inside (kvtrace run), compared "
+               "one for one. result: matched, uprobe_only, cupti_only (the other witness never saw it within "
+               "10 s), mismatched (a different size or device). Anything but matched means one witness missed "
+               "or misread a call: kvtrace doctor --pid names them."),
+    MetricSpec("kvtrace_cupti_traced_processes", "gauge", "processes", ("state",),
+               "Processes whose CUPTI tracer (kvtrace run) the agent heard from, by state: tracing, held "
+               "(another CUPTI subscriber such as torch.profiler or Nsight holds the process), unavailable, off, "
+               "gone; exited ones count for a while."),
     MetricSpec("kvtrace_vllm_messages_received_total", "counter", "messages", (),
                "Reports the kvtrace vLLM plugin sent to the agent's socket and the agent took."),
     MetricSpec("kvtrace_vllm_messages_rejected_total", "counter", "messages", (),
@@ -306,6 +315,14 @@ class KvtraceCollector:
         for name, key in _SESSION_COUNTERS.items():
             if key in counters:
                 families[name].add_metric([], counters[key])
+        calls = families["kvtrace_crosscheck_calls_total"]
+        for (api, result), value in sorted(read("cross-check", lambda: self.state.cross_check_totals(), {}).items()):
+            calls.add_metric([_api_name(api), result], value)
+        tracers: dict[str, int] = {}
+        for check in read("CUPTI tracers", lambda: self.state.cross_checks(), []):
+            tracers[check.status.state] = tracers.get(check.status.state, 0) + 1
+        for state_name in sorted(tracers):
+            families["kvtrace_cupti_traced_processes"].add_metric([state_name], tracers[state_name])
 
         up = families["kvtrace_component_up"]
         components.setdefault("analysis", False)  # none has run yet

@@ -697,3 +697,84 @@ class RecordedProcess(_message.Message):
     start_time_ns: int
     parent_pid: int
     def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., comm: _Optional[str] = ..., container: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., parent_pid: _Optional[int] = ...) -> None: ...
+
+class GetCrossCheckRequest(_message.Message):
+    __slots__ = ("pids",)
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetCrossCheckResponse(_message.Message):
+    __slots__ = ("processes",)
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessCrossCheck]
+    def __init__(self, processes: _Optional[_Iterable[_Union[ProcessCrossCheck, _Mapping]]] = ...) -> None: ...
+
+class ProcessCrossCheck(_message.Message):
+    __slots__ = ("pid", "state", "reason", "holder", "counters", "compared", "finished", "pending_count", "apis", "disagreements")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    COMPARED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_COUNT_FIELD_NUMBER: _ClassVar[int]
+    APIS_FIELD_NUMBER: _ClassVar[int]
+    DISAGREEMENTS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    state: str
+    reason: str
+    holder: str
+    counters: _containers.ScalarMap[str, int]
+    compared: bool
+    finished: bool
+    pending_count: int
+    apis: _containers.RepeatedCompositeFieldContainer[ApiAgreement]
+    disagreements: _containers.RepeatedCompositeFieldContainer[CrossCheckDisagreement]
+    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., holder: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., compared: bool = ..., finished: bool = ..., pending_count: _Optional[int] = ..., apis: _Optional[_Iterable[_Union[ApiAgreement, _Mapping]]] = ..., disagreements: _Optional[_Iterable[_Union[CrossCheckDisagreement, _Mapping]]] = ...) -> None: ...
+
+class ApiAgreement(_message.Message):
+    __slots__ = ("api", "api_name", "matched_count", "uprobe_only_count", "cupti_only_count", "mismatched_count")
+    API_FIELD_NUMBER: _ClassVar[int]
+    API_NAME_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    UPROBE_ONLY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CUPTI_ONLY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    api: _events_pb2.Api
+    api_name: str
+    matched_count: int
+    uprobe_only_count: int
+    cupti_only_count: int
+    mismatched_count: int
+    def __init__(self, api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., matched_count: _Optional[int] = ..., uprobe_only_count: _Optional[int] = ..., cupti_only_count: _Optional[int] = ..., mismatched_count: _Optional[int] = ...) -> None: ...
+
+class CrossCheckDisagreement(_message.Message):
+    __slots__ = ("seen_by", "api", "api_name", "failed", "address", "size_bytes", "device", "timestamp_ns", "detail")
+    SEEN_BY_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    API_NAME_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    seen_by: _events_pb2.EventSource
+    api: _events_pb2.Api
+    api_name: str
+    failed: bool
+    address: int
+    size_bytes: int
+    device: int
+    timestamp_ns: int
+    detail: str
+    def __init__(self, seen_by: _Optional[_Union[_events_pb2.EventSource, str]] = ..., api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., failed: bool = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., device: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...

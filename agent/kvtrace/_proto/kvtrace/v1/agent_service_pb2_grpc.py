@@ -85,6 +85,11 @@ class AgentServiceStub(object):
                 request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsRequest.SerializeToString,
                 response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsResponse.FromString,
                 _registered_method=True)
+        self.GetCrossCheck = channel.unary_unary(
+                '/kvtrace.v1.AgentService/GetCrossCheck',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer(object):
@@ -181,6 +186,15 @@ class AgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCrossCheck(self, request, context):
+        """The processes traced by CUPTI from inside (`kvtrace run`): each tracer's state and, where the
+        uprobes traced the same process, how the two witnesses agree per API, with examples of what
+        only one saw. `kvtrace doctor --pid` shows it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +247,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.ListFlightDumps,
                     request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsRequest.FromString,
                     response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsResponse.SerializeToString,
+            ),
+            'GetCrossCheck': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCrossCheck,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -506,6 +525,33 @@ class AgentService(object):
             '/kvtrace.v1.AgentService/ListFlightDumps',
             kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsRequest.SerializeToString,
             kvtrace_dot_v1_dot_agent__service__pb2.ListFlightDumpsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCrossCheck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/GetCrossCheck',
+            kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,6 +83,12 @@ class Api(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     API_PYTORCH_MALLOC: _ClassVar[Api]
     API_PYTORCH_FREE: _ClassVar[Api]
 
+class EventSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_SOURCE_UNSPECIFIED: _ClassVar[EventSource]
+    EVENT_SOURCE_UPROBE: _ClassVar[EventSource]
+    EVENT_SOURCE_CUPTI: _ClassVar[EventSource]
+
 class StackStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STACK_STATUS_UNSPECIFIED: _ClassVar[StackStatus]
@@ -153,6 +159,9 @@ API_CU_MEM_ADDRESS_FREE: Api
 API_PROCESS_EXIT: Api
 API_PYTORCH_MALLOC: Api
 API_PYTORCH_FREE: Api
+EVENT_SOURCE_UNSPECIFIED: EventSource
+EVENT_SOURCE_UPROBE: EventSource
+EVENT_SOURCE_CUPTI: EventSource
 STACK_STATUS_UNSPECIFIED: StackStatus
 STACK_STATUS_OK: StackStatus
 STACK_STATUS_NOT_PYTHON: StackStatus
@@ -162,13 +171,14 @@ STACK_STATUS_EMPTY: StackStatus
 STACK_STATUS_UNRESOLVED: StackStatus
 
 class Event(_message.Message):
-    __slots__ = ("timestamp_ns", "pid", "tid", "comm", "title", "container", "allocation", "device_change", "context_destroy", "process_exit", "events_lost", "stack_definition")
+    __slots__ = ("timestamp_ns", "pid", "tid", "comm", "title", "container", "source", "allocation", "device_change", "context_destroy", "process_exit", "events_lost", "stack_definition")
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     TID_FIELD_NUMBER: _ClassVar[int]
     COMM_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_CHANGE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_DESTROY_FIELD_NUMBER: _ClassVar[int]
@@ -181,13 +191,14 @@ class Event(_message.Message):
     comm: str
     title: str
     container: str
+    source: EventSource
     allocation: Allocation
     device_change: DeviceChange
     context_destroy: ContextDestroy
     process_exit: ProcessExit
     events_lost: EventsLost
     stack_definition: Stack
-    def __init__(self, timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ..., device_change: _Optional[_Union[DeviceChange, _Mapping]] = ..., context_destroy: _Optional[_Union[ContextDestroy, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., events_lost: _Optional[_Union[EventsLost, _Mapping]] = ..., stack_definition: _Optional[_Union[Stack, _Mapping]] = ...) -> None: ...
+    def __init__(self, timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., source: _Optional[_Union[EventSource, str]] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ..., device_change: _Optional[_Union[DeviceChange, _Mapping]] = ..., context_destroy: _Optional[_Union[ContextDestroy, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., events_lost: _Optional[_Union[EventsLost, _Mapping]] = ..., stack_definition: _Optional[_Union[Stack, _Mapping]] = ...) -> None: ...
 
 class Allocation(_message.Message):
     __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stack_status_code", "stream")
