@@ -10,6 +10,7 @@ from kvtrace.wire import cross_checks_to_proto
 PID = 4242
 MiB = 1 << 20
 START_NS = 1_800_000_000_000_000_000
+CALL_NS = START_NS + 1_000_000_000  # the calls come a second after the tracer said "tracing"
 
 
 class Clock:
@@ -30,12 +31,12 @@ def session(witness: bool = True) -> tuple[Session, Clock]:
 
 def alloc(address: int, size: int = 3 * MiB, source: Source = Source.UPROBE, api: Api = Api.cuMemAlloc_v2,
           layer: Layer = Layer.DRIVER, device: int = 0) -> Event:
-    return Event(Kind.ALLOC, api, PID, PID, START_NS, layer=layer, object=ObjectKind.ALLOCATION,
+    return Event(Kind.ALLOC, api, PID, PID, CALL_NS, layer=layer, object=ObjectKind.ALLOCATION,
                  memory=Memory.DEVICE, size_bytes=size, address=address, device=device, source=source)
 
 
 def free(address: int, size: int = 3 * MiB, source: Source = Source.UPROBE) -> Event:
-    return Event(Kind.FREE, Api.cuMemFree_v2, PID, PID, START_NS, layer=Layer.DRIVER, object=ObjectKind.ALLOCATION,
+    return Event(Kind.FREE, Api.cuMemFree_v2, PID, PID, CALL_NS, layer=Layer.DRIVER, object=ObjectKind.ALLOCATION,
                  memory=Memory.DEVICE, size_bytes=size, address=address, device=0, source=source)
 
 
@@ -117,7 +118,7 @@ def test_an_exited_process_keeps_its_result_once_nothing_waits():
     state, clock = session()
     state.report_tracer(TracerStatus(PID, "tracing"))
     state.ingest_many(workload(Source.UPROBE) + workload(Source.CUPTI))
-    state.ingest(Event(Kind.PROCESS_EXIT, Api.process_exit, PID, PID, START_NS))
+    state.ingest(Event(Kind.PROCESS_EXIT, Api.process_exit, PID, PID, CALL_NS))
     state.report_tracer(TracerStatus(PID, "gone"))
     clock.now_ns += 1
     [check] = state.cross_checks(PID)
@@ -147,3 +148,18 @@ def test_where_cupti_is_the_only_witness_its_events_are_the_ledger():
     entries = state.outstanding()
     assert len(entries) == 12 and all(entry.key.layer is Layer.DRIVER for entry in entries)
     assert state.cross_checks(PID)[0].apis == {}
+
+
+def test_calls_before_both_watched_or_after_the_tracer_stopped_are_not_compared():
+    state, clock = session()
+    state.report_tracer(TracerStatus(PID, "tracing"))
+    early = alloc(0x1000, source=Source.CUPTI)
+    early.timestamp_ns = START_NS  # made as the tracer subscribed: the uprobes' event of it was not followed
+    state.ingest_many([early, alloc(0x2000), alloc(0x2000, source=Source.CUPTI)])
+    state.report_tracer(TracerStatus(PID, "gone", stopped_ns=CALL_NS + 5))
+    late = free(0x2000)  # Python freeing tensors at shutdown, after the tracer's last flush
+    late.timestamp_ns = CALL_NS + 10
+    state.ingest(late)
+    clock.now_ns += MATCH_GRACE_NS + 1
+    [check] = state.cross_checks(PID)
+    assert check.finished and check.matched == 1 and check.disagreements == 0

@@ -23,8 +23,14 @@ class TracerStatus:
     holder: str = ""  # held: who holds CUPTI in the process (torch.profiler/Kineto, Nsight)
     counters: dict[str, int] = field(default_factory=dict)
     timestamp_ns: int = 0
+    # gone: when the tracer stopped watching (its last flush, at the process's exit); calls after it
+    # (tensors Python frees while it shuts down) are the uprobes' alone, not a disagreement. 0: unknown.
+    stopped_ns: int = 0
 
 
+# Calls this close to the moment the agent heard "tracing" are not compared: the two witnesses' clocks
+# (CUPTI's and the agent's) and paths (a socket, a ring buffer) differ by that much at most.
+START_MARGIN_NS = 50_000_000
 # How long an event waits for its other witness before it counts as seen by one side only. CUPTI's
 # records reach the agent a second or two after the call (its buffers are flushed each second).
 MATCH_GRACE_NS = 10_000_000_000
@@ -88,6 +94,7 @@ class ProcessCrossCheck:
     apis: dict[Api, ApiAgreement] = field(default_factory=dict)
     examples: deque[Disagreement] = field(default_factory=lambda: deque(maxlen=EXAMPLES_KEPT))
     compared: bool = False  # the tracer traced while the uprobes did: calls were matched
+    compared_since_ns: int = 0  # calls from then on are compared (the agent heard "tracing" then)
     finished: bool = False  # the process exited or its tracer went away; nothing waits any more
     pending: int = 0
 
@@ -158,8 +165,9 @@ class CrossCheck:
             check = self.processes[status.pid] = ProcessCrossCheck(status.pid, status)
             self.finished.pop(status.pid, None)
         check.status = status
-        if status.state == "tracing":
+        if status.state == "tracing" and not check.compared:
             check.compared = True
+            check.compared_since_ns = now_ns + START_MARGIN_NS
             self._matching.setdefault(status.pid, _Matching())
         elif status.state == "gone":
             check.finished = True
@@ -173,6 +181,10 @@ class CrossCheck:
         if matching is None or not compared(event):
             return
         check = self.processes[event.pid]
+        if event.timestamp_ns < check.compared_since_ns:
+            return  # made before both witnesses watched
+        if side is Side.UPROBE and check.status.stopped_ns and event.timestamp_ns > check.status.stopped_ns:
+            return  # made after the tracer's last look (the process shutting down)
         key = _key(event)
         other = Side.CUPTI if side is Side.UPROBE else Side.UPROBE
         waiting_other = matching.waiting[other].get(key)
