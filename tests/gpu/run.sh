@@ -5,16 +5,20 @@
 #   bash tests/gpu/run.sh bench [bench args]           # bench/gpu_overhead.py: overhead, side by side
 #   bash tests/gpu/run.sh blocks-bench [bench args]    # bench/torch_blocks_overhead.py: block tracing's cost
 #   bash tests/gpu/run.sh flight [pytest args]         # tests/gpu/test_flight_recorder.py: a real OOM's dump
+#   bash tests/gpu/run.sh cupti [pytest args]          # tests/gpu/test_cupti.py: kvtrace run (CUPTI) vs the uprobes
+#   bash tests/gpu/run.sh cupti-bench [bench args]     # bench/cupti_overhead.py: CUPTI's cost, side by side
 #   bash tests/gpu/run.sh vllm [pytest args]           # tests/gpu/test_vllm*.py, with the vLLM bundle
 #   bash tests/gpu/run.sh vllm-bench [bench args]      # bench/vllm_overhead.py: tokens/s untraced, traced, plugin
 #     (upload .vllm+.vllm1, `bash .vllm/install.sh`; then .vllm+.vllm2 and again: it lands in /tmp/vsite)
 # That machine has torch but no bcc and no package registry: bcc comes as the bundle that
 # ../shared/tools/bcc-bundle makes (.bcc/bcc-bundle.tar.xz), missing pure-Python packages as
 # wheels in .whl/ (pip download --no-deps -d .whl pyelftools grpcio-health-checking==1.76.0
-# grpcio-reflection==1.76.0 perfetto==0.59.1). Both are used only when bcc or a package is not importable already.
+# grpcio-reflection==1.76.0 perfetto==0.59.1; and for `kvtrace run`, the cupti-python line of the machine's
+# CUDA: pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_17_x86_64
+# -d .whl cupti-python==13.0.1). Both are used only when bcc or a package is not importable already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run.sh tests|blocks|flight|bench|blocks-bench|vllm|vllm-bench [args]}; shift
+what=${1:?usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|vllm|vllm-bench [args]}; shift
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
@@ -27,7 +31,7 @@ if ! $python -c 'import bcc' 2>/dev/null; then
   export PYTHONPATH=/opt/bcc/usr/lib/python3/dist-packages${PYTHONPATH:+:$PYTHONPATH}
 fi
 [ -e /sys/kernel/tracing/uprobe_events ] || mount -t tracefs nodev /sys/kernel/tracing
-if ! $python -c 'import elftools, grpc_health, grpc_reflection, perfetto' 2>/dev/null; then
+if ! $python -c 'import elftools, grpc_health, grpc_reflection, perfetto, cupti' 2>/dev/null; then
   ls .whl/*.whl >/dev/null 2>&1 || { echo "missing Python packages and no wheels in .whl/" >&2; exit 1; }
   $python -m pip install -q --no-index --no-deps --target /tmp/kvtrace-site .whl/*.whl
   export PYTHONPATH=/tmp/kvtrace-site:$PYTHONPATH
@@ -38,6 +42,8 @@ case $what in
   tests) exec $python -m pytest tests/gpu -s -q -p no:cacheprovider "$@" ;;
   blocks) exec $python -m pytest tests/gpu/test_torch_blocks.py -s -q -p no:cacheprovider "$@" ;;
   flight) exec $python -m pytest tests/gpu/test_flight_recorder.py -s -q -p no:cacheprovider "$@" ;;
+  cupti) exec $python -m pytest tests/gpu/test_cupti.py -s -q -p no:cacheprovider "$@" ;;
+  cupti-bench) exec $python bench/cupti_overhead.py "$@" ;;
   bench) exec $python bench/gpu_overhead.py "$@" ;;
   blocks-bench) exec $python bench/torch_blocks_overhead.py "$@" ;;
   vllm|vllm-bench)
@@ -47,5 +53,5 @@ case $what in
       exec $python -m pytest tests/gpu/test_vllm.py tests/gpu/test_vllm_placement.py -s -q -p no:cacheprovider "$@"
     fi
     exec $python bench/vllm_overhead.py "$@" ;;
-  *) echo "usage: run.sh tests|blocks|flight|bench|blocks-bench|vllm|vllm-bench [args]" >&2; exit 2 ;;
+  *) echo "usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|vllm|vllm-bench [args]" >&2; exit 2 ;;
 esac

@@ -22,9 +22,9 @@ DOCKERFILE = ROOT / "packaging/docker/Dockerfile"
 ALLOWED_CAPABILITIES = {"CAP_BPF", "CAP_PERFMON", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}
 # Host paths the DaemonSet may mount, and the only one it may write to.
 ALLOWED_HOST_PATHS = {"/sys/kernel/tracing", "/sys/kernel/btf", "/lib/modules", "/usr/src", "/run/kvtrace",
-                      "/run/kvtrace-vllm", "/var/lib/kvtrace"}
+                      "/run/kvtrace-vllm", "/run/kvtrace-cupti", "/var/lib/kvtrace"}
 # The sockets' directories, and the flight recorder's dumps (which must outlive the pod).
-WRITABLE_HOST_PATHS = {"/run/kvtrace", "/run/kvtrace-vllm", "/var/lib/kvtrace"}
+WRITABLE_HOST_PATHS = {"/run/kvtrace", "/run/kvtrace-vllm", "/run/kvtrace-cupti", "/var/lib/kvtrace"}
 
 
 def read_unit(path: Path = UNIT) -> dict[str, dict[str, list[str]]]:
@@ -107,15 +107,20 @@ def test_unit_grants_only_the_capabilities_the_agent_needs():
     ("RuntimeDirectory", "kvtrace"),
     ("RuntimeDirectoryMode", "0750"),
     ("ReadWritePaths", "/run/kvtrace-vllm"),
+    ("ReadWritePaths", "/run/kvtrace-cupti"),
     ("StateDirectory", "kvtrace"),  # the flight recorder's dumps, kept across restarts
     ("StateDirectoryMode", "0700"),
     ("ExecStartPre", "+/usr/bin/install -d -m 0755 /run/kvtrace-vllm"),
+    ("ExecStartPre", "+/usr/bin/install -d -m 0755 /run/kvtrace-cupti"),
     ("Group", "kvtrace"),
     ("UMask", "0077"),
     ("Restart", "on-failure"),
 ])
 def test_unit_hardening(key, expected):
-    assert value(key) == expected
+    if key in ("ReadWritePaths", "ExecStartPre"):  # lists: each line adds one
+        assert expected in service().get(key, [])
+    else:
+        assert value(key) == expected
 
 
 def test_unit_keeps_out_what_would_break_tracing():
