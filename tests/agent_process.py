@@ -14,12 +14,14 @@ KVTRACE = [sys.executable, "-m", "kvtrace.cli.main"]
 
 class AgentProcess:
     def __init__(self, socket: Path, *args: str) -> None:
-        """The vLLM plugin's socket and the flight recorder's dumps go next to `socket` unless `args`
-        say where (never the host's /run/kvtrace-vllm or /var/lib/kvtrace: tests run agents side by
-        side, and must not write into the host's state)."""
+        """The vLLM plugin's and the CUPTI tracers' sockets and the flight recorder's dumps go next to
+        `socket` unless `args` say where (never the host's /run/kvtrace-vllm, /run/kvtrace-cupti or
+        /var/lib/kvtrace: tests run agents side by side, and must not write into the host's state)."""
         self.socket = socket
         if "--vllm-socket" not in args:
             args = (*args, "--vllm-socket", str(socket.parent / f"{socket.stem}-vllm.sock"))
+        if "--cupti-socket" not in args:
+            args = (*args, "--cupti-socket", str(socket.parent / f"{socket.stem}-cupti.sock"))
         if "--flight-dir" not in args:
             args = (*args, "--flight-dir", str(socket.parent / f"{socket.stem}-flight"))
         self._stderr = tempfile.TemporaryFile(mode="w+")

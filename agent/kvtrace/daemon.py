@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # imported when started: a host without them still runs the r
     from kvtrace.servers.api import AgentServer
     from kvtrace.servers.otlp import OtlpExporter
     from kvtrace.servers.prometheus import MetricsServer
+    from kvtrace.sources.cupti.listener import CuptiListener
     from kvtrace.sources.nvml import NvmlSampler
     from kvtrace.sources.vllm.listener import VllmListener
     from kvtrace.sources.vllm.metrics import VllmMetricsScraper
@@ -81,6 +82,9 @@ class DaemonOptions:
     vllm_socket: str = vllm_protocol.DEFAULT_SOCKET
     vllm_metrics_urls: tuple[str, ...] = ()
     vllm_discover: bool = True
+    # Where `kvtrace run --agent` processes report CUPTI's view ("" : off; the agent's flag defaults to
+    # /run/kvtrace-cupti/cupti.sock).
+    cupti_socket: str = ""
     flight: FlightOptions | None = field(default_factory=FlightOptions)  # None: no flight recorder
     record: Path | None = None  # --record FILE
     record_max_bytes: int = 256 << 20
@@ -122,6 +126,7 @@ class Daemon:
         self.otlp: OtlpExporter | None = None
         self.vllm_listener: VllmListener | None = None
         self.vllm_metrics: VllmMetricsScraper | None = None
+        self.cupti_listener: CuptiListener | None = None
         self.flight: FlightRecorder | None = None
         self.recorder: FileRecorder | None = None
         self._flight_dump_requested = False  # SIGUSR1: the loop dumps at its next turn
@@ -177,6 +182,11 @@ class Daemon:
                 raise CommandError(str(error), ExitCode.FAILURE) from None
             self.session.add_sink(self.server.hub)
         self._start_vllm()
+        if self.options.cupti_socket:  # a socket that cannot be bound leaves the cupti component down, saying why
+            from kvtrace.sources.cupti.listener import CuptiListener
+
+            self.cupti_listener = CuptiListener(self.session, self.options.cupti_socket)
+            self.cupti_listener.start()
 
     def _start_recorders(self) -> None:
         """The flight recorder (a dump directory that cannot be made leaves it down, with the reason)
@@ -252,6 +262,7 @@ class Daemon:
                 log.debug("stopping a half-started BPF source failed", exc_info=True)
             return
         self.source = source
+        self.session.set_cupti_witness(True)  # the probes see every process: CUPTI's events are compared
 
     def _tracing_down(self, reason: str) -> None:
         self.session.report_component("bpf", False, reason)
@@ -271,6 +282,7 @@ class Daemon:
             if self.source is not None:
                 self.source.stop()
                 self.source = None
+                self.session.set_cupti_witness(False)
                 self.session.resync(())  # what was traced is no longer followed: no frozen figures
                 self.session.report_libraries(())
                 self._tracing_down(self._switched_off_reason())
@@ -356,6 +368,8 @@ class Daemon:
             self.vllm_listener.stop()
         if self.vllm_metrics is not None:
             self.vllm_metrics.stop()
+        if self.cupti_listener is not None:
+            self.cupti_listener.stop()
         if self.source is not None:
             self.source.stop()
         if self.recorder is not None:

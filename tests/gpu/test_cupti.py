@@ -159,7 +159,7 @@ def test_without_root_a_recording_names_the_planted_leak(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code / "agent"), *site]), HOME=str(shared))
     recording = shared / "run.kvtrace"
     workload = code / "workloads" / WORKLOAD.name
-    run = Run(["--output", str(recording), "--leak-min-age", "1"], ["nocache"], user=NOBODY, env=env,
+    run = Run(["--output", str(recording)], ["nocache"], user=NOBODY, env=env,
               workload=workload)
     pid = run.line()["ready"]
     run.go()

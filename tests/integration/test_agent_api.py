@@ -160,7 +160,7 @@ def test_agent_json_events_carry_the_documented_keys(stub_build, bpf_here):
     with Workload([stub_build.workload, "hold"]) as workload:
         pid = workload.wait_ready()
         agent = subprocess.Popen([*KVTRACE, "agent", "--no-api", "--json-events", "-p", str(pid),
-                                  "--metrics-listen", "off", "--vllm-socket", "off"],
+                                  "--metrics-listen", "off", "--vllm-socket", "off", "--cupti-socket", "off"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             wait_until_tracing(agent)

@@ -98,13 +98,15 @@ def test_without_capabilities_auto_serves_nvml_only_and_on_refuses(tmp_path, bpf
     no_caps = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]
     socket = tmp_path / "kvtrace.sock"
     refused = subprocess.run([*no_caps, *KVTRACE, "agent", "--tracing", "on", "--socket", str(socket),
-                              "--group", "root", "--metrics-listen", "off", "--vllm-socket", "off"],
+                              "--group", "root", "--metrics-listen", "off",
+                              "--vllm-socket", "off", "--cupti-socket", "off"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "privileges" in refused.stderr, refused.stderr
 
     agent = subprocess.Popen([*no_caps, *KVTRACE, "agent", "--tracing", "auto", "--socket", str(socket),
-                              "--group", "root", "--metrics-listen", "127.0.0.1:0", "--vllm-socket", "off"],
+                              "--group", "root", "--metrics-listen", "127.0.0.1:0",
+                              "--vllm-socket", "off", "--cupti-socket", "off"],
                              stderr=subprocess.PIPE, text=True)
     try:
         lines = []

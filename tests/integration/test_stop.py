@@ -42,7 +42,8 @@ def holder(tmp_path):
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_agent_stops_within_two_seconds_with_30_libraries(holder, tmp_path, stop_signal):
     agent = subprocess.Popen([*KVTRACE, "agent", "-p", str(holder.pid), "--socket", str(tmp_path / "k.sock"),
-                              "--group", "root", "--metrics-listen", "off", "--no-nvml", "--vllm-socket", "off"],
+                              "--group", "root", "--metrics-listen", "off", "--no-nvml",
+                              "--vllm-socket", "off", "--cupti-socket", "off"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = wait_until_tracing(agent)

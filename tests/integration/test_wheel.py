@@ -77,7 +77,8 @@ def test_kvtrace_agent_from_the_wheel_loads_its_probes_and_stops(fresh_venv, tmp
     require_tracing_here()
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "KVTRACE_PROBES_DIR")}
     agent = subprocess.Popen([str(fresh_venv / "bin" / "kvtrace"), "agent", "--socket", str(tmp_path / "k.sock"),
-                              "--group", "root", "--metrics-listen", "off", "--no-nvml", "--vllm-socket", "off"],
+                              "--group", "root", "--metrics-listen", "off", "--no-nvml",
+                              "--vllm-socket", "off", "--cupti-socket", "off"],
                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd="/")
     try:
         wait_until_tracing(agent)

@@ -16,6 +16,7 @@ from kvtrace.config import ApiConfig, ConfigError, add_api_flags, check_served_p
 from kvtrace.daemon import DEFAULT_OFF_SWITCH, DaemonOptions
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.reports.flight import FlightOptions
+from kvtrace.sources.cupti import protocol as cupti_protocol
 from kvtrace.sources.vllm import protocol as vllm_protocol
 
 EPILOG = """examples:
@@ -89,6 +90,9 @@ class AgentCommand:
                             help="where the kvtrace vLLM plugin (opt-in: KVTRACE_VLLM_PLUGIN=1 in vLLM's "
                                  "environment) sends its KV-cache, request and sleep reports (default: "
                                  "%(default)s; off: none)")
+        parser.add_argument("--cupti-socket", metavar="PATH|off", default=cupti_protocol.DEFAULT_AGENT_SOCKET,
+                            help="where processes run under `kvtrace run --agent` report what CUPTI sees inside "
+                                 "them, compared with the probes' (default: %(default)s; off: none)")
         parser.add_argument("--vllm-metrics-url", metavar="URL", action="append", default=[],
                             help="also scrape this vLLM /metrics, e.g. http://127.0.0.1:8000/metrics "
                                  "(repeatable); vLLM API servers in the agent's network namespace are found "
@@ -224,6 +228,7 @@ class AgentCommand:
         if not 1 <= args.otlp_interval_seconds <= 3600:
             raise CommandError("--otlp-interval-seconds takes 1 to 3600 seconds", ExitCode.USAGE)
         vllm_socket, vllm_metrics_urls = AgentCommand._vllm_options(args, api)
+        cupti_socket = AgentCommand._cupti_socket(args, api, vllm_socket)
         try:
             flight = flight_options_from_args(args)
         except ValueError as error:
@@ -256,7 +261,7 @@ class AgentCommand:
             metrics_allow_remote=args.metrics_allow_remote,
             otlp_endpoint=otlp_endpoint, otlp_interval_seconds=args.otlp_interval_seconds,
             tracing=args.tracing, off_switch=args.off_switch,
-            vllm_socket=vllm_socket, vllm_metrics_urls=vllm_metrics_urls,
+            vllm_socket=vllm_socket, vllm_metrics_urls=vllm_metrics_urls, cupti_socket=cupti_socket,
             vllm_discover=not args.no_vllm_discovery, flight=flight, record=args.record,
             record_max_bytes=args.record_max_size, record_keep=args.record_keep)
 
@@ -280,6 +285,24 @@ class AgentCommand:
             raise CommandError(f"--vllm-socket {vllm_socket} is the API's socket: choose another path "
                                f"(default: {vllm_protocol.DEFAULT_SOCKET})", ExitCode.USAGE)
         return vllm_socket, urls
+
+    @staticmethod
+    def _cupti_socket(args: argparse.Namespace, api: ApiConfig | None, vllm_socket: str) -> str:
+        """--cupti-socket ("" when off), checked, and apart from the API's and the vLLM plugin's sockets."""
+        from kvtrace.sources.cupti.listener import ListenerSetupError, check_socket_path
+
+        path = "" if args.cupti_socket in ("off", "") else args.cupti_socket
+        if not path:
+            return ""
+        try:
+            check_socket_path(path)
+        except ListenerSetupError as error:
+            raise CommandError(str(error), ExitCode.USAGE) from None
+        others = (vllm_socket, *(() if api is None else (api.socket, api.admin_path)))
+        if os.path.abspath(path) in {os.path.abspath(other) for other in others if other}:
+            raise CommandError(f"--cupti-socket {path} is another socket of the agent's: choose another path "
+                               f"(default: {cupti_protocol.DEFAULT_AGENT_SOCKET})", ExitCode.USAGE)
+        return path
 
 
 def add_flight_flags(parser: argparse.ArgumentParser) -> None:

@@ -11,8 +11,8 @@ from kvtrace import __version__
 from kvtrace.errors import CommandError, ExitCode
 
 # name -> module under kvtrace.cli; the module defines <Name>Command.
-COMMANDS = ("agent", "doctor", "tail", "snapshot", "ps", "top", "leaks", "vllm", "record", "flight", "flamegraph",
-            "perfetto")
+COMMANDS = ("agent", "doctor", "tail", "snapshot", "ps", "top", "leaks", "vllm", "record", "run", "flight",
+            "flamegraph", "perfetto")
 
 
 class Command(Protocol):
