@@ -163,3 +163,21 @@ def test_calls_before_both_watched_or_after_the_tracer_stopped_are_not_compared(
     clock.now_ns += MATCH_GRACE_NS + 1
     [check] = state.cross_checks(PID)
     assert check.finished and check.matched == 1 and check.disagreements == 0
+
+
+def test_the_tracers_clock_is_tied_to_the_agents_by_its_statuses():
+    """CUPTI's clock runs 5 s behind the agent's here: the start and the stop are still placed right."""
+    state, clock = session()
+    behind_ns = 5_000_000_000
+    state.report_tracer(TracerStatus(PID, "tracing", sent_ns=START_NS - behind_ns))
+    cupti = alloc(0x1000, source=Source.CUPTI)
+    cupti.timestamp_ns -= behind_ns  # the same call, on CUPTI's clock
+    state.ingest_many([cupti, alloc(0x1000)])
+    state.report_tracer(TracerStatus(PID, "tracing", stopped_ns=CALL_NS - behind_ns + 5, sent_ns=CALL_NS - behind_ns))
+    late = free(0x1000)  # at shutdown, after the tracer stopped: the uprobes' alone
+    late.timestamp_ns = CALL_NS + 10
+    state.ingest(late)
+    state.report_tracer(TracerStatus(PID, "gone"))
+    clock.now_ns += MATCH_GRACE_NS + 1
+    [check] = state.cross_checks(PID)
+    assert check.matched == 1 and check.disagreements == 0 and check.status.stopped_ns == CALL_NS - behind_ns + 5

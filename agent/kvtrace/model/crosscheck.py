@@ -23,9 +23,12 @@ class TracerStatus:
     holder: str = ""  # held: who holds CUPTI in the process (torch.profiler/Kineto, Nsight)
     counters: dict[str, int] = field(default_factory=dict)
     timestamp_ns: int = 0
-    # gone: when the tracer stopped watching (its last flush, at the process's exit); calls after it
-    # (tensors Python frees while it shuts down) are the uprobes' alone, not a disagreement. 0: unknown.
+    # When the tracer stopped watching (its last flush, at the process's exit), on the tracer's clock;
+    # calls after it (tensors Python frees while it shuts down) are the uprobes' alone. 0: not yet.
     stopped_ns: int = 0
+    # The tracer's clock (CUPTI's) when it sent this status; with the time it arrived, it ties the two
+    # witnesses' clocks together. 0: not the tracer's (the agent's own "gone").
+    sent_ns: int = 0
 
 
 # Calls this close to the moment the agent heard "tracing" are not compared: the two witnesses' clocks
@@ -95,6 +98,9 @@ class ProcessCrossCheck:
     examples: deque[Disagreement] = field(default_factory=lambda: deque(maxlen=EXAMPLES_KEPT))
     compared: bool = False  # the tracer traced while the uprobes did: calls were matched
     compared_since_ns: int = 0  # calls from then on are compared (the agent heard "tracing" then)
+    # Added to the tracer's timestamps to put them on the agent's clock: arrival - sending of its
+    # statuses, the least seen (a message's delivery only ever adds to it). None: not known yet.
+    clock_offset_ns: int | None = None
     finished: bool = False  # the process exited or its tracer went away; nothing waits any more
     pending: int = 0
 
@@ -164,6 +170,13 @@ class CrossCheck:
                 return
             check = self.processes[status.pid] = ProcessCrossCheck(status.pid, status)
             self.finished.pop(status.pid, None)
+        if status.sent_ns:
+            offset = now_ns - status.sent_ns
+            if check.clock_offset_ns is None or offset < check.clock_offset_ns:
+                check.clock_offset_ns = offset
+        if not status.stopped_ns and check.status.stopped_ns:  # the agent's "gone" keeps the tracer's stop
+            status = TracerStatus(status.pid, status.state, status.reason, status.holder, status.counters,
+                                  status.timestamp_ns, check.status.stopped_ns, status.sent_ns)
         check.status = status
         if status.state == "tracing" and not check.compared:
             check.compared = True
@@ -181,9 +194,11 @@ class CrossCheck:
         if matching is None or not compared(event):
             return
         check = self.processes[event.pid]
-        if event.timestamp_ns < check.compared_since_ns:
+        offset = check.clock_offset_ns or 0
+        agent_time_ns = event.timestamp_ns + (offset if side is Side.CUPTI else 0)
+        if agent_time_ns < check.compared_since_ns:
             return  # made before both witnesses watched
-        if side is Side.UPROBE and check.status.stopped_ns and event.timestamp_ns > check.status.stopped_ns:
+        if side is Side.UPROBE and check.status.stopped_ns and agent_time_ns > check.status.stopped_ns + offset:
             return  # made after the tracer's last look (the process shutting down)
         key = _key(event)
         other = Side.CUPTI if side is Side.UPROBE else Side.UPROBE

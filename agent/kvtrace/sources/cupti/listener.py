@@ -412,7 +412,8 @@ class CuptiListener:
         last = decoder.status
         self.session.report_tracer(TracerStatus(
             connection.pid, "gone", error, last.holder if last is not None else "",
-            dict(last.counters) if last is not None else {}, time.time_ns(), stopped_ns=decoder.newest_ns))
+            dict(last.counters) if last is not None else {}, time.time_ns(),
+            stopped_ns=(last.stopped_ns if last is not None and last.stopped_ns else decoder.newest_ns)))
         process = self._process(connection.pid)
         process.connected = False
         if error:  # the first reason stays (a pid may have had more than one connection)

@@ -5,7 +5,8 @@ traced process, whose Python environment is the user's.
 A connection is a sequence of messages, each `<B type><I body length>` (little-endian) then the body:
 
     HELLO   JSON {"v": 1, "python": "3.12.3", "cupti": "13.0.1", "cuda_driver": 13000, "argv0": "..."}  (first)
-    STATUS  JSON {"state": one of STATES, "reason": "...", "holder": "...", "counters": {name: int}}
+    STATUS  JSON {"state": one of STATES, "reason": "...", "holder": "...", "counters": {name: int},
+                  "now_ns": CUPTI's clock at sending, "stopped_ns": at exit, when the last records were taken}
     STACK   JSON {"id": 7, "frames": [[function, filename, line], ...], "truncated": false}  innermost first,
             sent before the first CALL that refers to it (ids are the process's own)
     CALLS   packed CALL_RECORDs: an API callback at the call's exit (allocations, VMM calls, failures)
@@ -122,8 +123,8 @@ def unpack(layout: struct.Struct, body: bytes) -> list[tuple]:
 def decode_json(body: bytes) -> dict:
     try:
         value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ProtocolError(f"not JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, huge integers, deep nesting
+        raise ProtocolError(f"not JSON: {str(error)[:80]}") from None
     if not isinstance(value, dict):
         raise ProtocolError("a JSON message must be an object")
     return value
