@@ -1,0 +1,16 @@
+"""torch.autograd.profiler: the flag torch sets while a profiler (Kineto, holding CUPTI) runs."""
+_is_profiler_enabled: bool = False
+
+
+def _set_is_profiler_enabled(enable: bool) -> None:
+    global _is_profiler_enabled
+    _is_profiler_enabled = enable
+
+
+class profile:  # noqa: N801 (torch's name)
+    """torch.autograd.profiler.profile: Kineto takes CUPTI in _prepare_trace (fake: records that it ran)."""
+
+    prepared = 0
+
+    def _prepare_trace(self) -> None:
+        type(self).prepared += 1
