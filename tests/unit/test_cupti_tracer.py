@@ -449,6 +449,20 @@ def test_a_profiler_started_later_gets_cupti_back(receiver, fake_cupti, fake_tor
     assert [call.size_bytes for call in connection.records(protocol.CALLS)] == [2 * MiB, MiB]
 
 
+def test_cuda_starting_inside_a_profilers_preparation_leaves_cupti_to_it(receiver, fake_cupti, fake_torch,
+                                                                         monkeypatch):
+    monkeypatch.setenv(protocol.SOCKET_ENV, receiver.path)
+    monkeypatch.setattr(fake_torch.autograd.profiler.profile, "starts_cuda", True)
+    tracer.install_from_environment()
+    fake_torch.autograd.profiler.profile()._prepare_trace()  # before any CUDA use: CUDA starts in there
+    fake_torch.cuda.empty(MiB)
+    tracer._reset()
+
+    assert fake_cupti.fake_api_calls() == []
+    (connection,) = receiver.wait(1)
+    assert (status_of(connection)["state"], status_of(connection)["holder"]) == ("held", tracer.TORCH_PROFILER)
+
+
 # ---- stacks ----
 
 

@@ -10,6 +10,7 @@
     -> waits for a line on stdin, then exits normally (the tracer flushes at exit)
     --profiler-first: torch.profiler (Kineto, holding CUPTI) runs around all of it, started before
        CUDA is initialised; the truth line then has "profiler_cuda_events" (kernels it recorded).
+    --profiler-later: torch.profiler runs after the work (kvtrace run traces by then), around more churn.
     --pairs N: instead, N torch.empty(1 MiB) + del pairs timed; prints {"ns_per_pair"} (bench/).
     --generate N: instead, N generate() calls of the random 8-layer Llama (llama.py; batch 8, 256 prompt
        + 128 new tokens); prints {"tokens_per_second"} (bench/).
@@ -108,6 +109,14 @@ def main():
     else:
         ready()
         work()
+    if "--profiler-later" in sys.argv:  # kvtrace traces already: it must give CUPTI to the profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            churn(20, 5 * MiB)
+            torch.cuda.synchronize()
+        truth["profiler_cuda_events"] = sum(1 for event in profiler.events()
+                                            if event.device_type == torch.autograd.DeviceType.CUDA)
     truth.update(kept=[[tensor.data_ptr(), tensor.numel()] for tensor in kept],
                  reserved_bytes=torch.cuda.memory_reserved(), allocated_bytes=torch.cuda.memory_allocated(),
                  device_allocs=torch.cuda.memory_stats().get("num_device_alloc", -1),

@@ -492,7 +492,7 @@ class CuptiTracer:
         if not self.settings.enabled:
             self._refuse("off", OPT_OUT_REASON)
             return
-        if _torch_profiler_running():
+        if _torch_profiler_running() or _profiler_preparing():
             self._refuse("held", f"{TORCH_PROFILER} is profiling this process and holds CUPTI: kvtrace stays "
                                  "out of its way", holder=TORCH_PROFILER)
             return
@@ -904,15 +904,21 @@ def _start_at_cuda_init() -> None:
     tracer = _TRACER
     if tracer is not None and not tracer.started:
         tracer.start()
-        if tracer.state == "tracing":
-            _hook_torch_profiler()
 
 
-def _hook_torch_profiler() -> None:
-    """torch.profiler (Kineto) takes CUPTI when it prepares a trace: kvtrace steps aside first, so that the
-    user's profile is whole (CUPTI has one subscriber per process on this driver generation)."""
-    profiler = sys.modules.get("torch.autograd.profiler")
-    profile = getattr(profiler, "profile", None)
+_PROFILER_PREPARING = threading.local()  # torch.profiler is taking CUPTI on this thread right now
+
+
+def _profiler_preparing() -> bool:
+    return bool(getattr(_PROFILER_PREPARING, "depth", 0))
+
+
+def _wrap_profiler(module: ModuleType) -> None:
+    """torch.profiler (Kineto) takes CUPTI when it prepares a trace (torch.autograd.profiler.profile.
+    _prepare_trace). kvtrace tracing already: it steps aside first, so that the user's profile is whole
+    (CUPTI has one subscriber per process on this driver generation). Not yet: a CUDA start inside the
+    preparation finds the profiler taking CUPTI and leaves it alone."""
+    profile = getattr(module, "profile", None)
     original = getattr(profile, "_prepare_trace", None)
     if original is None or getattr(original, _WRAPPED_MARK, None) is not None:
         return
@@ -925,7 +931,11 @@ def _hook_torch_profiler() -> None:
                 tracer.yield_to(TORCH_PROFILER)
             except Exception:
                 pass
-        return original(*args, **kwargs)
+        _PROFILER_PREPARING.depth = getattr(_PROFILER_PREPARING, "depth", 0) + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _PROFILER_PREPARING.depth -= 1
 
     setattr(_prepare_trace, _WRAPPED_MARK, original)
     setattr(profile, "_prepare_trace", _prepare_trace)  # noqa: B010
@@ -935,10 +945,14 @@ def _hook_torch_profiler() -> None:
 
 
 def _hook_torch_cuda_init() -> None:
-    module = sys.modules.get("torch.cuda")
-    if module is not None:
-        _wrap_lazy_init(module)
-    elif not any(getattr(finder, _FINDER_MARK, False) for finder in sys.meta_path):
+    missing = False
+    for name, wrap in _AFTER_IMPORT.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            wrap(module)
+        else:
+            missing = True
+    if missing and not any(getattr(finder, _FINDER_MARK, False) for finder in sys.meta_path):
         sys.meta_path.insert(0, _TorchCudaFinder())
 
 
@@ -949,7 +963,7 @@ class _TorchCudaFinder(importlib.abc.MetaPathFinder):
     _kvtrace_cupti_finder = True
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch.cuda":
+        if fullname not in _AFTER_IMPORT:
             return None
         try:
             for finder in sys.meta_path:
@@ -962,7 +976,7 @@ class _TorchCudaFinder(importlib.abc.MetaPathFinder):
             else:
                 return None
             if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _WrappingLoader(spec.loader)
+                spec.loader = _WrappingLoader(spec.loader, _AFTER_IMPORT[fullname])
             return spec
         except Exception:
             return None  # torch imports as if kvtrace were not there
@@ -972,11 +986,12 @@ class _WrappingLoader:
     """Delegates to torch.cuda's own loader, then wraps _lazy_init. The module's __loader__ and
     __spec__.loader are set back to the original before its code runs, so torch never sees this one."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, then: Callable[[ModuleType], None]) -> None:
         self._loader = loader
+        self._then = then
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_loader":  # not set yet (a copy being built): no recursion
+        if name in ("_loader", "_then"):  # not set yet (a copy being built): no recursion
             raise AttributeError(name)
         return getattr(self._loader, name)
 
@@ -992,7 +1007,7 @@ class _WrappingLoader:
             spec.loader = self._loader
         self._loader.exec_module(module)
         try:
-            _wrap_lazy_init(module)
+            self._then(module)
         except Exception:
             pass
 
@@ -1017,6 +1032,11 @@ def _wrap_lazy_init(module: ModuleType) -> None:
     for name, submodule in list(sys.modules.items()):
         if name.startswith("torch.cuda.") and getattr(submodule, "_lazy_init", None) is original:
             setattr(submodule, "_lazy_init", _lazy_init)  # noqa: B010
+
+
+# Modules whose import kvtrace follows, and what it does right after each one's code ran.
+_AFTER_IMPORT: dict[str, Callable[[ModuleType], None]] = {"torch.cuda": _wrap_lazy_init,
+                                                          "torch.autograd.profiler": _wrap_profiler}
 
 
 def _reset() -> None:

@@ -11,6 +11,11 @@ class profile:  # noqa: N801 (torch's name)
     """torch.autograd.profiler.profile: Kineto takes CUPTI in _prepare_trace (fake: records that it ran)."""
 
     prepared = 0
+    starts_cuda = False  # Kineto may initialise CUDA while it takes CUPTI
 
     def _prepare_trace(self) -> None:
         type(self).prepared += 1
+        if self.starts_cuda:
+            from torch import cuda
+
+            cuda._lazy_init()
