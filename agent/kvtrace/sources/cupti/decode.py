@@ -74,11 +74,14 @@ _ALLOCATION_APIS: dict[Api, tuple[Memory, Api]] = {
     Api.cuMemAllocHost_v2: (Memory.HOST, Api.cuMemFreeHost),
     Api.cuMemHostAlloc: (Memory.HOST, Api.cuMemFreeHost),
 }
-_VMM_APIS = frozenset({Api.cuMemCreate, Api.cuMemRelease, Api.cuMemMap, Api.cuMemAddressReserve,
+_VMM_APIS = frozenset({Api.cuMemCreate, Api.cuMemRelease, Api.cuMemMap, Api.cuMemUnmap, Api.cuMemAddressReserve,
                        Api.cuMemAddressFree})
 CALL_APIS = frozenset({*_ALLOCATION_APIS, *_VMM_APIS})
 _CALL_API_BY_VALUE = {api.value: api for api in CALL_APIS}
-_JOINED_APIS = frozenset({*_ALLOCATION_APIS, Api.cuMemMap})  # a successful one made a MEMORY record
+_JOINED_APIS = frozenset(_ALLOCATION_APIS)  # a successful one made a MEMORY record, joined with it
+# Maps and unmaps are taken from their CALL alone (it has the handle; on the H200 CUPTI delivered the MEMORY2
+# records of VMM mappings, which have no context, only at the process's exit): their records are dropped.
+_RECORDED_BY_CALL = frozenset({Api.cuMemMap, Api.cuMemUnmap})
 # CUpti_ActivityMemoryKind -> the model's memory, and the api an ALLOCATION record with no CALL stands for.
 _MEMORY_KINDS: dict[int, tuple[Memory, Api]] = {
     protocol.MEMORY_KIND_DEVICE: (Memory.DEVICE, Api.cuMemAlloc_v2),
@@ -156,6 +159,7 @@ class DecoderCounters:
     stacks_refused: int = 0
     untracked: int = 0  # objects refused past MAX_LIVE_OBJECTS
     lost: int = 0  # what the tracer itself said it lost
+    vmm_records: int = 0  # MEMORY2 records of maps and unmaps, whose CALLs said it all
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -178,6 +182,7 @@ class CuptiDecoder:
         # Correlation ids whose half was taken alone: the other half, late, is dropped.
         self._alone_calls: dict[int, None] = {}
         self._alone_records: dict[int, None] = {}
+        self._by_call: dict[int, None] = {}  # correlation ids of maps and unmaps: their records are dropped
         self._held: list[tuple[int, int, float, _Op]] = []  # heap of (timestamp, sequence, arrived, op)
         self._sequence = 0
         self._newest_ns = 0  # the newest timestamp of any record
@@ -357,6 +362,8 @@ class CuptiDecoder:
     def _take_call(self, call: Call, now: float) -> None:
         self._newest_ns = max(self._newest_ns, call.timestamp_ns)
         api = _CALL_API_BY_VALUE[call.api]
+        if api in _RECORDED_BY_CALL:
+            _remember(self._by_call, call.correlation_id)
         if call.result < 0 and api not in _JOINED_APIS:  # no result in the callback: nothing is known of it
             self.counters.ignored += 1
             return
@@ -386,6 +393,9 @@ class CuptiDecoder:
     def _take_record(self, record: MemoryRecord, now: float) -> None:
         self._newest_ns = max(self._newest_ns, record.timestamp_ns)
         self._memory_newest_ns = max(self._memory_newest_ns, record.timestamp_ns)
+        if record.correlation_id in self._by_call:
+            self.counters.vmm_records += 1
+            return
         if record.operation == protocol.MEMORY_RELEASE:
             self._hold(record.timestamp_ns, _Op(_OP_RELEASE, record=record), now)
             return
@@ -565,21 +575,8 @@ class CuptiDecoder:
                        ObjectKind.ALLOCATION, allocation.memory, allocation.size_bytes, address, allocation.device)
             return
         mapping = self._mappings.get(address)
-        if mapping is not None:
-            # As cuMemUnmap (the ledger and probes/vmm.h): every mapping in [address, address + size).
-            size_bytes = record.size_bytes or mapping.size_bytes
-            end, at, freed_bytes, device = address + size_bytes, address, 0, mapping.device
-            while at < end:
-                mapping = self._mappings.pop(at, None)
-                if mapping is None:
-                    break
-                device = mapping.device
-                freed_bytes += self._unmapped(mapping)
-                if mapping.size_bytes == 0:
-                    break
-                at += mapping.size_bytes
-            self._emit(Kind.UNMAP, Api.cuMemUnmap, record.timestamp_ns, Layer.VMM, ObjectKind.VMM_MAPPING,
-                       Memory.NONE, size_bytes, address, device, freed_bytes=freed_bytes)
+        if mapping is not None:  # an unmap whose CALL did not come (a tracer without its callback)
+            self._unmap(address, record.size_bytes or mapping.size_bytes, record.timestamp_ns, None)
             return
         known = _MEMORY_KINDS.get(record.memory_kind)
         if known is None:
@@ -589,6 +586,23 @@ class CuptiDecoder:
         self._emit(Kind.FREE_UNKNOWN, Api.cuMemFreeHost if memory is Memory.HOST else Api.cuMemFree_v2,
                    record.timestamp_ns, Layer.DRIVER, ObjectKind.ALLOCATION, memory, record.size_bytes, address,
                    DEVICE_UNKNOWN if memory is Memory.HOST else record.device)
+
+    def _unmap(self, address: int, size_bytes: int, timestamp_ns: int, call: Call | None) -> None:
+        """As cuMemUnmap (the ledger and probes/vmm.h): every mapping in [address, address + size)."""
+        end, at, freed_bytes = address + size_bytes, address, 0
+        first = self._mappings.get(address)
+        device = first.device if first is not None else DEVICE_UNKNOWN
+        while at < end:
+            mapping = self._mappings.pop(at, None)
+            if mapping is None:
+                break
+            device = mapping.device
+            freed_bytes += self._unmapped(mapping)
+            if mapping.size_bytes == 0:
+                break
+            at += mapping.size_bytes
+        self._emit(Kind.UNMAP, Api.cuMemUnmap, timestamp_ns, Layer.VMM, ObjectKind.VMM_MAPPING, Memory.NONE,
+                   size_bytes, address, device, call, freed_bytes=freed_bytes)
 
     def _apply_call(self, call: Call) -> None:
         """A call with no MEMORY record: a VMM handle or reservation, or any failure."""
@@ -629,7 +643,11 @@ class CuptiDecoder:
             else:
                 self._emit(Kind.FREE, api, ts, Layer.VMM, ObjectKind.VMM_RESERVE, Memory.NONE, reservation[0],
                            call.address, reservation[1], call)
-        else:  # an allocation or a map taken alone reaches _apply_allocation / _apply_map, never here
+        elif api is Api.cuMemMap:
+            self._apply_map(call, None)
+        elif api is Api.cuMemUnmap:
+            self._unmap(call.address, call.size_bytes, ts, call)
+        else:  # an allocation taken alone reaches _apply_allocation, never here
             raise AssertionError(f"{api.name} held as a call alone")
 
     def _failed(self, api: Api, call: Call) -> None:
@@ -651,6 +669,9 @@ class CuptiDecoder:
         elif api is Api.cuMemAddressReserve:
             self._emit(Kind.ALLOC_FAILED, api, ts, Layer.VMM, ObjectKind.VMM_RESERVE, Memory.NONE, call.size_bytes,
                        0, call.device, call, code)
+        elif api is Api.cuMemUnmap:
+            self._emit(Kind.FREE_FAILED, api, ts, Layer.VMM, ObjectKind.VMM_MAPPING, Memory.NONE, call.size_bytes,
+                       call.address, DEVICE_UNKNOWN, call, code)
         elif api is Api.cuMemRelease:
             self._emit(Kind.FREE_FAILED, api, ts, Layer.VMM, ObjectKind.VMM_HANDLE, Memory.DEVICE, 0, call.handle,
                        DEVICE_UNKNOWN, call, code)

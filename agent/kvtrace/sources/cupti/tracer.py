@@ -149,7 +149,8 @@ def _read_address_free(params: int, succeeded: bool) -> CallValues:
     return _u64(params), _u64(params + 8), 0, DEVICE_UNKNOWN
 
 
-# The driver functions whose callbacks kvtrace enables. No frees (MEMORY2 release records carry them) and
+# The driver functions whose callbacks kvtrace enables. No frees but cuMemUnmap (MEMORY2 release records carry
+# them; the VMM's came only at exit on the H200, so maps and unmaps are taken from their callbacks) and
 # no runtime API: cudaMalloc and the cuMemAlloc_v2 inside it share one correlation id (seen on the H200).
 _CALLS: dict[str, tuple[Api, Callable[[int, bool], CallValues]]] = {
     "cuMemAlloc_v2": (Api.cuMemAlloc_v2, _read_allocation),
@@ -164,6 +165,7 @@ _CALLS: dict[str, tuple[Api, Callable[[int, bool], CallValues]]] = {
     "cuMemCreate": (Api.cuMemCreate, _read_mem_create),
     "cuMemRelease": (Api.cuMemRelease, _read_mem_release),
     "cuMemMap": (Api.cuMemMap, _read_mem_map),
+    "cuMemUnmap": (Api.cuMemUnmap, _read_address_free),  # {CUdeviceptr ptr; size_t size}, as cuMemAddressFree
     "cuMemAddressReserve": (Api.cuMemAddressReserve, _read_address_reserve),
     "cuMemAddressFree": (Api.cuMemAddressFree, _read_address_free),
 }
@@ -730,7 +732,9 @@ class CuptiTracer:
         while not stop.wait(self._flush_interval_seconds):
             if not self._active:
                 return
-            self.flush()
+            # Forced: on the H200 an unforced flush delivered nothing until a buffer filled (8 MiB of
+            # records), so a quiet process's records waited for its exit.
+            self.flush(complete=True)
             if time.monotonic() >= next_status:
                 next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
                 self._queue_status("tracing")
