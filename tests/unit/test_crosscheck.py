@@ -181,3 +181,28 @@ def test_the_tracers_clock_is_tied_to_the_agents_by_its_statuses():
     clock.now_ns += MATCH_GRACE_NS + 1
     [check] = state.cross_checks(PID)
     assert check.matched == 1 and check.disagreements == 0 and check.status.stopped_ns == CALL_NS - behind_ns + 5
+
+
+def test_after_the_tracer_stops_or_gives_up_neither_witness_is_compared():
+    state, clock = session()
+    state.report_tracer(TracerStatus(PID, "tracing"))
+    state.ingest_many([alloc(0x1000), alloc(0x1000, source=Source.CUPTI)])
+    state.report_tracer(TracerStatus(PID, "held", holder="torch.profiler (Kineto)"))  # gave CUPTI up, now
+    later = [alloc(0x2000), alloc(0x3000, source=Source.CUPTI)]
+    for event in later:
+        event.timestamp_ns = clock.now_ns + 1
+    state.ingest_many(later)
+    clock.now_ns += MATCH_GRACE_NS + 1
+    [check] = state.cross_checks(PID)
+    assert check.matched == 1 and check.disagreements == 0
+
+
+def test_a_free_is_a_free_whichever_function_made_it():
+    """CUPTI names a release after its allocation (cuMemFreeAsync); the program may free it with cudaFree."""
+    state, _ = session()
+    state.report_tracer(TracerStatus(PID, "tracing"))
+    cupti_free = free(0x1000, source=Source.CUPTI)
+    cupti_free.api = Api.cuMemFreeAsync
+    state.ingest_many([free(0x1000), cupti_free])
+    [check] = state.cross_checks(PID)
+    assert check.matched == 1 and check.disagreements == 0

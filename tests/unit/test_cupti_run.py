@@ -389,7 +389,11 @@ def test_kvtrace_run_gives_the_command_its_environment(tmp_path, short_dir, monk
     assert main(["run", "-o", str(tmp_path / "r.kvtrace"), "--no-cupti", "--eager", "--stack-frames", "12", "--",
                  sys.executable, "-c", script]) == 0
     env = json.loads(dump.read_text())
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(run_module.BOOT_DIRECTORY), AGENT_ROOT, "/user/path"]
+    boot, package_only, user = env["PYTHONPATH"].split(os.pathsep)
+    assert (boot, user) == (str(run_module.BOOT_DIRECTORY), "/user/path")
+    # kvtrace alone, never the directory it is installed in (a wheel's: grpc, protobuf, ... before the program's)
+    assert os.listdir(package_only) == ["kvtrace"]
+    assert (Path(package_only) / "kvtrace").resolve() == Path(run_module.__file__).resolve().parents[1]
     assert (env["KVTRACE_CUPTI"], env["KVTRACE_CUPTI_EAGER"], env["KVTRACE_CUPTI_STACK_FRAMES"]) == ("0", "1", "12")
     socket_path = env[protocol.SOCKET_ENV]
     assert not os.path.exists(os.path.dirname(socket_path))  # the private directory is gone with the run

@@ -570,6 +570,23 @@ def test_a_receiver_that_goes_away_stops_the_tracer_not_the_program(receiver, fa
     assert traced.counters()["dropped"] >= 1
 
 
+def test_with_nobody_listening_any_more_cupti_is_given_back(receiver, fake_cupti):
+    """The agent restarted: the records have no reader, so kvtrace stops paying for them and frees CUPTI."""
+    traced = tracer.CuptiTracer(tracer.Settings(socket_path=receiver.path), flush_interval_seconds=0.05)
+    traced.start()
+    deadline = time.monotonic() + 5
+    while not receiver.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    receiver.close_peers()
+    deadline = time.monotonic() + 5
+    while fake_cupti.fake_subscriber() is not None and time.monotonic() < deadline:
+        fake_cupti.fake_mem_alloc(MiB)  # records to send, so that the send finds the peer gone
+        time.sleep(0.05)
+    assert fake_cupti.fake_subscriber() is None
+    assert fake_cupti.fake_mem_alloc(MiB) and fake_cupti.fake_callback_exceptions() == []
+    traced.stop()
+
+
 # ---- processes: fork, spawn, sitecustomize ----
 
 

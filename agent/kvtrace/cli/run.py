@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import shutil
 import signal
@@ -173,9 +174,9 @@ def _environment(args: argparse.Namespace, socket_path: str) -> dict[str, str]:
 
     env = dict(os.environ)
     env[protocol.SOCKET_ENV] = socket_path
-    package_root = str(Path(kvtrace.__file__).resolve().parents[1])
     existing = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = os.pathsep.join([str(BOOT_DIRECTORY), package_root, *([existing] if existing else [])])
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOT_DIRECTORY), _package_only(),
+                                         *([existing] if existing else [])])
     if args.no_cupti:
         env[OPT_OUT_ENV] = "0"
     if args.eager:
@@ -183,6 +184,16 @@ def _environment(args: argparse.Namespace, socket_path: str) -> dict[str, str]:
     if args.stack_frames is not None:
         env[STACK_FRAMES_ENV] = str(args.stack_frames)
     return env
+
+
+def _package_only() -> str:
+    """A directory holding this kvtrace package and nothing else (a link to it), for COMMAND's PYTHONPATH: the
+    package's own parent is, installed from a wheel, kvtrace's whole site-packages, whose grpc, protobuf and
+    the rest would then come before the program's own. Removed when kvtrace run ends."""
+    directory = tempfile.mkdtemp(prefix="kvtrace-run-path-")
+    os.symlink(Path(kvtrace.__file__).resolve().parent, Path(directory) / "kvtrace")
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
 
 
 def _run_child(argv: list[str], env: dict[str, str], after_exit: Callable[[], None]) -> int:

@@ -98,6 +98,7 @@ class ProcessCrossCheck:
     examples: deque[Disagreement] = field(default_factory=lambda: deque(maxlen=EXAMPLES_KEPT))
     compared: bool = False  # the tracer traced while the uprobes did: calls were matched
     compared_since_ns: int = 0  # calls from then on are compared (the agent heard "tracing" then)
+    compared_until_ns: int = 0  # and up to then (the tracer stopped or left "tracing"), on the agent's clock; 0: open
     # Added to the tracer's timestamps to put them on the agent's clock: arrival - sending of its
     # statuses, the least seen (a message's delivery only ever adds to it). None: not known yet.
     clock_offset_ns: int | None = None
@@ -143,9 +144,14 @@ def compared(event: Event) -> bool:
     return not (event.kind is Kind.FREE_FAILED and event.api in _FREE_APIS)
 
 
+# A free is keyed as a free whichever function did it: CUPTI names it after the allocating call (its records
+# say "release", not which function), while a program may free cudaMallocAsync memory with cudaFree.
+_FREE_KEY = {Api.cuMemFreeHost: Api.cuMemFree_v2, Api.cuMemFreeAsync: Api.cuMemFree_v2}
+
+
 def _key(event: Event) -> _Key:
     failed = event.kind in _FAILED
-    return (event.api, failed, 0 if failed else event.address)
+    return (_FREE_KEY.get(event.api, event.api), failed, 0 if failed else event.address)
 
 
 class CrossCheck:
@@ -182,7 +188,12 @@ class CrossCheck:
             check.compared = True
             check.compared_since_ns = now_ns + START_MARGIN_NS
             self._matching.setdefault(status.pid, _Matching())
-        elif status.state == "gone":
+        if check.compared and not check.compared_until_ns:
+            if status.stopped_ns:
+                check.compared_until_ns = status.stopped_ns + (check.clock_offset_ns or 0)
+            elif status.state not in ("tracing", "gone"):  # it left tracing (gave CUPTI up, failed): from now
+                check.compared_until_ns = now_ns
+        if status.state == "gone":
             check.finished = True
 
     def follows(self, pid: int) -> bool:
@@ -194,12 +205,11 @@ class CrossCheck:
         if matching is None or not compared(event):
             return
         check = self.processes[event.pid]
-        offset = check.clock_offset_ns or 0
-        agent_time_ns = event.timestamp_ns + (offset if side is Side.CUPTI else 0)
+        agent_time_ns = event.timestamp_ns + ((check.clock_offset_ns or 0) if side is Side.CUPTI else 0)
         if agent_time_ns < check.compared_since_ns:
             return  # made before both witnesses watched
-        if side is Side.UPROBE and check.status.stopped_ns and agent_time_ns > check.status.stopped_ns + offset:
-            return  # made after the tracer's last look (the process shutting down)
+        if check.compared_until_ns and agent_time_ns > check.compared_until_ns:
+            return  # made after the tracer's last look (the process shutting down, or CUPTI given up)
         key = _key(event)
         other = Side.CUPTI if side is Side.UPROBE else Side.UPROBE
         waiting_other = matching.waiting[other].get(key)

@@ -438,7 +438,10 @@ class CuptiListener:
                 self.lost += output.count
                 batch.append(output)
             elif type(output) is StackDefinition:
-                connection.stacks[output.stack_id] = self.session.intern_stack(output.stack)
+                # Where CUPTI is the uprobes' witness its events never reach the ledger: neither do its stacks
+                # (the Session's table only grows, and any local user may send them).
+                if not self.session.cupti_witness:
+                    connection.stacks[output.stack_id] = self.session.intern_stack(output.stack)
             elif type(output) is TracerStatus:
                 if batch:
                     self.session.ingest_many(batch)

@@ -646,7 +646,15 @@ class CuptiTracer:
         if not self._active:
             return
         try:
-            records = [packed for packed in map(self._pack_activity, activities) if packed is not None]
+            records = []
+            for activity in activities:  # one bad record is counted and lost alone, not its whole buffer
+                try:
+                    packed = self._pack_activity(activity)
+                except Exception as error:
+                    self._callback_failed(error)
+                    continue
+                if packed is not None:
+                    records.append(packed)
             with self._lock:
                 for kind, record in records:
                     self._outbox.add_record(kind, record)
@@ -731,6 +739,7 @@ class CuptiTracer:
         next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
         while not stop.wait(self._flush_interval_seconds):
             if not self._active:
+                self._give_back_if_unheard()
                 return
             # Forced: on the H200 an unforced flush delivered nothing until a buffer filled (8 MiB of
             # records), so a quiet process's records waited for its exit.
@@ -750,12 +759,22 @@ class CuptiTracer:
                 self._callback_failed(error)
         self._send_pending()
 
+    def _give_back_if_unheard(self) -> None:
+        """The receiver went away (the connection broke): nobody hears the records any more, so CUPTI goes back
+        (callbacks and activity kinds off, unsubscribed), and a profiler started later can have it."""
+        with self._start_lock:
+            connection = self._connection
+            if self._cupti is None or self._subscriber is None or connection is None or not connection.broken:
+                return
+            self._roll_back(self._cupti, self._subscriber)
+            self._subscriber = None
+
     def yield_to(self, holder: str) -> None:
         """A profiler is about to take CUPTI (torch.profiler starting after kvtrace subscribed): the last
         records are sent, CUPTI is given up (activity kinds off, unsubscribed) and a STATUS says who holds it
         now. The profiler then works as it would without kvtrace; the uprobes still trace the process."""
         with self._start_lock:
-            if not self._active or self._cupti is None or self._subscriber is None:
+            if self._cupti is None or self._subscriber is None:
                 return
             cupti, subscriber = self._cupti, self._subscriber
             stopped_ns = self._now_ns()
