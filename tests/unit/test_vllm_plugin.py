@@ -671,7 +671,7 @@ def test_importing_the_plugin_loads_nothing_heavy():
     assert not modules & heavy
     assert {module for module in modules if module.startswith("kvtrace")} == {
         "kvtrace", "kvtrace.sources", "kvtrace.sources.vllm", "kvtrace.sources.vllm.protocol",
-        "kvtrace.sources.vllm.plugin"}
+        "kvtrace.sources.vllm.plugin", "kvtrace.sources.post_import"}
 
 
 def test_the_entry_point_is_declared():

@@ -49,6 +49,7 @@ from typing import Any
 
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, StackStatus
 from kvtrace.sources.cupti import protocol
+from kvtrace.sources.post_import import PostImportLoader
 
 OPT_OUT_ENV = "KVTRACE_CUPTI"  # "0": leave CUPTI to the user's profiler
 EAGER_ENV = "KVTRACE_CUPTI_EAGER"  # "1": subscribe at start-up, not at torch's CUDA initialisation
@@ -999,40 +1000,10 @@ class _TorchCudaFinder(importlib.abc.MetaPathFinder):
             else:
                 return None
             if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _WrappingLoader(spec.loader, _AFTER_IMPORT[fullname])
+                spec.loader = PostImportLoader(spec.loader, functools.partial(_after_import, fullname))
             return spec
         except Exception:
             return None  # torch imports as if kvtrace were not there
-
-
-class _WrappingLoader:
-    """Delegates to torch.cuda's own loader, then wraps _lazy_init. The module's __loader__ and
-    __spec__.loader are set back to the original before its code runs, so torch never sees this one."""
-
-    def __init__(self, loader: Any, then: Callable[[ModuleType], None]) -> None:
-        self._loader = loader
-        self._then = then
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("_loader", "_then"):  # not set yet (a copy being built): no recursion
-            raise AttributeError(name)
-        return getattr(self._loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: ModuleType) -> None:
-        if getattr(module, "__loader__", None) is self:
-            module.__loader__ = self._loader
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and getattr(spec, "loader", None) is self:
-            spec.loader = self._loader
-        self._loader.exec_module(module)
-        try:
-            self._then(module)
-        except Exception:
-            pass
 
 
 def _wrap_lazy_init(module: ModuleType) -> None:
@@ -1055,6 +1026,13 @@ def _wrap_lazy_init(module: ModuleType) -> None:
     for name, submodule in list(sys.modules.items()):
         if name.startswith("torch.cuda.") and getattr(submodule, "_lazy_init", None) is original:
             setattr(submodule, "_lazy_init", _lazy_init)  # noqa: B010
+
+
+def _after_import(fullname: str, module: ModuleType) -> None:
+    try:
+        _AFTER_IMPORT[fullname](module)
+    except Exception:
+        pass  # torch goes on as if kvtrace were not there
 
 
 # Modules whose import kvtrace follows, and what it does right after each one's code ran.

@@ -41,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvtrace.sources.post_import import PostImportLoader
 from kvtrace.sources.vllm import protocol
 
 LOG = logging.getLogger("kvtrace.vllm")
@@ -150,7 +151,7 @@ class _PatchingFinder:
                 return None
             if spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return spec
-            spec.loader = _PatchingLoader(spec.loader, fullname)
+            spec.loader = PostImportLoader(spec.loader, functools.partial(_apply_patch, fullname))
             return spec
         except Exception as error:
             _switch_off(PART_PATCH, error)
@@ -158,34 +159,6 @@ class _PatchingFinder:
 
     def invalidate_caches(self) -> None:
         pass
-
-
-class _PatchingLoader:
-    """Delegates to the module's own loader and patches the module after it executed. The module's
-    __loader__ and __spec__.loader are set back to the original loader before its code runs (as wrapt's
-    post-import hooks do), so nothing inside vLLM ever sees this wrapper."""
-
-    def __init__(self, loader: Any, fullname: str) -> None:
-        self._loader = loader
-        self._fullname = fullname
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_loader":  # not set yet (a copy being built): no recursion
-            raise AttributeError(name)
-        return getattr(self._loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: Any) -> None:
-        if getattr(module, "__loader__", None) is self:
-            module.__loader__ = self._loader
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and getattr(spec, "loader", None) is self:
-            spec.loader = self._loader
-        self._loader.exec_module(module)
-        _apply_patch(self._fullname, module)
 
 
 def _apply_patch(name: str, module: Any) -> None:
