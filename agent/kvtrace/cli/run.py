@@ -16,14 +16,8 @@ import kvtrace
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import printable
 from kvtrace.sources.cupti import protocol
-from kvtrace.sources.cupti.listener import (
-    SOCKET_PATH_MAX_BYTES,
-    CuptiListener,
-    ListenerSetupError,
-    TracedProcess,
-    check_socket_path,
-    socket_accepts,
-)
+from kvtrace.sources.cupti.listener import CuptiListener, TracedProcess, check_socket_path, socket_accepts
+from kvtrace.sources.unix_socket import SOCKET_PATH_MAX_BYTES, ListenerSetupError
 
 EPILOG = """examples:
   kvtrace run -o train.kvtrace -- python train.py   # no root, no agent: a recording of the run

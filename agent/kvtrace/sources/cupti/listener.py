@@ -22,31 +22,27 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import selectors
-import shutil
 import socket
-import stat
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvtrace.model.crosscheck import TracerStatus
 from kvtrace.model.events import Event, EventsLost, StackStatus
 from kvtrace.session import Record, Session
+from kvtrace.sources import unix_socket
 from kvtrace.sources.cupti import protocol
 from kvtrace.sources.cupti.decode import CuptiDecoder, DecoderCounters, Output, StackDefinition
+from kvtrace.sources.unix_socket import ListenerSetupError
 
 log = logging.getLogger(__name__)
 
 COMPONENT = "cupti"
 SOCKET_MODE = 0o666  # any local process may report, about itself only (see the module's docstring)
 DIRECTORY_MODE = 0o755  # a directory the listener creates: others must reach the socket inside
-SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 MAX_CONNECTIONS = 256  # traced processes connected at once
 MAX_PROCESSES_KEPT = 4096  # what each process said, kept for `kvtrace run`'s summary
 READ_BYTES = 256 << 10  # one read of one connection: the others get their turn
@@ -58,30 +54,9 @@ WARNING_INTERVAL_SECONDS = 60.0
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
-class ListenerSetupError(Exception):
-    """The socket cannot be bound; the message is one line that names the fix."""
-
-
 def check_socket_path(path: str, flag: str = "--cupti-socket") -> None:
-    """Refuses, with one line, a path that could never be bound or would replace something else: not
-    UTF-8, relative, too long for a Unix socket, or an existing file that is not a socket."""
-    try:
-        size_bytes = len(path.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ListenerSetupError(f"{flag}: the socket path {path!r} is not UTF-8 text") from None
-    if not os.path.isabs(path):
-        raise ListenerSetupError(f"{flag}: give an absolute path (traced processes find it by name), not {path!r}")
-    if size_bytes > SOCKET_PATH_MAX_BYTES:
-        raise ListenerSetupError(f"{flag}: the socket path is {size_bytes} bytes; a Unix socket's may have at "
-                                 f"most {SOCKET_PATH_MAX_BYTES}: choose a shorter one")
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return
-    if not stat.S_ISSOCK(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
-        raise ListenerSetupError(f"{flag} {path} is {kind}; kvtrace will not replace it (move it away, or "
-                                 f"choose another {flag})")
+    """Refuses, with one line, a path that could never be bound or would replace something else."""
+    unix_socket.check_socket_path(path, flag, "traced processes find", "kvtrace")
 
 
 def socket_accepts(path: str) -> bool:
@@ -181,11 +156,7 @@ class CuptiListener:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
-            try:
-                if os.lstat(self.path).st_ino == self._inode:
-                    os.unlink(self.path)
-            except OSError:
-                pass
+            unix_socket.remove_own(self.path, self._inode)
 
     @property
     def open_connections(self) -> int:
@@ -201,70 +172,20 @@ class CuptiListener:
 
     def _bind(self) -> None:
         check_socket_path(self.path, self.flag)
-        path = Path(self.path)
-        directory = path.parent
-        if not directory.exists():
-            # Only a directory we create gets our mode: never chmod an existing one (it may be /tmp).
-            try:
-                directory.mkdir(parents=True, mode=self.directory_mode)
-                os.chmod(directory, self.directory_mode)
-            except OSError as error:
-                raise ListenerSetupError(f"cannot create {directory} for the CUPTI tracers' socket: "
-                                         f"{error.strerror} (run the agent as root, or choose another "
-                                         f"{self.flag})") from None
-        if os.path.lexists(path):
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.settimeout(1.0)
-                try:
-                    probe.connect(self.path)
-                except OSError as error:
-                    if error.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                        raise ListenerSetupError(f"cannot tell whether {path} is in use: {error.strerror}") from None
-                else:
-                    raise ListenerSetupError(f"another process listens on {path} (is another agent running? "
-                                             f"stop it, or choose another {self.flag})")
-            log.info("removing stale socket %s", path)
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as error:
-                raise ListenerSetupError(f"cannot remove the stale socket {path}: {error.strerror}") from None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        private = None
-        try:
-            # Bound and given its mode in a directory of our own, then renamed into place: in the shared
-            # directory itself, someone who may write there could swap the new file for a symlink between
-            # bind and chmod, and the agent (root) would chmod the link's target.
-            private = tempfile.mkdtemp(prefix=".k", dir=directory)
-            staged = os.path.join(private, "s")
-            sock.bind(staged)
-            os.chmod(staged, self.socket_mode)
-            sock.listen(BACKLOG)
-            os.rename(staged, self.path)
-            self._inode = os.lstat(self.path).st_ino
-            sock.setblocking(False)
-        except OSError as error:
-            sock.close()
-            raise ListenerSetupError(f"cannot bind {path}: {error.strerror} (choose another {self.flag}"
-                                     f"{', or --cupti-socket off' if self.flag == '--cupti-socket' else ''})") from None
-        finally:
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
+        sock, self._inode = unix_socket.bind_socket(
+            self.path, socket.SOCK_STREAM, self.socket_mode, self.directory_mode, self.flag,
+            "the CUPTI tracers' socket", backlog=BACKLOG, off_hint=self.flag == "--cupti-socket")
+        sock.setblocking(False)
         self._socket = sock
 
     def _reach_warning(self) -> str:
         """Why processes of another user cannot reach the socket ("" when they can)."""
-        directory = Path(self.path).parent
-        for part in (directory, *directory.parents):
-            try:
-                mode = os.stat(part).st_mode
-            except OSError:
-                continue
-            if not mode & stat.S_IXOTH:
-                return (f"{part} is mode {stat.S_IMODE(mode):04o}: processes of users other than root and its group "
-                        f"cannot reach {self.path} (make it searchable by others, chmod o+x)")
-        return ""
+        found = unix_socket.unsearchable_directory(self.path)
+        if found is None:
+            return ""
+        part, mode = found
+        return (f"{part} is mode {mode:04o}: processes of users other than root and its group "
+                f"cannot reach {self.path} (make it searchable by others, chmod o+x)")
 
     # ---- the thread ----
 

@@ -24,20 +24,15 @@ directory on the way that others cannot search is named in the component's reaso
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
-import shutil
 import socket
-import stat
 import struct
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvtrace.model.vllm import (
@@ -50,7 +45,9 @@ from kvtrace.model.vllm import (
     SleepReport,
 )
 from kvtrace.session import Session
+from kvtrace.sources import unix_socket
 from kvtrace.sources.procfs import start_ticks
+from kvtrace.sources.unix_socket import ListenerSetupError
 from kvtrace.sources.vllm import protocol
 
 log = logging.getLogger(__name__)
@@ -58,7 +55,6 @@ log = logging.getLogger(__name__)
 COMPONENT = "vllm_plugin"
 SOCKET_MODE = 0o666  # any local process may report, about itself only (see the module's docstring)
 DIRECTORY_MODE = 0o755  # a directory the listener creates: others must reach the socket inside
-SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 MAX_MESSAGES_PER_SECOND_PER_PID = 50  # the plugin sends about 1 a second (protocol.REPORT_INTERVAL_SECONDS)
 MAX_SENDERS = 256  # live processes followed at once; a vLLM host has a few per GPU
 SENDER_SWEEP_SECONDS = 5.0  # how often senders that are gone are forgotten
@@ -74,34 +70,13 @@ _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _STATES = {name: RequestState[name.upper()] for name in protocol.REQUEST_STATES}
 
 
-class ListenerSetupError(Exception):
-    """The socket cannot be bound; the message is one line that names the fix."""
-
-
 class MessageError(ValueError):
     """A datagram that is not a valid plugin message; the message says which field and why."""
 
 
 def check_socket_path(path: str, flag: str = "--vllm-socket") -> None:
-    """Refuses, with one line, a path the listener could never bind or would have to replace: not UTF-8,
-    too long for a Unix socket, relative, or an existing directory or file that is not a socket."""
-    try:
-        size_bytes = len(path.encode("utf-8"))
-    except UnicodeEncodeError:  # bytes from argv that are not UTF-8
-        raise ListenerSetupError(f"{flag}: the socket path {path!r} is not UTF-8 text") from None
-    if not os.path.isabs(path):
-        raise ListenerSetupError(f"{flag}: give an absolute path (the plugin finds it by name), not {path!r}")
-    if size_bytes > SOCKET_PATH_MAX_BYTES:
-        raise ListenerSetupError(f"{flag}: the socket path is {size_bytes} bytes; a Unix socket's may have at "
-                                 f"most {SOCKET_PATH_MAX_BYTES}: choose a shorter one")
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return  # nothing there yet, or out of reach: binding says which
-    if not stat.S_ISSOCK(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
-        raise ListenerSetupError(f"{flag} {path} is {kind}; the agent will not replace it (move it away, or "
-                                 f"choose another {flag})")
+    """Refuses, with one line, a path the listener could never bind or would have to replace."""
+    unix_socket.check_socket_path(path, flag, "the plugin finds", "the agent")
 
 
 # ---- decoding: bytes -> model record (pure; MessageError on anything wrong) ----
@@ -292,83 +267,33 @@ class VllmListener:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
-            try:
-                if os.lstat(self.path).st_ino == self._inode:
-                    os.unlink(self.path)
-            except OSError:
-                pass
+            unix_socket.remove_own(self.path, self._inode)
 
     def _bind(self) -> None:
         check_socket_path(self.path)
-        path = Path(self.path)
-        directory = path.parent
-        if not directory.exists():
-            # Only a directory we create gets our mode: never chmod an existing one (it may be /tmp).
-            try:
-                directory.mkdir(parents=True, mode=DIRECTORY_MODE)
-                os.chmod(directory, DIRECTORY_MODE)
-            except OSError as error:
-                raise ListenerSetupError(f"cannot create {directory} for the vLLM plugin's socket: "
-                                         f"{error.strerror} (run the agent as root, or choose another "
-                                         "--vllm-socket)") from None
-        if os.path.lexists(path):
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
-                try:
-                    probe.connect(self.path)
-                except OSError as error:
-                    if error.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                        raise ListenerSetupError(f"cannot tell whether {path} is in use: {error.strerror}") from None
-                else:
-                    raise ListenerSetupError(f"another process is bound to {path} (is another agent running? "
-                                             "stop it, or choose another --vllm-socket)")
-            log.info("removing stale socket %s", path)
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as error:
-                raise ListenerSetupError(f"cannot remove the stale socket {path}: {error.strerror}") from None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        private = None
-        try:
+
+        def configure(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
             except OSError:
                 pass  # the default buffer still works; bursts beyond it are lost by the sender (nonblocking)
-            # Bound and given its mode in a directory of our own, then renamed into place: in the shared
-            # directory itself, someone who may write there could swap the new file for a symlink between
-            # bind and chmod, and the agent (root) would make the link's target 0666.
-            private = tempfile.mkdtemp(prefix=".k", dir=directory)  # short: a socket path has 107 bytes
-            staged = os.path.join(private, "s")
-            sock.bind(staged)
-            os.chmod(staged, self.socket_mode)
-            os.rename(staged, self.path)
-            self._inode = os.lstat(self.path).st_ino
-            sock.settimeout(POLL_SECONDS)
-        except OSError as error:
-            sock.close()
-            raise ListenerSetupError(f"cannot bind {path}: {error.strerror} (choose another --vllm-socket, "
-                                     "or --vllm-socket off)") from None
-        finally:
-            if private is not None:
-                shutil.rmtree(private, ignore_errors=True)
+
+        sock, self._inode = unix_socket.bind_socket(self.path, socket.SOCK_DGRAM, self.socket_mode, DIRECTORY_MODE,
+                                                    "--vllm-socket", "the vLLM plugin's socket", configure)
+        sock.settimeout(POLL_SECONDS)
         self._socket = sock
 
     def _reach_warning(self) -> str:
         """Why processes of another user cannot reach the socket ("" when they can): a directory on the
         way that others may not search."""
-        directory = Path(self.path).parent
-        for part in (directory, *directory.parents):
-            try:
-                mode = os.stat(part).st_mode
-            except OSError:
-                continue
-            if not mode & stat.S_IXOTH:
-                return (f"{part} is mode {stat.S_IMODE(mode):04o}: vLLM processes of users other than root and "
-                        f"its group cannot reach {self.path} (make it searchable by others, chmod o+x; the "
-                        "packaged unit makes /run/kvtrace-vllm 0755)")
-        return ""
+        found = unix_socket.unsearchable_directory(self.path)
+        if found is None:
+            return ""
+        part, mode = found
+        return (f"{part} is mode {mode:04o}: vLLM processes of users other than root and "
+                f"its group cannot reach {self.path} (make it searchable by others, chmod o+x; the "
+                "packaged unit makes /run/kvtrace-vllm 0755)")
 
     # ---- receiving ----
 
