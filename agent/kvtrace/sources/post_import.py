@@ -3,8 +3,27 @@ parts of kvtrace (the vLLM plugin, `kvtrace run`'s CUPTI tracer) patch what they
 Standard library only: it runs inside the user's processes."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
+
+
+def wrapped_spec(fullname: str, path: Any, target: Any, own_mark: str, then: Callable[[Any], None]) -> Any:
+    """For a meta-path finder that finds nothing itself: the spec the other finders give for `fullname`
+    (finders carrying the attribute `own_mark`, ours, are skipped), its loader wrapped so that `then(module)`
+    runs after the module's code; None when no other finder has it. A loader without exec_module is left."""
+    for finder in sys.meta_path:
+        if getattr(finder, own_mark, False):
+            continue
+        find = getattr(finder, "find_spec", None)
+        spec = find(fullname, path, target) if find is not None else None
+        if spec is not None:
+            break
+    else:
+        return None
+    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+        spec.loader = PostImportLoader(spec.loader, then)
+    return spec
 
 
 class PostImportLoader:

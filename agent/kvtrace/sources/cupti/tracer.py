@@ -49,7 +49,7 @@ from typing import Any
 
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, StackStatus
 from kvtrace.sources.cupti import protocol
-from kvtrace.sources.post_import import PostImportLoader
+from kvtrace.sources.post_import import wrapped_spec
 
 OPT_OUT_ENV = "KVTRACE_CUPTI"  # "0": leave CUPTI to the user's profiler
 EAGER_ENV = "KVTRACE_CUPTI_EAGER"  # "1": subscribe at start-up, not at torch's CUDA initialisation
@@ -990,18 +990,7 @@ class _TorchCudaFinder(importlib.abc.MetaPathFinder):
         if fullname not in _AFTER_IMPORT:
             return None
         try:
-            for finder in sys.meta_path:
-                if getattr(finder, _FINDER_MARK, False):
-                    continue
-                find = getattr(finder, "find_spec", None)
-                spec = find(fullname, path, target) if find is not None else None
-                if spec is not None:
-                    break
-            else:
-                return None
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = PostImportLoader(spec.loader, functools.partial(_after_import, fullname))
-            return spec
+            return wrapped_spec(fullname, path, target, _FINDER_MARK, functools.partial(_after_import, fullname))
         except Exception:
             return None  # torch imports as if kvtrace were not there
 

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtrace.sources.post_import import PostImportLoader
+from kvtrace.sources.post_import import wrapped_spec
 from kvtrace.sources.vllm import protocol
 
 LOG = logging.getLogger("kvtrace.vllm")
@@ -140,19 +140,7 @@ class _PatchingFinder:
         if fullname not in _PATCHES or not _STATE.active:
             return None
         try:
-            for finder in sys.meta_path:
-                if getattr(finder, _FINDER_MARK, False):
-                    continue
-                find = getattr(finder, "find_spec", None)
-                spec = find(fullname, path, target) if find is not None else None
-                if spec is not None:
-                    break
-            else:
-                return None
-            if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return spec
-            spec.loader = PostImportLoader(spec.loader, functools.partial(_apply_patch, fullname))
-            return spec
+            return wrapped_spec(fullname, path, target, _FINDER_MARK, functools.partial(_apply_patch, fullname))
         except Exception as error:
             _switch_off(PART_PATCH, error)
             return None
