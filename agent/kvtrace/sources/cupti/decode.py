@@ -257,7 +257,7 @@ class CuptiDecoder:
     def _hello(self, body: bytes) -> None:
         if self.hello is not None:
             raise ProtocolError("a second HELLO")
-        value = _json(body)
+        value = protocol.decode_json(body)
         version = value.get("v")
         if type(version) is not int or version != protocol.VERSION:
             raise ProtocolError(f"protocol version {str(version)[:20]}, not {protocol.VERSION} (the tracer and the "
@@ -275,7 +275,7 @@ class CuptiDecoder:
         self._out.append(TracerStatus(self.pid, "connected", ", ".join(parts), timestamp_ns=time.time_ns()))
 
     def _status(self, body: bytes) -> None:
-        value = _json(body)
+        value = protocol.decode_json(body)
         state = value.get("state")
         if state not in STATUS_STATES:
             raise ProtocolError(f"state {str(state)[:40]!r} is not one of {', '.join(protocol.STATES)}")
@@ -291,7 +291,7 @@ class CuptiDecoder:
         self._out.append(self.status)
 
     def _stack(self, body: bytes) -> None:
-        value = _json(body)
+        value = protocol.decode_json(body)
         stack_id = _int(value.get("id"), "a stack's id", 1, MAX_U32)
         frames = value.get("frames")
         if type(frames) is not list or len(frames) > MAX_FRAMES:
@@ -350,7 +350,7 @@ class CuptiDecoder:
         self.counters.ignored += 1
 
     def _lost(self, body: bytes, now: float) -> None:
-        value = _json(body)
+        value = protocol.decode_json(body)
         count = _int(value.get("count"), "LOST count", 0, MAX_I64)
         _text(value.get("what", ""), "what", empty=True)
         if count:
@@ -709,10 +709,6 @@ def _check_common(device: int, size_bytes: int, timestamp_ns: int, what: str) ->
         raise ProtocolError(f"a {what}'s size {size_bytes} is out of range")
     if not 0 < timestamp_ns <= MAX_I64:
         raise ProtocolError(f"a {what}'s timestamp {timestamp_ns} is out of range")
-
-
-def _json(body: bytes) -> dict:
-    return protocol.decode_json(body)
 
 
 def _int(value: object, name: str, low: int, high: int) -> int:
