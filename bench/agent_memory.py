@@ -1,10 +1,12 @@
 """The agent's memory and CPU with many live allocations (stub libraries, this machine, as root).
 
 A Python process makes N cudaMalloc calls through the stub libcudart and keeps them all (each is a
-runtime and a driver allocation: 2 N ledger entries, in the kernel and in the agent). The real
-`kvtrace agent -p PID` follows it. Printed: the agent's RSS before and after, its CPU while idle
-before and after (with N live allocations it samples leak suspects every 10 s, which reads them
-all), and whether its ledger holds exactly N allocations.
+runtime and a driver allocation: 2 N ledger entries in the kernel; the agent counts them and reads
+them from the kernel when a report asks). The real `kvtrace agent -p PID` follows it. Printed: the
+agent's RSS before and after and its high-water mark (a snapshot page and a leak report
+are taken before it is read), its CPU while idle before and after (with N live allocations it
+samples leak suspects now and then, which reads them all from the kernel), and whether its totals
+hold exactly N allocations.
 
 Goals: RSS <= 256 MiB at 1 000 000 live allocations; <= 1 % of a core when idle.
 
@@ -28,6 +30,7 @@ from agent_process import AgentProcess  # noqa: E402
 from cuda_stubs import build_stubs  # noqa: E402
 
 RSS_GOAL_BYTES = 256 << 20
+FLIGHT_WINDOW_SECONDS = 120  # the agent's default --flight-window
 IDLE_GOAL_CORE_FRACTION = 0.01
 SIZE_BYTES = 4096
 
@@ -59,6 +62,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allocations", type=int, default=1_000_000)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
+    parser.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for the agent (repeatable), e.g. --agent-arg=--no-flight-recorder")
     args = parser.parse_args()
     require_bpf()
     from kvtrace.client import AgentClient
@@ -72,7 +77,7 @@ def main() -> int:
     assert target.stdout.readline().strip() == "ready"
     entries = 2 * args.allocations
     with AgentProcess(work / "kvtrace.sock", "-p", str(target.pid), "--no-nvml",
-                      "--max-ledger-entries", str(entries + 65536)) as agent:
+                      "--max-ledger-entries", str(entries + 65536), *args.agent_arg) as agent:
         meter = CpuMeter(agent.process.pid)
         time.sleep(2)
         rss_before = meter.rss_bytes()
@@ -98,6 +103,20 @@ def main() -> int:
         progress(f"ledger settled after {settled_seconds:.0f} s; idle for {args.idle_seconds:.0f} s")
         idle_after = meter.over(args.idle_seconds)
         rss_peak = max(rss_after, meter.rss_bytes())
+        # The flight recorder keeps the events of its last 120 s (at most --flight-max-records): the
+        # burst that made the allocations is in it until then. What stays is what the allocations cost.
+        wait = max(0.0, FLIGHT_WINDOW_SECONDS + 10 - (time.monotonic() - started))
+        progress(f"waiting {wait:.0f} s for the flight recorder's window to pass the burst")
+        time.sleep(wait)
+        rss_after_window = meter.rss_bytes()
+        with AgentClient.for_socket(work / "kvtrace.sock", timeout_seconds=600) as client:
+            snapshot_started = time.monotonic()
+            listed = len(next(iter(client.snapshot_pages(pids=[target.pid], page_size=10_000))).allocations)
+            snapshot_seconds = time.monotonic() - snapshot_started
+            leaks_started = time.monotonic()
+            report = client.leak_suspects(pids=[target.pid], min_age_seconds=0.0)
+            leaks_seconds = time.monotonic() - leaks_started
+        high_water = meter.peak_rss_bytes()
         target.kill()
     exact = traced == args.allocations * SIZE_BYTES
     print(f"agent memory, {time.strftime('%Y-%m-%d %H:%M')}; measured: {code_version()}")
@@ -107,13 +126,26 @@ def main() -> int:
     print(f"  agent ledger exact           {'yes' if exact else 'NO'} ({traced} of {expected_bytes} bytes)")
     print(f"  agent RSS before             {rss_before / 2**20:.0f} MiB")
     print(f"  agent RSS with them live     {rss_peak / 2**20:.0f} MiB  goal <= {RSS_GOAL_BYTES >> 20} MiB "
-          f"({'met' if rss_peak <= RSS_GOAL_BYTES else f'MISSED by {(rss_peak - RSS_GOAL_BYTES) / 2**20:.0f} MiB'})")
+          f"({'met' if rss_peak <= RSS_GOAL_BYTES else f'MISSED by {(rss_peak - RSS_GOAL_BYTES) / 2**20:.0f} MiB'}; "
+          f"just after the burst, its events in the flight recorder)")
+    print(f"  agent RSS, 130 s after       {rss_after_window / 2**20:.0f} MiB  goal <= {RSS_GOAL_BYTES >> 20} MiB "
+          f"({'met' if rss_after_window <= RSS_GOAL_BYTES else 'MISSED'}; the flight recorder's 120 s window "
+          f"no longer holds the allocations' events)")
+    print(f"  agent RSS high-water mark    {high_water / 2**20:.0f} MiB (VmHWM over the whole run: every copy, "
+          f"every report below included)")
+    print(f"  snapshot, first page         {listed} entries in {snapshot_seconds:.1f} s (the kernel's entries gone "
+          f"through once, the page kept)")
+    print(f"  leak report                  {len(report.suspects)} suspects, first "
+          f"{report.suspects[0].outstanding_bytes if report.suspects else 0} bytes in "
+          f"{report.suspects[0].allocation_count if report.suspects else 0} allocations, {leaks_seconds:.1f} s")
     print(f"  agent CPU idle, before       {idle_before * 100:.2f} % of a core  "
           f"goal <= {IDLE_GOAL_CORE_FRACTION * 100:.0f} % "
           f"({'met' if idle_before <= IDLE_GOAL_CORE_FRACTION else 'MISSED'})")
     print(f"  agent CPU idle, with them    {idle_after * 100:.2f} % of a core (suspects sampled every 10 s)")
     print(f"  events                       submitted {counters.get('events_submitted')}, lost "
           f"{counters.get('events_lost')}, resyncs {counters.get('resyncs')}")
+    print(f"  entries in the kernel        {counters.get('ledger_entries_in_kernel')} (counted by the agent, "
+          f"not kept)")
     return 0 if exact else 1
 
 

@@ -1,107 +1,232 @@
-"""Events per second the agent delivers to one gRPC subscriber, with every loss accounted for,
-and probe-to-client latency (p50/p99).
+"""Events per second the agent delivers to gRPC subscribers (separate processes), with every loss
+accounted for, the agent's CPU, and probe-to-client latency (p50/p99).
 
 Runs the real `kvtrace agent` (BPF + gRPC on a temporary Unix socket) as a subprocess, a stub
-workload making cudaMalloc+cudaFree pairs (4 traced calls each), and one subscriber in this
-process. Needs root and bcc (as `make test`).
+workload making cudaMalloc+cudaFree pairs (4 traced calls each), and subscriber processes (this
+script with --subscriber) reading StreamEvents with EVENT_ENCODING_COLUMNS (--messages: one Event
+message each, as clients before columns). Three runs:
+
+  1. one subscriber, the workload unpaced;
+  2. four subscribers at once, one of them slow (after every response it sleeps --slow-us per event
+     received, so it reads at most 1e6 / slow-us events/s whatever the batch size): the
+     others must be unaffected, and the slow one's losses reported as dropped_count markers;
+  3. one subscriber, the workload paced (20 pairs / 10 ms): latency.
+
+Each subscriber accounts for every event the workload made: received + dropped (its queue was full)
++ kernel-lost (the ring buffer was full) = sent, "unaccounted" must be 0. Needs root and bcc (as
+`make test`); runs unchanged on any such host.
 
     sudo .venv/bin/python bench/api_throughput.py [--pairs 200000] [--latency-pairs 2000]
+                                                  [--subscribers 4] [--slow-us 100] [--messages]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "tests"), str(HERE.parent / "tests" / "integration")]
 
-from agent_process import AgentProcess  # noqa: E402
-from cuda_stubs import Workload, build_stubs  # noqa: E402
-from kvtrace.client import AgentClient  # noqa: E402
+LATENCY_SAMPLES = 200_000  # a subscriber keeps at most this many latencies (an even spread)
 
 
-def subscribe(socket: Path, pid: int, expected: int, out: dict, ready: threading.Event) -> None:
-    """Reads until every expected event is either received or reported lost."""
-    received, dropped, kernel_lost, latencies_ns = 0, 0, 0, []
+# ---- the subscriber process ----
+
+def subscribe(socket: Path, pid: int, expected: int, slow_us: float, messages: bool,
+              latencies: bool, deadline_s: float) -> dict:
+    """Reads until every expected event is received or reported lost; the figures as a dict."""
+    from kvtrace.client import AgentClient
+
+    received = dropped = kernel_lost = foreign = responses = 0
+    kinds: dict[int, int] = {}
+    latencies_ns: list[int] = []
     first = last = None
-    with AgentClient.for_socket(socket, timeout_seconds=600) as client:
-        batches = client.stream_batches(pids=[pid])
-        ready.set()
-        for batch in batches:
+    deadline = time.monotonic() + deadline_s
+    cpu = time.process_time()
+    with AgentClient.for_socket(socket, timeout_seconds=deadline_s) as client:
+        stream = client.stream_responses(pids=[pid], columns=not messages)
+        print("subscribed", flush=True)
+        for response in stream:
             now_ns = time.time_ns()
-            for message in batch:
-                if message.HasField("events_lost"):
+            responses += 1
+            for message in response.events:
+                payload = message.WhichOneof("payload")
+                if payload == "events_lost":
                     dropped += message.events_lost.dropped_count
                     kernel_lost += message.events_lost.kernel_lost_count
-                elif message.HasField("allocation"):
+                elif payload == "allocation":  # an agent (or a request) without columns
                     received += 1
-                    latencies_ns.append(now_ns - message.timestamp_ns)
+                    kinds[message.allocation.kind] = kinds.get(message.allocation.kind, 0) + 1
+                    foreign += message.pid != pid
+                    if latencies:
+                        latencies_ns.append(now_ns - message.timestamp_ns)
+            columns = response.columns
+            count = len(columns.kind)
+            if count:
+                received += count
+                column = list(columns.kind)
+                for kind in set(column):
+                    kinds[kind] = kinds.get(kind, 0) + column.count(kind)
+                foreign += count - list(columns.pid).count(pid)
+                if latencies:
+                    latencies_ns.extend(now_ns - timestamp for timestamp in columns.timestamp_ns)
             first = first or time.monotonic()
             last = time.monotonic()
-            if received + dropped + kernel_lost >= expected:
+            if received + dropped + kernel_lost >= expected or last > deadline:
                 break
-    out.update(received=received, dropped=dropped, kernel_lost=kernel_lost,
-               seconds=(last - first) if first else 0.0, latencies_ns=latencies_ns)
+            if slow_us:
+                time.sleep(slow_us * (count + len(response.events)) / 1e6)
+    if len(latencies_ns) > LATENCY_SAMPLES:
+        latencies_ns = latencies_ns[::len(latencies_ns) // LATENCY_SAMPLES + 1]
+    return dict(received=received, dropped=dropped, kernel_lost=kernel_lost, foreign=foreign,
+                responses=responses, kinds={str(k): v for k, v in sorted(kinds.items())},
+                seconds=(last - first) if first and last else 0.0, cpu_seconds=time.process_time() - cpu,
+                latencies_ns=latencies_ns, slow_us=slow_us)
 
 
-def run(stubs, socket: Path, pairs: int, env: dict | None) -> dict:
+def subscriber_main(args: argparse.Namespace) -> int:
+    result = subscribe(Path(args.subscriber), args.pid, args.expected, args.slow_us, args.messages,
+                       args.latencies, args.deadline_s)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# ---- the bench ----
+
+class Subscriber:
+    def __init__(self, socket: Path, pid: int, expected: int, slow_us: float, messages: bool,
+                 latencies: bool) -> None:
+        argv = [sys.executable, __file__, "--subscriber", str(socket), "--pid", str(pid), "--expected",
+                str(expected), "--slow-us", str(slow_us)]
+        argv += ["--messages"] if messages else []
+        argv += ["--latencies"] if latencies else []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+
+    def wait_subscribed(self) -> None:
+        line = self.process.stdout.readline()
+        if line.strip() != "subscribed":
+            raise RuntimeError(f"subscriber failed to start: {line!r}")
+
+    def result(self, timeout_s: float) -> dict:
+        out, _ = self.process.communicate(timeout=timeout_s)
+        return json.loads(out.strip().splitlines()[-1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(stubs, socket: Path, pairs: int, slow: list[float], messages: bool, env: dict | None = None,
+        latencies: bool = False) -> dict:
+    """One workload of `pairs` pairs, one subscriber process per entry of `slow` (its sleep per event
+    received, µs; 0: reads as fast as it can)."""
+    from agent_process import AgentProcess
+    from cuda_stubs import Workload
+    from kvtrace.client import AgentClient
+
+    expected = 4 * pairs
     with Workload([stubs.workload, "loop", str(pairs)], env=env) as workload:
         pid = workload.wait_ready()
-        with AgentProcess(socket, "-p", str(pid), "--no-python-stacks"):
-            result, ready = {}, threading.Event()
-            reader = threading.Thread(target=subscribe, args=(socket, pid, 4 * pairs, result, ready))
-            reader.start()
-            ready.wait(30)
-            time.sleep(0.5)  # the stream is registered with the hub before the workload starts
+        with AgentProcess(socket, "-p", str(pid), "--no-python-stacks") as agent:
+            subscribers = [Subscriber(socket, pid, expected, slow_us, messages, latencies) for slow_us in slow]
+            for subscriber in subscribers:
+                subscriber.wait_subscribed()
+            with AgentClient.for_socket(socket) as client:  # every stream is registered with the hub
+                deadline = time.monotonic() + 30
+                while client.info().counters["subscribers"] < len(subscribers) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            agent_pid = agent.process.pid
+            cpu_before, started = cpu_seconds(agent_pid), time.monotonic()
             workload.go()
-            workload.read_calls(timeout_s=600)
-            reader.join(600)
-    return result
+            (loop,) = workload.read_calls(timeout_s=600)
+            workload_seconds = time.monotonic() - started
+            results = [subscriber.result(600) for subscriber in subscribers]
+            wall = time.monotonic() - started
+            agent_cpu = cpu_seconds(agent_pid) - cpu_before
+    return dict(subscribers=results, agent_cpu_seconds=agent_cpu, wall_seconds=wall, expected=expected,
+                workload_seconds=workload_seconds, workload_ns_per_pair=loop.get("ns_per_pair"))
 
 
-def percentile(values: list[int], fraction: float) -> float:
+def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else float("nan")
 
 
+def report(title: str, outcome: dict) -> bool:
+    """Prints a run's table; True when every subscriber accounted for every event."""
+    expected = outcome["expected"]
+    print(f"\n{title}")
+    print(f"  events sent {expected}; workload {outcome['workload_seconds']:.2f} s "
+          f"({4 * 1e9 / outcome['workload_ns_per_pair']:.0f} events/s made); agent CPU "
+          f"{outcome['agent_cpu_seconds']:.2f} s over {outcome['wall_seconds']:.2f} s "
+          f"({100 * outcome['agent_cpu_seconds'] / outcome['wall_seconds']:.0f}% of a core)")
+    print(f"  {'subscriber':<14}{'events/s':>10}{'received':>10}{'dropped':>10}{'kernel-lost':>12}"
+          f"{'unaccounted':>12}{'foreign':>8}{'CPU s':>7}")
+    ok = True
+    for index, result in enumerate(outcome["subscribers"]):
+        unaccounted = expected - result["received"] - result["dropped"] - result["kernel_lost"]
+        ok = ok and unaccounted == 0 and result["foreign"] == 0
+        rate = result["received"] / result["seconds"] if result["seconds"] else 0.0
+        name = f"#{index + 1}" + (f" slow {result['slow_us']:g}us" if result["slow_us"] else "")
+        print(f"  {name:<14}{rate:>10.0f}{result['received']:>10}{result['dropped']:>10}"
+              f"{result['kernel_lost']:>12}{unaccounted:>12}{result['foreign']:>8}{result['cpu_seconds']:>7.2f}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=200_000, help="pairs in the throughput run")
+    parser.add_argument("--pairs", type=int, default=200_000, help="pairs in each throughput run")
     parser.add_argument("--latency-pairs", type=int, default=2_000, help="pairs in the paced run")
+    parser.add_argument("--subscribers", type=int, default=4, help="subscribers in the second run")
+    parser.add_argument("--slow-us", type=float, default=100.0,
+                        help="the slow subscriber's sleep per event received (after each response)")
+    parser.add_argument("--messages", action="store_true",
+                        help="subscribers ask for one Event message each (clients before columns)")
+    parser.add_argument("--subscriber", help=argparse.SUPPRESS)  # SOCKET: run as a subscriber process
+    parser.add_argument("--pid", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--expected", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--latencies", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline-s", type=float, default=600.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.subscriber:
+        return subscriber_main(args)
     if os.geteuid() != 0:
         print("run as root: the agent loads BPF", file=sys.stderr)
         return 3
+    from cuda_stubs import build_stubs
+
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     stubs = build_stubs(work / "stubs")
+    encoding = "messages" if args.messages else "columns"
 
-    print(f"throughput: {args.pairs} pairs = {4 * args.pairs} events, unpaced", file=sys.stderr)
-    burst = run(stubs, work / "a.sock", args.pairs, None)
-    accounted = burst["received"] + burst["dropped"] + burst["kernel_lost"]
-    rate = burst["received"] / burst["seconds"] if burst["seconds"] else 0.0
-
-    print(f"latency: {args.latency_pairs} pairs paced at 20 pairs / 10 ms", file=sys.stderr)
+    print(f"1: {args.pairs} pairs = {4 * args.pairs} events, unpaced, one subscriber ({encoding})",
+          file=sys.stderr)
+    single = run(stubs, work / "a.sock", args.pairs, [0.0], args.messages)
+    slow = [0.0] * (args.subscribers - 1) + [args.slow_us]
+    print(f"2: the same, {args.subscribers} subscribers, one slow", file=sys.stderr)
+    several = run(stubs, work / "b.sock", args.pairs, slow, args.messages)
+    print(f"3: {args.latency_pairs} pairs paced at 20 pairs / 10 ms, one subscriber", file=sys.stderr)
     paced_env = dict(os.environ, KVT_LOOP_PAUSE_EVERY="20", KVT_LOOP_PAUSE_MS="10")
-    paced = run(stubs, work / "b.sock", args.latency_pairs, paced_env)
-    latencies_ms = [ns / 1e6 for ns in paced["latencies_ns"]]
+    paced = run(stubs, work / "c.sock", args.latency_pairs, [0.0], args.messages, paced_env, latencies=True)
 
-    print(f"{'events sent':<40}{4 * args.pairs:>14}")
-    print(f"{'received by the subscriber':<40}{burst['received']:>14}")
-    print(f"{'lost, subscriber queue (reported)':<40}{burst['dropped']:>14}")
-    print(f"{'lost, kernel ring buffer (reported)':<40}{burst['kernel_lost']:>14}")
-    print(f"{'unaccounted':<40}{4 * args.pairs - accounted:>14}")
-    print(f"{'delivered events/s (goal >= 100 000)':<40}{rate:>14.0f}")
-    print(f"{'latency p50 ms (paced)':<40}{statistics.median(latencies_ms):>14.2f}")
-    print(f"{'latency p99 ms (paced)':<40}{percentile(latencies_ms, 0.99):>14.2f}")
-    print(f"{'paced events received / lost':<40}{paced['received']:>7} / "
-          f"{paced['dropped'] + paced['kernel_lost']}")
-    return 0 if accounted == 4 * args.pairs else 1
+    ok = report(f"1: one subscriber ({encoding}; goal >= 100 000 events/s)", single)
+    ok = report(f"2: {args.subscribers} subscribers at once, one slow ({encoding}; the others unaffected)",
+                several) and ok
+    ok = report("3: paced, one subscriber", paced) and ok
+    latencies_ms = [ns / 1e6 for ns in paced["subscribers"][0]["latencies_ns"]]
+    print(f"  latency p50 / p99 ms: {statistics.median(latencies_ms) if latencies_ms else float('nan'):.2f} / "
+          f"{percentile(latencies_ms, 0.99):.2f}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -98,10 +98,10 @@ def _scoped_probes_factory(lib_dir: Path):
     prefix = str(lib_dir.resolve()) + os.sep
 
     class ScopedProbes(BpfProbes):
-        def attach(self, path, symbols, pid=-1):
+        def attach(self, path, symbols, pid=-1, key=None):
             if not os.path.realpath(path).startswith(prefix):
                 return []
-            return super().attach(path, symbols, pid)
+            return super().attach(path, symbols, pid, key=key)
 
     def factory(settings: ProbeSettings) -> BpfProbes:
         return ScopedProbes(settings)
@@ -121,7 +121,7 @@ def scoped_tracer(build: StubBuild, python_stacks: bool = True, sinks=None) -> B
     started = time.monotonic()
     tracer.start()
     progress(f"tracer (python_stacks={python_stacks}) started in {time.monotonic() - started:.1f} s, "
-             f"attached: {sorted(tracer.probes.attached())}")
+             f"attached: {sorted(map(str, tracer.probes.attached().values()))}")
     return tracer
 
 
@@ -249,6 +249,14 @@ class CpuMeter:
 
     def rss_bytes(self) -> int:
         return self.process.memory_info().rss
+
+    def peak_rss_bytes(self) -> int:
+        """The most RSS the process ever had (VmHWM), transient copies included."""
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return 0
 
 
 def counters_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

@@ -1,23 +1,36 @@
 """Cost of walking Python stacks in the allocation probes, at 5, 20 and 60 Python frames.
 
-A CPython 3.12 target (bench/stack_target.py; pyenv, else any of 3.10-3.13 found) calls the stub
-cudaMalloc+cudaFree through ctypes.CDLL from a given stack depth and times the pairs itself.
-Three long-lived targets, each on its own copy of the stub libraries:
+A CPython 3.12 target (bench/stack_target.py; pyenv, else any of 3.10-3.13 found, or --python)
+calls the stub cudaMalloc+cudaFree through ctypes.CDLL from a given stack depth and times the
+pairs itself. Long-lived targets, each on its own copy of the stub libraries:
   untraced  no probes;
+  empty     empty entry and return probes on cudaMalloc, cudaFree, cuMemAlloc_v2, cuMemFree_v2
+            (the points kvtrace uses for this workload): the floor every probe pays;
   nostacks  a Tracer with python_stacks=False;
-  stacks    a Tracer with python_stacks=True (the same probes, plus the frame walk).
+  stacks    a Tracer with python_stacks=True (the same probes, plus the frame walk);
+  nostacks@REV, stacks@REV (with --baseline REV): the same, with the Python-stack probe headers
+            (pystack.h, context.h, emit.h) as committed at REV, so that a change is measured side
+            by side with what it replaces, in the same run.
 Rounds interleave the modes (order rotated); the added cost of stacks is stacks - nostacks of the
-same round and depth, medians over rounds. One user allocation is a cudaMalloc whose stub calls
-cuMemAlloc_v2: both are allocation probes, so each allocation walks the stack twice.
+same round and depth, medians over rounds; "x empty" is (mode - untraced) / (empty - untraced).
+One user allocation is a cudaMalloc whose stub calls cuMemAlloc_v2: both are allocation probes;
+the driver call reuses the runtime call's stack (context.h), so each allocation walks once.
 Then the symbolization cache figures of the stacks tracer on this steady workload.
 
+Wall-clock figures on a small shared VM are noisy; --bpf-stats adds what is not: the time inside
+each BPF program (kernel.bpf_stats_enabled=1), one run per (traced mode, depth).
+
 Run as root: .venv/bin/python bench/stack_overhead.py [--rounds 7] [--pairs 50000] [--bpf-stats]
+             [--baseline HEAD] [--python /root/.pyenv/versions/3.11.7/bin/python3]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -26,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from benchlib import (  # noqa: E402
+    ROOT,
     Guard,
     Pump,
     Workload,
@@ -35,6 +49,7 @@ from benchlib import (  # noqa: E402
     code_version,
     counters_delta,
     counters_of,
+    empty_probes,
     median,
     progress,
     require_bpf,
@@ -44,8 +59,12 @@ from benchlib import (  # noqa: E402
 
 TARGET = HERE / "stack_target.py"
 DEPTHS = (5, 20, 60)
-MODES = ("untraced", "nostacks", "stacks")
+MODES = ("untraced", "empty", "nostacks", "stacks")
 GOAL_NS_AT_20 = 3000
+EMPTY_POINTS = (("libcudart", "cudaMalloc"), ("libcudart", "cudaFree"),
+                ("libcuda", "cuMemAlloc_v2"), ("libcuda", "cuMemFree_v2"))
+# The headers that make the Python-stack part of the probes; --baseline takes these from REV.
+STACK_HEADERS = ("pystack.h", "context.h", "emit.h")
 
 
 def find_python() -> Path:
@@ -58,6 +77,36 @@ def find_python() -> Path:
         if found:
             return Path(found[-1])
     sys.exit("no CPython 3.10-3.13 under /root/.pyenv/versions: install one with pyenv")
+
+
+def baseline_probes(rev: str, into: Path) -> Path:
+    """The probes as they are now, with STACK_HEADERS as committed at `rev` (kvtrace.h stays the
+    current one: it only gains fields and counters, which old headers do not use)."""
+    from kvtrace.sources.bpf.abi import probes_dir
+
+    shutil.copytree(probes_dir(), into)
+    for name in STACK_HEADERS:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:probes/{name}"],
+                              capture_output=True, text=True, check=True).stdout
+        (into / name).write_text(text)
+    return into
+
+
+@contextlib.contextmanager
+def probes_from(directory: Path | None):
+    """KVTRACE_PROBES_DIR=directory while a tracer compiles its program (None: the current probes)."""
+    if directory is None:
+        yield
+        return
+    previous = os.environ.get("KVTRACE_PROBES_DIR")
+    os.environ["KVTRACE_PROBES_DIR"] = str(directory)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["KVTRACE_PROBES_DIR"]
+        else:
+            os.environ["KVTRACE_PROBES_DIR"] = previous
 
 
 class Target:
@@ -99,24 +148,37 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=50_000, help="pairs per (mode, depth) run")
     parser.add_argument("--bpf-stats", action="store_true",
                         help="then one more run per (traced mode, depth) with kernel.bpf_stats_enabled=1: "
-                             "time inside the two allocation entry programs, where the walk runs")
+                             "time inside each BPF program")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also measure the probes with pystack.h, context.h and emit.h as committed "
+                             "at REV (modes nostacks@REV, stacks@REV)")
+    parser.add_argument("--python", type=Path, help="the target's CPython (default: pyenv 3.12, else 3.10-3.13)")
     args = parser.parse_args()
     require_bpf()
     version = code_version()  # what is imported and compiled now
-    python = find_python()
+    python = args.python or find_python()
+    modes = MODES + ((f"nostacks@{args.baseline}", f"stacks@{args.baseline}") if args.baseline else ())
+    traced = [mode for mode in modes if mode.startswith(("nostacks", "stacks"))]
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
-    progress(f"target Python {python}; building three copies of the stubs under {work}")
-    builds = build_copies(work, list(MODES))
+    progress(f"target Python {python}; building {len(modes)} copies of the stubs under {work}")
+    builds = build_copies(work, list(modes))
+    base_dir = baseline_probes(args.baseline, work / "baseline-probes") if args.baseline else None
     guard = Guard(builds)
-    stats = {"nostacks": StackStats(), "stacks": StackStats()}
-    tracers = {mode: scoped_tracer(builds[mode], python_stacks=(mode == "stacks"), sinks=[stats[mode]])
-               for mode in ("nostacks", "stacks")}
+    stats = {mode: StackStats() for mode in traced}
+    tracers = {}
+    for mode in traced:
+        with probes_from(base_dir if "@" in mode else None):
+            tracers[mode] = scoped_tracer(builds[mode], python_stacks=mode.startswith("stacks"),
+                                          sinks=[stats[mode]])
+    empty_bpf = empty_probes(
+        (builds["empty"].libcudart if library == "libcudart" else builds["empty"].libcuda, symbol, -1)
+        for library, symbol in EMPTY_POINTS)
     targets: dict[str, Target] = {}
-    results: dict[tuple[str, int], list[float]] = {(m, d): [] for m in MODES for d in DEPTHS}
+    results: dict[tuple[str, int], list[float]] = {(m, d): [] for m in modes for d in DEPTHS}
     try:
         with Pump(list(tracers.values())) as pump:
-            for mode in MODES:
+            for mode in modes:
                 targets[mode] = Target(python, builds[mode].libcudart)
                 if mode in tracers:
                     with pump.lock:
@@ -126,7 +188,7 @@ def main() -> int:
                 before = {mode: counters_of(tracer) for mode, tracer in tracers.items()}
             progress(f"stacks tracer sees the target as: {target_info}")
             for round_index in range(args.rounds):
-                order = rotated(MODES, round_index)
+                order = rotated(modes, round_index)
                 for mode in order:
                     runs = guard.measure(round_index, mode, lambda mode=mode: [
                         targets[mode].run(frames, args.pairs) for frames in DEPTHS])
@@ -135,17 +197,16 @@ def main() -> int:
                 progress(f"round {round_index + 1}/{args.rounds}: " + "; ".join(
                     f"{mode} " + "/".join(f"{results[(mode, d)][-1]:.0f}" for d in DEPTHS)
                     + ("" if guard.ok(round_index, mode) else " (dropped)")
-                    for mode in MODES) + f" ns/pair at {'/'.join(map(str, DEPTHS))} frames")
-            alloc_entry_ns = {}  # (mode, frames) -> ns in entry_cudaMalloc + entry_cuMemAlloc_v2
+                    for mode in modes) + f" ns/pair at {'/'.join(map(str, DEPTHS))} frames")
+            bodies = {}  # (mode, frames) -> (BPF ns per pair, ns per run by program)
             if args.bpf_stats:
                 with bpf_stats():
                     for frames in DEPTHS:
-                        for mode, tracer in tracers.items():
-                            _, per_run = body_ns_per_pair(
-                                tracer.probes._bpf,
-                                lambda mode=mode, frames=frames: targets[mode].run(frames, args.pairs), args.pairs)
-                            alloc_entry_ns[(mode, frames)] = (per_run["entry_cudaMalloc"]
-                                                              + per_run["entry_cuMemAlloc_v2"])
+                        for mode in ["empty", *traced]:
+                            bpf = empty_bpf if mode == "empty" else tracers[mode].probes._bpf
+                            bodies[(mode, frames)] = body_ns_per_pair(
+                                bpf, lambda mode=mode, frames=frames: targets[mode].run(frames, args.pairs),
+                                args.pairs)
             for tracer in tracers.values():
                 pump.drain(tracer)
             with pump.lock:
@@ -161,40 +222,56 @@ def main() -> int:
             target.close()
         for tracer in tracers.values():
             tracer.stop()
+        empty_bpf.cleanup()
         shutil.rmtree(work, ignore_errors=True)
 
     def clean(mode, frames):
         return [v for r, v in enumerate(results[(mode, frames)]) if guard.ok(r, mode)]
 
-    def stacks_added(frames):
-        pairs = zip(results[("stacks", frames)], results[("nostacks", frames)], strict=True)
-        return [s - n for r, (s, n) in enumerate(pairs)
-                if guard.ok(r, "stacks", "nostacks")]
+    def added(mode, over, frames):
+        pairs = zip(results[(mode, frames)], results[(over, frames)], strict=True)
+        return [a - b for r, (a, b) in enumerate(pairs) if guard.ok(r, mode, over)]
 
-    if not all(clean(mode, DEPTHS[0]) for mode in MODES) or not stacks_added(DEPTHS[0]):
-        print(f"python stack overhead: no figures: {guard.summary(args.rounds * len(MODES))}")
+    def stacks_added(frames, suffix=""):
+        return added("stacks" + suffix, "nostacks" + suffix, frames)
+
+    if not all(clean(mode, DEPTHS[0]) for mode in modes) or not stacks_added(DEPTHS[0]):
+        print(f"python stack overhead: no figures: {guard.summary(args.rounds * len(modes))}")
         return 3
     print(f"python stack overhead: {python} target, ctypes.CDLL, {args.rounds} rounds x "
           f"{args.pairs} pairs per depth, medians over clean rounds (ns per cudaMalloc+cudaFree pair)")
-    print(f"  measured: {version}")
-    print(f"  {'frames':>6} {'untraced':>9} {'nostacks':>9} {'stacks':>9} {'stacks added':>13} "
-          f"{'per walk':>9}")
-    added_at = {}
+    print(f"  measured: {version}" + (f"; @{args.baseline}: {', '.join(STACK_HEADERS)} as committed "
+                                       f"at {args.baseline}" if args.baseline else ""))
+    print(f"  {'frames':>6} " + " ".join(f"{mode:>15}" for mode in modes))
     for frames in DEPTHS:
-        added_at[frames] = median(stacks_added(frames))
-        print(f"  {frames:>6} {median(clean('untraced', frames)):>9.0f} "
-              f"{median(clean('nostacks', frames)):>9.0f} {median(clean('stacks', frames)):>9.0f} "
-              f"{added_at[frames]:>13.0f} {added_at[frames] / 2:>9.0f}")
-    verdict = "met" if added_at[20] <= GOAL_NS_AT_20 else "MISSED"
-    print(f"  added per allocation at 20 frames: {added_at[20]:.0f} ns, goal <= {GOAL_NS_AT_20} ns ({verdict})"
-          "; an allocation = cudaMalloc + the cuMemAlloc_v2 it makes = 2 walks")
-    if alloc_entry_ns:
-        print("  BPF time in the two allocation entry programs per allocation (bpf_stats, one run each):")
+        print(f"  {frames:>6} " + " ".join(f"{median(clean(mode, frames)):>15.0f}" for mode in modes))
+    print("  added over untraced, ns per pair (x the empty probes' added cost):")
+    print(f"  {'frames':>6} " + " ".join(f"{mode:>15}" for mode in modes[1:]))
+    for frames in DEPTHS:
+        empty_added = median(added("empty", "untraced", frames))
+        cells = []
+        for mode in modes[1:]:
+            value = median(added(mode, "untraced", frames))
+            cells.append(f"{value:>7.0f} ({value / empty_added:4.2f}x)" if empty_added > 0 else f"{value:>15.0f}")
+        print(f"  {frames:>6} " + " ".join(cells))
+    suffixes = ["", f"@{args.baseline}"] if args.baseline else [""]
+    print("  stacks - nostacks of the same round, ns per allocation: " + "; ".join(
+        f"{'stacks' + suffix}: " + "/".join(f"{median(stacks_added(frames, suffix)):.0f}" for frames in DEPTHS)
+        for suffix in suffixes) + f" at {'/'.join(map(str, DEPTHS))} frames")
+    added_at_20 = median(stacks_added(20))
+    verdict = "met" if added_at_20 <= GOAL_NS_AT_20 else "MISSED"
+    print(f"  added per allocation at 20 frames: {added_at_20:.0f} ns, goal <= {GOAL_NS_AT_20} ns ({verdict})"
+          "; an allocation = cudaMalloc + the cuMemAlloc_v2 it makes (which reuses the walk)")
+    if bodies:
+        print("  BPF program time per pair (bpf_stats, one run each; empty = the floor):")
+        print(f"  {'frames':>6} " + " ".join(f"{mode:>15}" for mode in ["empty", *traced]))
         for frames in DEPTHS:
-            nostacks, stacks = alloc_entry_ns[("nostacks", frames)], alloc_entry_ns[("stacks", frames)]
-            print(f"  {frames:>6} frames: nostacks {nostacks:.0f} ns, stacks {stacks:.0f} ns, "
-                  f"walk {stacks - nostacks:.0f} ns per allocation ({(stacks - nostacks) / 2:.0f} per walk)")
-    for mode in ("nostacks", "stacks"):
+            print(f"  {frames:>6} " + " ".join(f"{bodies[(mode, frames)][0]:>15.0f}" for mode in ["empty", *traced]))
+        print("  BPF ns per run of each program at 20 frames:")
+        for mode in traced:
+            per_run = bodies[(mode, 20)][1]
+            print(f"    {mode:>15}: " + ", ".join(f"{name} {ns:.0f}" for name, ns in sorted(per_run.items())))
+    for mode in traced:
         c = counters[mode]
         print(f"  {mode}: events submitted {c['events_submitted']}, lost {c['events_lost']}, "
               f"delivered {c['events_seen']}, resyncs {c['resyncs']}; alloc events by stack status "
@@ -208,7 +285,7 @@ def main() -> int:
     print(f"  stack-id cache (per event): {delivered_with_stack} events with a stack, "
           f"{kernel_stacks_resolved} kernel stacks symbolized, hit rate "
           f"{1 - kernel_stacks_resolved / delivered_with_stack if delivered_with_stack else 0:.6f}")
-    print(f"  runs: {guard.summary(args.rounds * len(MODES))}; tracer loop exceptions: {len(pump.errors)}"
+    print(f"  runs: {guard.summary(args.rounds * len(modes))}; tracer loop exceptions: {len(pump.errors)}"
           + (f" (first: {pump.errors[0]})" if pump.errors else ""))
     return 0
 

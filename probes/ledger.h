@@ -8,6 +8,8 @@ BPF_HASH(ledger, struct kvt_ledger_key, struct kvt_ledger_value, KVT_MAX_LEDGER_
 BPF_HASH(tracked_pids, u32, u64, 65536);
 
 static __always_inline void mark_tracked(u32 pid) {
+    if (tracked_pids.lookup(&pid))
+        return; /* a lookup is cheaper than the update it saves on every allocation but the first */
     u64 one = 1;
     tracked_pids.update(&pid, &one);
 }
@@ -26,7 +28,7 @@ static __always_inline struct kvt_ledger_value *ledger_lookup(u8 layer, u8 objec
 /* Inserts an outstanding object into the in-kernel ledger; returns its timestamp, which the event
  * about it must carry too (emit_at). */
 static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api, u64 address,
-                                         u64 size_bytes, s32 device, u64 caller, u64 aux) {
+                                         u64 size_bytes, s32 device, u64 caller, u64 aux, u64 stack_id) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     struct kvt_ledger_key key = {.pid = pid_tgid >> 32, .layer = layer, .object = object, .address = address};
     struct kvt_ledger_value value = {};
@@ -38,6 +40,7 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
     value.device = device;
     value.api = api;
     value.memory = memory;
+    value.stack_id = stack_id;
     if (ledger.update(&key, &value) != 0)
         count(KVT_COUNTER_LEDGER_FULL);
     mark_tracked(key.pid);
@@ -52,8 +55,6 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    if (is_runtime_api(api))
-        outer_stack.delete(&tid); /* the runtime call is over: its driver calls are done */
     s32 device = memory == KVT_MEMORY_HOST ? KVT_DEVICE_UNKNOWN : current_device(tid);
     u64 size_bytes = args.arg[1];
     if (pitched) {
@@ -70,7 +71,8 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
     }
     u64 address = 0;
     bpf_probe_read_user(&address, sizeof(address), (void *)args.arg[0]);
-    u64 now = ledger_insert(layer, object, memory, api, address, size_bytes, device, args.caller_address, 0);
+    u64 now = ledger_insert(layer, object, memory, api, address, size_bytes, device, args.caller_address, 0,
+                            args.stack_id);
     emit_at(now, KVT_KIND_ALLOC, api, layer, object, memory, address, size_bytes, device, 0,
             args.caller_address, 0, args.stack_id, args.stack_status);
     return 0;

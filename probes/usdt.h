@@ -115,14 +115,18 @@ int usdt_pytorch(struct pt_regs *ctx) {
         }
         if (site->arg_count >= 4)
             usdt_argument(regs, &site->args[3], &stream);
+        /* Over the rate the event is not sent and the stack not walked (that is what the rate saves);
+         * the entry is kept either way, with its stack when there is one. */
+        int over_rate = over_block_rate(pid, bpf_ktime_get_ns());
+        u64 status = KVT_STACK_NOT_WALKED;
+        u64 stack_id = over_rate ? 0 : walk_python_stack(pid, &status);
         u64 inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                                        KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream);
-        if (over_block_rate(pid, inserted_ns)) {
+                                        KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream,
+                                        stack_id);
+        if (over_rate) {
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;
         }
-        u64 status = KVT_STACK_NOT_WALKED;
-        u64 stack_id = walk_python_stack(pid, &status);
         emit_at(inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
                 KVT_MEMORY_DEVICE, address, size_bytes, (s32)device, 0, 0, stream, stack_id, status);
         return 0;

@@ -141,13 +141,38 @@ class AgentClient:
         """The same events in the batches the agent sends (a printer flushes once per batch).
 
         Not a generator itself: a missing socket or a bad argument fails here, at the call."""
+        request = self._stream_request(pids, title_regex, kinds, layers, min_size_bytes)
+        return self._batches(self._stub.StreamEvents(request))
+
+    def stream_responses(self, pids: Iterable[int] = (), title_regex: str = "", kinds: Iterable[Kind] = (),
+                         layers: Iterable[Layer] = (), min_size_bytes: int = 0,
+                         columns: bool = True) -> Iterator[service_pb2.StreamEventsResponse]:
+        """The stream's responses as the agent sends them. With `columns` (EVENT_ENCODING_COLUMNS, what a
+        busy reader wants) a response's traced events are in `columns` (kvtrace.wire.events_from_columns
+        reads them), after its `events`, which then hold only stack definitions and loss reports; an
+        agent older than columns puts every event in `events`, so read both.
+
+        Not a generator itself: a missing socket or a bad argument fails here, at the call."""
+        request = self._stream_request(pids, title_regex, kinds, layers, min_size_bytes)
+        if columns:
+            request.encoding = service_pb2.EVENT_ENCODING_COLUMNS
+        return self._responses(self._stub.StreamEvents(request))
+
+    def _stream_request(self, pids: Iterable[int], title_regex: str, kinds: Iterable[Kind],
+                        layers: Iterable[Layer], min_size_bytes: int) -> service_pb2.StreamEventsRequest:
         if min_size_bytes < 0:
             raise CommandError("the minimum size cannot be negative", ExitCode.USAGE)
         self._check_socket()
-        request = service_pb2.StreamEventsRequest(
+        return service_pb2.StreamEventsRequest(
             pids=list(pids), title_regex=title_regex, kinds=wire_numbers(kinds),
             layers=wire_numbers(layers), min_size_bytes=min_size_bytes)
-        return self._batches(self._stub.StreamEvents(request))
+
+    def _responses(self, responses) -> Iterator[service_pb2.StreamEventsResponse]:
+        try:
+            for response in responses:
+                yield self._saw(response)
+        except grpc.RpcError as error:
+            raise self._command_error(error) from None
 
     def _batches(self, responses) -> Iterator[list[events_pb2.Event]]:
         try:

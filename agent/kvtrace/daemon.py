@@ -329,6 +329,7 @@ class Daemon:
             self.analyzer.tick()
             if self.flight is not None and self.analyzer.latest is not latest:
                 self.flight.check(self.analyzer.latest)
+                self.flight.expire()
             if self._flight_dump_requested:
                 self._flight_dump_requested = False
                 self._dump_on_signal()

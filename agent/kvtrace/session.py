@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,9 +40,11 @@ from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import (
     Ledger,
     LedgerCounts,
+    LedgerKey,
     LedgerResynced,
     LedgerView,
     Outstanding,
+    TotalsKey,
     ledger_view,
 )
 from kvtrace.model.processes import ProcessInfo, ProcessTable
@@ -172,14 +174,18 @@ class Session:
 
     def subscribe(self, sink: Sink) -> SessionCheckpoint:
         """Adds `sink` and copies the ledger at the same moment: the sink's events apply to exactly
-        these entries (a recording starts with them)."""
+        these entries (a recording starts with them). LedgerReadRefused where the kernel's entries are more
+        than --max-read-entries (the sink is not added)."""
         with self.lock:
+            checkpoint = self.checkpoint_locked()
             self._sinks = [*self._sinks, sink]
-            return self.checkpoint_locked()
+            return checkpoint
 
     def checkpoint_locked(self) -> SessionCheckpoint:
         """A copy of the ledger and the processes known, now; call it holding `lock` (sinks do). Sinks
-        asking at the same point of the stream (several recordings after a resync) share one copy."""
+        asking at the same point of the stream (several recordings after a resync) share one copy. Where the
+        kernel keeps the allocations they are read from it, here under the lock (the copy must be of this
+        point of the stream), at most --max-read-entries: LedgerReadRefused over it."""
         position = (self.events_total, self.resyncs_total, len(self._sinks))
         shared = self._checkpoint_shared() if self._checkpoint_position == position else None
         if shared is not None:
@@ -332,6 +338,22 @@ class Session:
             for sink in self._sinks:
                 sink.publish_state(resynced)
 
+    def recount(self, counted: Mapping[TotalsKey, tuple[int, int]], kept: Iterable[Outstanding],
+                read_from_ns: int, read_until_ns: int) -> None:
+        """Where the ledger counts: its totals as the kernel's, read from `read_from_ns` to `read_until_ns`
+        (Ledger.recount), after lost events."""
+        with self.lock:
+            self.ledger.recount(counted, kept, read_from_ns, read_until_ns)
+            self.resyncs_total += 1
+            resynced = LedgerResynced(self.wall_clock_ns())
+            for sink in self._sinks:
+                sink.publish_state(resynced)
+
+    def recount_overlaps(self) -> int:
+        """Counted events made while the last recount read the kernel (Ledger.recount)."""
+        with self.lock:
+            return self.ledger.recount_overlaps
+
     def forget_process(self, pid: int) -> None:
         """A process found gone without an exit event: drop what it held and what is known of it."""
         self.ingest(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=pid, tid=pid,
@@ -356,10 +378,22 @@ class Session:
 
     # ---- reading: analysis and servers ----
 
-    def outstanding(self) -> list[Outstanding]:
-        """Every live ledger entry, as a copy."""
+    def count_only(self, read: Callable[[Collection[int]], Iterable[Outstanding]],
+                   find: Callable[[LedgerKey], Outstanding | None], max_read_entries: int) -> None:
+        """The kernel keeps the exact ledger (the agent's BPF source): allocations and blocks are counted
+        here and read through `read(pids)` and `find(key)` when a report asks (Ledger.count_only)."""
         with self.lock:
-            return self.ledger.entries()
+            self.ledger.count_only(read, find, max_read_entries)
+
+    def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
+        """Every live ledger entry of `pids` (empty: all), to go through (Ledger.stream): where the kernel
+        keeps the allocations they are read from it at each pass, outside the lock."""
+        with self.lock:
+            return self.ledger.stream(pids)
+
+    def find_counted(self) -> Callable[[LedgerKey], Outstanding | None] | None:
+        """Where the kernel keeps the allocations: the lookup of one of them (Ledger.find_counted)."""
+        return self.ledger.find_counted
 
     def process(self, pid: int) -> ProcessInfo | None:
         """Title, comm and container of `pid` as last read (no /proc read here), None if unknown."""
@@ -462,6 +496,9 @@ class Session:
             counters = dict(self._counters)
             counters["events_seen"] = self.events_total
             counters["resyncs"] = self.resyncs_total
+            if self.ledger.counting:
+                counters["ledger_entries_in_kernel"] = self.ledger.counted_entries()
+                counters["ledger_reads_refused"] = self.ledger.reads_refused_total
             if self.witnessed_total or self._crosscheck.processes or self._crosscheck.finished:
                 counters["cupti_events_witnessed"] = self.witnessed_total
                 counters["crosscheck_disagreements"] = sum(

@@ -9,8 +9,9 @@ the same object for the same event.
 from __future__ import annotations
 
 import enum
+import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
@@ -99,6 +100,108 @@ def event_to_proto(event: Event) -> events_pb2.Event:
     payload.error_code = event.error_code
     payload.caller_address = event.caller_address
     return message
+
+
+# The model fields of EventColumns, in the order of _EVENT_FIELDS' tuple (one C call reads them all).
+_EVENT_FIELDS = operator.attrgetter(
+    "kind", "timestamp_ns", "pid", "tid", "api", "layer", "object", "memory", "size_bytes", "address", "device",
+    "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stream", "source",
+    "comm", "title", "container")
+# Columns the redacted view leaves empty (addresses, handles, streams, contexts, callers, stacks).
+_REDACTED_COLUMNS = frozenset({"address", "caller_address", "handle", "stack_id", "stream"})
+# Event.source on the wire: the uprobes' left unset (0), as event_to_proto leaves it.
+_WIRE_SOURCES: dict[Source, Any] = {Source.UPROBE: 0, Source.CUPTI: events_pb2.EVENT_SOURCE_CUPTI}
+_NUMBER_COLUMNS = ("timestamp_ns", "pid", "tid", "size_bytes", "address", "device", "error_code", "caller_address",
+                   "handle", "freed_bytes", "stack_id", "stack_status", "stream")
+
+
+def _enum_column(values: tuple) -> tuple | list:
+    """Model enums (IntEnum: ints already) with None as the wire's 0."""
+    return [value or 0 for value in values] if None in values else values
+
+
+def events_to_columns(events: Sequence[Event], title: Callable[[str], str] | None = None) -> events_pb2.EventColumns:
+    """A batch of model events as EventColumns (the stream's EVENT_ENCODING_COLUMNS): each column in one
+    call, a column whose values are all 0 left empty. `title` set: the redacted view (titles through
+    it; no addresses, handles, streams, callers or stacks), as redact_event leaves an Event message.
+
+    Costs about a tenth of event_to_proto per event, and the message is about half the bytes."""
+    columns = events_pb2.EventColumns()
+    if not events:
+        return columns
+    (kinds, timestamps, pids, tids, apis, layers, objects, memories, sizes, addresses, devices, errors, callers,
+     handles, freed, stack_ids, statuses, streams, sources, comms, titles, containers) = \
+        zip(*map(_EVENT_FIELDS, events), strict=True)
+    numbers = dict(zip(_NUMBER_COLUMNS, (timestamps, pids, tids, sizes, addresses, devices, errors, callers,
+                                         handles, freed, stack_ids, statuses, streams), strict=True))
+    columns.kind.extend(kinds)
+    columns.api.extend(apis)
+    for name, values in numbers.items():
+        if any(values) and not (title is not None and name in _REDACTED_COLUMNS):
+            getattr(columns, name).extend(values)
+    for name, values in (("layer", layers), ("object", objects), ("memory", memories)):
+        if any(values):
+            getattr(columns, name).extend(_enum_column(values))
+    if sources.count(Source.UPROBE) != len(sources):  # all the uprobes': left unset, as event_to_proto does
+        columns.source.extend([_WIRE_SOURCES[source] for source in sources])
+    order: dict[tuple[str, str, str], int] = {}
+    if len(set(zip(comms, titles, containers, strict=True))) == 1:  # one process: index 0 for all, no column
+        order[comms[0], titles[0], containers[0]] = 0
+    else:
+        columns.process.extend([order.setdefault(label, len(order))
+                                for label in zip(comms, titles, containers, strict=True)])
+    add = columns.processes.add
+    for comm, full_title, container in order:
+        add(comm=comm, title=title(full_title) if title is not None else full_title, container=container)
+    return columns
+
+
+def columns_event_count(columns: events_pb2.EventColumns) -> int:
+    return len(columns.kind)
+
+
+def _column(values, count: int, default: int = 0) -> list:
+    return list(values) if len(values) else [default] * count
+
+
+def events_from_columns(columns: events_pb2.EventColumns) -> list[Event | None]:
+    """The model events of an EventColumns batch, in order; None for an event this client cannot
+    represent (a kind, API or other enum value of a newer agent), as event_from_proto does."""
+    count = len(columns.kind)
+    if not count:
+        return []
+    labels = [(label.comm, label.title, label.container) for label in columns.processes] or [("", "", "")]
+    rows = zip(columns.kind, _column(columns.timestamp_ns, count), _column(columns.pid, count),
+               _column(columns.tid, count), _column(columns.process, count), _column(columns.api, count),
+               _column(columns.layer, count), _column(columns.object, count), _column(columns.memory, count),
+               _column(columns.size_bytes, count), _column(columns.address, count), _column(columns.device, count),
+               _column(columns.error_code, count), _column(columns.caller_address, count),
+               _column(columns.handle, count), _column(columns.freed_bytes, count),
+               _column(columns.stack_id, count), _column(columns.stack_status, count),
+               _column(columns.stream, count), _column(columns.source, count), strict=True)
+    events: list[Event | None] = []
+    for (kind, timestamp_ns, pid, tid, process, api, layer, obj, memory, size_bytes, address, device, error_code,
+         caller_address, handle, freed_bytes, stack_id, stack_status, stream, source) in rows:
+        try:
+            comm, title, container = labels[process]
+            event = Event(kind=Kind(kind), api=Api(api), pid=pid, tid=tid, timestamp_ns=timestamp_ns,
+                          layer=_member(Layer, layer), object=_member(ObjectKind, obj),
+                          memory=_member(Memory, memory), size_bytes=size_bytes, address=address, device=device,
+                          error_code=error_code, caller_address=caller_address, handle=handle,
+                          freed_bytes=freed_bytes, stream=stream, comm=comm, title=title, container=container,
+                          stack_id=stack_id, stack_status=StackStatus(stack_status),
+                          source=Source.CUPTI if source == events_pb2.EVENT_SOURCE_CUPTI else Source.UPROBE)
+        except (ValueError, IndexError):  # a value this client does not know: a newer agent
+            events.append(None)
+            continue
+        events.append(event)
+    return events
+
+
+def event_messages_from_columns(columns: events_pb2.EventColumns) -> list[events_pb2.Event]:
+    """The Event messages an EVENT_ENCODING_MESSAGES stream would have carried for these events (events
+    this client cannot represent are left out)."""
+    return [event_to_proto(event) for event in events_from_columns(columns) if event is not None]
 
 
 def stack_message(stack_id: int, stack: Stack) -> events_pb2.Stack:

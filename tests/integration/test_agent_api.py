@@ -182,3 +182,42 @@ def test_agent_without_root_exits_with_one_line(tmp_path):
     result = kvtrace("agent", "--no-api", user=65534)
     assert result.returncode == 3, result
     assert result.stderr.count("\n") == 1 and "run as root" in result.stderr
+
+
+def test_a_column_stream_and_a_message_stream_get_the_same_events(agent_socket, stub_build):
+    """EVENT_ENCODING_COLUMNS carries exactly what Event messages carry, from the real ring reader."""
+    from kvtrace.wire import event_from_proto, events_from_columns
+
+    pairs = 5_000
+    paced = dict(os.environ, KVT_LOOP_PAUSE_EVERY="1000", KVT_LOOP_PAUSE_MS="20")
+    with Workload([stub_build.workload, "loop", str(pairs)], env=paced) as workload:
+        pid = workload.wait_ready()
+        with AgentProcess(agent_socket, "-p", str(pid), "--no-python-stacks"):
+            got: dict[str, list] = {"columns": [], "messages": []}
+            lost: dict[str, int] = {"columns": 0, "messages": 0}
+
+            def read(encoding):
+                with AgentClient.for_socket(agent_socket, timeout_seconds=120) as client:
+                    for response in client.stream_responses(pids=[pid], columns=encoding == "columns"):
+                        for message in response.events:
+                            if message.HasField("events_lost"):
+                                lost[encoding] += (message.events_lost.dropped_count
+                                                   + message.events_lost.kernel_lost_count)
+                            else:
+                                got[encoding].append(event_from_proto(message))
+                        got[encoding].extend(events_from_columns(response.columns))
+                        if len(got[encoding]) + lost[encoding] >= 4 * pairs:
+                            return
+
+            readers = [threading.Thread(target=read, args=(encoding,)) for encoding in got]
+            for reader in readers:
+                reader.start()
+            wait_for_subscribers(agent_socket, 2)
+            workload.go()
+            workload.read_calls(timeout_s=120)
+            for reader in readers:
+                reader.join(120)
+    assert lost == {"columns": 0, "messages": 0}
+    assert len(got["columns"]) == 4 * pairs
+    assert {event.pid for event in got["columns"]} == {pid}
+    assert got["columns"] == got["messages"]

@@ -465,3 +465,24 @@ def test_while_the_writer_is_behind_no_more_ledger_copies_are_queued(tmp_path):
     agent.apply(out_of_memory(time.time_ns()))
     assert recorder.dump_failures_total == 2 and recorder._pending.qsize() == MAX_PENDING_DUMPS
 
+
+
+def test_an_idle_agent_lets_go_of_a_past_burst_when_its_window_has_passed(tmp_path, recorders):
+    """31 allocations at t = 0..30 s and then nothing: the ring lets go of what is older than the
+    window at each expire (the agent calls it after every analysis), not only when a record comes, and
+    a dump after that holds the allocations through its first checkpoint alone."""
+    agent = FakeAgent()
+    recorder = recorders(agent, tmp_path, window_seconds=10)
+    start = time.time_ns() - 60 * NS
+    leaky(agent, start, count=31)
+    agent.session.wall_clock_ns = lambda: start + 35 * NS
+    recorder.expire()
+    assert [record.timestamp_ns for record in recorder._ring] == [start + second * NS for second in range(25, 31)]
+    agent.session.wall_clock_ns = lambda: start + 45 * NS
+    recorder.expire()
+    assert not recorder._ring and recorder._let_go_ns == start + 30 * NS
+    recorder.request(service_pb2.FLIGHT_TRIGGER_KIND_REQUEST, "a test")
+    (path,) = written(recorder)
+    assert allocation_events(path) == []
+    first, _ = checkpoints_of(path)
+    assert len(first.allocations) == 31

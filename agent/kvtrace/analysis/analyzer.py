@@ -23,9 +23,10 @@ agent started).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from kvtrace.analysis.growth import (
@@ -42,12 +43,14 @@ from kvtrace.analysis.leaks import SiteKey, find_suspects, rank_suspects, survey
 from kvtrace.analysis.roles import RoleMemo, kv_ranges_of, role_bytes
 from kvtrace.analysis.vllm import VllmAnalysis, VllmOptions
 from kvtrace.model.blocks import Fragmentation, fragmentation, segments_of
-from kvtrace.model.events import PHYSICAL_LAYERS, Memory
+from kvtrace.model.events import PHYSICAL_LAYERS, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport, LeakSuspect, ProcessGpu
 from kvtrace.model.gpus import NvmlSample, nvml_index_for_cuda_ordinal
-from kvtrace.model.ledger import LedgerView
+from kvtrace.model.ledger import LedgerView, Outstanding
 from kvtrace.model.vllm import Role, VllmView
 from kvtrace.session import Session
+
+log = logging.getLogger(__name__)
 
 # Site samples may take at most this share of a core; with millions of live allocations they come
 # less often than site_sample_seconds.
@@ -94,6 +97,7 @@ class Analyzer:
         self._sites: dict[SiteKey, SlidingFit] = {}
         self._suspects: tuple[LeakSuspect, ...] = ()  # at the last site sample
         self._fragmentation: dict[tuple[int, int], Fragmentation] = {}  # (pid, device), last site sample
+        self.fragmentation_skipped_total = 0  # site samples with more live blocks than --max-read-entries
         self._next_tick_monotonic = 0.0
         self._next_site_sample_ns = 0
         # (pid, device) -> traced bytes by role at the last site sample; replaced whole.
@@ -182,11 +186,14 @@ class Analyzer:
         """Suspects of `pids` (empty: all) at any age threshold (None: the configured one), ranked
         with the site growth of the latest analysis, cut to `limit`, with native callers named.
         Safe from any thread: the ledger is copied under the Session's lock, ranked outside it."""
-        entries = self.session.outstanding()
+        entries = self.session.outstanding(pids)
+        find = self.session.find_counted()
+        with_blocks = {key.pid for key, (_, count) in self.session.ledger_counts().totals.items()
+                       if key.layer is Layer.TORCH and count} if find is not None else None
         titles = self.session.process_titles()
         min_age = self.options.leak_min_age_seconds if min_age_seconds is None else min_age_seconds
         report = find_suspects(entries, self.session.wall_clock_ns() if wall_ns is None else wall_ns, min_age,
-                               self.site_growth, titles, self.session.stack, pids)
+                               self.site_growth, titles, self.session.stack, pids, find, with_blocks)
         # Only the suspects returned are named: the first lookup in a library reads its symbols.
         suspects = tuple(
             dataclasses.replace(suspect, native_caller=self.session.native_caller(
@@ -204,19 +211,32 @@ class Analyzer:
         return any(old_marks.get(pid) != timestamp for new_marks, old_marks in zip(marks, old, strict=True)
                    for pid, timestamp in new_marks.items())
 
-    def _sample_sites(self, view: LedgerView, entries: list, now_ns: int, vllm_view: VllmView) -> None:
+    def _sample_sites(self, view: LedgerView, entries: Iterable[Outstanding], now_ns: int,
+                      vllm_view: VllmView) -> None:
         self._next_site_sample_ns = now_ns + int(self.options.site_sample_seconds * NS_PER_SECOND)
         kv_ranges = {pid: kv_ranges_of((tensor.address, tensor.size_bytes) for tensor in layout.tensors)
                      for pid, layout in vllm_view.layouts.items()}
-        self._role_bytes = role_bytes(entries, self.session.stack, kv_ranges, self._role_memo)
-        survey = survey_sites(entries, view.wall_ns, self.options.leak_min_age_seconds)
+        # Where the kernel keeps the allocations, each analysis goes through them once, keeping per site
+        # and per role, never per entry.
+        with_blocks = view.pids_with_blocks() if view.find is not None else None
+        self._role_bytes = role_bytes(entries, self.session.stack, kv_ranges, self._role_memo, view.find)
+        survey = survey_sites(entries, view.wall_ns, self.options.leak_min_age_seconds, find=view.find,
+                              with_blocks=with_blocks)
         for site in [site for site in self._sites if site not in survey.site_bytes]:
             del self._sites[site]  # all freed: a site that comes back starts a new series
         for site, size_bytes in survey.site_bytes.items():
             self._sites.setdefault(site, SlidingFit(LONG_WINDOW_SECONDS)).add(now_ns, size_bytes)
         self.site_growth = {site: fit.slope_per_second() for site, fit in self._sites.items()}
-        segments, outside = segments_of(entries)
-        self._fragmentation = {(row.pid, row.device): row for row in fragmentation(segments, outside)}
+        blocks = sum(count for key, (_, count) in view.totals.items() if key.layer is Layer.TORCH)
+        if view.max_read_entries and blocks > view.max_read_entries:
+            # Fragmentation nests every block in its segment: more blocks than may be held at once, it waits.
+            self.fragmentation_skipped_total += 1
+            if self.fragmentation_skipped_total == 1:
+                log.warning("fragmentation not computed: %d live PyTorch blocks, more than --max-read-entries %d",
+                            blocks, view.max_read_entries)
+        else:
+            segments, outside = segments_of(entries, with_blocks)
+            self._fragmentation = {(row.pid, row.device): row for row in fragmentation(segments, outside)}
         self._suspects = rank_suspects(survey, self.site_growth, view.titles, self.session.stack).suspects
 
     def _rows(self, view: LedgerView, traced: dict[tuple[int, int], int],

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from kvtrace.model.events import Layer, ObjectKind
 from kvtrace.model.findings import LeakReport, LeakSuspect
-from kvtrace.model.ledger import Outstanding, holds_device_memory
+from kvtrace.model.ledger import LedgerKey, Outstanding, holds_device_memory
 from kvtrace.model.stacks import Stack
 
 NS_PER_SECOND = 1_000_000_000
@@ -41,6 +41,9 @@ class SiteKey(NamedTuple):
     caller_address: int  # 0 when stack_id is set: the stack alone names the site
 
 
+Find = Callable[[LedgerKey], Outstanding | None]  # one ledger entry by key (None: not there)
+
+
 def runtime_allocations(entries: Iterable[Outstanding]) -> dict[tuple[int, int], Outstanding]:
     """Runtime-layer allocations by (pid, address): cudaMalloc returns the pointer of the
     cuMemAlloc_v2 inside it, so this finds the runtime call above a driver allocation."""
@@ -48,14 +51,28 @@ def runtime_allocations(entries: Iterable[Outstanding]) -> dict[tuple[int, int],
             if entry.key.layer is _RUNTIME and entry.key.object is _ALLOCATION}
 
 
-def site_of(entry: Outstanding, runtime: Mapping[tuple[int, int], Outstanding]) -> tuple[SiteKey, int]:
+def find_in(entries: Iterable[Outstanding]) -> Find:
+    """A lookup over entries held in memory (a replay, a test): the runtime allocations, by key."""
+    runtime = runtime_allocations(entries)
+    return lambda key: runtime.get((key.pid, key.address)) if key.layer is _RUNTIME else None
+
+
+def runtime_above(entry: Outstanding, find: Find) -> Outstanding | None:
+    """The runtime allocation (cudaMalloc) around a driver allocation (its cuMemAlloc_v2: same pid and
+    pointer), None for other entries or where there is none."""
+    if entry.key.layer is not _DRIVER:
+        return None
+    return find(LedgerKey(entry.key.pid, _RUNTIME, _ALLOCATION, entry.key.address))
+
+
+def site_of(entry: Outstanding, find: Find) -> tuple[SiteKey, int]:
     """(site, native caller address) of a device-memory entry.
 
     The driver call's caller is libcudart for every cudaMalloc, which says nothing; the runtime
     entry above it (same pid and pointer) has the caller that matters, and its stack if the driver
     entry has none."""
     stack_id, caller = entry.stack_id, entry.caller_address
-    above = runtime.get((entry.key.pid, entry.key.address)) if entry.key.layer is _DRIVER else None
+    above = runtime_above(entry, find)
     if above is not None:
         stack_id = stack_id or above.stack_id
         caller = above.caller_address or caller
@@ -76,14 +93,21 @@ class SiteSurvey:
 
 
 def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: float,
-                 pids: Collection[int] = ()) -> SiteSurvey:
+                 pids: Collection[int] = (), find: Find | None = None,
+                 with_blocks: Collection[int] | None = None) -> SiteSurvey:
     """What holds device memory in `pids` (empty: all), by site; what is at least `min_age_seconds`
     old apart. In a process whose PyTorch blocks are traced, the blocks: their stacks hold the
     memory, where a segment's names whoever made the allocator's cache grow. Elsewhere (no PyTorch,
-    or blocks not traced) the physical allocations."""
-    entries = list(entries)
-    runtime = runtime_allocations(entries)
-    with_blocks = {entry.key.pid for entry in entries if entry.key.object is _BLOCK}
+    or blocks not traced) the physical allocations.
+
+    One pass, keeping per site, not per entry, where `find` (the runtime allocation above a driver one)
+    and `with_blocks` (the pids with blocks) are given: the agent goes through millions of the kernel's
+    entries so. Without them they are found in `entries`, which are then held in memory."""
+    if find is None or with_blocks is None:
+        entries = list(entries)
+        find = find or find_in(entries)
+        with_blocks = {entry.key.pid for entry in entries if entry.key.object is _BLOCK} \
+            if with_blocks is None else with_blocks
     min_age_ns = int(min_age_seconds * NS_PER_SECOND)
     totals: dict[SiteKey, int] = {}
     old: dict[SiteKey, list] = {}
@@ -95,19 +119,27 @@ def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: f
         if not (entry.key.object is _BLOCK if pid in with_blocks else holds_device_memory(entry)):
             continue
         considered += 1
-        site, caller = site_of(entry, runtime)
+        if entry.stack_id or entry.key.layer is not _DRIVER:
+            site = SiteKey(pid, entry.device, entry.stack_id, 0 if entry.stack_id else entry.caller_address)
+            caller = -1  # the caller shown is looked up once per site, for its oldest entry only (below)
+        else:  # no stack: the runtime call above names the site
+            site, caller = site_of(entry, find)
         totals[site] = totals.get(site, 0) + entry.size_bytes
         if now_ns - entry.timestamp_ns < min_age_ns:
             continue
         old_count += 1
         group = old.get(site)
         if group is None:
-            old[site] = [entry.size_bytes, 1, entry.timestamp_ns, caller]
+            old[site] = [entry.size_bytes, 1, entry.timestamp_ns, caller, entry]
         else:
             group[0] += entry.size_bytes
             group[1] += 1
             if entry.timestamp_ns < group[2]:
-                group[2], group[3] = entry.timestamp_ns, caller
+                group[2], group[3], group[4] = entry.timestamp_ns, caller, entry
+    for group in old.values():
+        oldest = group.pop()
+        if group[3] == -1:
+            group[3] = site_of(oldest, find)[1]
     return SiteSurvey(now_ns, min_age_seconds, totals, old, considered, old_count)
 
 
@@ -134,6 +166,8 @@ def rank_suspects(survey: SiteSurvey, growth: Mapping[SiteKey, float], titles: M
 
 def find_suspects(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: float,
                   growth: Mapping[SiteKey, float], titles: Mapping[int, str],
-                  stack_of: Callable[[int], Stack | None], pids: Collection[int] = ()) -> LeakReport:
+                  stack_of: Callable[[int], Stack | None], pids: Collection[int] = (),
+                  find: Find | None = None, with_blocks: Collection[int] | None = None) -> LeakReport:
     """Survey and rank in one call (ListLeakSuspects, at any age)."""
-    return rank_suspects(survey_sites(entries, now_ns, min_age_seconds, pids), growth, titles, stack_of)
+    return rank_suspects(survey_sites(entries, now_ns, min_age_seconds, pids, find, with_blocks), growth, titles,
+                         stack_of)

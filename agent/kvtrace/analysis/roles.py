@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvtrace.model.events import Layer, ObjectKind
-from kvtrace.model.ledger import Outstanding, holds_device_memory
+from kvtrace.model.ledger import LedgerKey, Outstanding, holds_device_memory
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.model.vllm import Role
 
@@ -132,11 +132,14 @@ def _overlaps(ranges: tuple[list[int], list[tuple[int, int]]], address: int, siz
 
 def role_bytes(entries: Iterable[Outstanding], stack_of: Callable[[int], Stack | None],
                kv_ranges: Mapping[int, list[tuple[int, int]]], memo: RoleMemo | None = None,
+               find: Callable[[LedgerKey], Outstanding | None] | None = None,
                ) -> dict[tuple[int, int], dict[Role, int]]:
     """(pid, device) -> bytes by role of the physical device memory in `entries`: per (pid, device)
     the roles sum to exactly the analyzer's outstanding bytes. `kv_ranges`: pid -> disjoint
     (start, end) ranges of its KV tensors (kv_ranges_of). One pass; a stack is classified once per
-    `memo` (0.1-0.15 s per 100 000 entries, tests/unit/test_roles.py)."""
+    `memo` (0.1-0.15 s per 100 000 entries, tests/unit/test_roles.py). With `find` (the kernel's
+    entries, by key) a driver allocation without a stack finds the runtime one above it there, and no
+    runtime entry is kept meanwhile: memory per VMM handle and stackless allocation, not per entry."""
     memo = memo if memo is not None else RoleMemo()
     by_stack, wake_up_stacks = memo.by_stack, memo.wake_up_stacks
 
@@ -175,7 +178,7 @@ def role_bytes(entries: Iterable[Outstanding], stack_of: Callable[[int], Stack |
             reserving.add(key.pid)
             continue
         if kind is _ALLOCATION and key.layer is _RUNTIME:
-            if entry.stack_id:
+            if entry.stack_id and find is None:
                 runtime_stacks[(key.pid, key.address)] = entry.stack_id
             continue
         if not holds_device_memory(entry):
@@ -190,7 +193,11 @@ def role_bytes(entries: Iterable[Outstanding], stack_of: Callable[[int], Stack |
             unstacked.append(entry)
 
     for entry in unstacked:
-        stack_id = runtime_stacks.get((entry.key.pid, entry.key.address), 0)
+        if find is None:
+            stack_id = runtime_stacks.get((entry.key.pid, entry.key.address), 0)
+        else:
+            above = find(LedgerKey(entry.key.pid, _RUNTIME, _ALLOCATION, entry.key.address))
+            stack_id = above.stack_id if above is not None else 0
         add(entry, role_of_id(stack_id) if stack_id else Role.UNKNOWN)
 
     remembered: dict[tuple[int, int], Role] = {}

@@ -15,6 +15,7 @@ from kvtrace.cli.flags import parse_size
 from kvtrace.config import ApiConfig, ConfigError, add_api_flags, check_served_paths, config_from_args
 from kvtrace.daemon import DEFAULT_OFF_SWITCH, DaemonOptions
 from kvtrace.errors import CommandError, ExitCode
+from kvtrace.model.ledger import DEFAULT_MAX_READ_ENTRIES
 from kvtrace.reports.flight import FlightOptions
 from kvtrace.sources.cupti import protocol as cupti_protocol
 from kvtrace.sources.vllm import protocol as vllm_protocol
@@ -49,6 +50,17 @@ class AgentCommand:
                             help="print every event as one JSON object per line on stdout")
         parser.add_argument("--max-ledger-entries", type=int, default=1 << 20,
                             help="size of the in-kernel ledger (default: %(default)s)")
+        parser.add_argument("--max-read-entries", metavar="N", type=int, default=DEFAULT_MAX_READ_ENTRIES,
+                            help="allocations the agent may copy from the kernel's ledger at once, about 450 bytes "
+                                 "of agent memory each: a recording's or flight dump's checkpoint, and the live "
+                                 "PyTorch blocks nested for fragmentation. Beyond it these wait and are counted; "
+                                 "snapshots, leak suspects and roles go through the kernel's entries without "
+                                 "holding them (default: %(default)s)")
+        parser.add_argument("--per-process-probes-max", metavar="N", type=int, default=8,
+                            help="with -p of at most N processes, probes go into those processes only and no "
+                                 "other pays for them; with more, each library gets one set of probes shared by "
+                                 "every process and filtered in the kernel, so attaching and detaching cost per "
+                                 "library, not per library and process (default: %(default)s)")
         parser.add_argument("--no-api", action="store_true",
                             help="do not serve the kvtrace.v1 gRPC API (with --json-events only)")
         parser.add_argument("--wakeup-events", metavar="N", type=int, default=512,
@@ -191,6 +203,10 @@ class AgentCommand:
             raise CommandError("--wakeup-events takes 1 to 65536", ExitCode.USAGE)
         if not 1024 <= args.max_ledger_entries <= MAX_LEDGER_ENTRIES:  # more: the kernel refuses the map
             raise CommandError(f"--max-ledger-entries takes 1024 to {MAX_LEDGER_ENTRIES}", ExitCode.USAGE)
+        if not 0 <= args.per_process_probes_max <= 65536:
+            raise CommandError("--per-process-probes-max takes 0 to 65536", ExitCode.USAGE)
+        if not 1 <= args.max_read_entries <= MAX_LEDGER_ENTRIES:
+            raise CommandError(f"--max-read-entries takes 1 to {MAX_LEDGER_ENTRIES}", ExitCode.USAGE)
         if not 0 <= args.leak_min_age <= 365 * 24 * 3600:
             raise CommandError("--leak-min-age takes 0 to one year in seconds", ExitCode.USAGE)
         if not 0.1 <= args.site_sample_interval <= 3600:
@@ -248,7 +264,8 @@ class AgentCommand:
                                                   wakeup_events=args.wakeup_events,
                                                   block_events_per_second=args.max_block_events_per_second),
                            python_stacks=not args.no_python_stacks, torch_blocks=not args.no_torch_blocks,
-                           max_libraries=args.max_libraries),
+                           max_libraries=args.max_libraries, max_read_entries=args.max_read_entries,
+                           per_process_probes_max=args.per_process_probes_max),
             api=api, json_events=args.json_events, nvml=args.nvml,
             analysis=AnalysisOptions(leak_min_age_seconds=args.leak_min_age,
                                      site_sample_seconds=args.site_sample_interval,

@@ -10,7 +10,7 @@ asked for (pytorch:malloc reports the requested size; the allocator rounds it up
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from kvtrace.model.events import Layer, Memory, ObjectKind
@@ -85,19 +85,25 @@ def is_block(entry: Outstanding) -> bool:
     return entry.key.object is ObjectKind.BLOCK
 
 
-def segments_of(entries: Iterable[Outstanding]) -> tuple[list[Segment], list[Outstanding]]:
+def segments_of(entries: Iterable[Outstanding], with_blocks: Collection[int] | None = None,
+                ) -> tuple[list[Segment], list[Outstanding]]:
     """(segments with their blocks, blocks in no segment), from a ledger copy. Segments and blocks
-    of processes with no block at all are left out: without blocks there is nothing to nest."""
-    entries = list(entries)
-    blocks = [entry for entry in entries if is_block(entry)]
-    pids = {block.key.pid for block in blocks}
+    of processes with no block at all are left out: without blocks there is nothing to nest.
+    `with_blocks`: those processes, if known (then one pass, keeping only their entries)."""
+    if with_blocks is None:
+        entries = list(entries)
+        with_blocks = {entry.key.pid for entry in entries if is_block(entry)}
+    pids = with_blocks
+    blocks: list[Outstanding] = []
     segments: list[Segment] = []
     mappings: dict[int, list[Outstanding]] = {}
     for entry in entries:
         key = entry.key
         if key.pid not in pids:
             continue
-        if key.layer is Layer.RUNTIME and key.object is ObjectKind.ALLOCATION and entry.memory is Memory.DEVICE:
+        if key.object is ObjectKind.BLOCK:
+            blocks.append(entry)
+        elif key.layer is Layer.RUNTIME and key.object is ObjectKind.ALLOCATION and entry.memory is Memory.DEVICE:
             segments.append(Segment(key.pid, entry.device, key.address, entry.size_bytes))
         elif key.object is ObjectKind.VMM_MAPPING:
             mappings.setdefault(key.pid, []).append(entry)

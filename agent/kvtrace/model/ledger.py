@@ -15,7 +15,7 @@ Rules:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -67,11 +67,46 @@ class TotalsKey(NamedTuple):
     memory: Memory
 
 
+class LedgerReadRefused(Exception):
+    """Reading the entries would copy more of them than the agent is configured to hold at once."""
+
+    def __init__(self, entries: int, limit: int) -> None:
+        super().__init__(
+            f"the ledger holds {entries:,} allocations, more than --max-read-entries {limit:,} copied at once "
+            f"(about 450 bytes of agent memory each): raise --max-read-entries, or record fewer processes")
+        self.entries = entries
+        self.limit = limit
+
+
+# Objects that come in millions (allocations, PyTorch's blocks): where the kernel keeps them (the agent's BPF
+# source), the ledger counts them and reads them from there when asked (Ledger.count_only).
+COUNTED_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.BLOCK})
+# A report may copy this many of them from the kernel at once (--max-read-entries): about 450 bytes of agent
+# memory each, 110 MB at most.
+DEFAULT_MAX_READ_ENTRIES = 250_000
+RECOUNT_MARGIN_NS = 1_000_000  # see Ledger._counted_before_read
+_COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where those live (VMM's are kept)
+
+
 class Ledger:
-    """Outstanding objects and their totals, built from events."""
+    """Outstanding objects and their totals, built from events.
+
+    By default every object is kept here (a replay, `kvtrace run`). Where the kernel keeps the exact
+    ledger (the agent's BPF source), `count_only` makes it keep only totals of allocations and blocks,
+    which come in millions, and read those entries from the kernel when a report asks: the agent's memory
+    then grows with processes and VMM objects, not with allocations. Their frees carry what the totals
+    need (size, device, memory), read from the kernel's entry by the probe."""
 
     def __init__(self) -> None:
         self._entries: dict[LedgerKey, Outstanding] = {}
+        self._counted: frozenset[ObjectKind] = frozenset()
+        self._read_counted: Callable[[Collection[int]], Iterable[Outstanding]] | None = None
+        self.find_counted: Callable[[LedgerKey], Outstanding | None] | None = None
+        self.max_read_entries = 0
+        self.reads_refused_total = 0
+        # The last recount's read of the kernel (wall-clock ns): see recount.
+        self._read_from_ns = self._read_until_ns = 0
+        self.recount_overlaps = 0
         self._bytes: dict[TotalsKey, int] = defaultdict(int)
         self._counts: dict[TotalsKey, int] = defaultdict(int)
         self.allocations_total: Counter[tuple[int, Layer]] = Counter()
@@ -79,6 +114,21 @@ class Ledger:
         self.implicit_frees_total: Counter[int] = Counter()  # per pid: objects dropped by exit/destroy
         self.unknown_frees_total: Counter[tuple[int, Api]] = Counter()
         self.failures_total: Counter[tuple[Api, int]] = Counter()  # (api, error code)
+
+    def count_only(self, read: Callable[[Collection[int]], Iterable[Outstanding]],
+                   find: Callable[[LedgerKey], Outstanding | None], max_read_entries: int,
+                   objects: frozenset[ObjectKind] = COUNTED_OBJECTS) -> None:
+        """Keeps totals, not entries, of `objects` from now on. `read(pids)` yields those entries (the
+        kernel's) of `pids` (empty: all) when a report asks, `find(key)` one of them; a report that copies
+        them all at once (a checkpoint) copies at most `max_read_entries`. Call it before the first event."""
+        if self._entries:
+            raise RuntimeError("count_only on a ledger that already keeps entries")
+        self._counted, self._read_counted, self.max_read_entries = objects, read, max_read_entries
+        self.find_counted = find
+
+    @property
+    def counting(self) -> bool:
+        return bool(self._counted)
 
     # ---- applying events ----
 
@@ -112,7 +162,17 @@ class Ledger:
         layer, object_kind, _ = _placed(event)
         return LedgerKey(event.pid, layer, object_kind, event.address)
 
+    def _count(self, pid: int, device: int, layer: Layer, memory: Memory, size_bytes: int, count: int) -> None:
+        totals = TotalsKey(pid, device, layer, memory)
+        self._bytes[totals] += size_bytes
+        left = self._counts[totals] = self._counts[totals] + count
+        if left <= 0:
+            del self._bytes[totals], self._counts[totals]
+
     def _insert(self, entry: Outstanding) -> None:
+        if entry.key.object in self._counted:  # the kernel keeps the entry (it overwrote any of that key)
+            self._count(entry.key.pid, entry.device, entry.key.layer, entry.memory, entry.size_bytes, 1)
+            return
         old = self._entries.get(entry.key)
         if old is not None:  # the same address again: the free was not seen (lost or predates us)
             self._remove(old)
@@ -134,6 +194,10 @@ class Ledger:
     def _on_alloc(self, event: Event) -> None:
         layer, object_kind, memory = _placed(event)
         self.allocations_total[(event.pid, layer)] += 1
+        if object_kind in self._counted:  # the kernel keeps the entry (it overwrote any of that key)
+            if not self._counted_before_read(event):
+                self._count(event.pid, event.device, layer, memory, event.size_bytes, 1)
+            return
         self._insert(Outstanding(
             key=LedgerKey(event.pid, layer, object_kind, event.address), size_bytes=event.size_bytes,
             timestamp_ns=event.timestamp_ns, device=event.device, api=event.api, memory=memory, tid=event.tid,
@@ -141,6 +205,13 @@ class Ledger:
 
     def _on_free(self, event: Event) -> None:
         key = self._key(event)
+        if key.object in self._counted:
+            # The probe sends FREE only for an entry its ledger held, with that entry's size, device and memory.
+            self.frees_total[(event.pid, key.layer)] += 1
+            assert event.memory is not None
+            if not self._counted_before_read(event):
+                self._count(event.pid, event.device, key.layer, event.memory, -event.size_bytes, -1)
+            return
         entry = self._entries.get(key)
         if entry is None:
             self.unknown_frees_total[(event.pid, event.api)] += 1
@@ -183,8 +254,14 @@ class Ledger:
                   and (device is None or e.device == device)]
         for entry in doomed:
             self._remove(entry)
-        self.implicit_frees_total[pid] += len(doomed)
-        return len(doomed)
+        dropped = len(doomed)
+        if self._counted:  # the source drops the kernel's entries; their totals go here, whatever their age
+            for totals in [totals for totals in self._counts if totals.pid == pid and totals.layer in _COUNTED_LAYERS
+                           and (device is None or totals.device == device)]:
+                dropped += self._counts.pop(totals)
+                del self._bytes[totals]
+        self.implicit_frees_total[pid] += dropped
+        return dropped
 
     def forget_counters(self, pid: int) -> None:
         """After the process is gone: its per-pid counters go too, or a host that runs many short
@@ -200,27 +277,93 @@ class Ledger:
         self._entries, self._bytes, self._counts = {}, defaultdict(int), defaultdict(int)
         for entry in entries:
             previous = old.pop(entry.key, None)  # dropped as it is replaced: one copy at a time
-            if previous is not None and previous.timestamp_ns == entry.timestamp_ns:
+            if previous is not None and previous.timestamp_ns == entry.timestamp_ns and not entry.stack_id:
                 entry.stack_id = previous.stack_id
             self._insert(entry)
+
+    def recount(self, counted: Mapping[TotalsKey, tuple[int, int]], kept: Iterable[Outstanding],
+                read_from_ns: int, read_until_ns: int) -> None:
+        """Where the ledger counts (count_only): replaces the counted totals with the kernel's, as read from
+        `read_from_ns` to `read_until_ns`, and the kept entries with `kept`. Events of counted objects
+        older than the read are in it already and are not counted again; those during the read may or
+        may not be (the kernel's map was read while they happened): recount_overlaps says how many, and
+        the source reads again until a read overlaps none."""
+        self.resync(kept)
+        for totals, (size_bytes, count) in counted.items():
+            self._bytes[totals] += size_bytes
+            self._counts[totals] += count
+        self._read_from_ns, self._read_until_ns = read_from_ns, read_until_ns
+        self.recount_overlaps = 0
+
+    def _counted_before_read(self, event: Event) -> bool:
+        """A counted object's event that the last recount already holds (older than its read); one made
+        during the read is counted, and the overlap noted."""
+        if event.timestamp_ns > self._read_until_ns:
+            return False
+        # A probe takes an allocation's time just before it writes the entry: one stamped a moment before
+        # the read began may still have been written after it. Those count as made during the read.
+        if event.timestamp_ns < self._read_from_ns - RECOUNT_MARGIN_NS:
+            return True
+        self.recount_overlaps += 1
+        return False
 
     # ---- views ----
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + self.counted_entries()
 
     def __iter__(self) -> Iterator[Outstanding]:
         return iter(self.entries())
 
-    def entries(self) -> list[Outstanding]:
-        """Every live entry, as a new list (safe to keep while the ledger changes)."""
-        return list(self._entries.values())
+    def counted_entries(self, pids: Collection[int] = ()) -> int:
+        """Entries of `pids` (empty: all) counted here and kept by the kernel (0 unless count_only)."""
+        if not self._counted:
+            return 0
+        return sum(count for totals, count in self._counts.items()
+                   if totals.layer in _COUNTED_LAYERS and (not pids or totals.pid in pids))
+
+    def kept_entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
+        """The entries of `pids` (empty: all) kept here (every entry unless count_only), as a new list."""
+        if not pids:
+            return list(self._entries.values())
+        return [entry for entry in self._entries.values() if entry.key.pid in pids]
+
+    def check_read(self, pids: Collection[int] = ()) -> None:
+        """Raises LedgerReadRefused (and counts it) where reading the counted entries of `pids` would copy
+        more than max_read_entries."""
+        counted = self.counted_entries(pids)
+        if counted > self.max_read_entries:
+            self.reads_refused_total += 1
+            raise LedgerReadRefused(counted, self.max_read_entries)
+
+    def read_counted(self, pids: Collection[int] = ()) -> list[Outstanding]:
+        """The counted entries of `pids` (empty: all), read from where they are kept (check_read first; []
+        unless count_only). Safe without the ledger's lock: it reads the kernel, not this object."""
+        return list(self._read_counted(pids)) if self._read_counted is not None else []
+
+    def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
+        """Every live entry of `pids` (empty: all), for a reader that goes through them once or a few times
+        and keeps what it computes, not the entries: the kept ones are copied now; where the kernel keeps
+        the allocations, each pass reads them from it then (outside any lock), without a limit."""
+        kept = self.kept_entries(pids)
+        if not self._counted or self._read_counted is None:
+            return kept
+        return LedgerEntries(kept, self._read_counted, frozenset(pids))
+
+    def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
+        """Every live entry of `pids` (empty: all), as a new list (safe to keep while the ledger changes).
+        Where the kernel keeps the allocations, they are read from it: LedgerReadRefused over
+        max_read_entries."""
+        if not self._counted:
+            return self.kept_entries(pids)
+        self.check_read(pids)
+        return self.kept_entries(pids) + self.read_counted(pids)
 
     def get(self, key: LedgerKey) -> Outstanding | None:
         return self._entries.get(key)
 
     def pids(self) -> set[int]:
-        return {key.pid for key in self._entries}
+        return {key.pid for key in self._entries} | {key.pid for key in self._counts}
 
     def totals(self) -> dict[TotalsKey, tuple[int, int]]:
         """(bytes, count) of memory-holding objects per (pid, device, layer, memory)."""
@@ -241,7 +384,7 @@ class Ledger:
         Only the driver and VMM layers count: the runtime call above a driver call has the same
         stack, and adding both would count its bytes twice."""
         totals: dict[tuple[int, int], list[int]] = {}
-        for entry in list(self._entries.values()):
+        for entry in self.stream():
             key = entry.key
             if not holds_device_memory(entry) or (pid is not None and key.pid != pid):
                 continue
@@ -253,6 +396,19 @@ class Ledger:
     def physical_device_bytes(self, pid: int | None = None, device: int | None = None) -> int:
         """Device memory actually held: the driver and VMM layers (the runtime sits on top)."""
         return self.outstanding_bytes(pid, device, layers=PHYSICAL_LAYERS)
+
+
+class LedgerEntries:
+    """A ledger's entries where the kernel keeps the allocations: the kept ones as copied, then the kernel's
+    read afresh at every pass (each pass is a moment's view of a map the probes go on changing)."""
+
+    def __init__(self, kept: list[Outstanding], read: Callable[[Collection[int]], Iterable[Outstanding]],
+                 pids: frozenset[int]) -> None:
+        self._kept, self._read, self._pids = kept, read, pids
+
+    def __iter__(self) -> Iterator[Outstanding]:
+        yield from self._kept
+        yield from self._read(self._pids)
 
 
 def _placed(event: Event) -> tuple[Layer, ObjectKind, Memory]:
@@ -299,13 +455,22 @@ class LedgerView:
     wall_ns: int  # time.time_ns() of the copy: allocation ages are wall-clock
     monotonic_ns: int  # time.monotonic_ns() of the copy: series are immune to clock steps
     totals: dict[TotalsKey, tuple[int, int]]  # Ledger.totals(): (bytes, count)
-    entries: list[Outstanding] | None  # every outstanding entry; None: not copied this time
+    # Every outstanding entry (Ledger.stream: go through it, do not keep it); None: not copied this time.
+    entries: Iterable[Outstanding] | None
     allocations_total: dict[int, int]  # per pid, physical layers (as outstanding bytes)
     frees_total: dict[int, int]
     titles: dict[int, str] = field(default_factory=dict)
     traced_only: bool = False  # the agent follows chosen processes only: leave NVML's others out
     # Processes started before the agent: memory they allocated before it is not in the ledger.
     predates_agent: frozenset[int] = frozenset()
+    # The entry of a key where the kernel keeps the allocations (Ledger.find_counted); None: look in `entries`.
+    find: Callable[[LedgerKey], Outstanding | None] | None = None
+    # Where `find` is set: entries an analysis may hold at once (--max-read-entries); 0: no limit.
+    max_read_entries: int = 0
+
+    def pids_with_blocks(self) -> set[int]:
+        """Processes holding PyTorch blocks (traced), from the totals."""
+        return {key.pid for key, (_, count) in self.totals.items() if key.layer is Layer.TORCH and count}
 
 
 def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: bool = True,
@@ -320,5 +485,6 @@ def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: b
     for (pid, layer), count in ledger.frees_total.items():
         if layer in PHYSICAL_LAYERS:
             frees[pid] += count
-    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), ledger.entries() if with_entries else None,
-                      dict(allocations), dict(frees), titles or {}, traced_only, predates_agent)
+    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), ledger.stream() if with_entries else None,
+                      dict(allocations), dict(frees), titles or {}, traced_only, predates_agent, ledger.find_counted,
+                      ledger.max_read_entries if ledger.counting else 0)

@@ -37,7 +37,7 @@ from kvtrace.human import human_bytes
 from kvtrace.model.events import Event, EventsLost, Kind
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.gpus import NvmlSample
-from kvtrace.model.ledger import LedgerResynced
+from kvtrace.model.ledger import LedgerReadRefused, LedgerResynced
 from kvtrace.reports.recorder import FrameEncoder, recording_header
 from kvtrace.reports.recording import RecordingError, RecordingReader, RecordingWriter
 from kvtrace.session import Session, SessionCheckpoint
@@ -160,11 +160,21 @@ class FlightRecorder:
     def _append(self, record: RingRecord) -> None:
         ring = self._ring
         ring.append(record)
-        oldest_kept_ns = record.timestamp_ns - self._window_ns
-        while ring[0].timestamp_ns < oldest_kept_ns or len(ring) > self._max_records:
+        self._let_go_before(record.timestamp_ns - self._window_ns)
+
+    def _let_go_before(self, oldest_kept_ns: int) -> None:
+        ring = self._ring
+        while ring and (ring[0].timestamp_ns < oldest_kept_ns or len(ring) > self._max_records):
             let_go = ring.popleft().timestamp_ns
             if self._let_go_ns is None or let_go > self._let_go_ns:
                 self._let_go_ns = let_go
+
+    def expire(self) -> None:
+        """Lets go of what is older than the window now, also when no record comes to push it out: an
+        idle agent does not hold a past burst's events (up to --flight-max-records of them, about 270
+        bytes each) for ever."""
+        with self.session.lock:
+            self._let_go_before(self.session.wall_clock_ns() - self._window_ns)
 
     def _on_exit(self, exit_event: Event) -> None:
         """Before the exit drops what the process held: a death holding GPU memory dumps. SIGTERM and
@@ -199,7 +209,13 @@ class FlightRecorder:
         self._last_dump_monotonic[key] = now
         # Stamped at the trigger, not at the copy (later): a replay asked for the trigger's time (--at)
         # stops at the first record after it, and would leave out the very checkpoint that makes it exact.
-        copied = self.session.checkpoint_locked()
+        try:
+            copied = self.session.checkpoint_locked()
+        except LedgerReadRefused as refused:
+            with self._dumps_lock:
+                self.dump_failures_total += 1
+            log.warning("flight recorder: %s: not dumped: %s", trigger.reason, refused)
+            return None
         end = SessionCheckpoint(trigger.timestamp_ns, copied.entries, copied.processes)
         records = list(self._ring)
         # Everything the window's events allocate is replayed from them: the first checkpoint holds the

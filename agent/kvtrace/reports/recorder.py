@@ -28,7 +28,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.events import Event, EventsLost
 from kvtrace.model.gpus import NvmlSample
-from kvtrace.model.ledger import LedgerResynced, Outstanding
+from kvtrace.model.ledger import LedgerReadRefused, LedgerResynced, Outstanding
 from kvtrace.model.processes import ProcessInfo, TitleMatcher, TitlePattern
 from kvtrace.model.stacks import Stack
 from kvtrace.reports.recording import RecordingWriter
@@ -206,6 +206,7 @@ class RecordQueue:
         self._dropped = 0  # since the last marker
         self.dropped_total = 0
         self._checkpoint_due = False
+        self.checkpoints_refused_total = 0
         self._dropped_since_checkpoint = False
         self._last_drop_checkpoint = -CHECKPOINT_AFTER_DROPS_SECONDS
         self.closed = False
@@ -216,10 +217,7 @@ class RecordQueue:
         if not self._wanted.everything and not self._wanted.wants(event.pid, event.title):
             return
         if self._put(event) and self._checkpoint_due and self._may_checkpoint():
-            self._checkpoint_due = False
-            with self._ready:
-                self._records.append(self._session.checkpoint_locked())  # a sink runs under its lock
-                self._ready.notify()
+            self._append_checkpoint()
 
     def publish_loss(self, lost_count: int) -> None:
         self._put(EventsLost(lost_count, self._session.wall_clock_ns()))
@@ -228,12 +226,27 @@ class RecordQueue:
         if type(record) is NvmlSample:
             self._put(record)
         elif len(self._records) < self._max_records:  # the events so far no longer add up to the ledger
-            self._checkpoint_due = False
-            with self._ready:
-                self._records.append(self._session.checkpoint_locked())
-                self._ready.notify()
+            self._append_checkpoint()
         else:  # no room: the first event that finds room brings it
             self._checkpoint_due = True
+
+    def _append_checkpoint(self) -> None:
+        """A copy of the ledger into the queue (a sink runs under the Session's lock). One too large to
+        copy (--max-read-entries) is tried again at a later event, at most once a second."""
+        try:
+            checkpoint = self._session.checkpoint_locked()
+        except LedgerReadRefused as refused:
+            self._checkpoint_due = True
+            self._dropped_since_checkpoint = True  # paced as after drops: at most once a second
+            self._last_drop_checkpoint = time.monotonic()
+            self.checkpoints_refused_total += 1
+            if self.checkpoints_refused_total == 1:
+                log.warning("a recording's checkpoint was not written: %s", refused)
+            return
+        self._checkpoint_due = False
+        with self._ready:
+            self._records.append(checkpoint)
+            self._ready.notify()
 
     def _may_checkpoint(self) -> bool:
         """After drops: only with room again, and at most once a second (it copies the ledger)."""

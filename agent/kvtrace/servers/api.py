@@ -57,7 +57,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import ApiConfig
 from kvtrace.model.events import Event, Kind, Layer
-from kvtrace.model.ledger import Outstanding
+from kvtrace.model.ledger import LedgerReadRefused, Outstanding
 from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo, TitlePattern, redact_title
 from kvtrace.reports.flight import FlightDumpError, FlightRecorder
 from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, encode_stream, recording_header
@@ -66,6 +66,7 @@ from kvtrace.servers.hub import EventFilter, EventHub, Lost, Subscription
 from kvtrace.wire import (
     cross_checks_to_proto,
     event_to_proto,
+    events_to_columns,
     growth_to_proto,
     info_to_proto,
     leak_report_to_proto,
@@ -105,6 +106,7 @@ _TITLE_CACHE_MAX_ENTRIES = 4096
 
 VIEW_FULL = service_pb2.VIEW_FULL
 VIEW_REDACTED = service_pb2.VIEW_REDACTED
+ENCODING_COLUMNS = service_pb2.EVENT_ENCODING_COLUMNS
 
 
 class ServerSetupError(Exception):
@@ -120,6 +122,9 @@ class ServerLimits:
     evict_stalled_seconds: float = 10.0
     max_receive_message_bytes: int = 4 << 20
     batch_max_events: int = 512  # events per StreamEventsResponse
+    # ... with EVENT_ENCODING_COLUMNS (~25 bytes an event). Each response costs the stream's thread a
+    # hand-over of the GIL or two (a few ms while the event loop is busy): big ones keep it fed.
+    column_batch_max_events: int = 8192
     # A stream waiting for events wakes at once for an event, a cancel or the shutdown; besides
     # that it looks at its call this often (a cheap wake-up, not a poll for events).
     idle_wake_seconds: float = 1.0
@@ -449,6 +454,9 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         context.add_callback(subscription.close)  # a cancel or an expired deadline wakes the reader
         sent_stacks: set[int] = set()
         titles = TitleRedactor() if self._redacted else None
+        columns = request.encoding == ENCODING_COLUMNS
+        responses = self._column_responses if columns else self._message_responses
+        batch_max_events = self._limits.column_batch_max_events if columns else self._limits.batch_max_events
         try:
             while context.is_active() and not self.stopping.is_set() and not subscription.closed:
                 wait_seconds = self._limits.idle_wake_seconds
@@ -457,10 +465,9 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                     if remaining <= 0:  # say so, rather than end the stream as if completed
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream's deadline passed")
                     wait_seconds = min(wait_seconds, remaining)
-                items = subscription.read(self._limits.batch_max_events, wait_seconds)
+                items = subscription.read(batch_max_events, wait_seconds)
                 if items:
-                    yield service_pb2.StreamEventsResponse(events=self._messages(items, sent_stacks, titles),
-                                                           view=self.view)
+                    yield from responses(items, sent_stacks, titles)
             if self.stopping.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the kvtrace agent is shutting down")
             if subscription.evicted_reason:  # ended for a new stream (StreamSlots), not completed
@@ -468,6 +475,41 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         finally:
             self._hub.unsubscribe(subscription)
             self._slots.close(subscription)
+
+    def _message_responses(self, items: list[Event | Lost], sent_stacks: set[int],
+                           titles: TitleRedactor | None) -> list[service_pb2.StreamEventsResponse]:
+        return [service_pb2.StreamEventsResponse(events=self._messages(items, sent_stacks, titles), view=self.view)]
+
+    def _column_responses(self, items: list[Event | Lost], sent_stacks: set[int],
+                          titles: TitleRedactor | None) -> list[service_pb2.StreamEventsResponse]:
+        """EVENT_ENCODING_COLUMNS: each run of events in one response's columns, after the stack
+        definitions it needs; a loss marker goes in `events`, and so ends a response (what follows it
+        goes in the next), keeping the stream's order."""
+        responses = []
+        start = 0
+        for index, item in enumerate(items):
+            if type(item) is Lost:
+                if index > start:
+                    responses.append(self._columns_response(items[start:index], sent_stacks, titles))
+                lost = lost_to_proto(item.dropped_count, item.kernel_lost_count)
+                responses.append(service_pb2.StreamEventsResponse(events=[lost], view=self.view))
+                start = index + 1
+        if start < len(items):
+            responses.append(self._columns_response(items[start:] if start else items, sent_stacks, titles))
+        return responses
+
+    def _columns_response(self, events: list, sent_stacks: set[int],
+                          titles: TitleRedactor | None) -> service_pb2.StreamEventsResponse:
+        """One run of events (no markers) in columns, after the definitions of its new stacks."""
+        messages = []
+        if titles is None:
+            for stack_id in sorted({event.stack_id for event in events} - sent_stacks - {0}):
+                sent_stacks.add(stack_id)
+                stack = self._state.stack(stack_id)
+                if stack is not None:
+                    messages.append(stack_to_proto(stack_id, stack))
+        return service_pb2.StreamEventsResponse(events=messages, view=self.view,
+                                                columns=events_to_columns(events, titles))
 
     def _messages(self, items: list[Event | Lost], sent_stacks: set[int],
                   titles: TitleRedactor | None) -> list[events_pb2.Event]:
@@ -502,7 +544,10 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         queue = RecordQueue(self._state, wanted)
         context.add_callback(queue.close)  # a cancel wakes the reader
         try:
-            checkpoint = self._state.subscribe(queue)
+            try:
+                checkpoint = self._state.subscribe(queue)
+            except LedgerReadRefused as refused:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the recording cannot start: {refused}")
             encoder = FrameEncoder(self._state.stack, self._state.process, wanted)
             header = recording_header(self._state.started_wall_seconds,
                                       self._analysis.options.leak_min_age_seconds, checkpoint.timestamp_ns,
@@ -561,9 +606,10 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         timestamp_ns = self._state.wall_clock_ns()
-        candidates = [entry for entry in self._state.outstanding()
+        # Gone through once, never held: the kernel's copy may have millions of entries.
+        candidates = (entry for entry in self._state.outstanding(pids)
                       if (not pids or entry.key.pid in pids) and (not layers or entry.key.layer in layers)
-                      and (after is None or _ledger_order(entry) > after)]
+                      and (after is None or _ledger_order(entry) > after))
         # One more than a page tells whether another page follows; nsmallest avoids a full sort.
         page = heapq.nsmallest(page_size + 1, candidates, key=_ledger_order)
         next_token = encode_page_token(_ledger_order(page[page_size - 1])) if len(page) > page_size else ""

@@ -7,7 +7,7 @@ consistent copy, never a live view, and must be quick.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.model.agent import AgentInfo, ComponentStatus, TrackedProcess
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class AgentState(Protocol):
     """The agent's state as the servers see it (kvtrace.session.Session)."""
 
-    def outstanding(self) -> list[Outstanding]:
+    def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live ledger entry, as a copy (the server sorts, filters and pages it)."""
         ...
 

@@ -165,6 +165,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_ledger_full_total", "counter", "allocations", (),
                "Allocations the in-kernel ledger had no room for: outstanding totals are no longer "
                "exact. Restart the agent with a larger --max-ledger-entries."),
+    MetricSpec("kvtrace_ledger_kernel_objects", "gauge", "objects", (),
+               "Allocations and PyTorch blocks of traced processes that the in-kernel ledger holds. The agent "
+               "counts them and keeps none: reports read them from the kernel when asked."),
+    MetricSpec("kvtrace_ledger_reads_refused_total", "counter", "reads", (),
+               "Copies of every kernel ledger entry at once (a recording's or flight dump's checkpoint, the "
+               "blocks nested for fragmentation) not made because they would exceed --max-read-entries; the "
+               "agent log says which. Raise --max-read-entries (about 450 bytes of agent memory per entry)."),
     MetricSpec("kvtrace_block_events_unsent_total", "counter", "events", (),
                "PyTorch block events not sent because a process went over --max-block-events-per-second: "
                "the blocks stay exact in the ledger (resynced from the kernel), their stacks are missing."),
@@ -220,6 +227,8 @@ _SESSION_COUNTERS = {
     "kvtrace_vllm_messages_received_total": "vllm_messages_received",
     "kvtrace_vllm_messages_rejected_total": "vllm_messages_rejected",
     "kvtrace_block_events_unsent_total": "blocks_unsent",
+    "kvtrace_ledger_kernel_objects": "ledger_entries_in_kernel",
+    "kvtrace_ledger_reads_refused_total": "ledger_reads_refused",
     "kvtrace_events_undecodable_total": "events_undecodable",
     "kvtrace_attached_libraries": "libraries_attached",
     "kvtrace_libraries_refused_total": "libraries_refused",

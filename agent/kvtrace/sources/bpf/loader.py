@@ -7,9 +7,13 @@ into model events.
 from __future__ import annotations
 
 import ctypes
-import itertools
+import errno
 import logging
+import mmap
+import os
+import platform
 import select
+import struct
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -70,6 +74,45 @@ def _return_freed_heap() -> None:
         pass
 
 
+LEDGER_READ_CHUNK = 4096  # entries per batched read of the ledger map (72 bytes each: ~300 KB of buffers)
+
+
+_KERNEL_ENOTSUPP = 524  # the kernel's "operation not supported" (no name in Python's errno)
+
+
+class _NoBatchedLookup(Exception):
+    pass
+
+
+def _lookup_in_chunks(map_fd: int) -> Iterator[tuple[bytes, bytes]]:
+    """BPF_MAP_LOOKUP_BATCH over the ledger map, a chunk at a time: (keys, values) as raw bytes of
+    struct kvt_ledger_key and kvt_ledger_value arrays. A map changing meanwhile (probes run on) may give
+    an entry twice or miss one moved between buckets: readers treat it as a moment's view."""
+    from bcc.libbcc import lib
+
+    keys = (abi.RawLedgerKey * LEDGER_READ_CHUNK)()
+    values = (abi.RawLedgerValue * LEDGER_READ_CHUNK)()
+    key_size, value_size = ctypes.sizeof(abi.RawLedgerKey), ctypes.sizeof(abi.RawLedgerValue)
+    token, next_token, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
+    first = True
+    while True:
+        count.value = LEDGER_READ_CHUNK
+        result = lib.bpf_lookup_batch(map_fd, None if first else ctypes.byref(token), ctypes.byref(next_token),
+                                      ctypes.byref(keys), ctypes.byref(values), ctypes.byref(count))
+        error = ctypes.get_errno() if result != 0 else 0
+        if result != 0 and error not in (errno.ENOENT, 0):
+            if first and error in (errno.EINVAL, errno.EOPNOTSUPP, _KERNEL_ENOTSUPP):
+                raise _NoBatchedLookup()
+            raise OSError(error, f"BPF_MAP_LOOKUP_BATCH of the ledger failed: {os.strerror(error)}")
+        if count.value:
+            yield (ctypes.string_at(keys, key_size * count.value),
+                   ctypes.string_at(values, value_size * count.value))
+        if result != 0:  # ENOENT: the last chunk (possibly empty) has been read
+            return
+        first = False
+        token.value = next_token.value
+
+
 class BpfProbes:
     """The compiled probe program: attach/detach per library, ring buffers, maps."""
 
@@ -100,7 +143,9 @@ class BpfProbes:
             if why_not:
                 log.warning("probes go in as perf-event uprobes (stopping takes ~0.1 s per probe): %s", why_not)
         self._epoll: select.epoll | None = None
-        self._polled = 0
+        self._ring_reader: RingReader | None = None
+        self._callback_records: list[bytes] = []  # bcc's callback path: records of this poll
+        self._on_events: Callable[[bytes, int, int], None] = lambda records, stride, offset: None
 
     # ---- attach ----
 
@@ -298,35 +343,58 @@ class BpfProbes:
 
     # ---- rings ----
 
-    def open_rings(self, on_event: Callable[[bytes], None],
+    def open_rings(self, on_events: Callable[[bytes, int, int], None],
                    on_notify: Callable[[abi.RawNotify], None]) -> None:
-        """on_event gets each event record as bytes (struct kvt_event, see abi.EVENT_STRUCT)."""
-        record_bytes = abi.EVENT_STRUCT.size
+        """on_events gets the event records in batches: (records, stride, offset), a struct kvt_event
+        (abi.EVENT_STRUCT) at `offset` in every `stride` bytes of `records` (decode.decode_events).
 
-        def events(_ctx, data, _size):
-            on_event(ctypes.string_at(data, record_bytes))
-            # Under a sustained flood one poll could run for seconds; stop after a budget so the
-            # loop's housekeeping (attach, exits, resync) keeps its pace. libbpf has consumed this
-            # record already; the rest waits for the next poll.
-            self._polled += 1
-            return -1 if self._polled >= POLL_BUDGET_EVENTS else 0
+        The event ring is read through its own mapping (RingReader): a poll copies what is there
+        and hands it over at once, no Python call per record. Where that mapping cannot be made, or
+        the CPU orders memory more weakly than x86 (RingReader reads without barriers), bcc's
+        callback takes the records one by one and hands them over in batches all the same."""
+        self._on_events = on_events
+        record_bytes = abi.EVENT_STRUCT.size
+        ring = self._bpf[b"events"]
+        if platform.machine() in RingReader.MACHINES:
+            try:
+                self._ring_reader = RingReader(ring.map_fd, int(ring.max_entries))
+            except (OSError, ValueError) as error:
+                log.warning("reading the event ring through bcc's callback, one record at a time: %s", error)
+        events = None
+        if self._ring_reader is None:
+            def events(_ctx, data, _size):
+                self._callback_records.append(ctypes.string_at(data, record_bytes))
+                # Under a sustained flood one poll could run for seconds; stop after a budget so the
+                # loop's housekeeping (attach, exits, resync) keeps its pace. libbpf has consumed this
+                # record already; the rest waits for the next poll.
+                return -1 if len(self._callback_records) >= POLL_BUDGET_EVENTS else 0
+
+            ring.open_ring_buffer(events)
 
         def notify(_ctx, data, _size):
             on_notify(ctypes.cast(data, ctypes.POINTER(abi.RawNotify)).contents)
 
         # bcc keeps the callbacks alive; keep our own references too.
         self._callbacks = (events, notify)
-        self._bpf[b"events"].open_ring_buffer(events)
         self._bpf[b"notify"].open_ring_buffer(notify)
 
     def poll(self, timeout_ms: int) -> None:
         """Reads what is in the rings now (after waiting up to timeout_ms for a wakeup), at most
         POLL_BUDGET_EVENTS events. The probes wake the reader only once a batch is waiting
         (KVT_WAKEUP_EVENTS), so what is below that is taken here whether or not a wakeup came."""
-        self._polled = 0
         if timeout_ms > 0:
             self.wait(timeout_ms)
+        reader = self._ring_reader
+        if reader is not None:
+            records = reader.read(POLL_BUDGET_EVENTS)
+            if records:
+                self._on_events(records, RingReader.STRIDE, RingReader.HEADER_BYTES)
+            self._bpf.ring_buffer_consume()  # the notify ring
+            return
         self._bpf.ring_buffer_consume()
+        taken, self._callback_records = self._callback_records, []
+        if taken:
+            self._on_events(b"".join(taken), abi.EVENT_STRUCT.size, 0)
 
     def wait(self, timeout_ms: int) -> None:
         """Waits until a ring has data or timeout_ms passes, without consuming anything."""
@@ -347,18 +415,32 @@ class BpfProbes:
         return list(self.iter_ledger_items())
 
     def iter_ledger_items(self) -> Iterator[tuple[abi.RawLedgerKey, abi.RawLedgerValue]]:
-        """The in-kernel ledger one entry at a time: with millions of entries a list of them all
-        would double the agent's memory for a moment."""
+        """The in-kernel ledger one entry at a time, read LEDGER_READ_CHUNK entries per system call into
+        buffers of that size: the agent's memory does not grow with the ledger (bcc's own batched read
+        sizes its buffers to the whole map: 300 MB at 4 M entries)."""
+        for keys, values in self.iter_ledger_chunks():
+            for index in range(len(keys) // ctypes.sizeof(abi.RawLedgerKey)):
+                yield (abi.RawLedgerKey.from_buffer_copy(keys, index * ctypes.sizeof(abi.RawLedgerKey)),
+                       abi.RawLedgerValue.from_buffer_copy(values, index * ctypes.sizeof(abi.RawLedgerValue)))
+
+    def iter_ledger_chunks(self) -> Iterator[tuple[bytes, bytes]]:
+        """The in-kernel ledger as (keys, values) raw arrays of up to LEDGER_READ_CHUNK entries, for a
+        reader that decodes them in bulk (decode.decode_ledger_chunk)."""
         table = self._bpf[b"ledger"]
         try:
-            batch = table.items_lookup_batch()
-            pairs = itertools.chain([next(batch)], batch)  # the first next() makes the batch calls
-        except StopIteration:
-            return
-        except Exception:  # kernels without batched lookups
-            pairs = table.items()
-        for key, value in pairs:
-            yield abi.RawLedgerKey.from_buffer_copy(key), abi.RawLedgerValue.from_buffer_copy(value)
+            yield from _lookup_in_chunks(table.map_fd)
+        except _NoBatchedLookup:  # kernels without batched lookups (before 5.6): one call per entry
+            for key, value in table.items():
+                yield bytes(key), bytes(value)
+
+    def find_ledger_entry(self, key: abi.RawLedgerKey) -> tuple[abi.RawLedgerKey, abi.RawLedgerValue] | None:
+        """One entry of the in-kernel ledger by key (one system call), None if it is not there."""
+        table = self._bpf[b"ledger"]
+        try:
+            value = table[table.Key.from_buffer_copy(key)]
+        except KeyError:
+            return None
+        return key, abi.RawLedgerValue.from_buffer_copy(value)
 
     def delete_ledger_keys(self, keys: list[abi.RawLedgerKey]) -> None:
         table = self._bpf[b"ledger"]
@@ -417,8 +499,95 @@ class BpfProbes:
             if self._epoll is not None:
                 self._epoll.close()
                 self._epoll = None
+            if self._ring_reader is not None:
+                self._ring_reader.close()
+                self._ring_reader = None
             self._bpf.cleanup()
         return time.monotonic() - started
+
+
+class RingReader:
+    """A BPF ring buffer map read through its own mappings, as libbpf reads it, but a poll's records
+    in one copy: the consumer position (read-write page), then the producer position and the data,
+    mapped twice in a row so that a run of records that wraps is contiguous.
+
+    Records are fixed-size in this program (struct kvt_event, 8-byte header): the fast path checks
+    that every header of the run says a committed record of that size, and copies the run; anything
+    else (a record still being written, discarded, or of another size) is walked one header at a time
+    and stops at the first record not yet committed. Header and data are read in one copy without a
+    barrier: sound where loads are not reordered with loads (x86), so other CPUs use bcc's callback."""
+
+    MACHINES = frozenset({"x86_64", "amd64", "i686"})
+    HEADER_BYTES = 8  # BPF_RINGBUF_HDR_SZ: u32 len (busy and discard bits on top), u32 page offset
+    BUSY_BIT = 1 << 31
+    DISCARD_BIT = 1 << 30
+    RECORD_BYTES = abi.EVENT_STRUCT.size
+    STRIDE = (HEADER_BYTES + RECORD_BYTES + 7) // 8 * 8
+    _POSITION = struct.Struct("<Q")  # the producer's position, first in its page
+    _LENGTH = struct.Struct("<I")  # a record header's first word
+
+    def __init__(self, map_fd: int, data_bytes: int) -> None:
+        page = mmap.PAGESIZE
+        if data_bytes <= 0 or data_bytes & (data_bytes - 1) or data_bytes % page:
+            raise ValueError(f"a ring of {data_bytes} bytes: not a power-of-2 number of pages")
+        self._data_bytes = data_bytes
+        self._mask = data_bytes - 1
+        self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self._producer = mmap.mmap(map_fd, page + 2 * data_bytes, mmap.MAP_SHARED, mmap.PROT_READ,
+                                       offset=page)
+        except BaseException:
+            self._consumer.close()
+            raise
+        # One aligned 8-byte store (the kernel reads it with an acquire load).
+        self._consumer_pos = ctypes.c_uint64.from_buffer(self._consumer)
+        self._data = memoryview(self._producer)[page:]
+
+    def read(self, max_records: int) -> bytes:
+        """Up to `max_records` committed records (STRIDE bytes each, header first), consumed."""
+        consumed = self._consumer_pos.value
+        available = self._POSITION.unpack_from(self._producer, 0)[0] - consumed
+        if available <= 0:
+            return b""
+        start = consumed & self._mask
+        chunk = bytes(self._data[start:start + min(available, max_records * self.STRIDE, self._data_bytes)])
+        count = len(chunk) // self.STRIDE
+        if count and len(chunk) == count * self.STRIDE and \
+                memoryview(chunk).cast("I")[::self.STRIDE // 4].tolist().count(self.RECORD_BYTES) == count:
+            records = chunk
+        else:
+            records, length = self._walk(chunk, max_records)
+            chunk = chunk[:length]
+        if chunk:
+            self._consumer_pos.value = consumed + len(chunk)
+        return records
+
+    def _walk(self, chunk: bytes, max_records: int) -> tuple[bytes, int]:
+        """(records, bytes consumed) one header at a time: stops at a record not yet committed (or
+        cut by the copy), skips discarded ones, and brings others to the event's size (zeros past
+        a short one, which then decodes as undecodable)."""
+        records: list[bytes] = []
+        position = 0
+        padding = bytes(self.STRIDE - self.HEADER_BYTES - self.RECORD_BYTES)
+        while position + self.HEADER_BYTES <= len(chunk) and len(records) < max_records:
+            length = self._LENGTH.unpack_from(chunk, position)[0]
+            if length & self.BUSY_BIT:
+                break
+            size = length & ~(self.BUSY_BIT | self.DISCARD_BIT)
+            total = (self.HEADER_BYTES + size + 7) // 8 * 8
+            if position + total > len(chunk):
+                break
+            if not length & self.DISCARD_BIT:
+                body = chunk[position + self.HEADER_BYTES:position + self.HEADER_BYTES + min(size, self.RECORD_BYTES)]
+                records.append(bytes(self.HEADER_BYTES) + body.ljust(self.RECORD_BYTES, b"\0") + padding)
+            position += total
+        return b"".join(records), position
+
+    def close(self) -> None:
+        del self._consumer_pos
+        self._data.release()
+        self._producer.close()
+        self._consumer.close()
 
 
 class LibraryUnreadable(Exception):

@@ -16,20 +16,27 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 
 import psutil
 
 from kvtrace.model.agent import AttachedLibrary
-from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventsLost, Kind, StackStatus
+from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventsLost, Kind, ObjectKind, StackStatus
 from kvtrace.model.gpus import cuda_visible_count
-from kvtrace.model.ledger import Outstanding
+from kvtrace.model.ledger import COUNTED_OBJECTS, DEFAULT_MAX_READ_ENTRIES, LedgerKey, Outstanding, TotalsKey
 from kvtrace.model.stacks import Stack
 from kvtrace.session import Session
 from kvtrace.sources import procfs
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.decode import Clock, decode_event, decode_ledger_entry
+from kvtrace.sources.bpf.decode import (
+    Clock,
+    count_ledger_chunk,
+    decode_event,
+    decode_events,
+    decode_ledger_chunk,
+    decode_ledger_entry,
+)
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, ProbeSettings, TorchProbesRefused
 from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
 from kvtrace.sources.python.runtime import NoPython, PythonTarget, inspect_python
@@ -40,6 +47,11 @@ log = logging.getLogger(__name__)
 # A notified pid is rescanned now and once more a little later: the mmap that told us may not have
 # returned yet when we read /proc/PID/maps.
 RESCAN_DELAYS_SECONDS = (0.0, 0.25)
+_COUNTED_OBJECT_VALUES = frozenset(kind.value for kind in COUNTED_OBJECTS)
+_KEPT_OBJECT_VALUES = frozenset(kind.value for kind in ObjectKind) - _COUNTED_OBJECT_VALUES
+
+# Events the BPF source acts on as they are read (the kernel's ledger drops what they freed).
+_LIFECYCLE_KINDS = frozenset({Kind.PROCESS_EXIT, Kind.CONTEXT_DESTROY})
 
 # The loop reports in every 0.1 s; silent this long, it is stalled.
 STALLED_AFTER_SECONDS = 5.0
@@ -73,6 +85,12 @@ class BpfOptions:
     # A library no traced process has mapped for this long loses its probes (preattached files
     # that are still where they were found keep theirs).
     detach_idle_seconds: float = 60.0
+    # -p with at most this many processes: probes in those processes only; more: one set per library for
+    # every process, filtered in the kernel by pid (--per-process-probes-max).
+    per_process_probes_max: int = 8
+    # The kernel keeps the ledger; the Session counts allocations and blocks, and a report copies at most
+    # this many of them from the kernel at once (Session.count_only).
+    max_read_entries: int = DEFAULT_MAX_READ_ENTRIES
 
 
 class BpfSource:
@@ -100,6 +118,7 @@ class BpfSource:
         # Following pids chosen at start (-p): probes go on those processes only, so that the others
         # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
         self._per_pid_attach = False
+        self.probe_sets_attached = 0  # probes.attach calls: once per library, or per library and process (-p)
         self._attached_targets: dict[FileId, Target] = {}  # the libraries with probes in
         self._preattached: set[FileId] = set()  # found by preattach_globs, not by a process
         self._idle_since: dict[FileId, float] = {}  # attached libraries nobody maps: since when
@@ -112,6 +131,7 @@ class BpfSource:
         self.libraries_detached = 0
         self._missed_seen = 0  # events lost + block events unsent, as last seen
         self._resync_due = False
+        self._recount_to_check = False  # a recount was read while counted events happened: see housekeeping
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
         self._next_full_scan = 0.0
         self._next_sweep = 0.0
@@ -157,11 +177,16 @@ class BpfSource:
             self.torch_blocks_down = "PyTorch's allocator probes need uprobe_multi links (Linux 6.6+)"
         self.session.report_component("torch_blocks", not self.torch_blocks_down, self.torch_blocks_down)
         probes.set_filter(self.filtering)
+        # A few chosen processes get probes of their own (every other process pays nothing); more share
+        # one set per library, filtered in the kernel: attaching and detaching then cost per library, not
+        # per library and process (a link per process and library, each a grace period to take down).
         self._per_pid_attach = (bool(self.options.pids) and not self.options.only_selected
-                                and self.options.cmdline is None)
+                                and self.options.cmdline is None
+                                and len(self.options.pids) <= self.options.per_process_probes_max)
         for pid in self.options.pids:
             self._select(pid)
-        probes.open_rings(self._on_raw_event, self._on_notify)
+        self.session.count_only(self._read_allocations, self._find_allocation, self.options.max_read_entries)
+        probes.open_rings(self._on_raw_events, self._on_notify)
         # Running processes first: each one's Python runtime is found before any probe goes into
         # it, so that an allocation caught in the middle of attaching still has its stack.
         self._starting = True
@@ -207,6 +232,7 @@ class BpfSource:
         counters["libraries_attached"] = len(self._attached_targets)
         counters["libraries_refused"] = self.libraries_refused
         counters["libraries_detached"] = self.libraries_detached
+        counters["probe_sets_attached"] = self.probe_sets_attached  # per library, or per library and process
         self.session.report_counters(counters)
         self.session.report_libraries(self.attached_libraries())
         waiting = sorted(self._over_limit.values())
@@ -220,30 +246,61 @@ class BpfSource:
 
     # ---- events ----
 
+    def _on_raw_events(self, records: bytes, stride: int, offset: int) -> None:
+        """A poll's records at once (loader.open_rings): decoded in one go; events that need no
+        more than the pid filter (no kernel stack, not an exit or context destroy) join the batch
+        without a Python call each."""
+        try:
+            events, kernel_stack_ids, undecodable = decode_events(records, self.clock, stride, offset)
+        except ValueError as error:  # not whole records: probes of another build?
+            self._count_undecodable(max(1, len(records) // stride), error)
+            return
+        if undecodable:
+            self._count_undecodable(undecodable, "a kind, API or enum value this agent does not know")
+        if any(kernel_stack_ids) or not _LIFECYCLE_KINDS.isdisjoint({event.kind for event in events}):
+            for event, kernel_stack_id in zip(events, kernel_stack_ids, strict=True):
+                self._admit(event, kernel_stack_id)
+        elif self.filtering:
+            selected = self._selected
+            self._batch.extend([event for event in events if event.pid in selected])
+        else:
+            self._batch.extend(events)
+
+    def _count_undecodable(self, count: int, error: object) -> None:
+        self._undecodable += count
+        if self._undecodable == count:
+            log.error("an event could not be decoded (%s): the ledger is resynced from the kernel's; "
+                      "kvtrace_events_undecodable_total counts them", error)
+        # housekeeping sees the count go up: subscribers are told, the ledger resyncs
+
     def _on_raw_event(self, record: bytes) -> None:
         try:
             event, kernel_stack_id = decode_event(record, self.clock)
         except (struct.error, KeyError, ValueError) as error:  # probes of another build?
-            self._undecodable += 1
-            if self._undecodable == 1:
-                log.error("an event could not be decoded (%s): the ledger is resynced from the kernel's; "
-                          "kvtrace_events_undecodable_total counts them", error)
-            return  # housekeeping sees the count go up: subscribers are told, the ledger resyncs
+            self._count_undecodable(1, error)
+            return
+        self._admit(event, kernel_stack_id)
+
+    def _admit(self, event: Event, kernel_stack_id: int) -> None:
         if self.filtering and event.pid not in self._selected:
             return
         if kernel_stack_id:
             event.stack_id = self._resolve_stack(event.pid, kernel_stack_id)
             if not event.stack_id:
                 event.stack_status = StackStatus.UNRESOLVED
+        self._batch.append(event)
         if event.kind is Kind.PROCESS_EXIT:
+            # The Session first: what watches exits (the flight recorder) copies what the process held, and
+            # where the kernel keeps the allocations, that copy is read from the kernel's entries.
+            self._flush()
             self._drop_in_kernel(event.pid, event.timestamp_ns)
             self._forget_process(event.pid)
             if event.pid in self._selected:
                 self._swept_exited.add(event.pid)  # seen exiting: the sweep has nothing to add
         elif event.kind is Kind.CONTEXT_DESTROY and event.error_code == 0:
+            self._flush()
             device = None if event.device == DEVICE_UNKNOWN else event.device
             self._drop_in_kernel(event.pid, event.timestamp_ns, device)
-        self._batch.append(event)
 
     def _on_notify(self, raw: abi.RawNotify) -> None:
         if self.filtering and self.options.cmdline is None and raw.pid not in self._selected:
@@ -297,6 +354,12 @@ class BpfSource:
             self.session.ingest(EventsLost(missed - self._missed_seen, self.session.wall_clock_ns()))
             self._missed_seen = missed
             self._resync_due = True
+        if self._recount_to_check and now >= self._next_resync_allowed:
+            # Every event made before the recount's read ended has arrived by now (the ring is in order):
+            # one made during the read may have been counted twice or not at all, so it is read again.
+            self._recount_to_check = False
+            if self.session.recount_overlaps():
+                self._resync_due = True
         if self._resync_due and now >= self._next_resync_allowed:
             self._next_resync_allowed = now + self.options.resync_min_seconds
             self._resync_due = False
@@ -348,7 +411,7 @@ class BpfSource:
                 cframe_frame=o.cframe_frame, frame_code=o.frame_code,
                 frame_previous=o.frame_previous, frame_instr=o.frame_instr,
                 frame_owner=o.frame_owner, frame_read_bytes=o.frame_read_bytes,
-                instr_is_lasti=0 if o.instr_is_pointer else 1))
+                instr_is_lasti=0 if o.instr_is_pointer else 1, tstate_datastack=o.tstate_datastack))
             log.info("pid %d: Python %d.%d stacks from %s", pid, *found.version, found.path)
         else:
             log.info("pid %d: no Python stacks: %s", pid, found.reason)
@@ -479,6 +542,7 @@ class BpfSource:
         whom = "every process" if pid == -1 else f"pid {pid}"
         if target.symbols and pid not in probes.attached_pids(target.file_id):
             attached = probes.attach(target.path, target.symbols, pid, key=target.file_id)
+            self.probe_sets_attached += 1
             log.info("attached %d probes to %s for %s (mapped by pids %s)", len(attached), target.path,
                      whom, sorted(target.pids))
         if target.torch_probes and not self.torch_blocks_down and pid not in probes.torch_attached_pids(target.file_id):
@@ -503,9 +567,10 @@ class BpfSource:
             if not psutil.pid_exists(pid):
                 if pid in self._selected:
                     self._swept_exited.add(pid)
+                self._flush()
+                self.session.forget_process(pid)  # before the kernel's entries go: an exit watcher reads them
                 self._drop_in_kernel(pid, self.session.wall_clock_ns())
                 self._forget_process(pid)
-                self.session.forget_process(pid)
                 log.info("process %d exited: what it held is dropped", pid)
         # Processes that exited holding nothing traced send no exit event: forget them here too.
         for pid in [pid for pid in {*self.late_device, *self.python} if not psutil.pid_exists(pid)]:
@@ -539,9 +604,30 @@ class BpfSource:
             probes.forget_tracked(pid)
 
     def resync(self) -> None:
-        """Replaces the Session's ledger with the kernel's exact copy (after lost events)."""
-        self.session.resync(self._kernel_entries())
-        log.warning("events were lost: ledger resynced from the kernel")
+        """Replaces the Session's ledger with the kernel's exact copy (after lost events). Where the Session
+        counts allocations and blocks (count_only), their totals are counted again from the kernel's
+        entries, a chunk at a time, and only the other objects are decoded; a recount read while counted
+        events happened is made again at the next housekeeping, until one is read while none do."""
+        if not self.session.ledger.counting:
+            self.session.resync(self._kernel_entries())
+            log.warning("events were lost: ledger resynced from the kernel")
+            return
+        wanted = frozenset(self._selected) if self.filtering else frozenset()
+        totals: dict[TotalsKey, list[int]] = {}
+        kept: list[Outstanding] = []
+        read_from_ns = self.clock.wall_ns(time.monotonic_ns())
+        for keys, values in self._probes().iter_ledger_chunks():
+            count_ledger_chunk(keys, values, totals, _COUNTED_OBJECT_VALUES, wanted)
+            for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _KEPT_OBJECT_VALUES, wanted):
+                if kernel_stack_id:
+                    entry.stack_id = self._resolve_stack(entry.key.pid, kernel_stack_id)
+                kept.append(entry)
+        read_until_ns = self.clock.wall_ns(time.monotonic_ns())
+        self.session.recount({key: (size, count) for key, (size, count) in totals.items()}, kept,
+                             read_from_ns, read_until_ns)
+        self._recount_to_check = True
+        log.warning("events were lost: ledger totals counted again from the kernel's %d entries in %.2f s",
+                    sum(count for _, count in totals.values()) + len(kept), (read_until_ns - read_from_ns) / 1e9)
 
     def _kernel_entries(self) -> Iterator[Outstanding]:
         """The kernel ledger one entry at a time (millions of entries must not be held twice)."""
@@ -552,6 +638,36 @@ class BpfSource:
                 log.warning("ledger entry of pid %d left out of the resync: %s", key.pid, error)
                 continue
             if not self.filtering or entry.key.pid in self._selected:
+                # Stacks as already named (naming one takes the Session's lock, held by the resync).
+                if value.stack_id:
+                    entry.stack_id = self._stack_ids.get(value.stack_id, 0)
+                yield entry
+
+    def _find_allocation(self, key: LedgerKey) -> Outstanding | None:
+        """One entry of the kernel's ledger (a report's lookup, from any thread), None if it is not there."""
+        found = self._probes().find_ledger_entry(abi.RawLedgerKey(
+            pid=key.pid, layer=key.layer.value, object=key.object.value, address=key.address))
+        if found is None:
+            return None
+        try:
+            entry = decode_ledger_entry(found[0], found[1], self.clock)
+        except ValueError:
+            return None
+        if found[1].stack_id:
+            entry.stack_id = self._stack_ids.get(found[1].stack_id, 0)
+        return entry
+
+    def _read_allocations(self, pids: Collection[int]) -> Iterator[Outstanding]:
+        """The kernel's allocations and blocks of `pids` (empty: every traced process), for a report, from
+        any thread, decoded a chunk at a time: their stacks are the ones already named (each allocation's
+        event named its stack; one whose event was lost is named at the resync that follows)."""
+        wanted = frozenset(pids) or (frozenset(self._selected) if self.filtering else frozenset())
+        stack_ids = self._stack_ids
+        for keys, values in self._probes().iter_ledger_chunks():
+            for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _COUNTED_OBJECT_VALUES,
+                                                             wanted):
+                if kernel_stack_id:
+                    entry.stack_id = stack_ids.get(kernel_stack_id, 0)
                 yield entry
 
     # ---- views (tests, benchmarks, doctor) ----

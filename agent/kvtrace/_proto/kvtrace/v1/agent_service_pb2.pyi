@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EventEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_ENCODING_UNSPECIFIED: _ClassVar[EventEncoding]
+    EVENT_ENCODING_MESSAGES: _ClassVar[EventEncoding]
+    EVENT_ENCODING_COLUMNS: _ClassVar[EventEncoding]
+
 class View(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     VIEW_UNSPECIFIED: _ClassVar[View]
@@ -50,6 +56,9 @@ class FlightTriggerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLIGHT_TRIGGER_KIND_TIME_TO_OOM: _ClassVar[FlightTriggerKind]
     FLIGHT_TRIGGER_KIND_SIGNAL: _ClassVar[FlightTriggerKind]
     FLIGHT_TRIGGER_KIND_REQUEST: _ClassVar[FlightTriggerKind]
+EVENT_ENCODING_UNSPECIFIED: EventEncoding
+EVENT_ENCODING_MESSAGES: EventEncoding
+EVENT_ENCODING_COLUMNS: EventEncoding
 VIEW_UNSPECIFIED: View
 VIEW_FULL: View
 VIEW_REDACTED: View
@@ -80,26 +89,30 @@ FLIGHT_TRIGGER_KIND_SIGNAL: FlightTriggerKind
 FLIGHT_TRIGGER_KIND_REQUEST: FlightTriggerKind
 
 class StreamEventsRequest(_message.Message):
-    __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes")
+    __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes", "encoding")
     PIDS_FIELD_NUMBER: _ClassVar[int]
     TITLE_REGEX_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     MIN_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     pids: _containers.RepeatedScalarFieldContainer[int]
     title_regex: str
     kinds: _containers.RepeatedScalarFieldContainer[_events_pb2.EventKind]
     layers: _containers.RepeatedScalarFieldContainer[_events_pb2.Layer]
     min_size_bytes: int
-    def __init__(self, pids: _Optional[_Iterable[int]] = ..., title_regex: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[_events_pb2.EventKind, str]]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., min_size_bytes: _Optional[int] = ...) -> None: ...
+    encoding: EventEncoding
+    def __init__(self, pids: _Optional[_Iterable[int]] = ..., title_regex: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[_events_pb2.EventKind, str]]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., min_size_bytes: _Optional[int] = ..., encoding: _Optional[_Union[EventEncoding, str]] = ...) -> None: ...
 
 class StreamEventsResponse(_message.Message):
-    __slots__ = ("events", "view")
+    __slots__ = ("events", "view", "columns")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
     view: View
-    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
+    columns: _events_pb2.EventColumns
+    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., columns: _Optional[_Union[_events_pb2.EventColumns, _Mapping]] = ...) -> None: ...
 
 class GetSnapshotRequest(_message.Message):
     __slots__ = ("pids", "layers", "page_size", "page_token")

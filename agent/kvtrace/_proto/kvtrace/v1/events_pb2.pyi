@@ -309,3 +309,59 @@ class StackFrame(_message.Message):
     file: str
     line: int
     def __init__(self, function: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ...) -> None: ...
+
+class EventColumns(_message.Message):
+    __slots__ = ("kind", "timestamp_ns", "pid", "tid", "process", "api", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stream", "source", "processes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STACK_ID_FIELD_NUMBER: _ClassVar[int]
+    STACK_STATUS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    kind: _containers.RepeatedScalarFieldContainer[EventKind]
+    timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
+    pid: _containers.RepeatedScalarFieldContainer[int]
+    tid: _containers.RepeatedScalarFieldContainer[int]
+    process: _containers.RepeatedScalarFieldContainer[int]
+    api: _containers.RepeatedScalarFieldContainer[Api]
+    layer: _containers.RepeatedScalarFieldContainer[Layer]
+    object: _containers.RepeatedScalarFieldContainer[ObjectKind]
+    memory: _containers.RepeatedScalarFieldContainer[Memory]
+    size_bytes: _containers.RepeatedScalarFieldContainer[int]
+    address: _containers.RepeatedScalarFieldContainer[int]
+    device: _containers.RepeatedScalarFieldContainer[int]
+    error_code: _containers.RepeatedScalarFieldContainer[int]
+    caller_address: _containers.RepeatedScalarFieldContainer[int]
+    handle: _containers.RepeatedScalarFieldContainer[int]
+    freed_bytes: _containers.RepeatedScalarFieldContainer[int]
+    stack_id: _containers.RepeatedScalarFieldContainer[int]
+    stack_status: _containers.RepeatedScalarFieldContainer[StackStatus]
+    stream: _containers.RepeatedScalarFieldContainer[int]
+    source: _containers.RepeatedScalarFieldContainer[EventSource]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessLabel]
+    def __init__(self, kind: _Optional[_Iterable[_Union[EventKind, str]]] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., process: _Optional[_Iterable[int]] = ..., api: _Optional[_Iterable[_Union[Api, str]]] = ..., layer: _Optional[_Iterable[_Union[Layer, str]]] = ..., object: _Optional[_Iterable[_Union[ObjectKind, str]]] = ..., memory: _Optional[_Iterable[_Union[Memory, str]]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., error_code: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., handle: _Optional[_Iterable[int]] = ..., freed_bytes: _Optional[_Iterable[int]] = ..., stack_id: _Optional[_Iterable[int]] = ..., stack_status: _Optional[_Iterable[_Union[StackStatus, str]]] = ..., stream: _Optional[_Iterable[int]] = ..., source: _Optional[_Iterable[_Union[EventSource, str]]] = ..., processes: _Optional[_Iterable[_Union[ProcessLabel, _Mapping]]] = ...) -> None: ...
+
+class ProcessLabel(_message.Message):
+    __slots__ = ("comm", "title", "container")
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    comm: str
+    title: str
+    container: str
+    def __init__(self, comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ...) -> None: ...
