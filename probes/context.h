@@ -5,37 +5,17 @@
 #ifndef KVT_CONTEXT_H
 #define KVT_CONTEXT_H
 
+struct kvt_args_key {
+    u32 tid;
+    u32 api;
+};
+
 struct kvt_args {
     u64 arg[4];
     u64 caller_address;
     u64 stack_id;
     u64 stack_status;
-    u64 in_flight;  /* 1 from the entry until its return takes the arguments */
 };
-
-/* The stack of a runtime allocation in progress on a thread: the driver allocation it makes
- * (cudaMalloc -> cuMemAlloc_v2) has the same Python stack (no Python runs inside the runtime call),
- * so it is walked once, not twice. */
-struct kvt_outer_stack {
-    u64 stack_id;
-    u64 stack_status;
-    u64 timestamp_ns;
-    u32 api;        /* the runtime API whose call it is; 0: none in progress */
-    u32 reserved;
-};
-
-/* API ids that save arguments (runtime, driver, VMM) are below this. */
-#define KVT_API_SLOTS 64
-
-/* What a probe keeps per thread between a call's entry and its return, in task storage: it goes
- * with the thread, is never evicted (an LRU map's eviction of a call in flight loses that call),
- * is found from the task without a hash lookup, and each API's slot is written in place (a hash
- * map insert and delete per call cost more than the rest of an entry probe). */
-struct kvt_thread {
-    struct kvt_outer_stack outer;
-    struct kvt_args args[KVT_API_SLOTS];
-};
-BPF_TASK_STORAGE(threads, struct kvt_thread);
 
 struct kvt_ctx_key {
     u32 pid;
@@ -43,6 +23,7 @@ struct kvt_ctx_key {
     u64 ctx;
 };
 
+BPF_TABLE("lru_hash", struct kvt_args_key, struct kvt_args, saved_args, KVT_MAX_THREADS);
 BPF_TABLE("lru_hash", u32, s32, thread_device, KVT_MAX_THREADS);
 BPF_TABLE("lru_hash", struct kvt_ctx_key, s32, context_device, 4096);
 /* The device of a thread that never selected one, for processes whose CUDA start the agent missed
@@ -67,56 +48,52 @@ static __always_inline int filtered_out(u32 pid) {
     return 1;
 }
 
-/* The calling thread's storage; created when `create` (an entry), else NULL if it has none. */
-static __always_inline struct kvt_thread *this_thread(int create) {
-    return threads.task_storage_get(bpf_get_current_task_btf(), 0,
-                                    create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
-}
 
+/* The stack of a runtime allocation in progress on this thread: the driver allocation it makes
+ * (cudaMalloc -> cuMemAlloc_v2) has the same Python stack, so it is walked once, not twice. */
+struct kvt_outer_stack {
+    u64 stack_id;
+    u64 stack_status;
+    u64 timestamp_ns;
+};
+BPF_TABLE("lru_hash", u32, struct kvt_outer_stack, outer_stack, KVT_MAX_THREADS);
 /* Older than this, an outer entry is stale (its return was never seen) and is not reused. */
 #define KVT_OUTER_STACK_MAX_AGE_NS 1000000000ULL
 
 static __always_inline int is_runtime_api(u32 api) { return api < 20; }
 
-static __always_inline void python_stack_for_call(u32 api, struct kvt_thread *thread, struct kvt_args *args) {
+static __always_inline void python_stack_for_call(u32 api, u32 tid, struct kvt_args *args) {
     u64 now = bpf_ktime_get_ns();
-    struct kvt_outer_stack *outer = &thread->outer;
-    if (!is_runtime_api(api) && outer->api != 0 && now - outer->timestamp_ns < KVT_OUTER_STACK_MAX_AGE_NS) {
-        args->stack_id = outer->stack_id;
-        args->stack_status = outer->stack_status;
-        return;
+    if (!is_runtime_api(api)) {
+        struct kvt_outer_stack *outer = outer_stack.lookup(&tid);
+        if (outer && now - outer->timestamp_ns < KVT_OUTER_STACK_MAX_AGE_NS) {
+            args->stack_id = outer->stack_id;
+            args->stack_status = outer->stack_status;
+            return;
+        }
     }
     args->stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &args->stack_status);
     if (is_runtime_api(api)) {
-        outer->stack_id = args->stack_id;
-        outer->stack_status = args->stack_status;
-        outer->timestamp_ns = now;
-        outer->api = api;
+        struct kvt_outer_stack outer = {args->stack_id, args->stack_status, now};
+        outer_stack.update(&tid, &outer);
     }
 }
 
 static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
-    if (api >= KVT_API_SLOTS)
-        return 0; /* no slot: never the case for the APIs probed with it */
     u64 pid_tgid = bpf_get_current_pid_tgid();
     if (filtered_out(pid_tgid >> 32))
         return 0;
-    struct kvt_thread *thread = this_thread(1);
-    if (!thread)
-        return 0; /* no memory for it: the return counts as unpaired */
-    struct kvt_args *args = &thread->args[api & (KVT_API_SLOTS - 1)];
-    args->stack_id = 0;
-    args->stack_status = KVT_STACK_NOT_WALKED;
+    struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
+    struct kvt_args args = {};
     if (with_stack)
-        python_stack_for_call(api, thread, args);
-    args->arg[0] = PT_REGS_PARM1(ctx);
-    args->arg[1] = PT_REGS_PARM2(ctx);
-    args->arg[2] = PT_REGS_PARM3(ctx);
-    args->arg[3] = PT_REGS_PARM4(ctx);
+        python_stack_for_call(api, (u32)pid_tgid, &args);
+    args.arg[0] = PT_REGS_PARM1(ctx);
+    args.arg[1] = PT_REGS_PARM2(ctx);
+    args.arg[2] = PT_REGS_PARM3(ctx);
+    args.arg[3] = PT_REGS_PARM4(ctx);
     /* At function entry the return address is on top of the stack. */
-    args->caller_address = 0;
-    bpf_probe_read_user(&args->caller_address, sizeof(args->caller_address), (void *)PT_REGS_SP(ctx));
-    args->in_flight = 1;
+    bpf_probe_read_user(&args.caller_address, sizeof(args.caller_address), (void *)PT_REGS_SP(ctx));
+    saved_args.update(&key, &args);
     return 0;
 }
 
@@ -129,20 +106,18 @@ static __always_inline int save_alloc_entry(struct pt_regs *ctx, u32 api) {
     return save_entry_common(ctx, api, 1);
 }
 
-/* Takes the saved entry of this (thread, API) into *out; 0 when there was none. The return of a
- * runtime call also ends its outer stack: a driver call after it is the program's own. */
+/* Takes the saved entry of this (thread, API) into *out; 0 when there was none. */
 static __always_inline int take_entry(u32 api, struct kvt_args *out) {
-    struct kvt_thread *thread = this_thread(0);
-    struct kvt_args *args = thread ? &thread->args[api & (KVT_API_SLOTS - 1)] : 0;
-    if (!args || !args->in_flight || api >= KVT_API_SLOTS) {
-        if (selected(bpf_get_current_pid_tgid() >> 32))
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
+    struct kvt_args *args = saved_args.lookup(&key);
+    if (!args) {
+        if (selected(pid_tgid >> 32))
             count(KVT_COUNTER_RETURNS_UNPAIRED);
         return 0;
     }
     __builtin_memcpy(out, args, sizeof(*out));
-    args->in_flight = 0;
-    if (thread->outer.api == api)
-        thread->outer.api = 0;
+    saved_args.delete(&key);
     return 1;
 }
 

@@ -84,10 +84,8 @@
 #define KVT_COUNTER_FILTERED         5
 #define KVT_COUNTER_BLOCKS_UNSENT    6 /* block events over a process's rate: ledger kept, event not sent */
 #define KVT_COUNTER_USDT_UNREADABLE  7 /* a USDT probe whose site or arguments could not be read */
-#define KVT_COUNTER_STACK_WALKS      8 /* Python stacks walked (each reads the whole chain again) */
-#define KVT_COUNTER_STACK_WINDOWS    9 /* data-stack windows read: many frames in one read (3.11+) */
-#define KVT_COUNTER_STACK_FRAME_READS 10 /* frames read one by one (3.10; generator, entry frames) */
-#define KVT_COUNTER_COUNT            11
+#define KVT_COUNTER_LEDGER_REPLACED  8 /* an allocation at an address the ledger still held (a free unseen) */
+#define KVT_COUNTER_COUNT            9
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -152,9 +150,6 @@ struct kvt_py_target {
     u16 frame_read_bytes;
     u8 instr_is_lasti;    /* 3.10: a 4-byte int f_lasti instead of a pointer */
     u8 reserved;
-    s16 tstate_datastack; /* PyThreadState.datastack_chunk, _top, _limit (3.11+); -1: none (3.10) */
-    u16 reserved2;
-    u32 reserved3;
 };
 
 struct kvt_frame {

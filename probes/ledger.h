@@ -41,6 +41,10 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
     value.api = api;
     value.memory = memory;
     value.stack_id = stack_id;
+    /* The same key still there: its free was never seen. The entry is replaced; the agent, which counts
+     * entries from the events, counts again from the kernel's (the counter going up says so). */
+    if (ledger.lookup(&key))
+        count(KVT_COUNTER_LEDGER_REPLACED);
     if (ledger.update(&key, &value) != 0)
         count(KVT_COUNTER_LEDGER_FULL);
     mark_tracked(key.pid);
@@ -55,6 +59,8 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (is_runtime_api(api))
+        outer_stack.delete(&tid); /* the runtime call is over: its driver calls are done */
     s32 device = memory == KVT_MEMORY_HOST ? KVT_DEVICE_UNKNOWN : current_device(tid);
     u64 size_bytes = args.arg[1];
     if (pitched) {

@@ -349,6 +349,11 @@ class Session:
             for sink in self._sinks:
                 sink.publish_state(resynced)
 
+    def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True) -> None:
+        """Counted allocations the kernel's ledger dropped after an exit or context destroy (Ledger.uncount)."""
+        with self.lock:
+            self.ledger.uncount(dropped, implicit)
+
     def recount_overlaps(self) -> int:
         """Counted events made while the last recount read the kernel (Ledger.recount)."""
         with self.lock:

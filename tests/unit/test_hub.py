@@ -168,3 +168,27 @@ def test_filters_combine():
     events = [event(pid=200, size=2 * MiB), event(pid=200, size=1), event(pid=100, size=2 * MiB)]
     both = EventFilter(pids=frozenset({200}), min_size_bytes=MiB)
     assert filtered(both, events) == [events[0]]
+
+
+def test_a_partial_read_counts_only_its_events_and_a_late_event_still_wakes_the_reader():
+    hub = EventHub()
+    subscription = hub.subscribe()
+    hub.publish(event(Kind.ALLOC, Api.cudaMalloc, Layer.RUNTIME, 0x10, MiB))
+    hub.publish_loss(5)  # a kernel loss marker between events
+    hub.publish(event(Kind.ALLOC, Api.cudaMalloc, Layer.RUNTIME, 0x20, MiB))
+    hub.publish(event(Kind.ALLOC, Api.cudaMalloc, Layer.RUNTIME, 0x30, MiB))
+    first = subscription.read(3, 0)  # 3 items of 4, as many as events queued: 2 events and the marker
+    assert [type(item) is Lost for item in first] == [False, True, False]
+    assert subscription.delivered_total == 2
+    assert len(events_of(subscription.read(10, 0))) == 1 and subscription.delivered_total == 3
+    # The hand-out reset _kicked while an event came in and took it along: the next event still wakes.
+    hub._kicked = True
+    hub.distribute()
+    woken = threading.Event()
+    reader = threading.Thread(target=lambda: woken.set() if subscription.read(1, 5) else None)
+    reader.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    hub.publish(event(Kind.ALLOC, Api.cudaMalloc, Layer.RUNTIME, 0x40, MiB))
+    reader.join(5)
+    assert woken.is_set() and time.monotonic() - started < 0.5

@@ -92,17 +92,24 @@ def test_a_read_over_the_limit_is_refused_counted_and_reads_nothing():
     assert [entry.key.pid for entry in ledger.entries(pids={2})] == [2]  # one process fits
 
 
-def test_exit_and_context_destroy_drop_the_counted_totals():
+def test_exit_and_context_destroy_leave_the_counted_totals_to_what_the_kernel_dropped():
+    """The source deletes the kernel's entries after the Session saw the event and says exactly what went
+    (uncount): only entries as old as the event go, so a reused pid's allocation stays counted."""
+    from kvtrace.model.ledger import TotalsKey
+
     kernel = Kernel()
     ledger = counted(kernel)
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x1000, MiB, device=0))
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x2000, MiB, device=1))
     ledger.apply(kernel.alloc(2, Layer.DRIVER, 0x3000, MiB))
     ledger.apply(Event(kind=Kind.CONTEXT_DESTROY, api=Api.cuCtxDestroy_v2, pid=1, tid=1, timestamp_ns=5, device=1))
+    assert ledger.physical_device_bytes(1) == 2 * MiB  # until the source says what the kernel dropped
+    ledger.uncount({TotalsKey(1, 1, Layer.DRIVER, Memory.DEVICE): (MiB, 1)})
     assert ledger.physical_device_bytes(1) == MiB
     ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=1, tid=1, timestamp_ns=6))
-    assert ledger.physical_device_bytes(1) == 0 and ledger.physical_device_bytes(2) == MiB
-    assert ledger.implicit_frees_total[1] == 2
+    ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x4000, MiB, ts=7))  # a new process with that pid, at once
+    ledger.uncount({TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE): (MiB, 1)})  # the exit's, older than 6
+    assert ledger.physical_device_bytes(1) == MiB and ledger.physical_device_bytes(2) == MiB
 
 
 def test_resync_counts_the_kernels_copy_again():

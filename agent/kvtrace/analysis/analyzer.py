@@ -231,6 +231,7 @@ class Analyzer:
         if view.max_read_entries and blocks > view.max_read_entries:
             # Fragmentation nests every block in its segment: more blocks than may be held at once, it waits.
             self.fragmentation_skipped_total += 1
+            self._fragmentation = {}  # not last sample's rows served as current
             if self.fragmentation_skipped_total == 1:
                 log.warning("fragmentation not computed: %d live PyTorch blocks, more than --max-read-entries %d",
                             blocks, view.max_read_entries)

@@ -254,14 +254,18 @@ class Ledger:
                   and (device is None or e.device == device)]
         for entry in doomed:
             self._remove(entry)
-        dropped = len(doomed)
-        if self._counted:  # the source drops the kernel's entries; their totals go here, whatever their age
-            for totals in [totals for totals in self._counts if totals.pid == pid and totals.layer in _COUNTED_LAYERS
-                           and (device is None or totals.device == device)]:
-                dropped += self._counts.pop(totals)
-                del self._bytes[totals]
-        self.implicit_frees_total[pid] += dropped
-        return dropped
+        # Counted objects: the source deletes the kernel's entries and says what went (uncount).
+        self.implicit_frees_total[pid] += len(doomed)
+        return len(doomed)
+
+    def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True) -> None:
+        """Counted objects the kernel's ledger dropped (an exit, a context destroy): (bytes, count) each;
+        `implicit`: counted as implicit frees of their process (not after an exit: its counters are gone)."""
+        for totals, (size_bytes, count) in dropped.items():
+            if totals in self._counts:
+                self._count(totals.pid, totals.device, totals.layer, totals.memory, -size_bytes, -count)
+            if implicit:
+                self.implicit_frees_total[totals.pid] += count
 
     def forget_counters(self, pid: int) -> None:
         """After the process is gone: its per-pid counters go too, or a host that runs many short

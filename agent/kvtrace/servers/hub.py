@@ -185,10 +185,11 @@ class Subscription:
                     if len(queue) <= max_items:
                         items = list(queue)
                         queue.clear()
+                        # The whole queue: its events are the ones counted queued (no item looked at).
+                        events = self._queued_events
                     else:
                         items = [queue.popleft() for _ in range(max_items)]
-                    events = len(items) if self._queued_events == len(items) \
-                        else sum(1 for item in items if type(item) is not Lost)
+                        events = sum(1 for item in items if type(item) is not Lost)
                     self._queued_events -= events
                     self.delivered_total += events
                     return items
@@ -275,6 +276,12 @@ class EventHub:
         if self._pending:
             with self._lock:
                 self._distribute_locked()
+        elif self._kicked:
+            # An event appended between a hand-out's reset of _kicked and its take was handed out with
+            # the rest, and left _kicked set with nothing pending: the next event must wake readers.
+            with self._lock:
+                if not self._pending:
+                    self._kicked = False
 
     def _distribute_locked(self) -> None:
         self._kicked = False  # before the take: an event appended after it wakes the readers again

@@ -169,9 +169,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Allocations and PyTorch blocks of traced processes that the in-kernel ledger holds. The agent "
                "counts them and keeps none: reports read them from the kernel when asked."),
     MetricSpec("kvtrace_ledger_reads_refused_total", "counter", "reads", (),
-               "Copies of every kernel ledger entry at once (a recording's or flight dump's checkpoint, the "
-               "blocks nested for fragmentation) not made because they would exceed --max-read-entries; the "
-               "agent log says which. Raise --max-read-entries (about 450 bytes of agent memory per entry)."),
+               "Copies of every kernel ledger entry at once (a recording's or flight dump's checkpoint) not made "
+               "because they would exceed --max-read-entries; the agent log says which. Raise "
+               "--max-read-entries (about 450 bytes of agent memory per entry)."),
     MetricSpec("kvtrace_block_events_unsent_total", "counter", "events", (),
                "PyTorch block events not sent because a process went over --max-block-events-per-second: "
                "the blocks stay exact in the ledger (resynced from the kernel), their stacks are missing."),

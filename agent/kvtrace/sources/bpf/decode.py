@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from kvtrace.model.events import (
     Api,
@@ -189,13 +189,16 @@ def decode_ledger_chunk(keys: bytes, values: bytes, clock: Clock, objects: froze
 
 
 def count_ledger_chunk(keys: bytes, values: bytes, totals: dict[TotalsKey, list[int]], objects: frozenset[int],
-                       pids: Collection[int] = ()) -> None:
+                       pids: Collection[int] = (), unnamed: Callable[[int, int], None] | None = None) -> None:
     """Adds the raw entries of `objects` (raw values) of `pids` (empty: all) to `totals`: (pid, device,
-    layer, memory) -> [bytes, count], without building an entry each (a recount goes through millions)."""
-    for (pid, layer, object_kind, _, _), (size_bytes, _, _, _, _, device, _, memory, _, _, _) in zip(
+    layer, memory) -> [bytes, count], without building an entry each (a recount goes through millions).
+    `unnamed(pid, kernel stack id)` is called for each entry's stack, for the caller to name new ones."""
+    for (pid, layer, object_kind, _, _), (size_bytes, _, _, _, _, device, _, memory, _, _, stack_id) in zip(
             _LEDGER_KEY.iter_unpack(keys), _LEDGER_VALUE.iter_unpack(values), strict=True):
         if object_kind not in objects or (pids and pid not in pids):
             continue
+        if stack_id and unnamed is not None:
+            unnamed(pid, stack_id)
         layer_member, memory_member = _LAYER_VALUES.get(layer), _MEMORY_VALUES.get(memory)
         if layer_member is None or memory_member is None:
             continue
@@ -205,3 +208,24 @@ def count_ledger_chunk(keys: bytes, values: bytes, totals: dict[TotalsKey, list[
         else:
             total[0] += size_bytes
             total[1] += 1
+
+
+def doomed_in_chunk(keys: bytes, values: bytes, pid: int, before_ns: int, device: int | None,
+                    counted: frozenset[int], sums: dict[TotalsKey, list[int]]) -> list[bytes]:
+    """The raw keys of `pid`'s entries at most `before_ns` old (kernel clock; on `device` if given): what a
+    process exit or context destroy drops. Those of `counted` objects are added to `sums` (TotalsKey ->
+    [bytes, count]), which the Session then no longer counts."""
+    doomed: list[bytes] = []
+    key_size = _LEDGER_KEY.size
+    for index, ((entry_pid, layer, object_kind, _, _), (size_bytes, timestamp_ns, _, _, _, entry_device, _, memory,
+                                                        _, _, _)) in enumerate(zip(
+            _LEDGER_KEY.iter_unpack(keys), _LEDGER_VALUE.iter_unpack(values), strict=True)):
+        if entry_pid != pid or timestamp_ns > before_ns or (device is not None and entry_device != device):
+            continue
+        doomed.append(keys[index * key_size:(index + 1) * key_size])
+        layer_member, memory_member = _LAYER_VALUES.get(layer), _MEMORY_VALUES.get(memory)
+        if object_kind in counted and layer_member is not None and memory_member is not None:
+            total = sums.setdefault(TotalsKey(entry_pid, entry_device, layer_member, memory_member), [0, 0])
+            total[0] += size_bytes
+            total[1] += 1
+    return doomed

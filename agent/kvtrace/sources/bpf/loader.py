@@ -511,13 +511,13 @@ class RingReader:
     in one copy: the consumer position (read-write page), then the producer position and the data,
     mapped twice in a row so that a run of records that wraps is contiguous.
 
-    Records are fixed-size in this program (struct kvt_event, 8-byte header): the fast path checks
-    that every header of the run says a committed record of that size, and copies the run; anything
-    else (a record still being written, discarded, or of another size) is walked one header at a time
-    and stops at the first record not yet committed. Header and data are read in one copy without a
-    barrier: sound where loads are not reordered with loads (x86), so other CPUs use bcc's callback."""
+    First the headers, one at a time from the mapping itself, up to the first record not yet
+    committed; then one copy of that run. A record's header is read before any of its data, and the
+    kernel clears the busy bit only after writing the data: sound where loads are not reordered with
+    older loads (x86-64, which also stores the 8-byte consumer position at once), so other CPUs use
+    bcc's callback. Discarded records and ones of another size are sorted out in the copy."""
 
-    MACHINES = frozenset({"x86_64", "amd64", "i686"})
+    MACHINES = frozenset({"x86_64", "amd64"})
     HEADER_BYTES = 8  # BPF_RINGBUF_HDR_SZ: u32 len (busy and discard bits on top), u32 page offset
     BUSY_BIT = 1 << 31
     DISCARD_BIT = 1 << 30
@@ -550,9 +550,13 @@ class RingReader:
         if available <= 0:
             return b""
         start = consumed & self._mask
-        chunk = bytes(self._data[start:start + min(available, max_records * self.STRIDE, self._data_bytes)])
+        limit = min(available, max_records * self.STRIDE, self._data_bytes)
+        committed = self._committed(start, limit)
+        if not committed:
+            return b""
+        chunk = bytes(self._data[start:start + committed])  # the data, after every header of it
         count = len(chunk) // self.STRIDE
-        if count and len(chunk) == count * self.STRIDE and \
+        if len(chunk) == count * self.STRIDE and \
                 memoryview(chunk).cast("I")[::self.STRIDE // 4].tolist().count(self.RECORD_BYTES) == count:
             records = chunk
         else:
@@ -561,6 +565,21 @@ class RingReader:
         if chunk:
             self._consumer_pos.value = consumed + len(chunk)
         return records
+
+    def _committed(self, start: int, limit: int) -> int:
+        """Bytes from `start` (at most `limit`) that hold whole committed or discarded records, read header
+        by header from the shared mapping: the first one still busy ends the run."""
+        unpack, data = self._LENGTH.unpack_from, self._data
+        position = 0
+        while position + self.HEADER_BYTES <= limit:
+            length = unpack(data, start + position)[0]
+            if length & self.BUSY_BIT:
+                break
+            total = (self.HEADER_BYTES + (length & ~(self.BUSY_BIT | self.DISCARD_BIT)) + 7) // 8 * 8
+            if position + total > limit:
+                break
+            position += total
+        return position
 
     def _walk(self, chunk: bytes, max_records: int) -> tuple[bytes, int]:
         """(records, bytes consumed) one header at a time: stops at a record not yet committed (or

@@ -36,6 +36,7 @@ from kvtrace.sources.bpf.decode import (
     decode_events,
     decode_ledger_chunk,
     decode_ledger_entry,
+    doomed_in_chunk,
 )
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, ProbeSettings, TorchProbesRefused
 from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
@@ -132,6 +133,8 @@ class BpfSource:
         self._missed_seen = 0  # events lost + block events unsent, as last seen
         self._resync_due = False
         self._recount_to_check = False  # a recount was read while counted events happened: see housekeeping
+        self._replaced_seen = 0  # the probes' ledger_replaced counter when last looked at
+        self._resync_pace_seconds = self.options.resync_min_seconds  # see resync
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
         self._next_full_scan = 0.0
         self._next_sweep = 0.0
@@ -354,6 +357,9 @@ class BpfSource:
             self.session.ingest(EventsLost(missed - self._missed_seen, self.session.wall_clock_ns()))
             self._missed_seen = missed
             self._resync_due = True
+        if counters["ledger_replaced"] > self._replaced_seen:  # counted twice: count again from the kernel
+            self._replaced_seen = counters["ledger_replaced"]
+            self._resync_due = True
         if self._recount_to_check and now >= self._next_resync_allowed:
             # Every event made before the recount's read ended has arrived by now (the ring is in order):
             # one made during the read may have been counted twice or not at all, so it is read again.
@@ -361,7 +367,7 @@ class BpfSource:
             if self.session.recount_overlaps():
                 self._resync_due = True
         if self._resync_due and now >= self._next_resync_allowed:
-            self._next_resync_allowed = now + self.options.resync_min_seconds
+            self._next_resync_allowed = now + self._resync_pace_seconds
             self._resync_due = False
             self.resync()
 
@@ -411,7 +417,7 @@ class BpfSource:
                 cframe_frame=o.cframe_frame, frame_code=o.frame_code,
                 frame_previous=o.frame_previous, frame_instr=o.frame_instr,
                 frame_owner=o.frame_owner, frame_read_bytes=o.frame_read_bytes,
-                instr_is_lasti=0 if o.instr_is_pointer else 1, tstate_datastack=o.tstate_datastack))
+                instr_is_lasti=0 if o.instr_is_pointer else 1))
             log.info("pid %d: Python %d.%d stacks from %s", pid, *found.version, found.path)
         else:
             log.info("pid %d: no Python stacks: %s", pid, found.reason)
@@ -594,12 +600,19 @@ class BpfSource:
             self._probes().unselect_pid(pid)
 
     def _drop_in_kernel(self, pid: int, before_wall_ns: int, device: int | None = None) -> None:
+        """Deletes what an exit or context destroy freed from the kernel's ledger (its entries at most as
+        old as the event: a reused pid's or a new context's stay), after the Session saw the event; where
+        the Session counts, it then stops counting exactly what went."""
         probes = self._probes()
         before = self.clock.monotonic_ns(before_wall_ns)
-        doomed = [key for key, value in probes.iter_ledger_items()
-                  if key.pid == pid and value.timestamp_ns <= before
-                  and (device is None or value.device == device)]
+        sums: dict[TotalsKey, list[int]] = {}
+        doomed = [abi.RawLedgerKey.from_buffer_copy(raw)
+                  for keys, values in probes.iter_ledger_chunks()
+                  for raw in doomed_in_chunk(keys, values, pid, before, device, _COUNTED_OBJECT_VALUES, sums)]
         probes.delete_ledger_keys(doomed)
+        if sums:
+            self.session.uncount({key: (size, count) for key, (size, count) in sums.items()},
+                                 implicit=device is not None)
         if device is None:
             probes.forget_tracked(pid)
 
@@ -615,9 +628,15 @@ class BpfSource:
         wanted = frozenset(self._selected) if self.filtering else frozenset()
         totals: dict[TotalsKey, list[int]] = {}
         kept: list[Outstanding] = []
+        unnamed: dict[int, int] = {}  # kernel stack id -> a pid: allocations whose events were lost
+
+        def note_stack(pid: int, kernel_stack_id: int) -> None:
+            if kernel_stack_id not in self._stack_ids:
+                unnamed.setdefault(kernel_stack_id, pid)
+
         read_from_ns = self.clock.wall_ns(time.monotonic_ns())
         for keys, values in self._probes().iter_ledger_chunks():
-            count_ledger_chunk(keys, values, totals, _COUNTED_OBJECT_VALUES, wanted)
+            count_ledger_chunk(keys, values, totals, _COUNTED_OBJECT_VALUES, wanted, note_stack)
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _KEPT_OBJECT_VALUES, wanted):
                 if kernel_stack_id:
                     entry.stack_id = self._resolve_stack(entry.key.pid, kernel_stack_id)
@@ -625,7 +644,13 @@ class BpfSource:
         read_until_ns = self.clock.wall_ns(time.monotonic_ns())
         self.session.recount({key: (size, count) for key, (size, count) in totals.items()}, kept,
                              read_from_ns, read_until_ns)
+        for kernel_stack_id, pid in unnamed.items():  # reports read these entries with their stacks now
+            self._resolve_stack(pid, kernel_stack_id)
         self._recount_to_check = True
+        # A recount goes through every entry on this thread: under a steady flood (each read overlapping
+        # events) it is made again at most once per ten times its own length.
+        self._resync_pace_seconds = max(self.options.resync_min_seconds,
+                                        10 * (read_until_ns - read_from_ns) / 1e9)
         log.warning("events were lost: ledger totals counted again from the kernel's %d entries in %.2f s",
                     sum(count for _, count in totals.values()) + len(kept), (read_until_ns - read_from_ns) / 1e9)
 
