@@ -27,6 +27,12 @@ class CountingProbes:
     def iter_ledger_items(self):
         return iter(self.ledger_items())
 
+    def iter_ledger_chunks(self):
+        """The items as the raw (keys, values) arrays the bulk readers take."""
+        items = self.ledger_items()
+        if items:
+            yield b"".join(bytes(key) for key, _ in items), b"".join(bytes(value) for _, value in items)
+
     def delete_ledger_keys(self, keys) -> None:
         pass
 
