@@ -77,7 +77,7 @@ def main() -> int:
     assert target.stdout.readline().strip() == "ready"
     entries = 2 * args.allocations
     with AgentProcess(work / "kvtrace.sock", "-p", str(target.pid), "--no-nvml",
-                      "--max-ledger-entries", str(entries + 65536), *args.agent_arg) as agent:
+                      "--max-ledger-entries", str(entries + 65536), "--ledger-in-kernel", *args.agent_arg) as agent:
         meter = CpuMeter(agent.process.pid)
         time.sleep(2)
         rss_before = meter.rss_bytes()

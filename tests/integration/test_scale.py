@@ -35,7 +35,7 @@ def test_many_followed_processes_share_probes_and_the_kernel_keeps_the_ledger(tm
         pids = [workload.wait_ready() for workload in workloads]
         followed, other = pids[:FOLLOWED], pids[FOLLOWED]
         args = [arg for pid in followed for arg in ("-p", str(pid))]
-        with AgentProcess(socket, *args, "--max-read-entries", "100") as agent:
+        with AgentProcess(socket, *args, "--ledger-in-kernel", "--max-read-entries", "100") as agent:
             calls = {}
             for workload in workloads:
                 workload.go()

@@ -89,6 +89,10 @@ class BpfOptions:
     # -p with at most this many processes: probes in those processes only; more: one set per library for
     # every process, filtered in the kernel by pid (--per-process-probes-max).
     per_process_probes_max: int = 8
+    # --ledger-in-kernel: the Session counts allocations and blocks and keeps none (Session.count_only).
+    # Off by default: after lost events under a steady flood, a recount of the kernel's entries can be off
+    # by the events made while it read (until a read overlaps none); a kept ledger resyncs exactly by key.
+    ledger_in_kernel: bool = False
     # The kernel keeps the ledger; the Session counts allocations and blocks, and a report copies at most
     # this many of them from the kernel at once (Session.count_only).
     max_read_entries: int = DEFAULT_MAX_READ_ENTRIES
@@ -188,7 +192,8 @@ class BpfSource:
                                 and len(self.options.pids) <= self.options.per_process_probes_max)
         for pid in self.options.pids:
             self._select(pid)
-        self.session.count_only(self._read_allocations, self._find_allocation, self.options.max_read_entries)
+        if self.options.ledger_in_kernel:
+            self.session.count_only(self._read_allocations, self._find_allocation, self.options.max_read_entries)
         probes.open_rings(self._on_raw_events, self._on_notify)
         # Running processes first: each one's Python runtime is found before any probe goes into
         # it, so that an allocation caught in the middle of attaching still has its stack.
@@ -357,9 +362,10 @@ class BpfSource:
             self.session.ingest(EventsLost(missed - self._missed_seen, self.session.wall_clock_ns()))
             self._missed_seen = missed
             self._resync_due = True
-        if counters["ledger_replaced"] > self._replaced_seen:  # counted twice: count again from the kernel
+        if counters["ledger_replaced"] > self._replaced_seen:
             self._replaced_seen = counters["ledger_replaced"]
-            self._resync_due = True
+            # A kept ledger replaces the entry by key as the kernel did; a counting one counted it twice.
+            self._resync_due = self._resync_due or self.session.ledger.counting
         if self._recount_to_check and now >= self._next_resync_allowed:
             # Every event made before the recount's read ended has arrived by now (the ring is in order):
             # one made during the read may have been counted twice or not at all, so it is read again.
@@ -651,7 +657,8 @@ class BpfSource:
         # events) it is made again at most once per ten times its own length.
         self._resync_pace_seconds = max(self.options.resync_min_seconds,
                                         10 * (read_until_ns - read_from_ns) / 1e9)
-        log.warning("events were lost: ledger totals counted again from the kernel's %d entries in %.2f s",
+        log.warning("ledger totals counted again from the kernel's %d entries in %.2f s (events lost, an entry "
+                    "replaced, or the last recount overlapped events)",
                     sum(count for _, count in totals.values()) + len(kept), (read_until_ns - read_from_ns) / 1e9)
 
     def _kernel_entries(self) -> Iterator[Outstanding]:
