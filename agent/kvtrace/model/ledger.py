@@ -260,7 +260,10 @@ class Ledger:
 
     def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True) -> None:
         """Counted objects the kernel's ledger dropped (an exit, a context destroy): (bytes, count) each;
-        `implicit`: counted as implicit frees of their process (not after an exit: its counters are gone)."""
+        `implicit`: counted as implicit frees of their process (not after an exit: its counters are gone).
+        Only where the ledger counts: a kept ledger dropped the entries themselves (drop_process)."""
+        if not self._counted:
+            return
         for totals, (size_bytes, count) in dropped.items():
             if totals in self._counts:
                 self._count(totals.pid, totals.device, totals.layer, totals.memory, -size_bytes, -count)

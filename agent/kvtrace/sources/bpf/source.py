@@ -616,7 +616,7 @@ class BpfSource:
                   for keys, values in probes.iter_ledger_chunks()
                   for raw in doomed_in_chunk(keys, values, pid, before, device, _COUNTED_OBJECT_VALUES, sums)]
         probes.delete_ledger_keys(doomed)
-        if sums:
+        if sums and self.session.ledger.counting:  # a kept ledger dropped its own entries at the event
             self.session.uncount({key: (size, count) for key, (size, count) in sums.items()},
                                  implicit=device is not None)
         if device is None:
