@@ -46,7 +46,7 @@ from kvtrace.model.blocks import Fragmentation, fragmentation, segments_of
 from kvtrace.model.events import PHYSICAL_LAYERS, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport, LeakSuspect, ProcessGpu
 from kvtrace.model.gpus import NvmlSample, nvml_index_for_cuda_ordinal
-from kvtrace.model.ledger import LedgerView, Outstanding
+from kvtrace.model.ledger import LedgerView, Outstanding, pids_with_blocks
 from kvtrace.model.vllm import Role, VllmView
 from kvtrace.session import Session
 
@@ -188,8 +188,7 @@ class Analyzer:
         Safe from any thread: the ledger is copied under the Session's lock, ranked outside it."""
         entries = self.session.outstanding(pids)
         find = self.session.find_counted()
-        with_blocks = {key.pid for key, (_, count) in self.session.ledger_counts().totals.items()
-                       if key.layer is Layer.TORCH and count} if find is not None else None
+        with_blocks = pids_with_blocks(self.session.ledger_counts().totals) if find is not None else None
         titles = self.session.process_titles()
         min_age = self.options.leak_min_age_seconds if min_age_seconds is None else min_age_seconds
         report = find_suspects(entries, self.session.wall_clock_ns() if wall_ns is None else wall_ns, min_age,

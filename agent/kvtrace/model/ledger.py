@@ -477,7 +477,12 @@ class LedgerView:
 
     def pids_with_blocks(self) -> set[int]:
         """Processes holding PyTorch blocks (traced), from the totals."""
-        return {key.pid for key, (_, count) in self.totals.items() if key.layer is Layer.TORCH and count}
+        return pids_with_blocks(self.totals)
+
+
+def pids_with_blocks(totals: Mapping[TotalsKey, tuple[int, int]]) -> set[int]:
+    """Processes holding PyTorch blocks (traced), from a ledger's totals."""
+    return {key.pid for key, (_, count) in totals.items() if key.layer is Layer.TORCH and count}
 
 
 def ledger_view(ledger: Ledger, wall_ns: int, monotonic_ns: int, with_entries: bool = True,
