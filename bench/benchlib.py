@@ -47,6 +47,9 @@ def empty_probes(points):
     `points` (pid -1: every process)."""
     from bcc import BPF
 
+    from kvtrace.sources.bpf.links import repair_bcc_attach_uprobe
+
+    repair_bcc_attach_uprobe()  # as kvtrace's own: no semaphore, so both can probe one function
     bpf = BPF(text=EMPTY_PROGRAM)
     for path, symbol, pid in points:
         bpf.attach_uprobe(name=str(path).encode(), sym=symbol.encode(), fn_name=b"empty_entry", pid=pid)

@@ -95,10 +95,13 @@ class StubBuild:
     lib_dir: Path          # libcuda.so.1 and libcudart.so.12
     libcuda: Path
     libcudart: Path
-    workload: Path         # links both libraries (RUNPATH lib_dir)
+    workload: Path         # links both libraries (DT_RPATH lib_dir)
     workload_static: Path  # both stubs compiled into the executable
     dlopen_workload: Path
     static_libc: bool      # False: no static libc here, workload_static links libc dynamically
+
+
+_OLD_DTAGS = "-Wl,--disable-new-dtags"
 
 
 def _gcc(*args: str | Path) -> None:
@@ -120,13 +123,16 @@ def build_stubs(out_dir: Path) -> StubBuild:
 
     _gcc(*_CFLAGS, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", libcuda, src / "cuda_stub.c")
     # -l:NAME links the versioned file itself, so no libcuda.so symlink is needed; $ORIGIN lets a
-    # dlopen of libcudart by path find libcuda next to it.
+    # dlopen of libcudart by path find libcuda next to it. The search paths are DT_RPATH (old
+    # dtags), which come before LD_LIBRARY_PATH: on a GPU host that names the real driver's
+    # directory, DT_RUNPATH would load the real libcuda.so.1 under the stub runtime, and its
+    # cuMemAlloc fails without a context.
     _gcc(*_CFLAGS, "-shared", "-fPIC", "-Wl,-soname,libcudart.so.12", "-o", libcudart,
-         src / "cudart_stub.c", f"-L{lib_dir}", "-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN")
+         src / "cudart_stub.c", f"-L{lib_dir}", "-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN", _OLD_DTAGS)
 
     workload = bin_dir / "workload"
     _gcc(*_CFLAGS, "-o", workload, src / "workload.c", f"-L{lib_dir}", "-l:libcudart.so.12",
-         "-l:libcuda.so.1", f"-Wl,-rpath,{lib_dir}")
+         "-l:libcuda.so.1", f"-Wl,-rpath,{lib_dir}", _OLD_DTAGS)
 
     workload_static = bin_dir / "workload_static"
     static_sources = (src / "workload.c", src / "cudart_stub.c", src / "cuda_stub.c")

@@ -48,6 +48,8 @@ class CountingProbes:
     def unselect_pid(self, pid: int) -> None:
         pass
 
+    refused_symbols: dict[str, str] = {}
+
     def attached(self) -> dict:
         return {}
 
@@ -121,6 +123,45 @@ def test_a_library_that_cannot_be_attached_is_refused_and_the_agent_goes_on():
     assert target.file_id not in tracer._attached_targets  # not kept as attached, not tried per pid
     (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
     assert not status.up
+
+
+class HalfAttachingProbes(CountingProbes):
+    """The kernel refuses one function's probes (another tracer's probe there names a different
+    semaphore: ref_ctr_offset mismatch, EINVAL) and takes the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: set[int] = set()
+
+    def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
+        self.refused_symbols = {"cudaMalloc": "cannot attach a uprobe_multi link: EINVAL"}
+        self.live.add(pid)
+        return [symbol for symbol in symbols if symbol != "cudaMalloc"]
+
+    def attached_pids(self, path: str) -> set[int]:
+        return set(self.live)
+
+    def torch_attached_pids(self, key) -> set[int]:
+        return set()
+
+
+def test_functions_the_kernel_refused_make_the_library_unhealthy_by_name():
+    # GIVEN a library whose cudaMalloc the kernel refuses to probe for pid 4000
+    session = Session()
+    tracer = BpfSource(session, BpfOptions(pids={4000}))
+    tracer.probes = HalfAttachingProbes()
+    tracer._per_pid_attach = True
+    tracer._selected.add(4000)
+    target = Target(FileId(1, 2), "/opt/lib/libcudart.so.12", ("cudaMalloc", "cudaFree", "cudaMallocHost"))
+    # WHEN it is attached
+    tracer._attach(target)
+    # THEN the library stays attached (two of three functions are probed), and its health says which
+    # function is blind, for whom and why, where `kvtrace doctor` and GetAgentInfo read it
+    assert target.file_id in tracer._attached_targets
+    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
+    assert not status.up
+    assert status.reason == ("1 of 3 functions not probed for pid 4000, e.g. cudaMalloc: "
+                             "cannot attach a uprobe_multi link: EINVAL")
 
 
 def _entry(pid: int, obj: int, address: int, size_bytes: int):

@@ -180,6 +180,35 @@ class Link:
 _UPROBE_MULTI_FUNCTIONS: weakref.WeakSet[object] = weakref.WeakSet()
 
 
+def repair_bcc_attach_uprobe() -> bool:
+    """Makes bcc's Python attach_uprobe/attach_uretprobe register their probes with no USDT
+    semaphore (ref_ctr_offset 0). Returns whether bcc needed it.
+
+    bcc's Python binding declares bpf_attach_uprobe with six arguments where libbcc (since 0.17)
+    takes seven: the seventh, ref_ctr_offset, is whatever the caller left in its register
+    (iovisor/bcc#5236; 0x6 on the development VM). The kernel then (1) increments a "semaphore" at
+    that offset of the probed file in the traced process, and (2) refuses any other probe at the
+    same function whose ref_ctr_offset differs (`ref_ctr_offset mismatch`, EINVAL): kvtrace's
+    uprobe_multi links and another bcc tool's perf-event probes shut each other out. Applied by the
+    loader before its first attach and by the benchmarks' empty probes; idempotent.
+    """
+    from bcc import libbcc  # only here: the rest of this module works without bcc
+
+    declared = libbcc.lib.bpf_attach_uprobe
+    if getattr(declared, "_kvtrace_repaired", False) or len(getattr(declared, "argtypes", None) or ()) != 6:
+        return False
+    full = libbcc.lib["bpf_attach_uprobe"]  # a new function object: bcc's own stays as declared
+    full.restype = ctypes.c_int
+    full.argtypes = [*declared.argtypes, ctypes.c_uint32]
+
+    def bpf_attach_uprobe(prog_fd, attach_type, event_name, binary_path, offset, pid):
+        return full(prog_fd, attach_type, event_name, binary_path, offset, pid, 0)
+
+    bpf_attach_uprobe._kvtrace_repaired = True  # type: ignore[attr-defined]
+    libbcc.lib.bpf_attach_uprobe = bpf_attach_uprobe
+    return True
+
+
 def load_uprobe_multi(bpf: BPF, fn_name: str) -> int:
     """Loads a function of a bcc module as a kprobe-type program with expected_attach_type
     BPF_TRACE_UPROBE_MULTI (the kernel refuses uprobe_multi links to any other) and returns its fd.

@@ -120,6 +120,7 @@ class BpfProbes:
         from bcc import BPF  # imported here so that everything else works without bcc
 
         self.settings = settings
+        links.repair_bcc_attach_uprobe()  # before any perf-event probe (kernels before 6.6)
         started = time.monotonic()
         self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
         self.compile_seconds = time.monotonic() - started
@@ -128,6 +129,7 @@ class BpfProbes:
         # Attachments are per library, named by the caller's key (the agent's: the file's device and
         # inode, so that a file replaced at the same path is a new library; the path by default).
         self._paths: dict[Hashable, str] = {}  # key -> the path attached through
+        self.refused_symbols: dict[str, str] = {}  # the last attach(): symbol -> why it was refused
         self._attached: dict[Hashable, dict[int, list[str]]] = {}  # key -> pid (-1: all) -> symbols
         self._links: dict[Hashable, list[links.Link]] = {}  # key -> its links (uprobe_multi mode)
         self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
@@ -160,6 +162,7 @@ class BpfProbes:
         key = path if key is None else key
         symbols = list(symbols)
         self._paths[key] = path
+        self.refused_symbols = {}
         if self.uprobe_links:
             done = self._attach_links(key, path, symbols, pid)
             self._attached.setdefault(key, {})[pid] = done
@@ -180,13 +183,16 @@ class BpfProbes:
                 self._bpf.attach_uretprobe(name=path.encode(), sym=symbol.encode(),
                                            fn_name=return_function(symbol).encode(), pid=pid)
             except Exception as error:  # bcc raises plain Exception
-                log.warning("cannot attach to %s in %s%s: %s", symbol, path,
-                            f" for pid {pid}" if pid != -1 else "", error)
+                self._refuse(symbol, path, pid, error)
                 self._detach_symbol(path, symbol, pid)
                 continue
             done.append(symbol)
         self._attached.setdefault(key, {})[pid] = done
         return done
+
+    def _refuse(self, symbol: str, path: str, pid: int, error: object) -> None:
+        log.warning("cannot attach to %s in %s%s: %s", symbol, path, f" for pid {pid}" if pid != -1 else "", error)
+        self.refused_symbols[symbol] = str(error)
 
     def _attach_links(self, key: Hashable, path: str, symbols: list[str], pid: int) -> list[str]:
         """One entry and one return link per symbol (each program handles one API)."""
@@ -197,7 +203,7 @@ class BpfProbes:
         for symbol in symbols:
             offset = offsets.get(symbol)
             if offset is None:
-                log.warning("cannot attach to %s in %s: no function symbol with a file offset", symbol, path)
+                self._refuse(symbol, path, pid, "no function symbol with a file offset")
                 continue
             made: list[links.Link] = []
             try:
@@ -205,8 +211,7 @@ class BpfProbes:
                     made.append(links.attach_uprobe_multi(self._program(function), path, [offset],
                                                           retprobe=retprobe, pid=pid))
             except Exception as error:  # LinkError; bcc raises plain Exception when a load fails
-                log.warning("cannot attach to %s in %s%s: %s", symbol, path,
-                            f" for pid {pid}" if pid != -1 else "", error)
+                self._refuse(symbol, path, pid, error)
                 links.close_links(made)
                 continue
             self._links.setdefault(key, []).extend(made)

@@ -557,6 +557,12 @@ class BpfSource:
             self.probe_sets_attached += 1
             log.info("attached %d probes to %s for %s (mapped by pids %s)", len(attached), target.path,
                      whom, sorted(target.pids))
+            if probes.refused_symbols:  # part of the library is blind: say so where health is read
+                symbol, why = next(iter(probes.refused_symbols.items()))
+                self.session.report_component(
+                    f"attach:{target.path}", False,
+                    f"{len(probes.refused_symbols)} of {len(target.symbols)} functions not probed for {whom}, "
+                    f"e.g. {symbol}: {why}")
         if target.torch_probes and not self.torch_blocks_down and pid not in probes.torch_attached_pids(target.file_id):
             try:
                 sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
