@@ -63,6 +63,10 @@ Record = Event | EventsLost | NvmlSample | VllmRecord
 # Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
 # tests see a process's last few transitions).
 SLEEP_REPORTS_KEPT = 8
+# Kinds the ledger takes as a run and batch sinks get at once (Session._ingest_run); every other kind
+# (failures, which may trigger a flight dump with a copy of the ledger, exits, context destroys) is
+# taken alone, in order, after the run before it.
+_RUN_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.MAP, Kind.UNMAP, Kind.RELEASE, Kind.FREE_UNKNOWN})
 
 
 def _same_but_time(kept: KvCacheLayout | SleepReport | None, new: KvCacheLayout | SleepReport) -> bool:
@@ -80,7 +84,11 @@ class NativeNames(Protocol):
 
 
 class Sink(Protocol):
-    """Receives every event in order (called under the Session's lock: never block)."""
+    """Receives every event in order (called under the Session's lock: never block).
+
+    A sink may also have `publish_many(events)`: the same as publish for each of a run of consecutive
+    allocation-type events, called once after the ledger took the whole run (a sink that reads the
+    ledger as it publishes, a recording's checkpoint, must not have it)."""
 
     def publish(self, event: Event) -> None: ...
 
@@ -136,6 +144,8 @@ class Session:
         self._native_lock = threading.Lock()
         self._native_forgets = 0  # a name found across a forget may be the old process's: not kept
         self._sinks: list[Sink] = []
+        # The sinks again, as the run path calls them: each event alone, or a run at once.
+        self._run_sinks: tuple[list[Callable[[Event], None]], list[Callable[[list[Event]], None]]] = ([], [])
         self._exit_watchers: list[ExitWatcher] = []
         # The last checkpoint copied (weakly: it lives as long as a recording holds it) and where.
         self._checkpoint_position: tuple[int, int, int] | None = None
@@ -170,7 +180,15 @@ class Session:
 
     def add_sink(self, sink: Sink) -> None:
         with self.lock:
-            self._sinks = [*self._sinks, sink]
+            self._set_sinks([*self._sinks, sink])
+
+    def _set_sinks(self, sinks: list[Sink]) -> None:
+        self._sinks = sinks
+        many: list[Callable[[list[Event]], None]] = [
+            publish for publish in (getattr(sink, "publish_many", None) for sink in sinks) if publish is not None]
+        each: list[Callable[[Event], None]] = [
+            sink.publish for sink in sinks if getattr(sink, "publish_many", None) is None]
+        self._run_sinks = (each, many)
 
     def subscribe(self, sink: Sink) -> SessionCheckpoint:
         """Adds `sink` and copies the ledger at the same moment: the sink's events apply to exactly
@@ -178,7 +196,7 @@ class Session:
         than --max-read-entries (the sink is not added)."""
         with self.lock:
             checkpoint = self.checkpoint_locked()
-            self._sinks = [*self._sinks, sink]
+            self._set_sinks([*self._sinks, sink])
             return checkpoint
 
     def checkpoint_locked(self) -> SessionCheckpoint:
@@ -197,7 +215,7 @@ class Session:
 
     def remove_sink(self, sink: Sink) -> None:
         with self.lock:
-            self._sinks = [existing for existing in self._sinks if existing is not sink]
+            self._set_sinks([existing for existing in self._sinks if existing is not sink])
 
     def add_exit_watcher(self, watcher: ExitWatcher) -> None:
         with self.lock:
@@ -215,13 +233,22 @@ class Session:
         the sinks where the gap is; an NVML sample replaces the last one."""
         with self.lock:
             sinks = self._sinks
-            if self.cupti_witness:
+            witness = self.cupti_witness
+            if witness:
                 now_ns = self.wall_clock_ns()
                 if now_ns - self._crosscheck_settled_ns > 1_000_000_000:
                     self._crosscheck_settled_ns = now_ns
                     self._crosscheck.settle(now_ns)
+            run: list[Event] = []
+            run_kinds = _RUN_KINDS
             for record in records:
-                if type(record) is Event and self.cupti_witness and (
+                if not witness and type(record) is Event and record.kind in run_kinds:
+                    run.append(record)
+                    continue
+                if run:
+                    self._ingest_run(run)
+                    run = []
+                if type(record) is Event and witness and (
                         record.source is Source.CUPTI or self._crosscheck.follows(record.pid)):
                     if record.source is Source.CUPTI:
                         self._crosscheck.witness(record, Side.CUPTI, self.wall_clock_ns())
@@ -263,16 +290,37 @@ class Session:
                     self._vllm_metrics[record.url] = record
                 else:
                     raise TypeError(f"not a record a Session takes: {type(record).__name__}")
+            if run:
+                self._ingest_run(run)
+
+    def _ingest_run(self, events: list[Event]) -> None:
+        """Consecutive allocation-type events (the bulk of a busy stream), as ingest_many takes each
+        alone, at less cost: each pid's title is looked up once, the ledger takes them one by one with
+        each sink that publishes one at a time, and then the sinks that take a run get it at once."""
+        labels: dict[int, ProcessInfo | None] = {}
+        get_process = self.processes.get
+        for event in events:
+            if event.title:
+                continue  # a source that knows better (a recording) already said
+            pid = event.pid
+            _label(event, labels[pid] if pid in labels else labels.setdefault(pid, get_process(pid)))
+        self.events_total += len(events)
+        apply = self.ledger.apply
+        each, many = self._run_sinks
+        if each:
+            for event in events:
+                apply(event)
+                for publish in each:
+                    publish(event)
+        else:
+            for event in events:
+                apply(event)
+        for publish_many in many:
+            publish_many(events)
 
     def _attribute(self, event: Event) -> None:
-        if event.title:
-            return  # a source that knows better (a recording) already said
-        info = self.processes.get(event.pid)
-        if info is not None:
-            event.title = info.title
-            event.container = info.container
-        else:
-            event.title = event.comm
+        if not event.title:  # else a source that knows better (a recording) already said
+            _label(event, self.processes.get(event.pid))
 
     def _forget_process(self, pid: int) -> None:
         self.ledger.forget_counters(pid)
@@ -533,3 +581,11 @@ class Session:
             libraries = list(self._libraries)
         return AgentInfo(__version__, platform.release(), libraries, self.components(), self.counters())
 
+
+def _label(event: Event, info: ProcessInfo | None) -> None:
+    """The process's title and container on its event; its comm where the process is not known."""
+    if info is not None:
+        event.title = info.title
+        event.container = info.container
+    else:
+        event.title = event.comm

@@ -18,3 +18,55 @@ def test_a_resent_layout_or_sleep_report_is_no_new_record():
     awake = SleepReport(7, 40_000, 0, (SleepPool("weights", 1 << 20, 1 << 20),))
     session.ingest(awake)
     assert session.vllm_view().sleeps[7] == (asleep, awake)
+
+
+class _EachSink:
+    """A sink that publishes one event at a time and reads the ledger as it does (a recording's
+    checkpoint would): it must see the ledger exactly after each event."""
+
+    def __init__(self, session: Session) -> None:
+        self.session, self.seen = session, []
+
+    def publish(self, event) -> None:
+        self.seen.append((event, self.session.ledger.physical_device_bytes(event.pid)))
+
+    def publish_loss(self, lost_count: int) -> None:
+        self.seen.append(("lost", lost_count))
+
+    def publish_state(self, record) -> None:
+        pass
+
+
+class _RunSink(_EachSink):
+    def publish_many(self, events) -> None:
+        self.seen.append(("run", list(events)))
+
+
+def test_runs_of_allocation_events_reach_batch_sinks_at_once_and_the_others_one_by_one_in_order():
+    from fake_agent import TITLES, MiB, _process, event
+    from kvtrace.model.events import EventsLost, Kind, Layer
+    from kvtrace.model.processes import ProcessTable
+
+    # GIVEN a Session with a sink that takes runs and one that takes events one at a time
+    session = Session(ProcessTable(_process))
+    each, runs = _EachSink(session), _RunSink(session)
+    session.add_sink(each)
+    session.add_sink(runs)
+    # WHEN two allocations, a failure, a loss and a free arrive in one batch
+    first, second = event(address=0x1000), event(address=0x2000, pid=300, layer=Layer.DRIVER)
+    failed = event(kind=Kind.ALLOC_FAILED, address=0, error_code=2)
+    free = event(kind=Kind.FREE, address=0x1000)
+    session.ingest_many([first, second, failed, EventsLost(3, 1), free])
+    # THEN the one-by-one sink saw each event with the ledger just after it, in order
+    assert [(item[0].kind, item[1]) if item[0] != "lost" else item for item in each.seen] == [
+        (Kind.ALLOC, MiB), (Kind.ALLOC, MiB), (Kind.ALLOC_FAILED, MiB), ("lost", 3), (Kind.FREE, 0)]
+    # AND the run sink got the two allocations as one run, the failure alone (a failure may dump the
+    # flight recorder with a copy of the ledger), the loss where it was, then the free
+    assert [(item[0], [e.kind for e in item[1]]) if item[0] == "run" else
+            (item[0].kind if item[0] != "lost" else item) for item in runs.seen] == [
+        ("run", [Kind.ALLOC, Kind.ALLOC]), Kind.ALLOC_FAILED, ("lost", 3), ("run", [Kind.FREE])]
+    # AND every event was attributed to its process, the unknown one by its comm
+    assert (first.title, second.title, second.container) == (TITLES[200], TITLES[300], "c0ffee")
+    unknown = event(pid=999, address=0x3000)
+    session.ingest_many([unknown])
+    assert unknown.title == unknown.comm and session.events_total == 5

@@ -60,6 +60,11 @@ class Outstanding:
     stream: int = 0  # PyTorch block: the CUDA stream it was allocated on
 
 
+# tuple.__new__(LedgerKey, (...)) makes the same key as LedgerKey(...) at half the cost (no Python-level
+# __new__): used where a key is made for every event.
+_new_tuple = tuple.__new__
+
+
 class TotalsKey(NamedTuple):
     pid: int
     device: int
@@ -160,10 +165,10 @@ class Ledger:
     @staticmethod
     def _key(event: Event) -> LedgerKey:
         layer, object_kind, _ = _placed(event)
-        return LedgerKey(event.pid, layer, object_kind, event.address)
+        return _new_tuple(LedgerKey, (event.pid, layer, object_kind, event.address))
 
     def _count(self, pid: int, device: int, layer: Layer, memory: Memory, size_bytes: int, count: int) -> None:
-        totals = TotalsKey(pid, device, layer, memory)
+        totals = _new_tuple(TotalsKey, (pid, device, layer, memory))
         self._bytes[totals] += size_bytes
         left = self._counts[totals] = self._counts[totals] + count
         if left <= 0:
@@ -177,15 +182,17 @@ class Ledger:
         if old is not None:  # the same address again: the free was not seen (lost or predates us)
             self._remove(old)
         self._entries[entry.key] = entry
-        if entry.key.object in _MEMORY_OBJECTS:
-            totals = TotalsKey(entry.key.pid, entry.device, entry.key.layer, entry.memory)
+        pid, layer, object_kind, _ = entry.key
+        if object_kind in _MEMORY_OBJECTS:
+            totals = _new_tuple(TotalsKey, (pid, entry.device, layer, entry.memory))
             self._bytes[totals] += entry.size_bytes
             self._counts[totals] += 1
 
     def _remove(self, entry: Outstanding) -> None:
         del self._entries[entry.key]
-        if entry.key.object in _MEMORY_OBJECTS:
-            totals = TotalsKey(entry.key.pid, entry.device, entry.key.layer, entry.memory)
+        pid, layer, object_kind, _ = entry.key
+        if object_kind in _MEMORY_OBJECTS:
+            totals = _new_tuple(TotalsKey, (pid, entry.device, layer, entry.memory))
             self._bytes[totals] -= entry.size_bytes
             self._counts[totals] -= 1
             if self._counts[totals] == 0:
@@ -198,10 +205,12 @@ class Ledger:
             if not self._counted_before_read(event):
                 self._count(event.pid, event.device, layer, memory, event.size_bytes, 1)
             return
+        # Positional, in Outstanding's field order (keywords cost twice as much, on every allocation):
+        # key, size, time, device, api, memory, tid, caller, mapped_count, released, handle, stack, stream.
         self._insert(Outstanding(
-            key=LedgerKey(event.pid, layer, object_kind, event.address), size_bytes=event.size_bytes,
-            timestamp_ns=event.timestamp_ns, device=event.device, api=event.api, memory=memory, tid=event.tid,
-            caller_address=event.caller_address, stack_id=event.stack_id, stream=event.stream))
+            _new_tuple(LedgerKey, (event.pid, layer, object_kind, event.address)), event.size_bytes,
+            event.timestamp_ns, event.device, event.api, memory, event.tid, event.caller_address, 0, False, 0,
+            event.stack_id, event.stream))
 
     def _on_free(self, event: Event) -> None:
         key = self._key(event)

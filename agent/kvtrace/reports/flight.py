@@ -147,6 +147,11 @@ class FlightRecorder:
                 reason=f"{event.api.name} of {human_bytes(event.size_bytes)} failed with out of memory "
                        f"(error {event.error_code}) in pid {event.pid} {event.title or event.comm}"))
 
+    def publish_many(self, events: list[Event]) -> None:
+        """A run of allocation-type events (never a failure: those come to publish, which may dump)."""
+        self._ring.extend(events)
+        self._let_go_before(events[-1].timestamp_ns - self._window_ns)
+
     def publish_loss(self, lost_count: int) -> None:
         self._append(EventsLost(lost_count, self.session.wall_clock_ns()))
 

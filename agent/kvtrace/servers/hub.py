@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
@@ -261,8 +262,12 @@ class EventHub:
 
     def publish(self, event: Event) -> None:
         """Offers the event to every subscriber that wants it. Never blocks."""
+        self.publish_many((event,))
+
+    def publish_many(self, events: Sequence[Event]) -> None:
+        """publish, for each of a run of events."""
         pending = self._pending
-        pending.append(event)
+        pending.extend(events)
         if not self._kicked:
             # The first event since the last hand-out: wake the readers (they hand it out).
             self._kicked = True

@@ -250,15 +250,29 @@ static void scenario_context(unsigned long n) {
 
 static void scenario_loop(unsigned long pairs) {
     /* KVT_LOOP_PAUSE_EVERY=K KVT_LOOP_PAUSE_MS=M: sleep M ms after every K pairs, so that a test
-     * can send many events without a burst larger than a subscriber's queue. */
+     * can send many events without a burst larger than a subscriber's queue.
+     * KVT_LOOP_PAIRS_PER_SECOND=R: a steady offered load instead; pair i starts no earlier than
+     * i / R seconds after the first (checked every 16 pairs; a late loop catches up unslept). */
     const char *every_text = getenv("KVT_LOOP_PAUSE_EVERY"), *pause_text = getenv("KVT_LOOP_PAUSE_MS");
+    const char *rate_text = getenv("KVT_LOOP_PAIRS_PER_SECOND");
     unsigned long pause_every = every_text ? strtoul(every_text, NULL, 10) : 0;
     unsigned long pause_ms = pause_text ? strtoul(pause_text, NULL, 10) : 0;
+    double pairs_per_second = rate_text ? strtod(rate_text, NULL) : 0.0;
     struct timespec start, end;
     clock_gettime(CLOCK_MONOTONIC, &start);
     for (unsigned long i = 0; i < pairs; i++) {
         if (pause_every && i && i % pause_every == 0)
             usleep(pause_ms * 1000);
+        if (pairs_per_second > 0 && i % 16 == 0) {
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            double ahead_ns = i * 1e9 / pairs_per_second
+                              - ((now.tv_sec - start.tv_sec) * 1e9 + (now.tv_nsec - start.tv_nsec));
+            if (ahead_ns > 0) {
+                struct timespec pause = {(time_t)(ahead_ns / 1e9), (long)((long long)ahead_ns % 1000000000LL)};
+                nanosleep(&pause, NULL);
+            }
+        }
         void *pointer = NULL;
         if (cudaMalloc(&pointer, MiB) != 0 || cudaFree(pointer) != 0) {
             fprintf(stderr, "loop: a call failed at pair %lu\n", i);
