@@ -56,6 +56,9 @@ _LIFECYCLE_KINDS = frozenset({Kind.PROCESS_EXIT, Kind.CONTEXT_DESTROY})
 
 # The loop reports in every 0.1 s; silent this long, it is stalled.
 STALLED_AFTER_SECONDS = 5.0
+# An idle loop (no event since the last) reads the probes' counters and reports at most this often; a
+# busy one at every turn, so that a loss marker lands where the loss is.
+IDLE_REPORT_SECONDS = 1.0
 
 # Where CUDA libraries usually live: attached at start so that a late dlopen (the driver is loaded
 # when CUDA initialises) is traced from its first call.
@@ -142,6 +145,8 @@ class BpfSource:
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
         self._next_full_scan = 0.0
         self._next_sweep = 0.0
+        self._next_report = 0.0
+        self._events_since_report = False
         self._next_resync_allowed = 0.0
 
     @property
@@ -258,6 +263,7 @@ class BpfSource:
         """A poll's records at once (loader.open_rings): decoded in one go; events that need no
         more than the pid filter (no kernel stack, not an exit or context destroy) join the batch
         without a Python call each."""
+        self._events_since_report = True
         try:
             events, kernel_stack_ids, undecodable = decode_events(records, self.clock, stride, offset)
         except ValueError as error:  # not whole records: probes of another build?
@@ -282,6 +288,7 @@ class BpfSource:
         # housekeeping sees the count go up: subscribers are told, the ledger resyncs
 
     def _on_raw_event(self, record: bytes) -> None:
+        self._events_since_report = True
         try:
             event, kernel_stack_id = decode_event(record, self.clock)
         except (struct.error, KeyError, ValueError) as error:  # probes of another build?
@@ -353,6 +360,22 @@ class BpfSource:
             self._next_sweep = now + self.options.sweep_seconds
             self.sweep_exited()
             self._detach_unused(now)
+        if self._events_since_report or now >= self._next_report:
+            self._events_since_report = False
+            self._next_report = now + IDLE_REPORT_SECONDS
+            self._check_counters()
+        if self._recount_to_check and now >= self._next_resync_allowed:
+            # Every event made before the recount's read ended has arrived by now (the ring is in order):
+            # one made during the read may have been counted twice or not at all, so it is read again.
+            self._recount_to_check = False
+            if self.session.recount_overlaps():
+                self._resync_due = True
+        if self._resync_due and now >= self._next_resync_allowed:
+            self._next_resync_allowed = now + self._resync_pace_seconds
+            self._resync_due = False
+            self.resync()
+
+    def _check_counters(self) -> None:
         counters = self._probes().counters()
         self._report(counters)
         # Events that never reached user space: lost when the ring was full, or a block event over
@@ -366,16 +389,6 @@ class BpfSource:
             self._replaced_seen = counters["ledger_replaced"]
             # A kept ledger replaces the entry by key as the kernel did; a counting one counted it twice.
             self._resync_due = self._resync_due or self.session.ledger.counting
-        if self._recount_to_check and now >= self._next_resync_allowed:
-            # Every event made before the recount's read ended has arrived by now (the ring is in order):
-            # one made during the read may have been counted twice or not at all, so it is read again.
-            self._recount_to_check = False
-            if self.session.recount_overlaps():
-                self._resync_due = True
-        if self._resync_due and now >= self._next_resync_allowed:
-            self._next_resync_allowed = now + self._resync_pace_seconds
-            self._resync_due = False
-            self.resync()
 
     def full_scan(self) -> None:
         self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
