@@ -4,7 +4,7 @@ accounted for, the agent's CPU, and probe-to-client latency (p50/p99).
 Runs the real `kvtrace agent` (BPF + gRPC on a temporary Unix socket) as a subprocess, a stub
 workload making cudaMalloc+cudaFree pairs (4 traced calls each), and subscriber processes (this
 script with --subscriber) reading StreamEvents with EVENT_ENCODING_COLUMNS (--messages: one Event
-message each, as clients before columns). Three runs:
+message each, as clients before columns). Four runs:
 
   1. one subscriber, the workload unpaced;
   2. four subscribers at once, one of them slow (after every response it sleeps --slow-us per event

@@ -316,7 +316,6 @@ class Daemon:
         self._stopping.set()
 
     def run(self) -> None:
-        _tune_garbage_collector()
         next_summary = time.monotonic() + SUMMARY_INTERVAL_SECONDS
         next_switch_check = time.monotonic()
         while not self._stopping.is_set():
@@ -400,7 +399,7 @@ class Daemon:
 GC_YOUNG_ALLOCATIONS = 50_000
 
 
-def _tune_garbage_collector() -> None:
+def tune_garbage_collector() -> None:
     """Once the agent is set up: what it made to start (bcc's program, the modules) is moved out of
     the collector's way for good (gc.freeze), and the youngest generation is collected less often."""
     gc.collect()

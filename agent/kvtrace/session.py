@@ -304,15 +304,16 @@ class Session:
                 continue  # a source that knows better (a recording) already said
             pid = event.pid
             _label(event, labels[pid] if pid in labels else labels.setdefault(pid, get_process(pid)))
-        self.events_total += len(events)
         apply = self.ledger.apply
         each, many = self._run_sinks
         if each:
             for event in events:
+                self.events_total += 1  # before the sinks: a checkpoint one takes is of this point (shared by position)
                 apply(event)
                 for publish in each:
                     publish(event)
         else:
+            self.events_total += len(events)
             for event in events:
                 apply(event)
         for publish_many in many:

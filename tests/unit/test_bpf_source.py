@@ -134,8 +134,11 @@ class HalfAttachingProbes(CountingProbes):
         self.live: set[int] = set()
 
     def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
-        self.refused_symbols = {"cudaMalloc": "cannot attach a uprobe_multi link: EINVAL"}
         self.live.add(pid)
+        if pid != 4000:  # another process's probes go in whole
+            self.refused_symbols = {}
+            return list(symbols)
+        self.refused_symbols = {"cudaMalloc": "cannot attach a uprobe_multi link: EINVAL"}
         return [symbol for symbol in symbols if symbol != "cudaMalloc"]
 
     def attached_pids(self, path: str) -> set[int]:
@@ -162,6 +165,10 @@ def test_functions_the_kernel_refused_make_the_library_unhealthy_by_name():
     assert not status.up
     assert status.reason == ("1 of 3 functions not probed for pid 4000, e.g. cudaMalloc: "
                              "cannot attach a uprobe_multi link: EINVAL")
+    # AND once the library goes in whole (for another process, or again), it is healthy again
+    tracer._attach_for(target, 4001)
+    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
+    assert status.up
 
 
 def _entry(pid: int, obj: int, address: int, size_bytes: int):

@@ -183,3 +183,15 @@ def test_an_exited_process_leaves_no_counters():
                                          *ledger.unknown_frees_total])
     assert PID not in ledger.implicit_frees_total
     assert ledger.allocations_total[(PID + 1, Layer.DRIVER)] == 1  # the others keep theirs
+
+
+def test_outstanding_fields_are_in_the_order_the_ledger_builds_them():
+    """Ledger._on_alloc builds Outstanding positionally (keywords cost twice as much per allocation):
+    a field added or moved must be added or moved there too."""
+    import dataclasses
+
+    from kvtrace.model.ledger import Outstanding
+
+    assert [field.name for field in dataclasses.fields(Outstanding)] == [
+        "key", "size_bytes", "timestamp_ns", "device", "api", "memory", "tid", "caller_address", "mapped_count",
+        "released", "handle", "stack_id", "stream"]

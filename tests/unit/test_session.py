@@ -70,3 +70,25 @@ def test_runs_of_allocation_events_reach_batch_sinks_at_once_and_the_others_one_
     unknown = event(pid=999, address=0x3000)
     session.ingest_many([unknown])
     assert unknown.title == unknown.comm and session.events_total == 5
+
+
+def test_a_checkpoint_taken_inside_a_run_is_not_shared_as_the_runs_end():
+    """A one-at-a-time sink (a recording) may copy the ledger at any event of a run; the Session
+    shares a copy by stream position, so a later subscriber must not get that copy as its own."""
+    from fake_agent import event
+
+    session = Session()
+
+    class CopiesAtFirst(_EachSink):
+        copy = None
+
+        def publish(self, published) -> None:
+            if self.copy is None:
+                self.copy = self.session.checkpoint_locked()
+
+    copier = CopiesAtFirst(session)
+    session.add_sink(copier)
+    session.ingest_many([event(address=0x1000), event(address=0x2000), event(address=0x3000)])
+    later = session.subscribe(_EachSink(session))
+    assert len(copier.copy.entries) == 1
+    assert sorted(entry.key.address for entry in later.entries) == [0x1000, 0x2000, 0x3000]

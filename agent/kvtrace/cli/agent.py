@@ -170,7 +170,7 @@ class AgentCommand:
                 if options.tracing == "on":
                     raise
                 options.tracing_unavailable = str(error)  # "auto": NVML only, said in health
-        from kvtrace.daemon import Daemon
+        from kvtrace.daemon import Daemon, tune_garbage_collector
 
         daemon = Daemon(options)
         signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
@@ -181,6 +181,7 @@ class AgentCommand:
             # the signal instead could land in bcc's ring-buffer callback, which swallows it.
             signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
             daemon.announce()
+            tune_garbage_collector()  # the agent's process only (not a Daemon run in another program)
             daemon.run()
         except KeyboardInterrupt:
             pass

@@ -149,6 +149,8 @@ class FlightRecorder:
 
     def publish_many(self, events: list[Event]) -> None:
         """A run of allocation-type events (never a failure: those come to publish, which may dump)."""
+        if not events:
+            return
         self._ring.extend(events)
         self._let_go_before(events[-1].timestamp_ns - self._window_ns)
 

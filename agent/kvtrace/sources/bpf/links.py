@@ -185,8 +185,8 @@ def repair_bcc_attach_uprobe() -> bool:
     semaphore (ref_ctr_offset 0). Returns whether bcc needed it.
 
     bcc's Python binding declares bpf_attach_uprobe with six arguments where libbcc (since 0.17)
-    takes seven: the seventh, ref_ctr_offset, is whatever the caller left in its register
-    (iovisor/bcc#5236; 0x6 on the development VM). The kernel then (1) increments a "semaphore" at
+    takes seven: the seventh, ref_ctr_offset, is whatever lies in its place on the stack (x86-64
+    passes it there; iovisor/bcc#5236; 0x6 on the development VM). The kernel then (1) increments a "semaphore" at
     that offset of the probed file in the traced process, and (2) refuses any other probe at the
     same function whose ref_ctr_offset differs (`ref_ctr_offset mismatch`, EINVAL): kvtrace's
     uprobe_multi links and another bcc tool's perf-event probes shut each other out. Applied by the
@@ -201,8 +201,9 @@ def repair_bcc_attach_uprobe() -> bool:
     full.restype = ctypes.c_int
     full.argtypes = [*declared.argtypes, ctypes.c_uint32]
 
-    def bpf_attach_uprobe(prog_fd, attach_type, event_name, binary_path, offset, pid):
-        return full(prog_fd, attach_type, event_name, binary_path, offset, pid, 0)
+    def bpf_attach_uprobe(prog_fd, attach_type, event_name, binary_path, offset, pid, ref_ctr_offset=0):
+        # (a bcc that passes the seventh itself, still declaring six types, is taken at its word)
+        return full(prog_fd, attach_type, event_name, binary_path, offset, pid, ref_ctr_offset)
 
     bpf_attach_uprobe._kvtrace_repaired = True  # type: ignore[attr-defined]
     libbcc.lib.bpf_attach_uprobe = bpf_attach_uprobe

@@ -54,7 +54,8 @@ _KEPT_OBJECT_VALUES = frozenset(kind.value for kind in ObjectKind) - _COUNTED_OB
 # Events the BPF source acts on as they are read (the kernel's ledger drops what they freed).
 _LIFECYCLE_KINDS = frozenset({Kind.PROCESS_EXIT, Kind.CONTEXT_DESTROY})
 
-# The loop reports in every 0.1 s; silent this long, it is stalled.
+# The loop reports at every turn while events come and once a second when idle (IDLE_REPORT_SECONDS);
+# silent this long, it is stalled.
 STALLED_AFTER_SECONDS = 5.0
 # An idle loop (no event since the last) reads the probes' counters and reports at most this often; a
 # busy one at every turn, so that a loss marker lands where the loss is.
@@ -146,6 +147,7 @@ class BpfSource:
         self._next_full_scan = 0.0
         self._next_sweep = 0.0
         self._next_report = 0.0
+        self._partly_blind: set[str] = set()  # libraries some of whose functions the kernel refused
         self._events_since_report = False
         self._next_resync_allowed = 0.0
 
@@ -239,7 +241,8 @@ class BpfSource:
             self.session.ingest_many(batch)
 
     def _report(self, counters: dict[str, int] | None = None) -> None:
-        """Counters, attached libraries and a heartbeat to the Session (every loop)."""
+        """Counters, attached libraries and a heartbeat to the Session (at every busy turn of the loop,
+        once a second when idle)."""
         counters = dict(counters if counters is not None else self._probes().counters())
         counters["events_undecodable"] = self._undecodable
         counters["libraries_attached"] = len(self._attached_targets)
@@ -572,10 +575,14 @@ class BpfSource:
                      whom, sorted(target.pids))
             if probes.refused_symbols:  # part of the library is blind: say so where health is read
                 symbol, why = next(iter(probes.refused_symbols.items()))
+                self._partly_blind.add(target.path)
                 self.session.report_component(
                     f"attach:{target.path}", False,
                     f"{len(probes.refused_symbols)} of {len(target.symbols)} functions not probed for {whom}, "
                     f"e.g. {symbol}: {why}")
+            elif target.path in self._partly_blind:  # attached whole since (another pid, or again)
+                self._partly_blind.discard(target.path)
+                self.session.report_component(f"attach:{target.path}", True)
         if target.torch_probes and not self.torch_blocks_down and pid not in probes.torch_attached_pids(target.file_id):
             try:
                 sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
