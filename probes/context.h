@@ -15,6 +15,17 @@ struct kvt_args {
     u64 caller_address;
     u64 stack_id;
     u64 stack_status;
+    u64 in_flight; /* task storage: 1 from the entry until its return takes the arguments */
+};
+
+/* The stack of a runtime allocation in progress on this thread: the driver allocation it makes
+ * (cudaMalloc -> cuMemAlloc_v2) has the same Python stack, so it is walked once, not twice. */
+struct kvt_outer_stack {
+    u64 stack_id;
+    u64 stack_status;
+    u64 timestamp_ns;
+    u32 api; /* task storage: the runtime API whose call it is; 0: none in progress */
+    u32 reserved;
 };
 
 struct kvt_ctx_key {
@@ -23,8 +34,30 @@ struct kvt_ctx_key {
     u64 ctx;
 };
 
+#if KVT_TASK_STORAGE
+/* API ids that save arguments (runtime, driver, VMM) are below this. */
+#define KVT_API_SLOTS 64
+/* What a call keeps between its entry and its return, per thread, in task storage (Linux 6.2+): it
+ * goes with the thread, is never evicted, is found from the task without hashing, and each API's slot
+ * is written in place. The LRU hashes below did the same at two to three map operations per call,
+ * most of what a probe cost beyond an empty one. */
+struct kvt_thread {
+    struct kvt_outer_stack outer;
+    struct kvt_args args[KVT_API_SLOTS];
+    s32 device;     /* the device this thread selected (cudaSetDevice, a context made current) */
+    u32 device_set; /* 1 once it selected one */
+};
+BPF_TASK_STORAGE(threads, struct kvt_thread);
+
+/* The calling thread's storage, made when `create` (an entry); NULL when it has none. */
+static __always_inline struct kvt_thread *this_thread(int create) {
+    return threads.task_storage_get(bpf_get_current_task_btf(), 0, create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
+}
+#else
 BPF_TABLE("lru_hash", struct kvt_args_key, struct kvt_args, saved_args, KVT_MAX_THREADS);
 BPF_TABLE("lru_hash", u32, s32, thread_device, KVT_MAX_THREADS);
+BPF_TABLE("lru_hash", u32, struct kvt_outer_stack, outer_stack, KVT_MAX_THREADS);
+#endif
 BPF_TABLE("lru_hash", struct kvt_ctx_key, s32, context_device, 4096);
 /* The device of a thread that never selected one, for processes whose CUDA start the agent missed
  * (set by user space: KVT_DEVICE_UNKNOWN where the process sees several GPUs). */
@@ -48,20 +81,54 @@ static __always_inline int filtered_out(u32 pid) {
     return 1;
 }
 
-
-/* The stack of a runtime allocation in progress on this thread: the driver allocation it makes
- * (cudaMalloc -> cuMemAlloc_v2) has the same Python stack, so it is walked once, not twice. */
-struct kvt_outer_stack {
-    u64 stack_id;
-    u64 stack_status;
-    u64 timestamp_ns;
-};
-BPF_TABLE("lru_hash", u32, struct kvt_outer_stack, outer_stack, KVT_MAX_THREADS);
 /* Older than this, an outer entry is stale (its return was never seen) and is not reused. */
 #define KVT_OUTER_STACK_MAX_AGE_NS 1000000000ULL
 
 static __always_inline int is_runtime_api(u32 api) { return api < 20; }
 
+#if KVT_TASK_STORAGE
+static __always_inline void python_stack_for_call(u32 api, struct kvt_thread *thread, struct kvt_args *args) {
+    u64 now = bpf_ktime_get_ns();
+    struct kvt_outer_stack *outer = &thread->outer;
+    if (!is_runtime_api(api) && outer->api != 0 && now - outer->timestamp_ns < KVT_OUTER_STACK_MAX_AGE_NS) {
+        args->stack_id = outer->stack_id;
+        args->stack_status = outer->stack_status;
+        return;
+    }
+    args->stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &args->stack_status);
+    if (is_runtime_api(api)) {
+        outer->stack_id = args->stack_id;
+        outer->stack_status = args->stack_status;
+        outer->timestamp_ns = now;
+        outer->api = api;
+    }
+}
+
+static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
+    if (api >= KVT_API_SLOTS)
+        return 0; /* no slot: never the case for the APIs probed with it */
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    if (filtered_out(pid_tgid >> 32))
+        return 0;
+    struct kvt_thread *thread = this_thread(1);
+    if (!thread)
+        return 0; /* no memory for it: the return counts as unpaired */
+    struct kvt_args *args = &thread->args[api & (KVT_API_SLOTS - 1)];
+    args->stack_id = 0;
+    args->stack_status = KVT_STACK_NOT_WALKED;
+    if (with_stack)
+        python_stack_for_call(api, thread, args);
+    args->arg[0] = PT_REGS_PARM1(ctx);
+    args->arg[1] = PT_REGS_PARM2(ctx);
+    args->arg[2] = PT_REGS_PARM3(ctx);
+    args->arg[3] = PT_REGS_PARM4(ctx);
+    /* At function entry the return address is on top of the stack. */
+    args->caller_address = 0;
+    bpf_probe_read_user(&args->caller_address, sizeof(args->caller_address), (void *)PT_REGS_SP(ctx));
+    args->in_flight = 1;
+    return 0;
+}
+#else
 static __always_inline void python_stack_for_call(u32 api, u32 tid, struct kvt_args *args) {
     u64 now = bpf_ktime_get_ns();
     if (!is_runtime_api(api)) {
@@ -74,7 +141,7 @@ static __always_inline void python_stack_for_call(u32 api, u32 tid, struct kvt_a
     }
     args->stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &args->stack_status);
     if (is_runtime_api(api)) {
-        struct kvt_outer_stack outer = {args->stack_id, args->stack_status, now};
+        struct kvt_outer_stack outer = {args->stack_id, args->stack_status, now, api, 0};
         outer_stack.update(&tid, &outer);
     }
 }
@@ -96,6 +163,7 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     saved_args.update(&key, &args);
     return 0;
 }
+#endif
 
 static __always_inline int save_entry(struct pt_regs *ctx, u32 api) {
     return save_entry_common(ctx, api, 0);
@@ -106,7 +174,25 @@ static __always_inline int save_alloc_entry(struct pt_regs *ctx, u32 api) {
     return save_entry_common(ctx, api, 1);
 }
 
-/* Takes the saved entry of this (thread, API) into *out; 0 when there was none. */
+/* Takes the saved entry of this (thread, API) into *out; 0 when there was none. With task storage
+ * the return of a runtime call also ends its outer stack (a driver call after it is the program's
+ * own); without, alloc_return deletes it. */
+#if KVT_TASK_STORAGE
+static __always_inline int take_entry(u32 api, struct kvt_args *out) {
+    struct kvt_thread *thread = this_thread(0);
+    struct kvt_args *args = thread && api < KVT_API_SLOTS ? &thread->args[api & (KVT_API_SLOTS - 1)] : 0;
+    if (!args || !args->in_flight) {
+        if (selected(bpf_get_current_pid_tgid() >> 32))
+            count(KVT_COUNTER_RETURNS_UNPAIRED);
+        return 0;
+    }
+    __builtin_memcpy(out, args, sizeof(*out));
+    args->in_flight = 0;
+    if (thread->outer.api == api)
+        thread->outer.api = 0;
+    return 1;
+}
+#else
 static __always_inline int take_entry(u32 api, struct kvt_args *out) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
@@ -120,20 +206,36 @@ static __always_inline int take_entry(u32 api, struct kvt_args *out) {
     saved_args.delete(&key);
     return 1;
 }
+#endif
 
 /* CUDA's rule: a thread works on the device it selected (cudaSetDevice, or a context made
  * current); one that never selected any works on device 0, the first GPU it can see. */
 static __always_inline s32 current_device(u32 tid) {
+#if KVT_TASK_STORAGE
+    struct kvt_thread *thread = this_thread(0);
+    if (thread && thread->device_set)
+        return thread->device;
+#else
     s32 *device = thread_device.lookup(&tid);
     if (device)
         return *device;
+#endif
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     s32 *fallback = process_device.lookup(&pid);
     return fallback ? *fallback : 0;
 }
 
+/* `tid` is the calling thread's (with task storage, its storage is where the device goes). */
 static __always_inline void set_thread_device(u32 tid, s32 device) {
+#if KVT_TASK_STORAGE
+    struct kvt_thread *thread = this_thread(1);
+    if (thread) {
+        thread->device = device;
+        thread->device_set = 1;
+    }
+#else
     thread_device.update(&tid, &device);
+#endif
 }
 
 /* (CUcontext *pctx, ..., CUdevice dev): remember which device a context belongs to. */

@@ -59,8 +59,10 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u32 tid = (u32)bpf_get_current_pid_tgid();
+#if !KVT_TASK_STORAGE
     if (is_runtime_api(api))
         outer_stack.delete(&tid); /* the runtime call is over: its driver calls are done */
+#endif
     s32 device = memory == KVT_MEMORY_HOST ? KVT_DEVICE_UNKNOWN : current_device(tid);
     u64 size_bytes = args.arg[1];
     if (pitched) {

@@ -30,6 +30,10 @@
 #ifndef KVT_WAKEUP_EVENTS
 #error "KVT_WAKEUP_EVENTS: events a CPU submits before it wakes the reader"
 #endif
+/* 1: per-thread call state in task storage (Linux 6.2+); 0: in LRU hashes keyed by thread id. */
+#ifndef KVT_TASK_STORAGE
+#error "KVT_TASK_STORAGE: 1 where the kernel has task storage for tracing programs (6.2+), else 0"
+#endif
 /* glibc struct pthread: specific_1stblock[32] of {seq, data} (sources/python/offsets.py). */
 #ifndef KVT_GLIBC_SPECIFIC_1STBLOCK
 #error "KVT_GLIBC_SPECIFIC_1STBLOCK: offset of specific_1stblock in glibc's struct pthread"

@@ -120,6 +120,40 @@ def test_device_follows_cudaSetDevice_per_thread(trace, stub_build):
         assert Counter(e.device for e in driver) == {1: 5, 2: 5}
 
 
+def test_per_thread_state_in_lru_hashes_where_the_kernel_has_no_task_storage(bpf_here_unshared, stub_build):
+    """Before Linux 6.2 the probes keep a call's arguments, the outer stack and each thread's device
+    in LRU hashes (ProbeSettings.task_storage False): the same events and ledger as with task storage."""
+    from harness import TracingHarness
+    from kvtrace.sources.bpf.loader import ProbeSettings
+
+    harness = TracingHarness(only_selected=True, preattach_globs=(str(stub_build.lib_dir / "*.so.*"),),
+                             settings=ProbeSettings(task_storage=False))
+
+    def follow(*pids):
+        for pid in pids:
+            harness.source.follow(pid)
+        return harness
+
+    try:
+        with scenario(follow, [stub_build.workload, "devices"], 3 + 2 * 10) as (pid, _, calls):
+            mallocs = harness.of(pid, Kind.ALLOC, Api.cudaMalloc)
+            assert sorted((e.address, e.device) for e in mallocs) == \
+                sorted((c["address"], c["device"]) for c in calls if c["api"] == "cudaMalloc")
+            assert Counter(e.device for e in harness.of(pid, Kind.ALLOC, Api.cuMemAlloc_v2)) == {1: 5, 2: 5}
+        runtime_events, driver_events = 26 + 21 + 14 + 16 + 8 + 3 + 2, 26 + 21 + 14 + 8 + 3 + 2
+        with scenario(follow, [stub_build.workload, "counts"], runtime_events + driver_events) as (pid, _, calls):
+            assert len(harness.of(pid)) == runtime_events + driver_events
+            for layer in (Layer.RUNTIME, Layer.DRIVER):
+                expected = outstanding_from_manifest(calls, layer)
+                if layer is Layer.DRIVER:
+                    expected.update(outstanding_from_manifest(calls, Layer.RUNTIME))
+                assert ledger_view(harness.session.ledger, pid, layer) == expected, layer
+            counters = harness.source.counters()
+            assert counters["events_lost"] == 0 and counters["returns_unpaired"] == 0
+    finally:
+        harness.close()
+
+
 def test_vmm_lifecycle_physical_memory_until_released_and_unmapped(trace, stub_build):
     # reserve 1, create 5+1 failed, map 5, release 3, unmap 2
     with scenario(trace, [stub_build.workload, "vmm"], 1 + 6 + 5 + 3 + 2) as (pid, harness, calls):

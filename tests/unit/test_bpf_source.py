@@ -297,3 +297,16 @@ def test_bccs_probe_quota_makes_a_library_wait_not_fail_for_good():
     # THEN the second waits (not refused for good, as a broken file is)
     assert second.path not in tracer.refused and tracer.libraries_refused == 1
     assert FileId(1, 2) in tracer._over_limit
+
+
+def test_task_storage_is_chosen_from_kernel_6_2_with_btf(tmp_path):
+    from kvtrace.sources.bpf.loader import ProbeSettings, task_storage_supported
+
+    btf = tmp_path / "vmlinux"
+    btf.write_bytes(b"")
+    assert [task_storage_supported(release, str(btf)) for release in
+            ("6.18.44-fc-v973-gpu", "6.2.0", "6.1.0-57-amd64", "5.15.0-91-generic", "weird")] == \
+        [True, True, False, False, False]
+    assert task_storage_supported("6.18.44", str(tmp_path / "no-btf")) is False
+    assert "-DKVT_TASK_STORAGE=0" in ProbeSettings(task_storage=False).cflags()
+    assert "-DKVT_TASK_STORAGE=1" in ProbeSettings(task_storage=True).cflags()

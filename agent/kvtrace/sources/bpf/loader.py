@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import platform
+import re
 import select
 import struct
 import time
@@ -47,9 +48,15 @@ class ProbeSettings:
     # PyTorch block events a process may send per second (0: no limit); beyond, the block still
     # goes into the ledger and the event is counted as unsent (blocks_unsent), not sent.
     block_events_per_second: int = 100_000
+    # Per-thread call state (saved arguments, the outer stack, the selected device) in task storage,
+    # or in LRU hashes keyed by thread id. None: task storage where the kernel has it for these
+    # programs (task_storage_supported).
+    task_storage: bool | None = None
 
     def cflags(self) -> list[str]:
+        task_storage = task_storage_supported() if self.task_storage is None else self.task_storage
         return [
+            f"-DKVT_TASK_STORAGE={int(task_storage)}",
             f"-DKVT_MAX_STACKS={self.max_stacks}",
             f"-DKVT_TASK_FSBASE_OFFSET={self.task_fsbase_offset}",
             f"-DKVT_TASK_EXIT_CODE_OFFSET={self.task_exit_code_offset}",
@@ -59,6 +66,17 @@ class ProbeSettings:
             f"-DKVT_WAKEUP_EVENTS={self.wakeup_events}",
             f"-DKVT_GLIBC_SPECIFIC_1STBLOCK={GLIBC_SPECIFIC_1STBLOCK:#x}",
         ]
+
+
+# bpf_task_storage_get for kprobe-type programs (what uprobes run) without the deadlock check that
+# refused it in tracing contexts: Linux 6.2. It needs BTF (bpf_get_current_task_btf) too.
+TASK_STORAGE_KERNEL = (6, 2)
+
+
+def task_storage_supported(release: str | None = None, btf: str = "/sys/kernel/btf/vmlinux") -> bool:
+    """Whether this kernel (uname -r, or `release`) gives uprobe programs task storage."""
+    numbers = re.match(r"(\d+)\.(\d+)", release if release is not None else platform.release())
+    return bool(numbers) and (int(numbers[1]), int(numbers[2])) >= TASK_STORAGE_KERNEL and os.path.exists(btf)
 
 
 # Events handled by one poll before it returns (about 0.2 s of work at the measured pace).
