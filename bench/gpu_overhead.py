@@ -92,6 +92,31 @@ def attach_empty_probes(pids: list[int]):
     return bpf
 
 
+def pin(pids: list[int], cpu: int) -> list[int]:
+    """Every thread of each process on `cpu` (-1: on every CPU again); the pids pinned."""
+    if cpu < 0 and not pids:
+        return []
+    cpus = set(range(os.cpu_count() or 1)) if cpu < 0 else {cpu}
+    for pid in pids:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except OSError:  # a thread that ended meanwhile
+                pass
+    return pids
+
+
+def away(pids: list[int], cpu: int) -> None:
+    """Every thread of each process on every CPU but `cpu`."""
+    others = set(range(os.cpu_count() or 1)) - {cpu}
+    for pid in pids:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(task), others or {cpu})
+            except OSError:
+                pass
+
+
 def agent_counters(socket: Path) -> dict[str, int]:
     from kvtrace.client import AgentClient
 
@@ -109,6 +134,9 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
     parser.add_argument("--only", choices=("pairs",), help="measure only the pair cost (fewer workers)")
+    parser.add_argument("--pin-cpu", type=int, default=os.cpu_count() - 1 if os.cpu_count() else 0,
+                        help="the CPU every worker's threads run on during the pair rounds (they run in "
+                             "turn); -1: not pinned")
     args = parser.parse_args()
     require_bpf()
     version = code_version()
@@ -146,7 +174,13 @@ def main() -> int:
             results["agent_idle_core_fraction"] = meter.stop()
             results["agent_rss_idle_bytes"] = meter.rss_bytes()
 
-            # 1. pair cost
+            # 1. pair cost. Each worker on the same CPU while the pairs run (one at a time): unpinned, a
+            # process kept the core it landed on, and two untraced processes differed by up to 3 µs
+            # per pair on the H200, as much as what is measured.
+            pinned = pin([worker.pid for worker in pair_workers.values()], args.pin_cpu)
+            if pinned:  # and the agents off that CPU: their reading does not preempt a timed loop
+                away([agent.process.pid] + [extra.process.pid for extra in extra_agents], args.pin_cpu)
+            results["pair_pinned_cpu"] = args.pin_cpu if pinned else None
             pair_ns: dict[str, list[float]] = {role: [] for role in pair_workers}
             for round_index in range(args.pair_rounds):
                 for role in rotated(pair_workers, round_index):
@@ -156,6 +190,7 @@ def main() -> int:
                     progress(f"pairs round {round_index + 1}/{args.pair_rounds}: " + ", ".join(
                         f"{role} {values[-1]:.0f}" for role, values in pair_ns.items()) + " ns")
             results["pair_ns"] = pair_ns
+            pin(pinned, -1)
 
             # 2. generation
             meter.start()
@@ -199,8 +234,9 @@ def report(results: dict, args) -> None:
     pair = results["pair_ns"]
     added = {role: median(paired(pair[role], pair["untraced"], lambda v, b: v - b))
              for role in pair if role != "untraced"}
+    pinned = results.get("pair_pinned_cpu")
     print(f"1. cudaMalloc(1 MiB)+cudaFree pair, {args.pair_rounds} rounds x {args.pairs} pairs, "
-          f"{args.depth} frames deep; medians")
+          f"{args.depth} frames deep; medians" + (f"; every worker on CPU {pinned}" if pinned is not None else ""))
     print(f"   untraced {median(pair['untraced']):.0f} ns/pair")
     for role, value in added.items():
         print(f"   {role:<18} adds {value:>8.0f} ns/pair")
