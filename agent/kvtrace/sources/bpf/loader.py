@@ -76,7 +76,9 @@ TASK_STORAGE_KERNEL = (6, 2)
 def task_storage_supported(release: str | None = None, btf: str = "/sys/kernel/btf/vmlinux") -> bool:
     """Whether this kernel (uname -r, or `release`) gives uprobe programs task storage."""
     numbers = re.match(r"(\d+)\.(\d+)", release if release is not None else platform.release())
-    return bool(numbers) and (int(numbers[1]), int(numbers[2])) >= TASK_STORAGE_KERNEL and os.path.exists(btf)
+    if numbers is None:
+        return False
+    return (int(numbers[1]), int(numbers[2])) >= TASK_STORAGE_KERNEL and os.path.exists(btf)
 
 
 # Events handled by one poll before it returns (about 0.2 s of work at the measured pace).
