@@ -92,29 +92,28 @@ def attach_empty_probes(pids: list[int]):
     return bpf
 
 
-def pin(pids: list[int], cpu: int) -> list[int]:
-    """Every thread of each process on `cpu` (-1: on every CPU again); the pids pinned."""
-    if cpu < 0 and not pids:
-        return []
-    cpus = set(range(os.cpu_count() or 1)) if cpu < 0 else {cpu}
+def masks(pid: int) -> dict[int, set[int]]:
+    """The CPUs each thread of `pid` may run on."""
+    return {int(task): os.sched_getaffinity(int(task)) for task in os.listdir(f"/proc/{pid}/task")}
+
+
+def set_masks(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of each process on `cpus` (one that cannot be is an error, not a silent no-op)."""
     for pid in pids:
         for task in os.listdir(f"/proc/{pid}/task"):
             try:
                 os.sched_setaffinity(int(task), cpus)
-            except OSError:  # a thread that ended meanwhile
+            except ProcessLookupError:  # a thread that ended meanwhile
                 pass
-    return pids
 
 
-def away(pids: list[int], cpu: int) -> None:
-    """Every thread of each process on every CPU but `cpu`."""
-    others = set(range(os.cpu_count() or 1)) - {cpu}
-    for pid in pids:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.sched_setaffinity(int(task), others or {cpu})
-            except OSError:
-                pass
+def restore_masks(pid: int, by_thread: dict[int, set[int]]) -> None:
+    everywhere = os.sched_getaffinity(0)
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), by_thread.get(int(task), everywhere))
+        except ProcessLookupError:
+            pass
 
 
 def agent_counters(socket: Path) -> dict[str, int]:
@@ -134,7 +133,7 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
     parser.add_argument("--only", choices=("pairs",), help="measure only the pair cost (fewer workers)")
-    parser.add_argument("--pin-cpu", type=int, default=os.cpu_count() - 1 if os.cpu_count() else 0,
+    parser.add_argument("--pin-cpu", type=int, default=max(os.sched_getaffinity(0)),
                         help="the CPU every worker's threads run on during the pair rounds (they run in "
                              "turn); -1: not pinned")
     args = parser.parse_args()
@@ -177,10 +176,13 @@ def main() -> int:
             # 1. pair cost. Each worker on the same CPU while the pairs run (one at a time): unpinned, a
             # process kept the core it landed on, and two untraced processes differed by up to 3 µs
             # per pair on the H200, as much as what is measured.
-            pinned = pin([worker.pid for worker in pair_workers.values()], args.pin_cpu)
-            if pinned:  # and the agents off that CPU: their reading does not preempt a timed loop
-                away([agent.process.pid] + [extra.process.pid for extra in extra_agents], args.pin_cpu)
-            results["pair_pinned_cpu"] = args.pin_cpu if pinned else None
+            agent_pids = [agent.process.pid] + [extra.process.pid for extra in extra_agents]
+            worker_pids = [worker.pid for worker in pair_workers.values()]
+            saved = {pid: masks(pid) for pid in worker_pids + agent_pids} if args.pin_cpu >= 0 else {}
+            if saved:  # the agents off that CPU: their reading does not preempt a timed loop
+                set_masks(worker_pids, {args.pin_cpu})
+                set_masks(agent_pids, os.sched_getaffinity(0) - {args.pin_cpu})
+            results["pair_pinned_cpu"] = args.pin_cpu if saved else None
             pair_ns: dict[str, list[float]] = {role: [] for role in pair_workers}
             for round_index in range(args.pair_rounds):
                 for role in rotated(pair_workers, round_index):
@@ -190,7 +192,8 @@ def main() -> int:
                     progress(f"pairs round {round_index + 1}/{args.pair_rounds}: " + ", ".join(
                         f"{role} {values[-1]:.0f}" for role, values in pair_ns.items()) + " ns")
             results["pair_ns"] = pair_ns
-            pin(pinned, -1)
+            for pid, by_thread in saved.items():  # as they were, for the generation rounds
+                restore_masks(pid, by_thread)
 
             # 2. generation
             meter.start()

@@ -35,8 +35,10 @@ struct kvt_ctx_key {
 };
 
 #if KVT_TASK_STORAGE
-/* API ids that save arguments (runtime, driver, VMM) are below this. */
-#define KVT_API_SLOTS 64
+/* API ids that save arguments (runtime, driver, VMM) are below this: 48 slots keep a thread's
+ * storage under 4 KiB with the kernel's header (one small allocation per thread). */
+#define KVT_API_SLOTS 48
+_Static_assert(KVT_API_cuMemAddressFree < KVT_API_SLOTS, "an API that saves arguments has no slot");
 /* What a call keeps between its entry and its return, per thread, in task storage (Linux 6.2+): it
  * goes with the thread, is never evicted, is found from the task without hashing, and each API's slot
  * is written in place. The LRU hashes below did the same at two to three map operations per call,
@@ -113,7 +115,7 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     struct kvt_thread *thread = this_thread(1);
     if (!thread)
         return 0; /* no memory for it: the return counts as unpaired */
-    struct kvt_args *args = &thread->args[api & (KVT_API_SLOTS - 1)];
+    struct kvt_args *args = &thread->args[api];
     args->stack_id = 0;
     args->stack_status = KVT_STACK_NOT_WALKED;
     if (with_stack)
@@ -180,7 +182,7 @@ static __always_inline int save_alloc_entry(struct pt_regs *ctx, u32 api) {
 #if KVT_TASK_STORAGE
 static __always_inline int take_entry(u32 api, struct kvt_args *out) {
     struct kvt_thread *thread = this_thread(0);
-    struct kvt_args *args = thread && api < KVT_API_SLOTS ? &thread->args[api & (KVT_API_SLOTS - 1)] : 0;
+    struct kvt_args *args = thread && api < KVT_API_SLOTS ? &thread->args[api] : 0;
     if (!args || !args->in_flight) {
         if (selected(bpf_get_current_pid_tgid() >> 32))
             count(KVT_COUNTER_RETURNS_UNPAIRED);

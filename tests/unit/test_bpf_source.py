@@ -310,3 +310,45 @@ def test_task_storage_is_chosen_from_kernel_6_2_with_btf(tmp_path):
     assert task_storage_supported("6.18.44", str(tmp_path / "no-btf")) is False
     assert "-DKVT_TASK_STORAGE=0" in ProbeSettings(task_storage=False).cflags()
     assert "-DKVT_TASK_STORAGE=1" in ProbeSettings(task_storage=True).cflags()
+
+
+def test_probes_that_refuse_task_storage_load_with_lru_hashes(monkeypatch, caplog):
+    """Chosen by the kernel's version, task storage that the kernel still refuses (a backport, a
+    locked-down build) is no reason to trace nothing: the probes compile again without it."""
+    import sys
+    import types
+
+    import pytest
+
+    from kvtrace.sources.bpf import loader
+
+    compiled = []
+
+    class _Table:  # the config map
+        def __setitem__(self, key, value) -> None:
+            pass
+
+    class FakeBpf:
+        def __init__(self, text, cflags):
+            compiled.append(cflags)
+            if "-DKVT_TASK_STORAGE=1" in cflags:
+                raise Exception("Failed to load BPF program: invalid argument")  # as bcc raises
+
+        def __getitem__(self, name):
+            return _Table()
+
+    bcc = types.ModuleType("bcc")
+    bcc.BPF = FakeBpf  # type: ignore[attr-defined]
+    bcc.libbcc = types.SimpleNamespace(lib=types.SimpleNamespace(  # type: ignore[attr-defined]
+        bpf_attach_uprobe=types.SimpleNamespace(argtypes=[None] * 7)))
+    monkeypatch.setitem(sys.modules, "bcc", bcc)
+    monkeypatch.setattr(loader, "task_storage_supported", lambda: True)
+    probes = loader.BpfProbes(loader.ProbeSettings(uprobe_links=True))
+    assert [("-DKVT_TASK_STORAGE=1" in flags, "-DKVT_TASK_STORAGE=0" in flags) for flags in compiled] == \
+        [(True, False), (False, True)]
+    assert probes.settings.task_storage is False
+    assert "per-thread state in LRU hashes" in caplog.text
+    # chosen by the operator (ProbeSettings.task_storage=True), a refusal is an error
+    compiled.clear()
+    with pytest.raises(Exception, match="Failed to load"):
+        loader.BpfProbes(loader.ProbeSettings(uprobe_links=True, task_storage=True))

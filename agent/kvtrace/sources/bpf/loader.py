@@ -17,10 +17,11 @@ import select
 import struct
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtrace.model.events import Api
 from kvtrace.sources.bpf import abi, links
+from kvtrace.sources.bpf.btf import VMLINUX_BTF
 from kvtrace.sources.bpf.symbols import TORCH_PROGRAM, entry_function, return_function
 from kvtrace.sources.elf import function_file_offsets
 from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK
@@ -73,7 +74,7 @@ class ProbeSettings:
 TASK_STORAGE_KERNEL = (6, 2)
 
 
-def task_storage_supported(release: str | None = None, btf: str = "/sys/kernel/btf/vmlinux") -> bool:
+def task_storage_supported(release: str | None = None, btf: str | os.PathLike[str] = VMLINUX_BTF) -> bool:
     """Whether this kernel (uname -r, or `release`) gives uprobe programs task storage."""
     numbers = re.match(r"(\d+)\.(\d+)", release if release is not None else platform.release())
     if numbers is None:
@@ -142,7 +143,17 @@ class BpfProbes:
         self.settings = settings
         links.repair_bcc_attach_uprobe()  # before any perf-event probe (kernels before 6.6)
         started = time.monotonic()
-        self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
+        try:
+            self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
+        except Exception as error:  # bcc raises plain Exception
+            if settings.task_storage is not None or not task_storage_supported():
+                raise
+            # chosen by the kernel's version: where its task storage is refused, the LRU hashes serve
+            log.warning("the probes with task storage did not load (%s): per-thread state in LRU hashes", error)
+            settings = self.settings = replace(settings, task_storage=False)
+            self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
+        log.info("probes compiled in %.1f s; per-thread state in %s", time.monotonic() - started,
+                 "task storage" if "-DKVT_TASK_STORAGE=1" in settings.cflags() else "LRU hashes")
         self.compile_seconds = time.monotonic() - started
         self.set_block_rate(settings.block_events_per_second)
         _return_freed_heap()
