@@ -85,6 +85,14 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
 /* ---- discovery: exec and executable mmap ask user space to rescan the process ---- */
 
 TRACEPOINT_PROBE(sched, sched_process_exec) {
+    /* A new program has no CUDA state yet: no call in flight, no device selected. */
+#if KVT_TASK_STORAGE
+    threads.task_storage_delete(bpf_get_current_task_btf());
+#else
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    thread_device.delete(&tid);
+    outer_stack.delete(&tid);
+#endif
     notify_user(KVT_NOTIFY_EXEC);
     return 0;
 }

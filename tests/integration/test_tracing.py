@@ -183,6 +183,33 @@ def test_context_destroy_frees_what_the_context_held(trace, stub_build):
         assert harness.session.ledger.implicit_frees_total[pid] == 3
 
 
+def test_a_device_selected_before_exec_is_not_the_new_programs(trace, stub_build):
+    """CUDA state does not survive execve: the program a process execs starts on device 0 however its
+    thread had selected another (the probes forget the thread's state at exec)."""
+    import sys
+
+    script = (f"import ctypes, os, sys\n"
+              f"print('before', flush=True); sys.stdin.readline()\n"
+              f"assert ctypes.CDLL({str(stub_build.libcudart)!r}).cudaSetDevice(2) == 0\n"
+              f"print('selected', flush=True); sys.stdin.readline()\n"
+              f"os.execv({str(stub_build.workload)!r}, [{str(stub_build.workload)!r}, 'hold'])\n")
+    with Workload([sys.executable, "-c", script]) as workload:
+        workload.expect_line("before")
+        harness = trace(workload.pid)
+        workload.go()
+        workload.expect_line("selected")
+        assert harness.pump_until(lambda: harness.of(workload.pid, Kind.SET_DEVICE)), "no cudaSetDevice seen"
+        assert {e.device for e in harness.of(workload.pid, Kind.SET_DEVICE)} == {2}
+        workload.go()  # exec
+        pid = workload.wait_ready()
+        workload.go()
+        workload.read_calls()
+        arrived = harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.cudaMalloc)) >= 13)
+        mallocs = harness.of(pid, Kind.ALLOC, Api.cudaMalloc)
+        assert arrived, f"{len(mallocs)} of 13 cudaMalloc"
+        assert {e.device for e in mallocs} == {0}
+
+
 def test_statically_linked_executable_is_traced(trace, stub_build):
     with scenario(trace, [stub_build.workload_static, "hold"], 26) as (pid, harness, calls):
         libraries = [lib for lib in harness.source.attached_libraries() if pid in lib.pids]

@@ -352,3 +352,18 @@ def test_probes_that_refuse_task_storage_load_with_lru_hashes(monkeypatch, caplo
     compiled.clear()
     with pytest.raises(Exception, match="Failed to load"):
         loader.BpfProbes(loader.ProbeSettings(uprobe_links=True, task_storage=True))
+
+
+def test_no_task_storage_flag_chooses_lru_hashes():
+    import argparse
+
+    from kvtrace.cli.agent import AgentCommand
+
+    def settings(*flags):
+        parser = argparse.ArgumentParser()
+        AgentCommand().prepare_parser(parser)
+        return AgentCommand._options(parser.parse_args(["--metrics-listen", "off", "--no-api", *flags])).bpf.settings
+
+    assert settings().task_storage is None  # chosen by the kernel
+    assert settings("--no-task-storage").task_storage is False
+    assert "-DKVT_TASK_STORAGE=0" in settings("--no-task-storage").cflags()

@@ -75,6 +75,9 @@ class AgentCommand:
                                  "lowest latency, and an interrupt in the traced thread per event")
         parser.add_argument("--no-python-stacks", action="store_true",
                             help="do not walk Python stacks in the probes")
+        parser.add_argument("--no-task-storage", action="store_true",
+                            help="keep the probes' per-thread state (a call's arguments, its thread's device) in "
+                                 "LRU hashes, as before Linux 6.2, instead of task storage")
         parser.add_argument("--no-torch-blocks", action="store_true",
                             help="do not trace PyTorch's caching allocator (its USDT probes pytorch:malloc/free: "
                                  "the blocks tensors hold inside the segments, and their stacks)")
@@ -269,7 +272,8 @@ class AgentCommand:
             bpf=BpfOptions(pids=set(args.pid), cmdline=cmdline,
                            settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries,
                                                   wakeup_events=args.wakeup_events,
-                                                  block_events_per_second=args.max_block_events_per_second),
+                                                  block_events_per_second=args.max_block_events_per_second,
+                                                  task_storage=False if args.no_task_storage else None),
                            python_stacks=not args.no_python_stacks, torch_blocks=not args.no_torch_blocks,
                            max_libraries=args.max_libraries, max_read_entries=args.max_read_entries,
                            ledger_in_kernel=args.ledger_in_kernel,
