@@ -17,7 +17,7 @@ from pathlib import Path
 from kvtrace.analysis.analyzer import Analyzer
 from kvtrace.config import ApiConfig
 from kvtrace.model.agent import AttachedLibrary
-from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, ObjectKind
+from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, ObjectKind, Source, StackStatus
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.ledger import ledger_view
 from kvtrace.model.processes import ProcessInfo, ProcessTable
@@ -35,6 +35,31 @@ def event(kind=Kind.ALLOC, api=Api.cuMemAlloc_v2, pid=200, address=0x7F000000000
     return Event(kind=kind, api=api, pid=pid, tid=pid + 1, timestamp_ns=ts, layer=layer, object=obj,
                  memory=memory, size_bytes=size, address=address, device=device,
                  comm=TITLES.get(pid, "python")[:15], **fields)
+
+
+# One event of every kind (and of each API that fills a field of its own), for wire round trips.
+ALL_KINDS = [
+    event(),
+    event(kind=Kind.FREE, api=Api.cudaFree, layer=Layer.RUNTIME, stack_id=3, stack_status=StackStatus.OK),
+    event(kind=Kind.ALLOC_FAILED, api=Api.cudaMalloc, layer=Layer.RUNTIME, address=0, error_code=2),
+    event(kind=Kind.FREE_FAILED, api=Api.cuMemFree_v2, error_code=1),
+    event(kind=Kind.FREE_UNKNOWN, api=Api.cuMemFree_v2, size=0, device=-1),
+    event(kind=Kind.MAP, api=Api.cuMemMap, layer=Layer.VMM, obj=ObjectKind.VMM_MAPPING, memory=Memory.NONE,
+          handle=0x55),
+    event(kind=Kind.UNMAP, api=Api.cuMemUnmap, layer=Layer.VMM, obj=ObjectKind.VMM_MAPPING,
+          memory=Memory.NONE, freed_bytes=2 * MiB),
+    event(kind=Kind.RELEASE, api=Api.cuMemRelease, layer=Layer.VMM, obj=ObjectKind.VMM_HANDLE),
+    event(kind=Kind.SET_DEVICE, api=Api.cudaSetDevice, layer=Layer.RUNTIME, obj=None, memory=None, size=0,
+          address=0, device=3, caller_address=0x401000),
+    event(kind=Kind.SET_DEVICE, api=Api.cuCtxSetCurrent, layer=Layer.DRIVER, obj=None, memory=None, size=0,
+          address=0xC0, device=1),
+    event(kind=Kind.CONTEXT_DESTROY, api=Api.cuCtxDestroy_v2, obj=None, memory=None, size=0, address=0xC0,
+          device=1),
+    event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None, memory=None, size=0,
+          address=0, device=-1, error_code=9 << 8, freed_bytes=3 * MiB),
+    event(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, stream=7, pid=300,
+          title="python train.py", container="c0ffee", source=Source.CUPTI),
+]
 
 
 def _process(pid: int) -> ProcessInfo | None:

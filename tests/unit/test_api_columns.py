@@ -7,12 +7,12 @@ import time
 import grpc
 import pytest
 
-from fake_agent import FakeAgent, MiB, event, served
+from fake_agent import ALL_KINDS, FakeAgent, MiB, event, served
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.client import AgentClient
-from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind, Source, StackStatus
+from kvtrace.model.events import Api, Kind, Layer, StackStatus
 from kvtrace.model.processes import redact_title
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.servers.api import ServerLimits, redact_event
@@ -27,29 +27,6 @@ from kvtrace.wire import (
 
 COLUMNS = service_pb2.EVENT_ENCODING_COLUMNS
 SECRET_TITLE = "vllm serve /models/llama --api-key sk-kvtrace-secret-0123 --port 8000"
-
-ALL_KINDS = [
-    event(),
-    event(kind=Kind.FREE, api=Api.cudaFree, layer=Layer.RUNTIME, stack_id=3, stack_status=StackStatus.OK),
-    event(kind=Kind.ALLOC_FAILED, api=Api.cudaMalloc, layer=Layer.RUNTIME, address=0, error_code=2),
-    event(kind=Kind.FREE_FAILED, api=Api.cuMemFree_v2, error_code=1),
-    event(kind=Kind.FREE_UNKNOWN, api=Api.cuMemFree_v2, size=0, device=-1),
-    event(kind=Kind.MAP, api=Api.cuMemMap, layer=Layer.VMM, obj=ObjectKind.VMM_MAPPING, memory=Memory.NONE,
-          handle=0x55),
-    event(kind=Kind.UNMAP, api=Api.cuMemUnmap, layer=Layer.VMM, obj=ObjectKind.VMM_MAPPING,
-          memory=Memory.NONE, freed_bytes=2 * MiB),
-    event(kind=Kind.RELEASE, api=Api.cuMemRelease, layer=Layer.VMM, obj=ObjectKind.VMM_HANDLE),
-    event(kind=Kind.SET_DEVICE, api=Api.cudaSetDevice, layer=Layer.RUNTIME, obj=None, memory=None, size=0,
-          address=0, device=3, caller_address=0x401000),
-    event(kind=Kind.SET_DEVICE, api=Api.cuCtxSetCurrent, layer=Layer.DRIVER, obj=None, memory=None, size=0,
-          address=0xC0, device=1),
-    event(kind=Kind.CONTEXT_DESTROY, api=Api.cuCtxDestroy_v2, obj=None, memory=None, size=0, address=0xC0,
-          device=1),
-    event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None, memory=None, size=0,
-          address=0, device=-1, error_code=9 << 8, freed_bytes=3 * MiB),
-    event(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, stream=7, pid=300,
-          title="python train.py", container="c0ffee", source=Source.CUPTI),
-]
 
 
 def wait_for(condition, timeout_seconds=5.0):

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fake_agent import FakeAgent, MiB, event, own_group, served, short_directory
+from fake_agent import ALL_KINDS, FakeAgent, MiB, event, own_group, served, short_directory
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
@@ -70,28 +70,6 @@ def test_wire_enums_have_the_model_numbers(model, wire, prefix):
     # A model member numbered 0 (StackStatus.NOT_WALKED) is the wire's UNSPECIFIED.
     assert {prefix + proto_name(m.name): m.value for m in model if m.value != 0} == \
         {name: number for name, number in wire.items() if number != 0}
-
-
-ALL_KINDS = [
-    event(),
-    event(kind=Kind.FREE, api=Api.cudaFree, layer=Layer.RUNTIME, stack_id=3, stack_status=StackStatus.OK),
-    event(kind=Kind.ALLOC_FAILED, api=Api.cudaMalloc, layer=Layer.RUNTIME, address=0, error_code=2),
-    event(kind=Kind.FREE_FAILED, api=Api.cuMemFree_v2, error_code=1),
-    event(kind=Kind.FREE_UNKNOWN, api=Api.cuMemFree_v2, size=0, device=-1),
-    event(kind=Kind.MAP, api=Api.cuMemMap, layer=Layer.VMM, obj=ObjectKind.VMM_MAPPING, memory=Memory.NONE,
-          handle=0x55),
-    event(kind=Kind.UNMAP, api=Api.cuMemUnmap, layer=Layer.VMM, obj=ObjectKind.VMM_MAPPING,
-          memory=Memory.NONE, freed_bytes=2 * MiB),
-    event(kind=Kind.RELEASE, api=Api.cuMemRelease, layer=Layer.VMM, obj=ObjectKind.VMM_HANDLE),
-    event(kind=Kind.SET_DEVICE, api=Api.cudaSetDevice, layer=Layer.RUNTIME, obj=None, memory=None, size=0,
-          address=0, device=3, caller_address=0x401000),
-    event(kind=Kind.SET_DEVICE, api=Api.cuCtxSetCurrent, layer=Layer.DRIVER, obj=None, memory=None, size=0,
-          address=0xC0, device=1),
-    event(kind=Kind.CONTEXT_DESTROY, api=Api.cuCtxDestroy_v2, obj=None, memory=None, size=0, address=0xC0,
-          device=1),
-    event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None, memory=None, size=0,
-          address=0, device=-1),
-]
 
 
 @pytest.mark.parametrize("model_event", ALL_KINDS, ids=lambda e: f"{e.kind.name}-{e.api.name}")
