@@ -99,8 +99,8 @@ def test_an_event_that_cannot_be_decoded_is_counted_told_as_lost_and_resyncs():
     tracer = BpfSource(session, BpfOptions())
     tracer.probes = CountingProbes()
     tracer._next_full_scan = tracer._next_sweep = math.inf
-    # WHEN it arrives and housekeeping runs
-    tracer._on_raw_event(record)
+    # WHEN it arrives (one record, as the ring reader hands them over) and housekeeping runs
+    tracer._on_raw_events(record, len(record), 0)
     tracer.housekeeping()
     # THEN it is counted, subscribers hear of one lost event, and the ledger is read from the kernel
     assert session.counters()["events_undecodable"] == 1

@@ -13,7 +13,6 @@ import logging
 import os
 import platform
 import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -32,7 +31,6 @@ from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import (
     Clock,
     count_ledger_chunk,
-    decode_event,
     decode_events,
     decode_ledger_chunk,
     decode_ledger_entry,
@@ -289,15 +287,6 @@ class BpfSource:
             log.error("an event could not be decoded (%s): the ledger is resynced from the kernel's; "
                       "kvtrace_events_undecodable_total counts them", error)
         # housekeeping sees the count go up: subscribers are told, the ledger resyncs
-
-    def _on_raw_event(self, record: bytes) -> None:
-        self._events_since_report = True
-        try:
-            event, kernel_stack_id = decode_event(record, self.clock)
-        except (struct.error, KeyError, ValueError) as error:  # probes of another build?
-            self._count_undecodable(1, error)
-            return
-        self._admit(event, kernel_stack_id)
 
     def _admit(self, event: Event, kernel_stack_id: int) -> None:
         if self.filtering and event.pid not in self._selected:
