@@ -183,6 +183,12 @@ _MEMORY_VALUES = _lookup(Memory, zero=False)
 _VMM_HANDLE, _VMM_MAPPING, _BLOCK = ObjectKind.VMM_HANDLE, ObjectKind.VMM_MAPPING, ObjectKind.BLOCK
 
 
+def _raw_entries(keys: bytes, values: bytes) -> Iterator[tuple[tuple, tuple]]:
+    """(key fields, value fields) of each raw kvt_ledger_key / kvt_ledger_value pair of a chunk, unpacked in
+    bulk (one C call per array)."""
+    return zip(_LEDGER_KEY.iter_unpack(keys), _LEDGER_VALUE.iter_unpack(values), strict=True)
+
+
 def decode_ledger_chunk(keys: bytes, values: bytes, clock: Clock, objects: frozenset[int] | None = None,
                         pids: Collection[int] = ()) -> Iterator[tuple[Outstanding, int]]:
     """(entry, kernel stack id) of raw kvt_ledger_key / kvt_ledger_value arrays (loader.iter_ledger_chunks),
@@ -190,8 +196,7 @@ def decode_ledger_chunk(keys: bytes, values: bytes, clock: Clock, objects: froze
     build cannot read are left out (a resync reads them one at a time and says why)."""
     offset_ns = clock.offset_ns
     for (pid, layer, object_kind, _, address), (size_bytes, timestamp_ns, caller, aux, tid, device, api, memory,
-                                                 released, _, stack_id) in zip(
-            _LEDGER_KEY.iter_unpack(keys), _LEDGER_VALUE.iter_unpack(values), strict=True):
+                                                 released, _, stack_id) in _raw_entries(keys, values):
         if (objects is not None and object_kind not in objects) or (pids and pid not in pids):
             continue
         try:
@@ -210,8 +215,8 @@ def count_ledger_chunk(keys: bytes, values: bytes, totals: dict[TotalsKey, list[
     """Adds the raw entries of `objects` (raw values) of `pids` (empty: all) to `totals`: (pid, device,
     layer, memory) -> [bytes, count], without building an entry each (a recount goes through millions).
     `unnamed(pid, kernel stack id)` is called for each entry's stack, for the caller to name new ones."""
-    for (pid, layer, object_kind, _, _), (size_bytes, _, _, _, _, device, _, memory, _, _, stack_id) in zip(
-            _LEDGER_KEY.iter_unpack(keys), _LEDGER_VALUE.iter_unpack(values), strict=True):
+    for (pid, layer, object_kind, _, _), (size_bytes, _, _, _, _, device, _, memory, _, _, stack_id) in \
+            _raw_entries(keys, values):
         if object_kind not in objects or (pids and pid not in pids):
             continue
         if stack_id and unnamed is not None:
@@ -235,8 +240,7 @@ def doomed_in_chunk(keys: bytes, values: bytes, pid: int, before_ns: int, device
     doomed: list[bytes] = []
     key_size = _LEDGER_KEY.size
     for index, ((entry_pid, layer, object_kind, _, _), (size_bytes, timestamp_ns, _, _, _, entry_device, _, memory,
-                                                        _, _, _)) in enumerate(zip(
-            _LEDGER_KEY.iter_unpack(keys), _LEDGER_VALUE.iter_unpack(values), strict=True)):
+                                                        _, _, _)) in enumerate(_raw_entries(keys, values)):
         if entry_pid != pid or timestamp_ns > before_ns or (device is not None and entry_device != device):
             continue
         doomed.append(keys[index * key_size:(index + 1) * key_size])
