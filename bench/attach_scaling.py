@@ -28,7 +28,6 @@ from benchlib import ROOT, code_version, progress, require_bpf  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from agent_process import AgentProcess  # noqa: E402
 from cuda_stubs import build_stubs, library_holder  # noqa: E402
-from kvtrace.client import AgentClient  # noqa: E402
 
 
 def measure(socket: Path, pids: list[int], per_process_max: int) -> dict:
@@ -37,8 +36,7 @@ def measure(socket: Path, pids: list[int], per_process_max: int) -> dict:
     agent = AgentProcess(socket, *args, "--no-nvml", "--per-process-probes-max", str(per_process_max))
     start_seconds = time.monotonic() - started
     time.sleep(1.0)
-    with AgentClient.for_socket(socket) as client:
-        counters = dict(client.info().counters)
+    counters = agent.counters()
     stopping = time.monotonic()
     agent.process.send_signal(signal.SIGTERM)
     status = agent.process.wait(timeout=600)

@@ -116,13 +116,6 @@ def restore_masks(pid: int, by_thread: dict[int, set[int]]) -> None:
             pass
 
 
-def agent_counters(socket: Path) -> dict[str, int]:
-    from kvtrace.client import AgentClient
-
-    with AgentClient.for_socket(socket) as client:
-        return dict(client.info().counters)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair-rounds", type=int, default=25)
@@ -209,8 +202,8 @@ def main() -> int:
             results["agent_busy_core_fraction"] = meter.stop()
             results["agent_rss_busy_bytes"] = meter.rss_bytes()
             results["tokens_per_second"] = tokens_per_second
-            results["agent_counters"] = agent_counters(socket)
-            results["extra_agent_counters"] = {role: agent_counters(extra.socket)
+            results["agent_counters"] = agent.counters()
+            results["extra_agent_counters"] = {role: extra.counters()
                                                for role, extra in zip(EXTRA_PAIR_AGENTS, extra_agents, strict=True)}
             report(results, args)
             if args.json_out:

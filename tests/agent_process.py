@@ -40,6 +40,13 @@ class AgentProcess:
         self._stderr.seek(0)
         return self._stderr.read()
 
+    def counters(self) -> dict[str, int]:
+        """The agent's counters, as GetAgentInfo gives them."""
+        from kvtrace.client import AgentClient
+
+        with AgentClient.for_socket(self.socket) as client:
+            return dict(client.info().counters)
+
     def stdout_lines(self) -> list[str]:
         self._stdout.seek(0)
         return self._stdout.read().splitlines()

@@ -60,8 +60,7 @@ def test_a_real_oom_leaves_a_dump_whose_leaks_name_the_leaking_function(tmp_path
             dumps = wait_for(lambda: _dumps(flight_dir, "oom") and _dumps(flight_dir, "died"), 30)
             listed = kvtrace("flight", "--json", "--socket", str(socket.with_name("kvtrace-admin.sock")))
             agent_log = agent.stderr_text()
-            with AgentClient.for_socket(socket) as client:
-                counters = dict(client.info().counters)
+            counters = agent.counters()
         print("\nagent counters: " + ", ".join(f"{name} {counters.get(name, 0)}" for name in (
             "events_submitted", "events_seen", "events_lost", "blocks_unsent", "events_undecodable", "resyncs")))
         print("agent log:\n" + "\n".join(line for line in agent_log.splitlines() if "WARNING" in line or "ERROR" in line

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from agent_process import AgentProcess
-from kvtrace.client import AgentClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -21,17 +20,12 @@ PAIRS = 2000
 EVENTS_PER_PAIR = 4  # cudaMalloc and the cuMemAlloc inside it, cudaFree and its cuMemFree
 
 
-def counters(socket: Path) -> dict[str, int]:
-    with AgentClient.for_socket(socket) as client:
-        return dict(client.info().counters)
-
-
 def traced_events(agent: AgentProcess, worker, label: str) -> int:
     """Events the agent's probes submitted or lost while `worker` made PAIRS pairs; prints the figures."""
-    before = counters(agent.socket)
+    before = agent.counters()
     worker.send(op="pairs", count=PAIRS, depth=4)
     time.sleep(1.0)
-    after = counters(agent.socket)
+    after = agent.counters()
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     seen = delta.get("events_submitted", 0) + delta.get("events_lost", 0)
     print(f"\n{label}: pid {worker.pid}, {PAIRS} pairs: submitted+lost {seen}; changed counters "
