@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.analysis.analyzer import Analyzer
 from kvtrace.config import ApiConfig
 from kvtrace.model.agent import AttachedLibrary
@@ -60,6 +61,31 @@ ALL_KINDS = [
     event(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, stream=7, pid=300,
           title="python train.py", container="c0ffee", source=Source.CUPTI),
 ]
+
+
+# StreamEvents requests and the indexes of stream_filter_events() each must give (messages or columns).
+STREAM_FILTER_CASES = [
+    ({}, [0, 1, 2, 3, 4, 5]),
+    ({"pids": [100, 300]}, [0, 4]),
+    ({"title_regex": "Worker_TP\\d$"}, [1, 2, 3, 5]),
+    ({"kinds": [events_pb2.EVENT_KIND_FREE, events_pb2.EVENT_KIND_PROCESS_EXIT]}, [2, 5]),
+    ({"layers": [events_pb2.LAYER_RUNTIME]}, [3, 5]),  # the exit has no layer: it passes
+    ({"min_size_bytes": 2 * MiB}, [1, 5]),  # the exit has no size: it passes
+    ({"pids": [200], "min_size_bytes": 2 * MiB}, [1, 5]),
+]
+
+
+def stream_filter_events() -> list[Event]:
+    """Six events of three processes: sizes, kinds, layers and an exit, for the stream filters."""
+    return [
+        event(pid=100, address=0x10),
+        event(pid=200, address=0x20, size=4 * MiB),
+        event(pid=200, address=0x20, size=MiB, kind=Kind.FREE, api=Api.cuMemFree_v2),
+        event(pid=200, address=0x30, api=Api.cudaMalloc, layer=Layer.RUNTIME),
+        event(pid=300, address=0x40, size=1),
+        event(pid=200, kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None, memory=None,
+              size=0, address=0, device=-1),
+    ]
 
 
 def _process(pid: int) -> ProcessInfo | None:

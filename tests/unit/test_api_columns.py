@@ -7,12 +7,12 @@ import time
 import grpc
 import pytest
 
-from fake_agent import ALL_KINDS, FakeAgent, MiB, event, served
+from fake_agent import ALL_KINDS, STREAM_FILTER_CASES, FakeAgent, event, served, stream_filter_events
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.client import AgentClient
-from kvtrace.model.events import Api, Kind, Layer, StackStatus
+from kvtrace.model.events import Kind, StackStatus
 from kvtrace.model.processes import redact_title
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.servers.api import ServerLimits, redact_event
@@ -108,25 +108,9 @@ def read_columns(responses, count):
     return items
 
 
-@pytest.mark.parametrize("request_fields, wanted", [
-    ({}, [0, 1, 2, 3, 4, 5]),
-    ({"pids": [100, 300]}, [0, 4]),
-    ({"title_regex": "Worker_TP\\d$"}, [1, 2, 3, 5]),
-    ({"kinds": [events_pb2.EVENT_KIND_FREE, events_pb2.EVENT_KIND_PROCESS_EXIT]}, [2, 5]),
-    ({"layers": [events_pb2.LAYER_RUNTIME]}, [3, 5]),
-    ({"min_size_bytes": 2 * MiB}, [1, 5]),
-    ({"pids": [200], "min_size_bytes": 2 * MiB}, [1, 5]),
-])
+@pytest.mark.parametrize("request_fields, wanted", STREAM_FILTER_CASES)
 def test_column_stream_filters_and_gives_the_exact_events(request_fields, wanted):
-    events = [
-        event(pid=100, address=0x10),
-        event(pid=200, address=0x20, size=4 * MiB),
-        event(pid=200, address=0x20, size=MiB, kind=Kind.FREE, api=Api.cuMemFree_v2),
-        event(pid=200, address=0x30, api=Api.cudaMalloc, layer=Layer.RUNTIME),
-        event(pid=300, address=0x40, size=1),
-        event(pid=200, kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None, memory=None,
-              size=0, address=0, device=-1),
-    ]
+    events = stream_filter_events()
     with served() as (server, backend):
         agent = service_grpc.AgentServiceStub(grpc.insecure_channel(f"unix:{server.config.admin_path}"))
         responses = agent.StreamEvents(service_pb2.StreamEventsRequest(encoding=COLUMNS, **request_fields),

@@ -12,7 +12,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fake_agent import ALL_KINDS, FakeAgent, MiB, event, own_group, served, short_directory
+from fake_agent import (
+    ALL_KINDS,
+    STREAM_FILTER_CASES,
+    FakeAgent,
+    MiB,
+    event,
+    own_group,
+    served,
+    short_directory,
+    stream_filter_events,
+)
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
@@ -87,25 +97,9 @@ def test_events_from_a_newer_agent_are_skipped_not_fatal():
 
 # ---- streaming ----
 
-@pytest.mark.parametrize("request_fields, wanted", [
-    ({}, [0, 1, 2, 3, 4, 5]),
-    ({"pids": [100, 300]}, [0, 4]),
-    ({"title_regex": "Worker_TP\\d$"}, [1, 2, 3, 5]),
-    ({"kinds": [events_pb2.EVENT_KIND_FREE, events_pb2.EVENT_KIND_PROCESS_EXIT]}, [2, 5]),
-    ({"layers": [events_pb2.LAYER_RUNTIME]}, [3, 5]),  # the exit has no layer: it passes
-    ({"min_size_bytes": 2 * MiB}, [1, 5]),  # the exit has no size: it passes
-    ({"pids": [200], "min_size_bytes": 2 * MiB}, [1, 5]),
-])
+@pytest.mark.parametrize("request_fields, wanted", STREAM_FILTER_CASES)
 def test_stream_filters(request_fields, wanted):
-    events = [
-        event(pid=100, address=0x10),
-        event(pid=200, address=0x20, size=4 * MiB),
-        event(pid=200, address=0x20, size=MiB, kind=Kind.FREE, api=Api.cuMemFree_v2),
-        event(pid=200, address=0x30, api=Api.cudaMalloc, layer=Layer.RUNTIME),
-        event(pid=300, address=0x40, size=1),
-        event(pid=200, kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None, memory=None,
-              size=0, address=0, device=-1),
-    ]
+    events = stream_filter_events()
     with served() as (server, backend):
         responses = stub(server).StreamEvents(service_pb2.StreamEventsRequest(**request_fields), timeout=10)
         wait_for(lambda: backend.hub.subscriber_count() == 1)
