@@ -8,9 +8,9 @@ pairs itself. Long-lived targets, each on its own copy of the stub libraries:
             (the points kvtrace uses for this workload): the floor every probe pays;
   nostacks  a Tracer with python_stacks=False;
   stacks    a Tracer with python_stacks=True (the same probes, plus the frame walk);
-  nostacks@REV, stacks@REV (with --baseline REV): the same, with the Python-stack probe headers
-            (pystack.h, context.h, emit.h) as committed at REV, so that a change is measured side
-            by side with what it replaces, in the same run.
+  nostacks@REV, stacks@REV (with --baseline REV): the same, with the probes (all of probes/ but
+            kvtrace.h) as committed at REV, so that a change is measured side by side with what it
+            replaces, in the same run.
 Rounds interleave the modes (order rotated); the added cost of stacks is stacks - nostacks of the
 same round and depth, medians over rounds; "x empty" is (mode - untraced) / (empty - untraced).
 One user allocation is a cudaMalloc whose stub calls cuMemAlloc_v2: both are allocation probes;
@@ -63,8 +63,6 @@ MODES = ("untraced", "empty", "nostacks", "stacks")
 GOAL_NS_AT_20 = 3000
 EMPTY_POINTS = (("libcudart", "cudaMalloc"), ("libcudart", "cudaFree"),
                 ("libcuda", "cuMemAlloc_v2"), ("libcuda", "cuMemFree_v2"))
-# The headers that make the Python-stack part of the probes; --baseline takes these from REV.
-STACK_HEADERS = ("pystack.h", "context.h", "emit.h")
 
 
 def find_python() -> Path:
@@ -80,15 +78,17 @@ def find_python() -> Path:
 
 
 def baseline_probes(rev: str, into: Path) -> Path:
-    """The probes as they are now, with STACK_HEADERS as committed at `rev` (kvtrace.h stays the
-    current one: it only gains fields and counters, which old headers do not use)."""
+    """The probes as committed at `rev`, but for kvtrace.h, which stays the current one (it only
+    gains fields and counters, which older probes do not use; user space reads it)."""
     from kvtrace.sources.bpf.abi import probes_dir
 
     shutil.copytree(probes_dir(), into)
-    for name in STACK_HEADERS:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:probes/{name}"],
+    for path in sorted(into.iterdir()):
+        if path.name == "kvtrace.h":
+            continue
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:probes/{path.name}"],
                               capture_output=True, text=True, check=True).stdout
-        (into / name).write_text(text)
+        path.write_text(text)
     return into
 
 
@@ -240,8 +240,8 @@ def main() -> int:
         return 3
     print(f"python stack overhead: {python} target, ctypes.CDLL, {args.rounds} rounds x "
           f"{args.pairs} pairs per depth, medians over clean rounds (ns per cudaMalloc+cudaFree pair)")
-    print(f"  measured: {version}" + (f"; @{args.baseline}: {', '.join(STACK_HEADERS)} as committed "
-                                       f"at {args.baseline}" if args.baseline else ""))
+    print(f"  measured: {version}" + (f"; @{args.baseline}: probes/ as committed at "
+                                       f"{args.baseline} (kvtrace.h as now)" if args.baseline else ""))
     print(f"  {'frames':>6} " + " ".join(f"{mode:>15}" for mode in modes))
     for frames in DEPTHS:
         print(f"  {frames:>6} " + " ".join(f"{median(clean(mode, frames)):>15.0f}" for mode in modes))

@@ -89,21 +89,50 @@ static __always_inline int filtered_out(u32 pid) {
 static __always_inline int is_runtime_api(u32 api) { return api < 20; }
 
 #if KVT_TASK_STORAGE
-static __always_inline void python_stack_for_call(u32 api, struct kvt_thread *thread, struct kvt_args *args) {
-    u64 now = bpf_ktime_get_ns();
+/* A runtime call's stack, for the driver calls it makes (python_stack_for_call). */
+static __always_inline void remember_outer(u32 api, struct kvt_thread *thread, u64 stack_id, u64 status) {
+    if (!is_runtime_api(api))
+        return;
+    thread->outer.stack_id = stack_id;
+    thread->outer.stack_status = status;
+    thread->outer.timestamp_ns = bpf_ktime_get_ns();
+    thread->outer.api = api;
+}
+
+/* 1 when this is a driver call inside a runtime call on this thread: it takes that call's stack. */
+static __always_inline int reuse_outer(u32 api, struct kvt_thread *thread, struct kvt_args *args) {
     struct kvt_outer_stack *outer = &thread->outer;
-    if (!is_runtime_api(api) && outer->api != 0 && now - outer->timestamp_ns < KVT_OUTER_STACK_MAX_AGE_NS) {
-        args->stack_id = outer->stack_id;
-        args->stack_status = outer->stack_status;
+    if (is_runtime_api(api) || outer->api == 0 ||
+        bpf_ktime_get_ns() - outer->timestamp_ns >= KVT_OUTER_STACK_MAX_AGE_NS)
+        return 0;
+    args->stack_id = outer->stack_id;
+    args->stack_status = outer->stack_status;
+    return 1;
+}
+
+/* The Python stack of a call whose arguments are saved: the outer call's, or walked by walk_stack,
+ * which this hands the rest of the probe to (call_stack_walked stores what it walked). */
+static __always_inline void python_stack_for_call(struct pt_regs *ctx, u32 api, struct kvt_thread *thread,
+                                                  struct kvt_args *args) {
+    if (reuse_outer(api, thread, args))
+        return;
+    if (!python_target(bpf_get_current_pid_tgid() >> 32)) {
+        args->stack_status = KVT_STACK_NOT_PYTHON;
+        remember_outer(api, thread, 0, KVT_STACK_NOT_PYTHON);
         return;
     }
-    args->stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &args->stack_status);
-    if (is_runtime_api(api)) {
-        outer->stack_id = args->stack_id;
-        outer->stack_status = args->stack_status;
-        outer->timestamp_ns = now;
-        outer->api = api;
-    }
+    struct kvt_walk_request request = {.purpose = KVT_WALK_FOR_CALL, .api = api};
+    tail_call_walker(ctx, &request); /* returns only without the walker: the call goes without a stack */
+}
+
+/* walk_stack's end for an entry probe: the stack goes with the call's saved arguments. */
+static __always_inline void call_stack_walked(u32 api, u64 stack_id, u64 status) {
+    struct kvt_thread *thread = this_thread(0);
+    if (!thread || api >= KVT_API_SLOTS)
+        return;
+    thread->args[api].stack_id = stack_id;
+    thread->args[api].stack_status = status;
+    remember_outer(api, thread, stack_id, status);
 }
 
 static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
@@ -116,10 +145,6 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     if (!thread)
         return 0; /* no memory for it: the return counts as unpaired */
     struct kvt_args *args = &thread->args[api];
-    args->stack_id = 0;
-    args->stack_status = KVT_STACK_NOT_WALKED;
-    if (with_stack)
-        python_stack_for_call(api, thread, args);
     args->arg[0] = PT_REGS_PARM1(ctx);
     args->arg[1] = PT_REGS_PARM2(ctx);
     args->arg[2] = PT_REGS_PARM3(ctx);
@@ -127,42 +152,67 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     /* At function entry the return address is on top of the stack. */
     args->caller_address = 0;
     bpf_probe_read_user(&args->caller_address, sizeof(args->caller_address), (void *)PT_REGS_SP(ctx));
+    args->stack_id = 0;
+    args->stack_status = KVT_STACK_NOT_WALKED;
     args->in_flight = 1;
+    if (with_stack)
+        python_stack_for_call(ctx, api, thread, args); /* last: it may end in the walker */
     return 0;
 }
 #else
-static __always_inline void python_stack_for_call(u32 api, u32 tid, struct kvt_args *args) {
-    u64 now = bpf_ktime_get_ns();
-    if (!is_runtime_api(api)) {
-        struct kvt_outer_stack *outer = outer_stack.lookup(&tid);
-        if (outer && now - outer->timestamp_ns < KVT_OUTER_STACK_MAX_AGE_NS) {
-            args->stack_id = outer->stack_id;
-            args->stack_status = outer->stack_status;
-            return;
-        }
+static __always_inline void remember_outer(u32 api, u32 tid, u64 stack_id, u64 status) {
+    if (!is_runtime_api(api))
+        return;
+    struct kvt_outer_stack outer = {stack_id, status, bpf_ktime_get_ns(), api, 0};
+    outer_stack.update(&tid, &outer);
+}
+
+static __always_inline int reuse_outer(u32 api, u32 tid, struct kvt_args *args) {
+    if (is_runtime_api(api))
+        return 0;
+    struct kvt_outer_stack *outer = outer_stack.lookup(&tid);
+    if (!outer || bpf_ktime_get_ns() - outer->timestamp_ns >= KVT_OUTER_STACK_MAX_AGE_NS)
+        return 0;
+    args->stack_id = outer->stack_id;
+    args->stack_status = outer->stack_status;
+    return 1;
+}
+
+static __always_inline void call_stack_walked(u32 api, u64 stack_id, u64 status) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct kvt_args_key key = {.tid = tid, .api = api};
+    struct kvt_args *args = saved_args.lookup(&key);
+    if (args) {
+        args->stack_id = stack_id;
+        args->stack_status = status;
     }
-    args->stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &args->stack_status);
-    if (is_runtime_api(api)) {
-        struct kvt_outer_stack outer = {args->stack_id, args->stack_status, now, api, 0};
-        outer_stack.update(&tid, &outer);
-    }
+    remember_outer(api, tid, stack_id, status);
 }
 
 static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
-    if (filtered_out(pid_tgid >> 32))
+    u32 pid = pid_tgid >> 32, tid = (u32)pid_tgid;
+    if (filtered_out(pid))
         return 0;
-    struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
+    struct kvt_args_key key = {.tid = tid, .api = api};
     struct kvt_args args = {};
-    if (with_stack)
-        python_stack_for_call(api, (u32)pid_tgid, &args);
     args.arg[0] = PT_REGS_PARM1(ctx);
     args.arg[1] = PT_REGS_PARM2(ctx);
     args.arg[2] = PT_REGS_PARM3(ctx);
     args.arg[3] = PT_REGS_PARM4(ctx);
     /* At function entry the return address is on top of the stack. */
     bpf_probe_read_user(&args.caller_address, sizeof(args.caller_address), (void *)PT_REGS_SP(ctx));
+    int walk = with_stack && !reuse_outer(api, tid, &args);
+    if (walk && !python_target(pid)) {
+        args.stack_status = KVT_STACK_NOT_PYTHON;
+        remember_outer(api, tid, 0, KVT_STACK_NOT_PYTHON);
+        walk = 0;
+    }
     saved_args.update(&key, &args);
+    if (walk) {
+        struct kvt_walk_request request = {.purpose = KVT_WALK_FOR_CALL, .api = api};
+        tail_call_walker(ctx, &request); /* returns only without the walker: no stack */
+    }
     return 0;
 }
 #endif

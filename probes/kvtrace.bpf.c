@@ -59,6 +59,22 @@ KVT_FREE_API(cuMemFree_v2, KVT_LAYER_DRIVER, KVT_MEMORY_DEVICE)
 KVT_FREE_API(cuMemFreeAsync, KVT_LAYER_DRIVER, KVT_MEMORY_DEVICE)
 KVT_FREE_API(cuMemFreeHost, KVT_LAYER_DRIVER, KVT_MEMORY_HOST)
 
+/* ---- the Python stack walk: one program, tail-called by the probes that want a stack (pystack.h) ---- */
+int walk_stack(struct pt_regs *ctx) {
+    u32 zero = 0;
+    struct kvt_scratch *s = scratch.lookup(&zero);
+    if (!s)
+        return 0;
+    struct kvt_walk_request request = s->request; /* the walk reuses the scratch */
+    u64 status = KVT_STACK_NOT_WALKED;
+    u64 stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &status);
+    if (request.purpose == KVT_WALK_FOR_CALL)
+        call_stack_walked(request.api, stack_id, status);
+    else if (request.purpose == KVT_WALK_FOR_BLOCK)
+        block_allocated(&request, stack_id, status);
+    return 0;
+}
+
 /* ---- process exit: user space drops the ledger entries of the pid (older than this event) ---- */
 TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 pid_tgid = bpf_get_current_pid_tgid();

@@ -85,7 +85,11 @@
 #define KVT_COUNTER_BLOCKS_UNSENT    6 /* block events over a process's rate: ledger kept, event not sent */
 #define KVT_COUNTER_USDT_UNREADABLE  7 /* a USDT probe whose site or arguments could not be read */
 #define KVT_COUNTER_LEDGER_REPLACED  8 /* an allocation at an address the ledger still held (a free unseen) */
-#define KVT_COUNTER_COUNT            9
+#define KVT_COUNTER_STACK_WALKS      9 /* Python stacks walked (each reads the whole chain again) */
+#define KVT_COUNTER_STACK_WINDOWS    10 /* data-stack windows read: many frames in one read (3.11+) */
+#define KVT_COUNTER_STACK_FRAME_READS 11 /* frames read one by one (3.10; generator, entry frames) */
+#define KVT_COUNTER_STACK_WALKER_MISSING 12 /* walks not made: the walker program was not in place */
+#define KVT_COUNTER_COUNT            13
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -131,7 +135,7 @@ struct kvt_notify {
 #define KVT_MAX_FRAMES 64
 #define KVT_FRAME_READ_MAX 128 /* bytes of one frame read at once (code, previous, instr, owner) */
 
-#define KVT_STACK_NOT_WALKED      0 /* not an allocation call */
+#define KVT_STACK_NOT_WALKED      0 /* not an allocation call (or walk_stack not in place) */
 #define KVT_STACK_OK              1
 #define KVT_STACK_NOT_PYTHON      2 /* no supported Python runtime registered for this process */
 #define KVT_STACK_NO_THREAD_STATE 3 /* this thread has no Python thread state */
@@ -150,6 +154,9 @@ struct kvt_py_target {
     u16 frame_read_bytes;
     u8 instr_is_lasti;    /* 3.10: a 4-byte int f_lasti instead of a pointer */
     u8 reserved;
+    s16 tstate_datastack; /* PyThreadState.datastack_chunk, _top, _limit (3.11+); -1: none (3.10) */
+    u16 reserved2;
+    u32 reserved3;
 };
 
 struct kvt_frame {

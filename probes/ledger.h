@@ -4,6 +4,8 @@
 #ifndef KVT_LEDGER_H
 #define KVT_LEDGER_H
 
+#define KVT_EEXIST 17 /* what inserting a key the map holds returns, negated */
+
 BPF_HASH(ledger, struct kvt_ledger_key, struct kvt_ledger_value, KVT_MAX_LEDGER_ENTRIES);
 BPF_HASH(tracked_pids, u32, u64, 65536);
 
@@ -41,11 +43,15 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
     value.api = api;
     value.memory = memory;
     value.stack_id = stack_id;
-    /* The same key still there: its free was never seen. The entry is replaced; the agent, which counts
+    /* Inserted only where the key is new: one map operation, where a lookup first was two. The same
+     * key still there means its free was never seen. The entry is replaced; the agent, which counts
      * entries from the events, counts again from the kernel's (the counter going up says so). */
-    if (ledger.lookup(&key))
+    int error = ledger.insert(&key, &value);
+    if (error == -KVT_EEXIST) {
         count(KVT_COUNTER_LEDGER_REPLACED);
-    if (ledger.update(&key, &value) != 0)
+        error = ledger.update(&key, &value);
+    }
+    if (error != 0)
         count(KVT_COUNTER_LEDGER_FULL);
     mark_tracked(key.pid);
     return value.timestamp_ns;

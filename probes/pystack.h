@@ -2,18 +2,79 @@
  *
  * Per process, user space registers where its thread states are and how to walk its frames
  * (py_targets, from sources/python/offsets.py); the walk records (code object, instruction) per
- * frame and interns the stack in `stacks` by a hash, which the event carries. */
+ * frame and interns the stack in `stacks` by a hash, which the event carries.
+ *
+ * Exactness: every walk reads the whole chain of frames again, as it is at the probe. No earlier
+ * walk's result is reused on the strength of a few frames looking unchanged: on 3.11+ frames live
+ * in a per-thread data stack, so after f() returns, its caller h calling it again from another
+ * line puts f at the same address with the same code and instruction while h's line differs; only
+ * reading h (and every frame out to the last) tells the two stacks apart. What makes the walk
+ * cheap instead is how frames are read (below). A runtime call's driver calls, which cannot run
+ * Python in between, reuse its walk (context.h).
+ *
+ * Reads: on 3.11+ a thread's frames are contiguous in its data stack chunk [chunk, limit), the
+ * innermost at the highest address, so one read of the chunk below the innermost frame (a
+ * "window", up to KVT_WINDOW_BYTES) holds most of the chain; frames elsewhere (a generator's frame
+ * is in the generator, 3.12+ entry frames are on the C stack, older chunks) are read one by one.
+ * A frame is decoded from the window only when all its bytes lie inside it, and the window is a
+ * copy of that memory made during this probe while the thread is stopped in it: the bytes are the
+ * ones a read of that frame alone would give. So the data-stack offsets choose where to read from,
+ * never what a frame says: were they wrong, the walk would only read more (or fall back to one read
+ * per frame), not give another stack. 3.10 frame objects are on the heap: one read each. */
 #ifndef KVT_PYSTACK_H
 #define KVT_PYSTACK_H
 
 BPF_HASH(py_targets, u32, struct kvt_py_target, 65536);
 BPF_TABLE("lru_hash", u64, struct kvt_stack, stacks, KVT_MAX_STACKS);
 
-/* Scratch space too big for the 512-byte BPF stack: one stack being built and one frame read. */
+/* Bytes of data stack read at once, a power of two: a thread's first chunk is 16 KiB (CPython's
+ * _PY_DATA_STACK_CHUNK_SIZE), so a stack that fits in it is one read. Only [chunk, frame end) is
+ * read, so a shallow stack reads little. */
+#define KVT_WINDOW_BYTES 16384
+
+/* PyThreadState.datastack_chunk, datastack_top, datastack_limit (3.11+). */
+struct kvt_datastack {
+    u64 chunk;
+    u64 top;
+    u64 limit;
+};
+
+/* Bytes of the thread state read at once: from its frame pointer to its data stack fields
+ * (3.11-3.13: 184 to 264 bytes), one read where two would do. */
+#define KVT_TSTATE_READ_MAX 512
+
+/* The walk is one program of its own, walk_stack (kvtrace.bpf.c), that the allocation probes
+ * tail-call: the verifier then checks one copy of it, not one per probe (with the data-stack reads
+ * a copy took it 1.5 s, a dozen of them 15 s before the first library was attached). A tail call
+ * does not return, so the probe leaves in the request what is to be done with the stack. */
+#define KVT_WALK_FOR_CALL  1 /* store it with the call's saved arguments (context.h) */
+#define KVT_WALK_FOR_BLOCK 2 /* put the PyTorch block into the ledger and send its event (usdt.h) */
+
+struct kvt_walk_request {
+    u32 purpose; /* KVT_WALK_FOR_* */
+    u32 api;
+    u64 address;
+    u64 size_bytes;
+    u64 stream;
+    s32 device;
+    u32 reserved;
+};
+
+BPF_PROG_ARRAY(stack_walker, 1); /* [0]: walk_stack, put in by user space before any probe */
+
+/* Scratch space too big for the 512-byte BPF stack: the request of the probe that tail-called the
+ * walk, the stack being built, one frame read alone, and the window with [window_start, window_end)
+ * the user addresses it holds. The window has KVT_FRAME_READ_MAX bytes of slack so that a frame's
+ * fields at any masked offset are in bounds. */
 struct kvt_scratch {
+    struct kvt_walk_request request;
     struct kvt_stack stack;
     u64 hash;
+    u64 window_start;
+    u64 window_end;
     u8 frame[KVT_FRAME_READ_MAX];
+    u8 tstate[KVT_TSTATE_READ_MAX + sizeof(struct kvt_datastack)];
+    u8 window[KVT_WINDOW_BYTES + KVT_FRAME_READ_MAX];
 };
 BPF_PERCPU_ARRAY(scratch, struct kvt_scratch, 1);
 
@@ -39,11 +100,46 @@ static __always_inline u64 python_thread_state(struct kvt_py_target *target) {
     return tstate;
 }
 
-static __always_inline u64 read_u64_at(u8 *base, s16 offset) {
-    u64 value = 0;
-    if (offset >= 0 && offset <= KVT_FRAME_READ_MAX - 8)
-        __builtin_memcpy(&value, base + (offset & (KVT_FRAME_READ_MAX - 1)), sizeof(value));
-    return value;
+/* One load, not eight byte loads (which a memcpy from an unknown offset compiles to): pointer
+ * fields are 8-byte aligned in every layout (field_offset checks), and so are frames. */
+static __always_inline u64 read_u64_at(u8 *base, u32 offset) {
+    return *(u64 *)(base + (offset & (KVT_FRAME_READ_MAX - 8)));
+}
+
+/* A frame field's offset, for read_u64_at or a byte read: inside the bytes read of each frame and
+ * aligned to its size (-1 where the layout has no such field, or it is not so). */
+static __always_inline s32 field_offset(s16 offset, u32 size, u32 read_bytes) {
+    return offset >= 0 && offset + size <= read_bytes && (offset & (size - 1)) == 0 ? offset : -1;
+}
+
+/* The first `read_bytes` bytes of the frame at user address `frame`, in scratch memory; NULL when
+ * they cannot be read. From the window when it holds them all; else, for a frame in the thread's
+ * data stack chunk [chunk, limit), a new window ending with this frame; else the frame alone. */
+static __always_inline u8 *frame_bytes(struct kvt_scratch *s, u64 frame, u32 read_bytes, u64 chunk,
+                                       u64 limit) {
+    u64 held = s->window_end - s->window_start;
+    u64 at = frame - s->window_start;
+    if (frame >= s->window_start && at < held && held - at >= read_bytes)
+        return s->window + (at & (KVT_WINDOW_BYTES - 1)); /* at < held <= KVT_WINDOW_BYTES */
+    if (frame >= chunk && frame < limit && limit - frame >= read_bytes) {
+        u64 end = frame + read_bytes;
+        u64 size = end - chunk;
+        if (size > KVT_WINDOW_BYTES)
+            size = KVT_WINDOW_BYTES;
+        u64 start = end - size;
+        /* a failed read zeroes the window: it then holds nothing */
+        s->window_start = s->window_end = 0;
+        if (bpf_probe_read_user(s->window, size, (void *)start) == 0) {
+            count(KVT_COUNTER_STACK_WINDOWS);
+            s->window_start = start;
+            s->window_end = end;
+            return s->window + ((frame - start) & (KVT_WINDOW_BYTES - 1));
+        }
+    }
+    count(KVT_COUNTER_STACK_FRAME_READS);
+    if (bpf_probe_read_user(s->frame, read_bytes, (void *)frame) != 0)
+        return 0;
+    return s->frame;
 }
 
 /* Frames read per walk: 3.12+ put an entry frame owned by the C stack (skipped, not counted) under
@@ -63,37 +159,63 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         *status = KVT_STACK_NO_THREAD_STATE;
         return 0;
     }
-    u64 frame = 0;
-    if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(tstate + target->tstate_frame)) != 0) {
-        *status = KVT_STACK_READ_ERROR;
-        return 0;
-    }
-    if (target->cframe_frame >= 0 && frame != 0)
-        bpf_probe_read_user(&frame, sizeof(frame), (void *)(frame + target->cframe_frame));
     u32 zero = 0;
     struct kvt_scratch *s = scratch.lookup(&zero);
     if (!s) {
         *status = KVT_STACK_READ_ERROR;
         return 0;
     }
+    count(KVT_COUNTER_STACK_WALKS);
+    u64 frame = 0;
+    struct kvt_datastack datastack = {};
+    s32 frame_at = target->tstate_frame;
+    s32 datastack_at = target->tstate_datastack - frame_at; /* from the frame pointer on */
+    if (target->tstate_datastack >= 0 && datastack_at >= 0 &&
+        datastack_at < KVT_TSTATE_READ_MAX - (s32)sizeof(datastack) && (datastack_at & 7) == 0) {
+        u32 size = datastack_at + sizeof(datastack);
+        if (bpf_probe_read_user(s->tstate, size & (KVT_TSTATE_READ_MAX - 1), (void *)(tstate + frame_at)) != 0) {
+            *status = KVT_STACK_READ_ERROR;
+            return 0;
+        }
+        frame = *(u64 *)s->tstate;
+        u32 at = datastack_at & (KVT_TSTATE_READ_MAX - 8);
+        datastack.chunk = *(u64 *)(s->tstate + at);
+        datastack.limit = *(u64 *)(s->tstate + at + 16);
+    } else if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(tstate + frame_at)) != 0) {
+        *status = KVT_STACK_READ_ERROR;
+        return 0;
+    } else if (target->tstate_datastack >= 0) {
+        bpf_probe_read_user(&datastack, sizeof(datastack), (void *)(tstate + target->tstate_datastack));
+    }
+    if (target->cframe_frame >= 0 && frame != 0)
+        bpf_probe_read_user(&frame, sizeof(frame), (void *)(frame + target->cframe_frame));
     u32 read_bytes = target->frame_read_bytes;
     if (read_bytes > KVT_FRAME_READ_MAX)
         read_bytes = KVT_FRAME_READ_MAX;
+    s32 code_at = field_offset(target->frame_code, 8, read_bytes);
+    s32 previous_at = field_offset(target->frame_previous, 8, read_bytes);
+    s32 instr_at = field_offset(target->frame_instr, 8, read_bytes); /* 3.10: an int, read as 8 */
+    s32 owner_at = field_offset(target->frame_owner, 1, read_bytes);
+    u8 instr_is_lasti = target->instr_is_lasti;
+    if (code_at < 0 || previous_at < 0 || instr_at < 0) {
+        *status = KVT_STACK_READ_ERROR;
+        return 0;
+    }
     /* depth and hash live in map memory, not registers: the verifier then sees one state per
      * iteration instead of one per path through it (a register counter blows up its search). */
     s->hash = 0xcbf29ce484222325ULL ^ pid;
     s->stack.depth = 0;
+    s->window_start = s->window_end = 0;
     for (int i = 0; i < KVT_MAX_WALK_STEPS && frame != 0; i++) {
-        if (bpf_probe_read_user(s->frame, read_bytes, (void *)frame) != 0)
+        u8 *bytes = frame_bytes(s, frame, read_bytes, datastack.chunk, datastack.limit);
+        if (!bytes)
             break;
-        u64 code = read_u64_at(s->frame, target->frame_code);
-        u64 previous = read_u64_at(s->frame, target->frame_previous);
-        u64 instr = read_u64_at(s->frame, target->frame_instr);
-        if (target->instr_is_lasti)
+        u64 code = read_u64_at(bytes, code_at);
+        u64 previous = read_u64_at(bytes, previous_at);
+        u64 instr = read_u64_at(bytes, instr_at);
+        if (instr_is_lasti)
             instr = (u32)instr;
-        u8 owner = 0;
-        if (target->frame_owner >= 0 && target->frame_owner < KVT_FRAME_READ_MAX)
-            owner = s->frame[target->frame_owner & (KVT_FRAME_READ_MAX - 1)];
+        u8 owner = owner_at >= 0 ? bytes[owner_at & (KVT_FRAME_READ_MAX - 1)] : 0;
         if (owner == 3 || code == 0) { /* FRAME_OWNED_BY_CSTACK: an entry shim, not Python code */
             frame = previous;
             continue;
@@ -123,6 +245,24 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         stacks.update(&hash, &s->stack);
     *status = KVT_STACK_OK;
     return hash;
+}
+
+/* Whether the calling process is a Python whose stacks can be walked (a probe asks before it
+ * hands itself to the walker). */
+static __always_inline int python_target(u32 pid) {
+    return py_targets.lookup(&pid) != 0;
+}
+
+/* Hands the rest of the probe to walk_stack with `request`. Returns only when the walker is not in
+ * place (counted): the caller then goes on without a stack. */
+static __always_inline void tail_call_walker(struct pt_regs *ctx, struct kvt_walk_request *request) {
+    u32 zero = 0;
+    struct kvt_scratch *s = scratch.lookup(&zero);
+    if (s) {
+        __builtin_memcpy(&s->request, request, sizeof(*request));
+        stack_walker.call(ctx, 0);
+    }
+    count(KVT_COUNTER_STACK_WALKER_MISSING);
 }
 
 #endif

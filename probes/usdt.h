@@ -90,6 +90,17 @@ static __always_inline int over_block_rate(u32 pid, u64 now) {
     return __sync_fetch_and_add(&rate->events, 1) + 1 > *limit;
 }
 
+/* A PyTorch block allocated (address, size_bytes, device, stream of `block`): into the ledger, and
+ * its event out, with its stack (walk_stack's end for a block, or the probe's own without a walk). */
+static __always_inline void block_allocated(struct kvt_walk_request *block, u64 stack_id, u64 status) {
+    u64 inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+                                    KVT_API_pytorch_malloc, block->address, block->size_bytes, block->device,
+                                    0, block->stream, stack_id);
+    emit_at(inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
+            KVT_MEMORY_DEVICE, block->address, block->size_bytes, block->device, 0, 0, block->stream,
+            stack_id, status);
+}
+
 /* Entry of every pytorch:malloc and pytorch:free site (the cookie tells which). */
 int usdt_pytorch(struct pt_regs *ctx) {
     u32 pid = bpf_get_current_pid_tgid() >> 32;
@@ -117,18 +128,23 @@ int usdt_pytorch(struct pt_regs *ctx) {
             usdt_argument(regs, &site->args[3], &stream);
         /* Over the rate the event is not sent and the stack not walked (that is what the rate saves);
          * the entry is kept either way, with its stack when there is one. */
-        int over_rate = over_block_rate(pid, bpf_ktime_get_ns());
-        u64 status = KVT_STACK_NOT_WALKED;
-        u64 stack_id = over_rate ? 0 : walk_python_stack(pid, &status);
-        u64 inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                                        KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream,
-                                        stack_id);
-        if (over_rate) {
+        if (over_block_rate(pid, bpf_ktime_get_ns())) {
+            ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE, KVT_API_pytorch_malloc, address,
+                          size_bytes, (s32)device, 0, stream, 0);
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;
         }
-        emit_at(inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
-                KVT_MEMORY_DEVICE, address, size_bytes, (s32)device, 0, 0, stream, stack_id, status);
+        if (python_target(pid)) {
+            struct kvt_walk_request request = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
+                                               .address = address, .size_bytes = size_bytes,
+                                               .stream = stream, .device = (s32)device};
+            tail_call_walker(ctx, &request); /* returns only without the walker: no stack */
+            block_allocated(&request, 0, KVT_STACK_NOT_WALKED);
+            return 0;
+        }
+        struct kvt_walk_request block = {.address = address, .size_bytes = size_bytes, .stream = stream,
+                                         .device = (s32)device};
+        block_allocated(&block, 0, KVT_STACK_NOT_PYTHON);
         return 0;
     }
     u64 now = bpf_ktime_get_ns();

@@ -121,3 +121,55 @@ def test_pid_option_puts_probes_on_that_process_only(bpf_here_unshared, stub_bui
             assert counters["events_submitted"] == expected_events
         finally:
             harness.close()
+
+
+def test_an_allocation_at_an_address_the_kernel_ledger_holds_replaces_it_and_is_counted(
+        bpf_here_unshared, stub_build):
+    """GIVEN kernel ledger entries at the address the workload's first cudaMalloc (and its
+    cuMemAlloc_v2) will get, as a free the probes never saw would leave them, WHEN it allocates there,
+    THEN each is replaced, not kept twice, and counted (ledger_replaced); the agent counts again from
+    the kernel and its totals are the workload's own."""
+    from kvtrace.sources.bpf import abi
+
+    first_address = 0x7F1000000000  # the stub driver's first device address (cuda_stub.c)
+    with Workload([stub_build.workload, "hold"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            probes = harness.source.probes
+            assert probes is not None
+            for layer in (Layer.RUNTIME, Layer.DRIVER):
+                key = abi.RawLedgerKey(pid=pid, layer=int(layer), object=1, address=first_address)
+                probes._bpf[b"ledger"][key] = abi.RawLedgerValue(size_bytes=7, device=0, api=1, memory=1)
+            workload.go()
+            calls = workload.read_calls()
+            assert calls[0]["address"] == first_address and len(calls) == 13
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) == 26, 10)
+            harness.pump(1.5)  # the recount the counter asks for runs
+            assert harness.source.counters()["ledger_replaced"] == 2
+            expected = {c["address"]: c["size_bytes"] for c in calls}
+            for layer in (Layer.RUNTIME, Layer.DRIVER):
+                got = {e.key.address: e.size_bytes for e in harness.source.kernel_ledger()
+                       if e.key.pid == pid and e.key.layer is layer}
+                assert got == expected, layer
+            assert harness.session.ledger.physical_device_bytes(pid) == sum(expected.values())
+        finally:
+            harness.close()
+
+
+def test_allocations_the_kernel_ledger_has_no_room_for_are_counted(bpf_here_unshared, stub_build):
+    """GIVEN a kernel ledger of 16 entries, WHEN a process makes 20 allocations (40 entries: runtime
+    and driver), THEN 16 are kept, the other 24 are counted as ledger_full, and every event is sent."""
+    with Workload([stub_build.workload, "leak", "20"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], settings=ProbeSettings(max_ledger_entries=16),
+                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            workload.go()
+            assert len(workload.read_calls()) == 20
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) == 40, 10)
+            counters = harness.source.counters()
+            assert counters["ledger_full"] == 24
+            assert len([e for e in harness.source.kernel_ledger() if e.key.pid == pid]) == 16
+        finally:
+            harness.close()

@@ -13,6 +13,7 @@ Each version is skipped, with the reason, where pyenv does not have it.
 """
 from __future__ import annotations
 
+import ctypes
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -200,6 +201,113 @@ def test_steady_call_site_is_one_interned_stack(traced, via):
     stack_ids = {e.stack_id for e in events}
     assert len(stack_ids) == 1 and 0 not in stack_ids, stack_ids
     assert as_lists(traced.harness.session.stacks.get(stack_ids.pop())) == calls[0]["expected"]
+
+
+@pytest.mark.parametrize("via", VIAS)
+def test_same_innermost_frames_under_another_line_give_its_own_stack(traced, via):
+    """alloc_outer calls alloc_middle -> alloc_inner from two lines. On 3.11+ the second call puts
+    the two inner frames at the addresses of the first, with the same code and instruction: a walk
+    that trusted unchanged innermost frames would give the first stack twice."""
+    first, second = traced.calls_of("same_inner_frames", via)
+    assert first["expected"][:2] == second["expected"][:2]
+    assert first["expected"][2] != second["expected"][2]  # alloc_outer's line
+    assert first["expected"][3:] == second["expected"][3:]
+    events = [traced.event_of(call) for call in (first, second)]
+    assert [as_lists(traced.stack_of(e)) for e in events] == [first["expected"], second["expected"]]
+    assert events[0].stack_id != events[1].stack_id
+    for call, event in zip((first, second), events, strict=True):
+        assert traced.event_of(call, Api.cuMemAlloc_v2).stack_id == event.stack_id
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_each_allocation_walks_once_and_reads_its_data_stack_at_once(version, session_tracer, stub_build):
+    """An allocation in a loop from one line: one walk per cudaMalloc (its cuMemAlloc_v2 reuses
+    it), one interned stack; on 3.11+ the frames are read from the thread's data stack in one read
+    per walk (3.12+ add one read of the entry frame under <module>, which is on the C stack), on
+    3.10 one read per frame."""
+    python = pyenv_python(version)
+    harness = session_tracer
+    harness.pump(0.05)
+    before = harness.source.counters()
+    workload, pid, calls = run_to_done(harness, python, stub_build, "--cases", "steady")
+    with workload:
+        assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) >= 2 * len(calls))
+        harness.pump(0.2)
+        after = harness.source.counters()
+        events = [harness.of(pid, Kind.ALLOC, api) for api in (Api.cudaMalloc, Api.cuMemAlloc_v2)]
+    walks, windows, frame_reads = (after[name] - before[name]
+                                   for name in ("stack_walks", "stack_windows", "stack_frame_reads"))
+    assert len(calls) == 2 * STEADY_CALLS
+    assert walks == len(calls)
+    for via in VIAS:
+        ids = {e.stack_id for e in harness.of(pid, Kind.ALLOC)
+               if e.size_bytes == calls[[c["via"] for c in calls].index(via)]["size_bytes"]}
+        assert len(ids) == 1 and 0 not in ids
+    assert [e.stack_id for e in events[0]] == [e.stack_id for e in events[1]]
+    depth = len(calls[0]["expected"])
+    if version == "3.10":
+        assert (windows, frame_reads) == (0, walks * depth)
+    else:
+        assert windows == walks
+        assert frame_reads == (0 if version == "3.11" else walks)
+
+
+def test_without_the_walker_program_allocations_are_traced_without_stacks_and_counted(
+        session_tracer, stub_build):
+    """The probes hand the walk to walk_stack by a tail call. Taken out of their program array, every
+    allocation is still traced exactly, with no stack (not walked), and each walk not made is
+    counted (stack_walker_missing): the runtime call and its driver call each asked for one."""
+    python = pyenv_python("3.12")
+    harness = session_tracer
+    harness.pump(0.05)
+    probes = harness.source._probes()
+    before = harness.source.counters()
+    del probes._bpf[b"stack_walker"][ctypes.c_int(0)]
+    try:
+        workload, pid, calls = run_to_done(harness, python, stub_build, "--cases", "steady")
+        with workload:
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) >= 2 * len(calls))
+            harness.pump(0.2)
+            after = harness.source.counters()
+            events = harness.of(pid, Kind.ALLOC)
+    finally:
+        probes._put_in_stack_walker()
+    assert len(calls) == 2 * STEADY_CALLS
+    assert sorted((e.address, e.size_bytes) for e in events if e.api is Api.cudaMalloc) == \
+        sorted((c["address"], c["size_bytes"]) for c in calls)
+    assert len(events) == 2 * len(calls)
+    assert {(e.stack_id, e.stack_status) for e in events} == {(0, StackStatus.NOT_WALKED)}
+    assert after["stack_walker_missing"] - before["stack_walker_missing"] == 2 * len(calls)
+    assert after["stack_walks"] == before["stack_walks"]
+
+
+# Run inside the target Python: its own thread state, read through offsets.py's numbers.
+_DATASTACK_CHECK = """
+import ctypes, sys
+offset = int(sys.argv[1])
+tstate = ctypes.pythonapi.PyThreadState_Get
+tstate.restype = ctypes.c_void_p
+chunk, top, limit = (ctypes.c_uint64 * 3).from_address(tstate() + offset)
+previous, size = (ctypes.c_uint64 * 2).from_address(chunk)  # _PyStackChunk: previous, size, top
+print(int(chunk < top <= limit and limit == chunk + size))
+"""
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_data_stack_offset_matches_the_python(version):
+    """offsets.py's PyThreadState.datastack_chunk/_top/_limit: checked against the running
+    interpreter (its current chunk's own size ends at the limit); 3.10 has no data stack."""
+    import subprocess
+
+    from kvtrace.sources.python.offsets import NOT_PRESENT, OFFSETS
+    offsets = OFFSETS[tuple(map(int, version.split(".")))]
+    python = pyenv_python(version)
+    if version == "3.10":
+        assert offsets.tstate_datastack == NOT_PRESENT
+        return
+    result = subprocess.run([python, "-c", _DATASTACK_CHECK, str(offsets.tstate_datastack)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "1", result
 
 
 # ---- a process gone before its stacks are symbolized ----

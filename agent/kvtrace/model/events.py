@@ -107,7 +107,7 @@ class StackStatus(enum.IntEnum):
     """Why an event has (or lacks) a Python stack. The probes' KVT_STACK_* values, plus what user
     space decides (UNRESOLVED)."""
 
-    NOT_WALKED = 0  # not an allocation call: no walk was tried
+    NOT_WALKED = 0  # no walk was made: not an allocation call (or the walker was not loaded)
     OK = 1
     NOT_PYTHON = 2  # no supported Python runtime registered for this process
     NO_THREAD_STATE = 3  # this thread has no Python thread state

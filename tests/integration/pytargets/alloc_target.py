@@ -39,7 +39,7 @@ C_RECURSION = 40  # levels of Python -> C -> Python (each one an entry/shim fram
 STEADY_CALLS = 50
 
 CASES = ("recursion", "method", "generator", "thread", "non_ascii", "deep", "c_recursion",
-         "steady", "at_limit", "over_limit_by_one")
+         "steady", "at_limit", "over_limit_by_one", "same_inner_frames")
 VIAS = ("CDLL", "PyDLL")
 
 
@@ -140,6 +140,23 @@ def steady(lib, case, via, size):
         record(case, via, p, size, rc, expected)
 
 
+# The same innermost frames under another outer line: on 3.11+ frames live in a per-thread data
+# stack, so the second call puts alloc_inner and alloc_middle at the same addresses, with the same
+# code and instruction, as the first; only alloc_outer's line tells the two stacks apart.
+def alloc_inner(lib, case, via, size):
+    p = ctypes.c_void_p(); expected = snapshot(sys._getframe()); rc = lib.cudaMalloc(ctypes.byref(p), size)  # noqa: E702,E501
+    record(case, via, p, size, rc, expected)
+
+
+def alloc_middle(lib, case, via, size):
+    alloc_inner(lib, case, via, size)
+
+
+def alloc_outer(lib, case, via, size):
+    alloc_middle(lib, case, via, size)  # first line
+    alloc_middle(lib, case, via, size)  # second line
+
+
 def run_case(case, lib, via):
     size = size_of(case, via)
     if case == "recursion":
@@ -162,6 +179,8 @@ def run_case(case, lib, via):
         Layer()(C_RECURSION, lib, case, via, size)
     elif case == "steady":
         steady(lib, case, via, size)
+    elif case == "same_inner_frames":
+        alloc_outer(lib, case, via, size)
     else:
         raise SystemExit(f"unknown case {case!r}")
 

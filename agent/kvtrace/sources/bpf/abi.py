@@ -82,6 +82,9 @@ class RawPyTarget(ctypes.Structure):
         ("frame_read_bytes", ctypes.c_uint16),
         ("instr_is_lasti", ctypes.c_uint8),
         ("reserved", ctypes.c_uint8),
+        ("tstate_datastack", ctypes.c_int16),
+        ("reserved2", ctypes.c_uint16),
+        ("reserved3", ctypes.c_uint32),
     ]
 
 
@@ -101,7 +104,8 @@ class RawStack(ctypes.Structure):
 
 # Per-CPU counter indexes (KVT_COUNTER_*).
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
-            "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced")
+            "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced", "stack_walks",
+            "stack_windows", "stack_frame_reads", "stack_walker_missing")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
 

@@ -82,6 +82,9 @@ def task_storage_supported(release: str | None = None, btf: str | os.PathLike[st
     return (int(numbers[1]), int(numbers[2])) >= TASK_STORAGE_KERNEL and os.path.exists(btf)
 
 
+# The program the allocation probes tail-call for the Python stack walk (probes/pystack.h).
+STACK_WALKER = "walk_stack"
+
 # Events handled by one poll before it returns (about 0.2 s of work at the measured pace).
 POLL_BUDGET_EVENTS = 16384
 
@@ -143,15 +146,17 @@ class BpfProbes:
         self.settings = settings
         links.repair_bcc_attach_uprobe()  # before any perf-event probe (kernels before 6.6)
         started = time.monotonic()
+        text = abi.program_text()
+        self._walker_in_program = f"int {STACK_WALKER}(" in text
         try:
-            self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
+            self._bpf = BPF(text=text.encode(), cflags=settings.cflags())
         except Exception as error:  # bcc raises plain Exception
             if settings.task_storage is not None or not task_storage_supported():
                 raise
             # chosen by the kernel's version: where its task storage is refused, the LRU hashes serve
             log.warning("the probes with task storage did not load (%s): per-thread state in LRU hashes", error)
             settings = self.settings = replace(settings, task_storage=False)
-            self._bpf = BPF(text=abi.program_text().encode(), cflags=settings.cflags())
+            self._bpf = BPF(text=text.encode(), cflags=settings.cflags())
         log.info("probes compiled in %.1f s; per-thread state in %s", time.monotonic() - started,
                  "task storage" if "-DKVT_TASK_STORAGE=1" in settings.cflags() else "LRU hashes")
         self.compile_seconds = time.monotonic() - started
@@ -175,6 +180,7 @@ class BpfProbes:
             self.uprobe_links = not why_not
             if why_not:
                 log.warning("probes go in as perf-event uprobes (stopping takes ~0.1 s per probe): %s", why_not)
+        self._put_in_stack_walker()
         self._epoll: select.epoll | None = None
         self._ring_reader: RingReader | None = None
         self._callback_records: list[bytes] = []  # bcc's callback path: records of this poll
@@ -331,6 +337,25 @@ class BpfProbes:
     def torch_attached_pids(self, key: Hashable) -> set[int]:
         """The pids PyTorch's probes in library `key` are attached for; {-1}: every process."""
         return set(self._torch_attached.get(key, {}))
+
+    def _put_in_stack_walker(self) -> None:
+        """Loads walk_stack, the program the allocation probes tail-call for a Python stack, and puts
+        it where they find it. Loaded as they are (a tail call only goes to a program of the same
+        type and expected attach type); without it they trace on, without stacks, and count it."""
+        from bcc import BPF
+
+        if not self._walker_in_program:
+            return  # probes built from older sources (bench --baseline): they walk inline
+        started = time.monotonic()
+        try:
+            fd = (self._program(STACK_WALKER) if self.uprobe_links
+                  else self._bpf.load_func(STACK_WALKER.encode(), BPF.KPROBE).fd)
+        except Exception as error:  # bcc raises plain Exception when the kernel refuses a program
+            log.error("no Python stacks: the stack walker program did not load (%s); allocations are "
+                      "traced without them (counted in stack_walker_missing)", error)
+            return
+        self._bpf[b"stack_walker"][ctypes.c_int(0)] = ctypes.c_int(fd)
+        log.info("stack walker loaded in %.2f s", time.monotonic() - started)
 
     def _program(self, function: str) -> int:
         fd = self._programs.get(function)

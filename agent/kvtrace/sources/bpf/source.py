@@ -428,7 +428,7 @@ class BpfSource:
                 cframe_frame=o.cframe_frame, frame_code=o.frame_code,
                 frame_previous=o.frame_previous, frame_instr=o.frame_instr,
                 frame_owner=o.frame_owner, frame_read_bytes=o.frame_read_bytes,
-                instr_is_lasti=0 if o.instr_is_pointer else 1))
+                instr_is_lasti=0 if o.instr_is_pointer else 1, tstate_datastack=o.tstate_datastack))
             log.info("pid %d: Python %d.%d stacks from %s", pid, *found.version, found.path)
         else:
             log.info("pid %d: no Python stacks: %s", pid, found.reason)

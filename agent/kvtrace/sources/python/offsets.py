@@ -33,6 +33,10 @@ class PyOffsets:
     # _PyRuntime.autoTSSkey (a Py_tss_t); the pthread key is at +4
     runtime_tss: int
     sizeof_ascii_object: int  # sizeof(PyASCIIObject): compact ASCII data follows it
+    # 3.11+: PyThreadState.datastack_chunk, followed by datastack_top and datastack_limit: the
+    # thread's frames are contiguous in [chunk, limit), so the probe reads many in one go;
+    # NOT_PRESENT on 3.10 (heap frame objects)
+    tstate_datastack: int = NOT_PRESENT
 
     @property
     def frame_read_bytes(self) -> int:
@@ -58,15 +62,16 @@ OFFSETS = {
     (3, 11): PyOffsets((3, 11), tstate_frame=56, cframe_frame=8, frame_code=32, frame_previous=48,
                        frame_instr=56, frame_owner=69, code_firstlineno=72, code_filename=112,
                        code_name=120, code_qualname=128, code_linetable=136, code_bytecode=184,
-                       runtime_tss=592, sizeof_ascii_object=48),
+                       runtime_tss=592, sizeof_ascii_object=48, tstate_datastack=296),
     (3, 12): PyOffsets((3, 12), tstate_frame=56, cframe_frame=0, frame_code=0, frame_previous=8,
                        frame_instr=56, frame_owner=70, code_firstlineno=68, code_filename=112,
                        code_name=120, code_qualname=128, code_linetable=136, code_bytecode=192,
-                       runtime_tss=1544, sizeof_ascii_object=40),
+                       runtime_tss=1544, sizeof_ascii_object=40, tstate_datastack=232),
     (3, 13): PyOffsets((3, 13), tstate_frame=72, cframe_frame=NOT_PRESENT, frame_code=0,
                        frame_previous=8, frame_instr=56, frame_owner=70, code_firstlineno=68,
                        code_filename=112, code_name=120, code_qualname=128, code_linetable=136,
-                       code_bytecode=200, runtime_tss=2160, sizeof_ascii_object=40),
+                       code_bytecode=200, runtime_tss=2160, sizeof_ascii_object=40,
+                       tstate_datastack=232),
 }
 
 # glibc: struct pthread.specific_1stblock, an array of {seq, data} pairs for keys < 32
