@@ -8,9 +8,14 @@ are taken before it is read), its CPU while idle before and after (with N live a
 samples leak suspects now and then, which reads them all from the kernel), and whether its totals
 hold exactly N allocations.
 
-Goals: RSS <= 256 MiB at 1 000 000 live allocations; <= 1 % of a core when idle.
+With --torch-blocks the allocations are PyTorch blocks instead: the stub caching allocator
+(tests/integration/stubs/c10_cuda_stub.c) hands out N blocks of 512 B from 2 MiB segments and keeps
+them, each a pytorch:malloc (USDT) the agent traces: N block entries plus two per segment.
 
-Run: .venv/bin/python bench/agent_memory.py [--allocations 1000000] [--idle-seconds 30]
+Goals: RSS <= 256 MiB at 1 000 000 live allocations, and at 1 000 000 live PyTorch blocks; <= 1 % of
+a core when idle.
+
+Run: .venv/bin/python bench/agent_memory.py [--allocations 1000000] [--idle-seconds 30] [--torch-blocks]
 """
 from __future__ import annotations
 
@@ -26,13 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import ROOT, CpuMeter, code_version, progress, require_bpf  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from agent_process import AgentProcess  # noqa: E402
-from cuda_stubs import build_stubs  # noqa: E402
+from cuda_stubs import Workload, build_stubs  # noqa: E402
+from torch_stubs import build_torch_stub  # noqa: E402
 
 RSS_GOAL_BYTES = 256 << 20
 FLIGHT_WINDOW_SECONDS = 120  # the agent's default --flight-window
 IDLE_GOAL_CORE_FRACTION = 0.01
 SIZE_BYTES = 4096
+BLOCK_BYTES = 512  # torch_workload hold: each block asks for 512 B
 
 TARGET = textwrap.dedent("""
     import ctypes, sys
@@ -58,10 +66,72 @@ TARGET = textwrap.dedent("""
 """)
 
 
+class CudaMallocTarget:
+    """A Python process that makes N cudaMalloc calls through the stub libcudart and keeps them."""
+
+    what = "cudaMalloc calls"
+
+    def __init__(self, work: Path, allocations: int) -> None:
+        build = build_stubs(work / "stubs")
+        script = work / "target.py"
+        script.write_text(TARGET)
+        self.allocations = allocations
+        self.entries = 2 * allocations  # runtime + driver
+        self.expected_bytes = allocations * SIZE_BYTES
+        self.process = subprocess.Popen([sys.executable, str(script), str(build.libcudart)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout.readline().strip() == "ready"
+        self.pid = self.process.pid
+
+    def run(self) -> None:
+        self.process.stdin.write(f"{self.allocations} {SIZE_BYTES}\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == "done", "the target failed"
+
+    def traced(self, client, counters: dict[str, int]) -> int:
+        """What the agent holds of it, comparable with expected_bytes."""
+        return sum(row.outstanding_bytes for row in client.growth().processes if row.pid == self.pid)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+class TorchBlocksTarget:
+    """torch_workload hold N: N PyTorch blocks of 512 B from the stub caching allocator, kept."""
+
+    what = "PyTorch blocks (pytorch:malloc)"
+
+    def __init__(self, work: Path, allocations: int) -> None:
+        build = build_torch_stub(work / "stubs", build_stubs(work / "stubs"))
+        self.allocations = allocations
+        self.workload = Workload([build.workload, "hold", str(allocations)])
+        self.pid = self.workload.wait_ready()
+        self.entries = allocations  # and two per segment, known once it has run
+        self.expected_bytes = allocations * BLOCK_BYTES
+
+    def run(self) -> None:
+        self.workload.go()
+        lines = self.workload.read_calls(timeout_s=1800)
+        held = next(line for line in lines if "held" in line)
+        assert held["held"] == self.allocations, held
+        self.entries = self.allocations + 2 * held["segments"]
+
+    def traced(self, client, counters: dict[str, int]) -> int:
+        """Bytes of the kernel ledger's entries the agent counted, beyond the segments' two each:
+        the blocks' (every block is 512 B), when the counts match."""
+        entries = counters.get("ledger_entries_in_kernel", 0)
+        return BLOCK_BYTES * (entries - (self.entries - self.allocations))
+
+    def kill(self) -> None:
+        self.workload.kill()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allocations", type=int, default=1_000_000)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
+    parser.add_argument("--torch-blocks", action="store_true",
+                        help="the allocations are PyTorch blocks of the stub caching allocator")
     parser.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for the agent (repeatable), e.g. --agent-arg=--no-flight-recorder")
     args = parser.parse_args()
@@ -69,35 +139,28 @@ def main() -> int:
     from kvtrace.client import AgentClient
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
-    build = build_stubs(work / "stubs")
-    script = work / "target.py"
-    script.write_text(TARGET)
-    target = subprocess.Popen([sys.executable, str(script), str(build.libcudart)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    assert target.stdout.readline().strip() == "ready"
-    entries = 2 * args.allocations
+    target = (TorchBlocksTarget if args.torch_blocks else CudaMallocTarget)(work, args.allocations)
+    # (blocks: 1 M blocks of 512 B take 256 segments of 2 MiB, two entries each)
+    max_entries = 2 * args.allocations + 65536
     with AgentProcess(work / "kvtrace.sock", "-p", str(target.pid), "--no-nvml",
-                      "--max-ledger-entries", str(entries + 65536), "--ledger-in-kernel", *args.agent_arg) as agent:
+                      "--max-ledger-entries", str(max_entries), "--ledger-in-kernel", *args.agent_arg) as agent:
         meter = CpuMeter(agent.process.pid)
         time.sleep(2)
         rss_before = meter.rss_bytes()
         progress(f"agent RSS {rss_before >> 20} MiB; idle for {args.idle_seconds:.0f} s")
         idle_before = meter.over(args.idle_seconds)
-        progress(f"{args.allocations} cudaMalloc calls")
+        progress(f"{args.allocations} {target.what}")
         started = time.monotonic()
-        target.stdin.write(f"{args.allocations} {SIZE_BYTES}\n")
-        target.stdin.flush()
-        assert target.stdout.readline().strip() == "done", "the target failed"
+        target.run()
         made_seconds = time.monotonic() - started
         with AgentClient.for_socket(work / "kvtrace.sock") as client:
             deadline = time.monotonic() + 600
             while True:
-                rows = [row for row in client.growth().processes if row.pid == target.pid]
-                traced = sum(row.outstanding_bytes for row in rows)
-                if traced == args.allocations * SIZE_BYTES or time.monotonic() > deadline:
+                counters = dict(client.info().counters)
+                traced = target.traced(client, counters)
+                if traced == target.expected_bytes or time.monotonic() > deadline:
                     break
                 time.sleep(1)
-            counters = dict(client.info().counters)
         settled_seconds = time.monotonic() - started
         rss_after = meter.rss_bytes()
         progress(f"ledger settled after {settled_seconds:.0f} s; idle for {args.idle_seconds:.0f} s")
@@ -118,12 +181,11 @@ def main() -> int:
             leaks_seconds = time.monotonic() - leaks_started
         high_water = meter.peak_rss_bytes()
         target.kill()
-    exact = traced == args.allocations * SIZE_BYTES
+    exact = traced == target.expected_bytes
     print(f"agent memory, {time.strftime('%Y-%m-%d %H:%M')}; measured: {code_version()}")
-    print(f"  live allocations             {args.allocations} ({entries} ledger entries: runtime + driver), "
+    print(f"  live {target.what:<24}{args.allocations} ({target.entries} kernel ledger entries), "
           f"made in {made_seconds:.1f} s, in the agent's ledger after {settled_seconds:.1f} s")
-    expected_bytes = args.allocations * SIZE_BYTES
-    print(f"  agent ledger exact           {'yes' if exact else 'NO'} ({traced} of {expected_bytes} bytes)")
+    print(f"  agent ledger exact           {'yes' if exact else 'NO'} ({traced} of {target.expected_bytes} bytes)")
     print(f"  agent RSS before             {rss_before / 2**20:.0f} MiB")
     print(f"  agent RSS with them live     {rss_peak / 2**20:.0f} MiB  goal <= {RSS_GOAL_BYTES >> 20} MiB "
           f"({'met' if rss_peak <= RSS_GOAL_BYTES else f'MISSED by {(rss_peak - RSS_GOAL_BYTES) / 2**20:.0f} MiB'}; "

@@ -45,7 +45,7 @@
 #define LARGE_BUFFER_BYTES (20 * MiB)   /* kLargeBuffer */
 #define MIN_LARGE_ALLOC_BYTES (10 * MiB) /* kMinLargeAlloc */
 #define ROUND_LARGE_BYTES (2 * MiB)     /* kRoundLarge */
-#define MAX_SEGMENTS 256
+#define MAX_SEGMENTS 1024
 
 /* The semaphores: a u16 each in .probes, in the library's writable data, as torch's
  * TORCH_SDT_DEFINE_SEMAPHORE makes them. Hidden: only this library reads them, and the note
@@ -92,8 +92,8 @@ static struct chunk *best_fit(int device, long stream, int small_pool,
     for (int i = 0; i < segment_count; i++) {
         struct segment *segment = &segments[i];
         if (segment->info.device != device || segment->info.stream != stream ||
-            segment->info.small_pool != small_pool)
-            continue;
+            segment->info.small_pool != small_pool || segment->info.free_bytes < block_bytes)
+            continue; /* (no free chunk of a segment that lacks the bytes can fit: the same answer) */
         for (struct chunk *chunk = segment->first; chunk != NULL; chunk = chunk->next) {
             if (chunk->allocated || chunk->size_bytes < block_bytes)
                 continue;

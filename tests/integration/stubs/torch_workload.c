@@ -27,6 +27,8 @@
  *           through each site). In all 28 malloc and 9 free probe firings, 9 segments.
  *   loop N  N x (c10_stub_malloc 4 KiB + c10_stub_free), timed; no per-block manifest, one line
  *           after the semaphores instead: {"loop_pairs": N, "ns_per_pair": X}.
+ *   hold N  N x c10_stub_malloc 512 B on device 0, all kept (bench/agent_memory.py --torch-blocks);
+ *           one line after the semaphores: {"held": N, "segments": S}.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -178,22 +180,32 @@ static void scenario_loop(unsigned long pairs) {
     loop_elapsed_ns = (end.tv_sec - start.tv_sec) * 1e9 + (end.tv_nsec - start.tv_nsec);
 }
 
+static void scenario_hold(unsigned long count) {
+    for (unsigned long i = 0; i < count; i++) {
+        if (c10_stub_malloc(512, 0, 0) == NULL) {
+            fprintf(stderr, "hold: c10_stub_malloc failed at block %lu\n", i);
+            exit(1);
+        }
+    }
+}
+
 static void usage(void) {
-    fprintf(stderr, "usage: torch_workload blocks | torch_workload loop N\n");
+    fprintf(stderr, "usage: torch_workload blocks | torch_workload loop|hold N\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
     unsigned long n = 0;
-    int loop = 0;
+    int loop = 0, hold = 0;
     if (argc == 2 && strcmp(argv[1], "blocks") == 0) {
         loop = 0;
-    } else if (argc == 3 && strcmp(argv[1], "loop") == 0) {
+    } else if (argc == 3 && (strcmp(argv[1], "loop") == 0 || strcmp(argv[1], "hold") == 0)) {
         char *end = NULL;
         n = strtoul(argv[2], &end, 10);
         if (*end != '\0' || end == argv[2])
             usage();
-        loop = 1;
+        loop = strcmp(argv[1], "loop") == 0;
+        hold = !loop;
     } else {
         usage();
     }
@@ -204,6 +216,8 @@ int main(int argc, char **argv) {
     semaphore_free_at_start = c10_stub_free_semaphore_value();
     if (loop)
         scenario_loop(n);
+    else if (hold)
+        scenario_hold(n);
     else
         scenario_blocks(n);
     printf("{\"kind\": \"semaphores\", \"malloc\": %d, \"free\": %d}\n", semaphore_malloc_at_start,
@@ -211,6 +225,8 @@ int main(int argc, char **argv) {
     if (loop)
         printf("{\"loop_pairs\": %lu, \"ns_per_pair\": %.1f}\n", n,
                n ? loop_elapsed_ns / n : 0.0);
+    else if (hold)
+        printf("{\"held\": %lu, \"segments\": %d}\n", n, c10_stub_segment_count());
     else
         print_blocks_and_segments();
     printf("done\n");
