@@ -12,7 +12,7 @@ struct kvt_args_key {
 
 struct kvt_args {
     u64 arg[4];
-    u64 caller_address;
+    u64 caller_address; /* set by take_entry, at the return: where the call returns to */
     u64 stack_id;
     u64 stack_status;
     u64 in_flight; /* task storage: 1 from the entry until its return takes the arguments */
@@ -149,9 +149,6 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     args->arg[1] = PT_REGS_PARM2(ctx);
     args->arg[2] = PT_REGS_PARM3(ctx);
     args->arg[3] = PT_REGS_PARM4(ctx);
-    /* At function entry the return address is on top of the stack. */
-    args->caller_address = 0;
-    bpf_probe_read_user(&args->caller_address, sizeof(args->caller_address), (void *)PT_REGS_SP(ctx));
     args->stack_id = 0;
     args->stack_status = KVT_STACK_NOT_WALKED;
     args->in_flight = 1;
@@ -200,8 +197,6 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     args.arg[1] = PT_REGS_PARM2(ctx);
     args.arg[2] = PT_REGS_PARM3(ctx);
     args.arg[3] = PT_REGS_PARM4(ctx);
-    /* At function entry the return address is on top of the stack. */
-    bpf_probe_read_user(&args.caller_address, sizeof(args.caller_address), (void *)PT_REGS_SP(ctx));
     int walk = with_stack && !reuse_outer(api, tid, &args);
     if (walk && !python_target(pid)) {
         args.stack_status = KVT_STACK_NOT_PYTHON;
@@ -228,9 +223,13 @@ static __always_inline int save_alloc_entry(struct pt_regs *ctx, u32 api) {
 
 /* Takes the saved entry of this (thread, API) into *out; 0 when there was none. With task storage
  * the return of a runtime call also ends its outer stack (a driver call after it is the program's
- * own); without, alloc_return deletes it. */
+ * own); without, alloc_return deletes it.
+ *
+ * The caller's address comes from the return probe, not the entry's: the kernel puts the return
+ * address it took over back into the registers before return probes run, so reading it off the user
+ * stack at entry (a bpf_probe_read_user per call) gave the same number at a cost. */
 #if KVT_TASK_STORAGE
-static __always_inline int take_entry(u32 api, struct kvt_args *out) {
+static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_args *out) {
     struct kvt_thread *thread = this_thread(0);
     struct kvt_args *args = thread && api < KVT_API_SLOTS ? &thread->args[api] : 0;
     if (!args || !args->in_flight) {
@@ -239,13 +238,14 @@ static __always_inline int take_entry(u32 api, struct kvt_args *out) {
         return 0;
     }
     __builtin_memcpy(out, args, sizeof(*out));
+    out->caller_address = PT_REGS_IP(ctx);
     args->in_flight = 0;
     if (thread->outer.api == api)
         thread->outer.api = 0;
     return 1;
 }
 #else
-static __always_inline int take_entry(u32 api, struct kvt_args *out) {
+static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_args *out) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     struct kvt_args_key key = {.tid = (u32)pid_tgid, .api = api};
     struct kvt_args *args = saved_args.lookup(&key);
@@ -255,6 +255,7 @@ static __always_inline int take_entry(u32 api, struct kvt_args *out) {
         return 0;
     }
     __builtin_memcpy(out, args, sizeof(*out));
+    out->caller_address = PT_REGS_IP(ctx);
     saved_args.delete(&key);
     return 1;
 }
@@ -309,7 +310,7 @@ static __always_inline s32 context_to_device(u64 context) {
 int entry_cudaSetDevice(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cudaSetDevice); }
 int return_cudaSetDevice(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cudaSetDevice, &args))
+    if (!take_entry(ctx, KVT_API_cudaSetDevice, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     s32 device = (s32)args.arg[0];
@@ -326,7 +327,7 @@ int entry_cuDevicePrimaryCtxRetain(struct pt_regs *ctx) {
 }
 int return_cuDevicePrimaryCtxRetain(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuDevicePrimaryCtxRetain, &args))
+    if (!take_entry(ctx, KVT_API_cuDevicePrimaryCtxRetain, &args))
         return 0;
     if ((s32)PT_REGS_RC(ctx) == 0)
         remember_context(args.arg[0], (s32)args.arg[1]);
@@ -336,7 +337,7 @@ int return_cuDevicePrimaryCtxRetain(struct pt_regs *ctx) {
 int entry_cuCtxCreate_v2(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuCtxCreate_v2); }
 int return_cuCtxCreate_v2(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuCtxCreate_v2, &args))
+    if (!take_entry(ctx, KVT_API_cuCtxCreate_v2, &args))
         return 0;
     if ((s32)PT_REGS_RC(ctx) != 0)
         return 0;
@@ -350,7 +351,7 @@ int return_cuCtxCreate_v2(struct pt_regs *ctx) {
 int entry_cuCtxSetCurrent(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuCtxSetCurrent); }
 int return_cuCtxSetCurrent(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuCtxSetCurrent, &args))
+    if (!take_entry(ctx, KVT_API_cuCtxSetCurrent, &args))
         return 0;
     if ((s32)PT_REGS_RC(ctx) != 0 || args.arg[0] == 0)
         return 0;
@@ -369,7 +370,7 @@ int return_cuCtxSetCurrent(struct pt_regs *ctx) {
 int entry_cuCtxDestroy_v2(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuCtxDestroy_v2); }
 int return_cuCtxDestroy_v2(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuCtxDestroy_v2, &args))
+    if (!take_entry(ctx, KVT_API_cuCtxDestroy_v2, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     s32 device = context_to_device(args.arg[0]);

@@ -61,7 +61,7 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
 static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, u8 object, u8 memory,
                                         int pitched) {
     struct kvt_args args;
-    if (!take_entry(api, &args))
+    if (!take_entry(ctx, api, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u32 tid = (u32)bpf_get_current_pid_tgid();
@@ -95,7 +95,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
 /* Free return: the address is the first argument. */
 static __always_inline int free_return(struct pt_regs *ctx, u16 api, u8 layer, u8 object, u8 memory) {
     struct kvt_args args;
-    if (!take_entry(api, &args))
+    if (!take_entry(ctx, api, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u64 address = args.arg[0];

@@ -17,7 +17,7 @@ static __always_inline struct kvt_ledger_value *vmm_lookup(u8 object, u64 addres
 int entry_cuMemCreate(struct pt_regs *ctx) { return save_alloc_entry(ctx, KVT_API_cuMemCreate); }
 int return_cuMemCreate(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuMemCreate, &args))
+    if (!take_entry(ctx, KVT_API_cuMemCreate, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     s32 location[2] = {0, 0};
@@ -43,7 +43,7 @@ int return_cuMemCreate(struct pt_regs *ctx) {
 int entry_cuMemRelease(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuMemRelease); }
 int return_cuMemRelease(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuMemRelease, &args))
+    if (!take_entry(ctx, KVT_API_cuMemRelease, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u64 handle = args.arg[0];
@@ -92,7 +92,7 @@ int return_cuMemAddressFree(struct pt_regs *ctx) {
 int entry_cuMemMap(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuMemMap); }
 int return_cuMemMap(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuMemMap, &args))
+    if (!take_entry(ctx, KVT_API_cuMemMap, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u64 va = args.arg[0], size_bytes = args.arg[1], handle = args.arg[3];
@@ -118,7 +118,7 @@ int return_cuMemMap(struct pt_regs *ctx) {
 int entry_cuMemUnmap(struct pt_regs *ctx) { return save_entry(ctx, KVT_API_cuMemUnmap); }
 int return_cuMemUnmap(struct pt_regs *ctx) {
     struct kvt_args args;
-    if (!take_entry(KVT_API_cuMemUnmap, &args))
+    if (!take_entry(ctx, KVT_API_cuMemUnmap, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
     u64 va = args.arg[0], end = args.arg[0] + args.arg[1];
