@@ -140,7 +140,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     target = (TorchBlocksTarget if args.torch_blocks else CudaMallocTarget)(work, args.allocations)
-    # (blocks: 1 M blocks of 512 B take 256 segments of 2 MiB, two entries each)
+    # (blocks: 1 M blocks of 512 B take 245 segments of 2 MiB, two entries each)
     max_entries = 2 * args.allocations + 65536
     with AgentProcess(work / "kvtrace.sock", "-p", str(target.pid), "--no-nvml",
                       "--max-ledger-entries", str(max_entries), "--ledger-in-kernel", *args.agent_arg) as agent:
@@ -185,7 +185,7 @@ def main() -> int:
         target.kill()
     exact = traced == target.expected_bytes
     print(f"agent memory, {time.strftime('%Y-%m-%d %H:%M')}; measured: {code_version()}")
-    print(f"  live {target.what:<24}{args.allocations} ({target.entries} kernel ledger entries), "
+    print(f"  live {target.what}: {args.allocations} ({target.entries} kernel ledger entries), "
           f"made in {made_seconds:.1f} s, in the agent's ledger after {settled_seconds:.1f} s")
     print(f"  agent ledger exact           {'yes' if exact else 'NO'} ({traced} of {target.expected_bytes} bytes)")
     print(f"  agent RSS before             {rss_before / 2**20:.0f} MiB")

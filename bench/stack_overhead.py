@@ -82,13 +82,15 @@ def baseline_probes(rev: str, into: Path) -> Path:
     gains fields and counters, which older probes do not use; user space reads it)."""
     from kvtrace.sources.bpf.abi import probes_dir
 
-    shutil.copytree(probes_dir(), into)
-    for path in sorted(into.iterdir()):
-        if path.name == "kvtrace.h":
-            continue
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:probes/{path.name}"],
-                              capture_output=True, text=True, check=True).stdout
-        path.write_text(text)
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+    into.mkdir(parents=True)
+    shutil.copy(probes_dir() / "kvtrace.h", into / "kvtrace.h")
+    for path in git("ls-tree", "--name-only", rev, "probes/").split():
+        name = Path(path).name
+        if name != "kvtrace.h":
+            (into / name).write_text(git("show", f"{rev}:{path}"))
     return into
 
 

@@ -12,7 +12,7 @@ struct kvt_args_key {
 
 struct kvt_args {
     u64 arg[4];
-    u64 caller_address; /* set by take_entry, at the return: where the call returns to */
+    u64 caller_address; /* not saved by the entry: take_entry fills it in at the return (PT_REGS_IP) */
     u64 stack_id;
     u64 stack_status;
     u64 in_flight; /* task storage: 1 from the entry until its return takes the arguments */

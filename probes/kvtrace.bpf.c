@@ -66,12 +66,21 @@ int walk_stack(struct pt_regs *ctx) {
     if (!s)
         return 0;
     struct kvt_walk_request request = s->request; /* the walk reuses the scratch */
+    if (request.pid_tgid != bpf_get_current_pid_tgid()) {
+        /* Another thread's probe on this CPU wrote its request over this one's (a preemptible kernel):
+         * the call goes without a stack; a block, already in the ledger, without its event (counted
+         * as lost too: the agent counts again from the kernel). */
+        count(KVT_COUNTER_STACK_WALKS_PREEMPTED);
+        if (request.purpose == KVT_WALK_FOR_BLOCK)
+            count(KVT_COUNTER_EVENTS_LOST);
+        return 0;
+    }
     u64 status = KVT_STACK_NOT_WALKED;
     u64 stack_id = walk_python_stack(bpf_get_current_pid_tgid() >> 32, &status);
     if (request.purpose == KVT_WALK_FOR_CALL)
         call_stack_walked(request.api, stack_id, status);
     else if (request.purpose == KVT_WALK_FOR_BLOCK)
-        block_allocated(&request, stack_id, status);
+        block_event(&request, stack_id, status);
     return 0;
 }
 

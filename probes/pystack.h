@@ -51,11 +51,13 @@ struct kvt_datastack {
 #define KVT_WALK_FOR_BLOCK 2 /* put the PyTorch block into the ledger and send its event (usdt.h) */
 
 struct kvt_walk_request {
-    u32 purpose; /* KVT_WALK_FOR_* */
+    u64 pid_tgid; /* whose request: the walker takes only the calling thread's own */
+    u32 purpose;  /* KVT_WALK_FOR_* */
     u32 api;
-    u64 address;
+    u64 address;  /* a block: what its event says (the probe put it into the ledger already) */
     u64 size_bytes;
     u64 stream;
+    u64 inserted_ns;
     s32 device;
     u32 reserved;
 };
@@ -65,11 +67,17 @@ BPF_PROG_ARRAY(stack_walker, 1); /* [0]: walk_stack, put in by user space before
 /* Scratch space too big for the 512-byte BPF stack: the request of the probe that tail-called the
  * walk, the stack being built, one frame read alone, and the window with [window_start, window_end)
  * the user addresses it holds. The window has KVT_FRAME_READ_MAX bytes of slack so that a frame's
- * fields at any masked offset are in bounds. */
+ * fields at any masked offset are in bounds.
+ *
+ * Per CPU, and uprobe programs run with migration, not preemption, disabled: on a preemptible kernel
+ * another thread's probe on this CPU can use the scratch while one is halfway. So a request names its
+ * thread (the walker drops one that is not the caller's), and a walk counts itself in walks_started
+ * and gives up its stack (KVT_STACK_READ_ERROR, counted) when another walk started meanwhile. */
 struct kvt_scratch {
     struct kvt_walk_request request;
     struct kvt_stack stack;
     u64 hash;
+    u64 walks_started; /* a walk that finds it moved on was preempted by another's on this CPU */
     u64 window_start;
     u64 window_end;
     u8 frame[KVT_FRAME_READ_MAX];
@@ -166,6 +174,7 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         return 0;
     }
     count(KVT_COUNTER_STACK_WALKS);
+    u64 walk_number = ++s->walks_started;
     u64 frame = 0;
     struct kvt_datastack datastack = {};
     s32 frame_at = target->tstate_frame;
@@ -241,6 +250,11 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
     hash = (hash ^ depth ^ ((u64)s->stack.truncated << 32)) * 0x100000001b3ULL;
     if (hash == 0)
         hash = 1;
+    if (s->walks_started != walk_number) { /* preempted by another walk on this CPU: its bytes, not ours */
+        count(KVT_COUNTER_STACK_WALKS_PREEMPTED);
+        *status = KVT_STACK_READ_ERROR;
+        return 0;
+    }
     if (!stacks.lookup(&hash))
         stacks.update(&hash, &s->stack);
     *status = KVT_STACK_OK;
@@ -259,6 +273,7 @@ static __always_inline void tail_call_walker(struct pt_regs *ctx, struct kvt_wal
     u32 zero = 0;
     struct kvt_scratch *s = scratch.lookup(&zero);
     if (s) {
+        request->pid_tgid = bpf_get_current_pid_tgid();
         __builtin_memcpy(&s->request, request, sizeof(*request));
         stack_walker.call(ctx, 0);
     }

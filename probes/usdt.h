@@ -90,13 +90,17 @@ static __always_inline int over_block_rate(u32 pid, u64 now) {
     return __sync_fetch_and_add(&rate->events, 1) + 1 > *limit;
 }
 
-/* A PyTorch block allocated (address, size_bytes, device, stream of `block`): into the ledger, and
- * its event out, with its stack (walk_stack's end for a block, or the probe's own without a walk). */
-static __always_inline void block_allocated(struct kvt_walk_request *block, u64 stack_id, u64 status) {
-    u64 inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                                    KVT_API_pytorch_malloc, block->address, block->size_bytes, block->device,
-                                    0, block->stream, stack_id);
-    emit_at(inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
+/* The event of a PyTorch block the probe put into the ledger (address, size_bytes, device, stream,
+ * inserted_ns of `block`), with its stack: walk_stack's end for a block also writes the stack into
+ * the block's entry, if it is still the one inserted. */
+static __always_inline void block_event(struct kvt_walk_request *block, u64 stack_id, u64 status) {
+    if (stack_id) {
+        struct kvt_ledger_key key;
+        struct kvt_ledger_value *value = ledger_lookup(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, block->address, &key);
+        if (value && value->timestamp_ns == block->inserted_ns)
+            value->stack_id = stack_id;
+    }
+    emit_at(block->inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
             KVT_MEMORY_DEVICE, block->address, block->size_bytes, block->device, 0, 0, block->stream,
             stack_id, status);
 }
@@ -126,25 +130,23 @@ int usdt_pytorch(struct pt_regs *ctx) {
         }
         if (site->arg_count >= 4)
             usdt_argument(regs, &site->args[3], &stream);
-        /* Over the rate the event is not sent and the stack not walked (that is what the rate saves);
-         * the entry is kept either way, with its stack when there is one. */
-        if (over_block_rate(pid, bpf_ktime_get_ns())) {
-            ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE, KVT_API_pytorch_malloc, address,
-                          size_bytes, (s32)device, 0, stream, 0);
+        /* Into the ledger first, whatever follows: the walk only adds the stack (and over the rate the
+         * event is not sent and the stack not walked, which is what the rate saves). */
+        struct kvt_walk_request block = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
+                                         .address = address, .size_bytes = size_bytes, .stream = stream,
+                                         .device = (s32)device};
+        block.inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+                                          KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream, 0);
+        if (over_block_rate(pid, block.inserted_ns)) {
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;
         }
-        if (python_target(pid)) {
-            struct kvt_walk_request request = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
-                                               .address = address, .size_bytes = size_bytes,
-                                               .stream = stream, .device = (s32)device};
-            tail_call_walker(ctx, &request); /* returns only without the walker: no stack */
-            block_allocated(&request, 0, KVT_STACK_NOT_WALKED);
+        if (!python_target(pid)) {
+            block_event(&block, 0, KVT_STACK_NOT_PYTHON);
             return 0;
         }
-        struct kvt_walk_request block = {.address = address, .size_bytes = size_bytes, .stream = stream,
-                                         .device = (s32)device};
-        block_allocated(&block, 0, KVT_STACK_NOT_PYTHON);
+        tail_call_walker(ctx, &block); /* returns only without the walker: no stack */
+        block_event(&block, 0, KVT_STACK_NOT_WALKED);
         return 0;
     }
     u64 now = bpf_ktime_get_ns();

@@ -227,3 +227,50 @@ def test_doctor_names_the_allocator_probes_of_a_process(torch_stub_build):
     line = next(line for line in doctor.stdout.splitlines() if f"pid {pid} torch" in line)
     assert "PyTorch allocator probes: 3 of 3 sites traceable in" in line
     assert str(torch_stub_build.libc10_cuda) in line
+
+
+@pytest.mark.parametrize("task_storage", [True, False], ids=["task-storage", "lru-hashes"])
+def test_blocks_made_from_python_carry_their_stack_in_the_event_and_the_kernel_entry(
+        task_storage, tmp_path, stub_build, torch_stub_build):
+    """GIVEN a CPython 3.12 process making 20 PyTorch blocks from one line through the stub allocator,
+    WHEN traced (per-thread state in task storage, and in LRU hashes), THEN each block's event carries
+    the stack the walker took for it (the probe hands the walk to walk_stack by a tail call), exactly
+    the process's own, and the kernel's entry of the block holds the same stack."""
+    from kvtrace.model.events import StackStatus
+    from kvtrace.sources.bpf.loader import ProbeSettings
+    from test_python_stacks import TARGET as ALLOC_TARGET
+    from test_python_stacks import as_lists, pyenv_python
+
+    python = pyenv_python("3.12")
+    target = ALLOC_TARGET.parent / "block_target.py"
+    with Workload([python, target, torch_stub_build.libc10_cuda]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], settings=ProbeSettings(task_storage=task_storage),
+                                 preattach_globs=(str(torch_stub_build.lib_dir / "*.so"),
+                                                  str(stub_build.lib_dir / "*.so.*")))
+        try:
+            before = harness.source.counters()
+            workload.go()
+            blocks = workload.read_calls()
+            assert len(blocks) == 20
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) == 20, 10)
+            harness.pump(0.3)
+            events = {e.address: e for e in harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)}
+            assert sorted(events) == sorted(b["address"] for b in blocks)
+            for block in blocks:
+                event = events[block["address"]]
+                assert event.stack_status is StackStatus.OK, event
+                assert as_lists(harness.session.stacks.get(event.stack_id)) == block["expected"]
+            assert len({e.stack_id for e in events.values()}) == 1
+            kernel = {key.address: value.stack_id for key, value in harness.source.probes.ledger_items()
+                      if key.pid == pid and key.layer == Layer.TORCH}  # raw: the kernel's stack ids
+            assert sorted(kernel) == sorted(events)
+            (kernel_stack_id,) = set(kernel.values())
+            assert harness.source._stack_ids[kernel_stack_id] == next(iter(events.values())).stack_id
+            after = harness.source.counters()
+            segments = len(harness.of(pid, Kind.ALLOC, Api.cudaMalloc))  # the allocator's, walked too
+            assert segments == 1
+            assert after["stack_walks"] - before["stack_walks"] == 20 + segments
+            assert after["stack_walks_preempted"] == before["stack_walks_preempted"]
+        finally:
+            harness.close()

@@ -105,7 +105,7 @@ class RawStack(ctypes.Structure):
 # Per-CPU counter indexes (KVT_COUNTER_*).
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
             "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced", "stack_walks",
-            "stack_windows", "stack_frame_reads", "stack_walker_missing")
+            "stack_windows", "stack_frame_reads", "stack_walker_missing", "stack_walks_preempted")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
 
