@@ -12,6 +12,17 @@ from kvtrace.model.events import Api, Kind, Layer
 from kvtrace.sources.bpf.loader import ProbeSettings
 
 
+def assert_ledgers_hold(tracer, pid: int, calls: list[dict]) -> None:
+    """The kernel's ledger and the agent's hold exactly the workload's allocations (address -> size),
+    at the runtime and the driver layer, and its physical bytes are theirs."""
+    expected = {c["address"]: c["size_bytes"] for c in calls}
+    for layer in (Layer.RUNTIME, Layer.DRIVER):
+        for entries in (tracer.kernel_ledger(), tracer.session.ledger):
+            got = {e.key.address: e.size_bytes for e in entries if e.key.pid == pid and e.key.layer is layer}
+            assert got == expected, layer
+    assert tracer.session.ledger.physical_device_bytes(pid) == sum(expected.values())
+
+
 def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_build, tmp_path):
     leaks = 5000  # 10 000 events (runtime + driver) into a 4 KiB ring: most are lost
     with Workload([stub_build.workload, "leak", str(leaks)]) as workload:
@@ -29,13 +40,7 @@ def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_
             assert counters["events_lost"] > 0
             assert counters["events_submitted"] + counters["events_lost"] == 2 * leaks
             assert tracer.session.resyncs_total >= 1
-            expected = {c["address"]: c["size_bytes"] for c in calls}
-            for layer in (Layer.RUNTIME, Layer.DRIVER):
-                for entries in (tracer.kernel_ledger(), tracer.session.ledger):
-                    got = {e.key.address: e.size_bytes for e in entries
-                           if e.key.pid == pid and e.key.layer is layer}
-                    assert got == expected, layer
-            assert tracer.session.ledger.physical_device_bytes(pid) == sum(expected.values())
+            assert_ledgers_hold(tracer, pid, calls)
         finally:
             harness.close()
 
@@ -147,12 +152,7 @@ def test_an_allocation_at_an_address_the_kernel_ledger_holds_replaces_it_and_is_
             assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) == 26, 10)
             harness.pump(1.5)  # the recount the counter asks for runs
             assert harness.source.counters()["ledger_replaced"] == 2
-            expected = {c["address"]: c["size_bytes"] for c in calls}
-            for layer in (Layer.RUNTIME, Layer.DRIVER):
-                got = {e.key.address: e.size_bytes for e in harness.source.kernel_ledger()
-                       if e.key.pid == pid and e.key.layer is layer}
-                assert got == expected, layer
-            assert harness.session.ledger.physical_device_bytes(pid) == sum(expected.values())
+            assert_ledgers_hold(harness.source, pid, calls)
         finally:
             harness.close()
 
