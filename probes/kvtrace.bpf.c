@@ -68,11 +68,11 @@ int walk_stack(struct pt_regs *ctx) {
     struct kvt_walk_request request = s->request; /* the walk reuses the scratch */
     if (request.pid_tgid != bpf_get_current_pid_tgid()) {
         /* Another thread's probe on this CPU wrote its request over this one's (a preemptible kernel):
-         * the call goes without a stack; a block, already in the ledger, without its event (counted
-         * as lost too: the agent counts again from the kernel). */
+         * this probe's own purpose is gone with it. A call goes without a stack; a block, already in
+         * the ledger, without its event. Not knowing which, it is counted as a lost event too, so that
+         * the agent counts again from the kernel (needlessly, for a call). */
         count(KVT_COUNTER_STACK_WALKS_PREEMPTED);
-        if (request.purpose == KVT_WALK_FOR_BLOCK)
-            count(KVT_COUNTER_EVENTS_LOST);
+        count(KVT_COUNTER_EVENTS_LOST);
         return 0;
     }
     u64 status = KVT_STACK_NOT_WALKED;

@@ -90,7 +90,8 @@
 #define KVT_COUNTER_STACK_FRAME_READS 11 /* frames read one by one (3.10; generator, entry frames) */
 #define KVT_COUNTER_STACK_WALKER_MISSING 12 /* walks not made: the walker program was not in place */
 #define KVT_COUNTER_STACK_WALKS_PREEMPTED 13 /* walks (or their requests) another thread's probe on the
-                                               * same CPU overwrote halfway: no stack, or the event lost */
+                                               * same CPU overwrote halfway: no stack; a request also
+                                               * counts as a lost event (it may have been a block's) */
 #define KVT_COUNTER_COUNT            14
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */

@@ -48,7 +48,7 @@ struct kvt_datastack {
  * a copy took it 1.5 s, a dozen of them 15 s before the first library was attached). A tail call
  * does not return, so the probe leaves in the request what is to be done with the stack. */
 #define KVT_WALK_FOR_CALL  1 /* store it with the call's saved arguments (context.h) */
-#define KVT_WALK_FOR_BLOCK 2 /* put the PyTorch block into the ledger and send its event (usdt.h) */
+#define KVT_WALK_FOR_BLOCK 2 /* write it into the block's ledger entry and send its event (usdt.h) */
 
 struct kvt_walk_request {
     u64 pid_tgid; /* whose request: the walker takes only the calling thread's own */
