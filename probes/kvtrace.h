@@ -92,7 +92,9 @@
 #define KVT_COUNTER_STACK_WALKS_PREEMPTED 13 /* walks (or their requests) another thread's probe on the
                                                * same CPU overwrote halfway: no stack; a request also
                                                * counts as a lost event (it may have been a block's) */
-#define KVT_COUNTER_COUNT            14
+#define KVT_COUNTER_TOTALS_FULL      14 /* a change of allocations or blocks the totals map had no room
+                                         * for: the agent's totals are off until those processes exit */
+#define KVT_COUNTER_COUNT            15
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -222,6 +224,23 @@ struct kvt_ledger_value {
     u32 reserved;
     u64 stack_id;       /* the Python stack of the call that made it (stacks map); 0 = none. User space
                          * keeps no entry of its own: a snapshot or leak report reads it from here */
+};
+
+/* What the ledger's allocations and blocks add up to, per process, device, layer and memory: changed
+ * with every insert and delete of such an entry, so user space reads exact totals without counting
+ * events (which can be lost) or reading millions of entries. */
+struct kvt_totals_key {
+    u32 pid;
+    s32 device;
+    u8 layer;
+    u8 memory;
+    u16 reserved;
+    u32 reserved2;
+};
+
+struct kvt_totals_value {
+    s64 size_bytes;
+    s64 count;
 };
 
 #endif

@@ -8,6 +8,31 @@
 
 BPF_HASH(ledger, struct kvt_ledger_key, struct kvt_ledger_value, KVT_MAX_LEDGER_ENTRIES);
 BPF_HASH(tracked_pids, u32, u64, 65536);
+BPF_HASH(ledger_totals, struct kvt_totals_key, struct kvt_totals_value, KVT_MAX_TOTALS);
+
+/* Allocations and blocks are summed in ledger_totals as they enter and leave the ledger; the other
+ * objects (VMM handles, reservations, mappings: few) user space keeps one by one from the events. */
+static __always_inline int counted_object(u8 object) {
+    return object == KVT_OBJECT_ALLOCATION || object == KVT_OBJECT_BLOCK;
+}
+
+/* Adds one entry's change to its totals. Atomic: a process's threads change them on several CPUs at
+ * once. A key the map has no room for is counted (the agent says its totals are off), never guessed. */
+static __always_inline void totals_add(u32 pid, s32 device, u8 layer, u8 memory, s64 size_bytes, s64 count_delta) {
+    struct kvt_totals_key key = {.pid = pid, .device = device, .layer = layer, .memory = memory};
+    struct kvt_totals_value *totals = ledger_totals.lookup(&key);
+    if (!totals) {
+        struct kvt_totals_value zero = {};
+        ledger_totals.insert(&key, &zero); /* another CPU may have made it meanwhile: either is fine */
+        totals = ledger_totals.lookup(&key);
+        if (!totals) {
+            count(KVT_COUNTER_TOTALS_FULL);
+            return;
+        }
+    }
+    __sync_fetch_and_add(&totals->size_bytes, size_bytes);
+    __sync_fetch_and_add(&totals->count, count_delta);
+}
 
 static __always_inline void mark_tracked(u32 pid) {
     if (tracked_pids.lookup(&pid))
@@ -44,17 +69,34 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
     value.memory = memory;
     value.stack_id = stack_id;
     /* Inserted only where the key is new: one map operation, where a lookup first was two. The same
-     * key still there means its free was never seen. The entry is replaced; the agent, which counts
-     * entries from the events, counts again from the kernel's (the counter going up says so). */
+     * key still there means its free was never seen: the old entry goes (and leaves the totals, if
+     * this delete is the one that took it) and the new one goes in. */
     int error = ledger.insert(&key, &value);
     if (error == -KVT_EEXIST) {
         count(KVT_COUNTER_LEDGER_REPLACED);
-        error = ledger.update(&key, &value);
+        struct kvt_ledger_value *old = ledger.lookup(&key);
+        if (old) {
+            s32 old_device = old->device;
+            u8 old_memory = old->memory;
+            s64 old_size = old->size_bytes;
+            if (ledger.delete(&key) == 0 && counted_object(object))
+                totals_add(key.pid, old_device, layer, old_memory, -old_size, -1);
+        }
+        error = ledger.insert(&key, &value);
     }
     if (error != 0)
         count(KVT_COUNTER_LEDGER_FULL);
+    else if (counted_object(object))
+        totals_add(key.pid, device, layer, memory, size_bytes, 1);
     mark_tracked(key.pid);
     return value.timestamp_ns;
+}
+
+/* Deletes a looked-up entry; an allocation's or block's totals drop only where this delete is the
+ * one that took it (two threads freeing one address: one of them). */
+static __always_inline void ledger_delete(struct kvt_ledger_key *key, s32 device, u8 memory, u64 size_bytes) {
+    if (ledger.delete(key) == 0 && counted_object(key->object))
+        totals_add(key->pid, device, key->layer, memory, -(s64)size_bytes, -1);
 }
 
 /* Allocation return: reads *out_ptr and records the object. */
@@ -117,7 +159,7 @@ static __always_inline int free_return(struct pt_regs *ctx, u16 api, u8 layer, u
     u64 size_bytes = value->size_bytes;
     s32 device = value->device;
     u8 value_memory = value->memory;
-    ledger.delete(&key);
+    ledger_delete(&key, device, value_memory, size_bytes);
     emit(KVT_KIND_FREE, api, layer, object, value_memory, address, size_bytes, device, 0,
          args.caller_address, 0);
     return 0;

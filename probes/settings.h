@@ -6,6 +6,9 @@
 #ifndef KVT_MAX_LEDGER_ENTRIES
 #error "KVT_MAX_LEDGER_ENTRIES: outstanding objects the in-kernel ledger holds"
 #endif
+#ifndef KVT_MAX_TOTALS
+#error "KVT_MAX_TOTALS: (process, device, layer, memory) totals of allocations and blocks"
+#endif
 #ifndef KVT_RINGBUF_PAGES
 #error "KVT_RINGBUF_PAGES: pages of the event ring buffer"
 #endif

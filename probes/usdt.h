@@ -162,7 +162,7 @@ int usdt_pytorch(struct pt_regs *ctx) {
     u64 size_bytes = value->size_bytes;
     s32 device = value->device;
     u64 stream = value->aux;
-    ledger.delete(&key);
+    ledger_delete(&key, device, KVT_MEMORY_DEVICE, size_bytes);
     if (over_block_rate(pid, now)) {
         count(KVT_COUNTER_BLOCKS_UNSENT);
         return 0;

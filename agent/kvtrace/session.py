@@ -387,26 +387,15 @@ class Session:
             for sink in self._sinks:
                 sink.publish_state(resynced)
 
-    def recount(self, counted: Mapping[TotalsKey, tuple[int, int]], kept: Iterable[Outstanding],
-                read_from_ns: int, read_until_ns: int) -> None:
-        """Where the ledger counts: its totals as the kernel's, read from `read_from_ns` to `read_until_ns`
-        (Ledger.recount), after lost events."""
-        with self.lock:
-            self.ledger.recount(counted, kept, read_from_ns, read_until_ns)
-            self.resyncs_total += 1
-            resynced = LedgerResynced(self.wall_clock_ns())
-            for sink in self._sinks:
-                sink.publish_state(resynced)
-
     def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True) -> None:
         """Counted allocations the kernel's ledger dropped after an exit or context destroy (Ledger.uncount)."""
         with self.lock:
             self.ledger.uncount(dropped, implicit)
 
-    def recount_overlaps(self) -> int:
-        """Counted events made while the last recount read the kernel (Ledger.recount)."""
+    def retire_totals(self, taken: Mapping[TotalsKey, tuple[int, int]]) -> None:
+        """An exited process's totals, taken out of the kernel (Ledger.retire_totals)."""
         with self.lock:
-            return self.ledger.recount_overlaps
+            self.ledger.retire_totals(taken)
 
     def forget_process(self, pid: int) -> None:
         """A process found gone without an exit event: drop what it held and what is known of it."""
@@ -433,11 +422,12 @@ class Session:
     # ---- reading: analysis and servers ----
 
     def count_only(self, read: Callable[[Collection[int]], Iterable[Outstanding]],
-                   find: Callable[[LedgerKey], Outstanding | None], max_read_entries: int) -> None:
-        """The kernel keeps the exact ledger (the agent's BPF source): allocations and blocks are counted
-        here and read through `read(pids)` and `find(key)` when a report asks (Ledger.count_only)."""
+                   find: Callable[[LedgerKey], Outstanding | None],
+                   read_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]], max_read_entries: int) -> None:
+        """The kernel keeps the exact ledger and its totals (the agent's BPF source): allocations and blocks
+        are read through `read(pids)`, `find(key)` and `read_totals()` when a report asks (Ledger.count_only)."""
         with self.lock:
-            self.ledger.count_only(read, find, max_read_entries)
+            self.ledger.count_only(read, find, read_totals, max_read_entries)
 
     def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live ledger entry of `pids` (empty: all), to go through (Ledger.stream): where the kernel

@@ -45,6 +45,41 @@ def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_
             harness.close()
 
 
+def test_totals_stay_exact_while_events_are_lost_under_a_steady_flood(bpf_here_unshared, stub_build):
+    """GIVEN a ring far too small, one process making 20 000 cudaMalloc+cudaFree pairs (a steady flood) while
+    another makes 500 leaks, WHEN most events are lost (frees among them), THEN the agent's totals are the
+    leaks exactly and nothing of the flood: the probes keep the totals with the entries, so no count of
+    the events and no recount is involved (a recount read while the flood went on was off)."""
+    with Workload([stub_build.workload, "loop", "200000"]) as flood, \
+            Workload([stub_build.workload, "leak", "500"]) as leaker:
+        flood_pid, leak_pid = flood.wait_ready(), leaker.wait_ready()
+        harness = TracingHarness([flood_pid, leak_pid], settings=ProbeSettings(ringbuf_pages=1),
+                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            flood.go()
+            leaker.go()
+            calls = leaker.read_calls(timeout_s=120)
+            harness.pump(1.0)  # the agent reads, loses and resyncs while the flood goes on
+            flooding = flood.process.poll() is None
+            assert_ledgers_hold(harness.source, leak_pid, calls)  # exact in the middle of it
+            (loop,) = flood.read_calls(timeout_s=300)
+            harness.pump(1.5)
+            tracer = harness.source
+            counters = tracer.counters()
+            ledger = tracer.session.ledger
+            print(f"\n{loop['loop_pairs']} pairs and 500 leaks (checked while flooding: {flooding}): "
+                  f"{counters['events_submitted']} events submitted, "
+                  f"{counters['events_lost']} lost; flood holds {ledger.physical_device_bytes(flood_pid)} B, "
+                  f"leaker {ledger.physical_device_bytes(leak_pid)} B")
+            assert counters["events_lost"] > 0 and counters["totals_full"] == 0
+            assert ledger.counting and ledger.kept_entries() == []
+            assert ledger.physical_device_bytes(flood_pid) == 0
+            assert ledger.counted_entries({flood_pid}) == 0
+            assert_ledgers_hold(tracer, leak_pid, calls)
+        finally:
+            harness.close()
+
+
 def test_an_exit_lost_to_a_full_ring_is_swept(bpf_here_unshared, stub_build):
     """GIVEN a process whose exit event cannot be sent (the ring is full: nobody reads it), THEN
     the kernel keeps it tracked and the sweep drops what it held, in both ledgers. Every process is
@@ -63,7 +98,8 @@ def test_an_exit_lost_to_a_full_ring_is_swept(bpf_here_unshared, stub_build):
 
             def swept():
                 return (pid not in probes.tracked_pids() and pid not in harness.session.ledger.pids()
-                        and all(e.key.pid != pid for e in harness.source.kernel_ledger()))
+                        and all(e.key.pid != pid for e in harness.source.kernel_ledger())
+                        and all(key.pid != pid for key, _ in probes.read_totals()))  # its totals went too
 
             assert harness.pump_until(swept, timeout_seconds=10)
             assert len(harness.of(pid, Kind.PROCESS_EXIT)) == 1  # the sweep's, once
@@ -132,8 +168,9 @@ def test_an_allocation_at_an_address_the_kernel_ledger_holds_replaces_it_and_is_
         bpf_here_unshared, stub_build):
     """GIVEN kernel ledger entries at the address the workload's first cudaMalloc (and its
     cuMemAlloc_v2) will get, as a free the probes never saw would leave them, WHEN it allocates there,
-    THEN each is replaced, not kept twice, and counted (ledger_replaced); the agent counts again from
-    the kernel and its totals are the workload's own."""
+    THEN each is replaced, not kept twice, and counted (ledger_replaced), and the kernel's totals, which
+    held the planted entries as the probes would have, take the old out and the new in: the agent's
+    totals are the workload's own."""
     from kvtrace.sources.bpf import abi
 
     first_address = 0x7F1000000000  # the stub driver's first device address (cuda_stub.c)
@@ -146,11 +183,12 @@ def test_an_allocation_at_an_address_the_kernel_ledger_holds_replaces_it_and_is_
             for layer in (Layer.RUNTIME, Layer.DRIVER):
                 key = abi.RawLedgerKey(pid=pid, layer=int(layer), object=1, address=first_address)
                 probes._bpf[b"ledger"][key] = abi.RawLedgerValue(size_bytes=7, device=0, api=1, memory=1)
+                totals = abi.RawTotalsKey(pid=pid, device=0, layer=int(layer), memory=1)
+                probes._bpf[b"ledger_totals"][totals] = abi.RawTotalsValue(size_bytes=7, count=1)
             workload.go()
             calls = workload.read_calls()
             assert calls[0]["address"] == first_address and len(calls) == 13
             assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) == 26, 10)
-            harness.pump(1.5)  # the recount the counter asks for runs
             assert harness.source.counters()["ledger_replaced"] == 2
             assert_ledgers_hold(harness.source, pid, calls)
         finally:

@@ -55,6 +55,7 @@ _SIZES = {"u64": 8, "s64": 8, "u32": 4, "s32": 4, "u16": 2, "s16": 2, "u8": 1, "
 @pytest.mark.parametrize("c_name,py_type", [
     ("kvt_event", abi.RawEvent), ("kvt_ledger_key", abi.RawLedgerKey),
     ("kvt_ledger_value", abi.RawLedgerValue), ("kvt_notify", abi.RawNotify),
+    ("kvt_totals_key", abi.RawTotalsKey), ("kvt_totals_value", abi.RawTotalsValue),
     ("kvt_py_target", abi.RawPyTarget), ("kvt_frame", abi.RawFrame), ("kvt_usdt_arg", abi.RawUsdtArg),
 ])
 def test_struct_layout_matches_header(c_name, py_type):

@@ -1,30 +1,41 @@
-"""A ledger that counts allocations and blocks instead of keeping them (the agent, where the kernel keeps
-the exact ledger): totals exact from the events alone, entries read from the kernel when asked, memory
-that does not grow with allocations, and reads bounded by --max-read-entries."""
+"""A ledger that keeps neither the entries nor the totals of allocations and blocks (the agent, where the
+kernel keeps the exact ledger and its totals): totals exact whatever events are lost, entries read from the
+kernel when asked, memory that does not grow with allocations, and reads bounded by --max-read-entries."""
 import tracemalloc
 
 import pytest
 
+from kvtrace.model import ledger as ledger_module
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
-from kvtrace.model.ledger import COUNTED_OBJECTS, Ledger, LedgerKey, LedgerReadRefused
+from kvtrace.model.ledger import COUNTED_OBJECTS, Ledger, LedgerKey, LedgerReadRefused, TotalsKey
 from kvtrace.session import Session
 
 MiB = 1 << 20
 
 
 class Kernel:
-    """The kernel's side: the exact ledger (a ledger that keeps everything) and what the probes send,
-    free events carrying the freed entry's size, device and memory as free_return does."""
+    """The kernel's side: the exact ledger (a ledger that keeps everything), the totals the probes change
+    with each insert and delete of an allocation or block (ledger_totals), and what the probes send: free
+    events carrying the freed entry's size, device and memory as free_return does."""
 
     def __init__(self) -> None:
         self.ledger = Ledger()
+        self.totals_map: dict[TotalsKey, list[int]] = {}
         self.reads = 0
+        self.totals_reads = 0
+
+    def _probe_changes(self, pid, device, layer, memory, size, count) -> None:
+        total = self.totals_map.setdefault(TotalsKey(pid, device, layer, memory), [0, 0])
+        total[0] += size
+        total[1] += count
 
     def alloc(self, pid, layer, address, size, device=0, obj=ObjectKind.ALLOCATION, api=Api.cuMemAlloc_v2,
               ts=0, stack_id=0) -> Event:
         event = Event(kind=Kind.ALLOC, api=api, pid=pid, tid=pid, timestamp_ns=ts, layer=layer, object=obj,
                       memory=Memory.DEVICE, size_bytes=size, address=address, device=device, stack_id=stack_id)
         self.ledger.apply(event)
+        if obj in COUNTED_OBJECTS:
+            self._probe_changes(pid, device, layer, Memory.DEVICE, size, 1)
         return event
 
     def free(self, pid, layer, address, obj=ObjectKind.ALLOCATION, api=Api.cuMemFree_v2, ts=0) -> Event:
@@ -33,7 +44,26 @@ class Kernel:
         event = Event(kind=Kind.FREE, api=api, pid=pid, tid=pid, timestamp_ns=ts, layer=layer, object=obj,
                       memory=entry.memory, size_bytes=entry.size_bytes, address=address, device=entry.device)
         self.ledger.apply(event)
+        self._probe_changes(pid, entry.device, layer, entry.memory, -entry.size_bytes, -1)
         return event
+
+    def agent_deletes(self, pid, before_ns, device=None) -> dict[TotalsKey, tuple[int, int]]:
+        """What the source's _drop_in_kernel does: deletes entries (not through the probes: the totals keep
+        them) and says what it deleted."""
+        dropped: dict[TotalsKey, list[int]] = {}
+        for entry in self.ledger.entries():
+            if entry.key.pid == pid and entry.timestamp_ns <= before_ns and device in (None, entry.device):
+                self.ledger._remove(entry)
+                total = dropped.setdefault(TotalsKey(pid, entry.device, entry.key.layer, entry.memory), [0, 0])
+                total[0] += entry.size_bytes
+                total[1] += 1
+        return {key: (size, count) for key, (size, count) in dropped.items()}
+
+    def take_totals(self, pid) -> dict[TotalsKey, tuple[int, int]]:
+        taken = {key: (size, count) for key, (size, count) in self.totals_map.items() if key.pid == pid}
+        for key in taken:
+            del self.totals_map[key]
+        return taken
 
     def find(self, key):
         entry = self.ledger.get(key)
@@ -44,14 +74,18 @@ class Kernel:
         return [entry for entry in self.ledger.entries()
                 if entry.key.object in COUNTED_OBJECTS and (not pids or entry.key.pid in pids)]
 
+    def read_totals(self):
+        self.totals_reads += 1
+        return {key: (size, count) for key, (size, count) in self.totals_map.items()}
+
 
 def counted(kernel: Kernel, max_read_entries: int = 1000) -> Ledger:
     ledger = Ledger()
-    ledger.count_only(kernel.read, kernel.find, max_read_entries)
+    ledger.count_only(kernel.read, kernel.find, kernel.read_totals, max_read_entries)
     return ledger
 
 
-def test_totals_are_exact_from_events_alone_and_no_allocation_is_kept():
+def test_totals_are_the_kernels_and_no_allocation_is_kept():
     kernel = Kernel()
     ledger = counted(kernel)
     for i in range(23):
@@ -67,6 +101,25 @@ def test_totals_are_exact_from_events_alone_and_no_allocation_is_kept():
     assert ledger.counted_entries() == 11 + 23
     assert ledger.frees_total[(1, Layer.DRIVER)] == 12
     assert ledger.allocations_total[(1, Layer.TORCH)] == 23
+
+
+def test_lost_events_leave_the_totals_exact_and_a_read_is_reused_until_something_changes(monkeypatch):
+    kernel = Kernel()
+    ledger = counted(kernel)
+    ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x9000, MiB))
+    assert ledger.physical_device_bytes(1) == MiB
+    reads = kernel.totals_reads
+    assert ledger.physical_device_bytes(1) == MiB and ledger.counted_entries() == 1
+    assert kernel.totals_reads == reads  # nothing changed since: the last read serves
+    for i in range(5):
+        kernel.alloc(1, Layer.DRIVER, 0x1000 + i, MiB)  # events lost: the ledger never saw them
+    kernel.free(1, Layer.DRIVER, 0x9000)  # and this free's too
+    ledger.apply(kernel.alloc(1, Layer.DRIVER, 0xA000, MiB))  # an event read again after
+    assert ledger.physical_device_bytes(1) == 6 * MiB
+    kernel.alloc(1, Layer.DRIVER, 0xB000, MiB)  # lost, and no event after it
+    monkeypatch.setattr(ledger_module, "COUNTED_TOTALS_MAX_AGE_NS", 0)
+    assert ledger.physical_device_bytes(1) == 7 * MiB  # read again once the last read is too old
+    assert ledger.totals() == kernel.ledger.totals()
 
 
 def test_entries_are_the_kernels_and_vmm_objects_stay_kept():
@@ -92,41 +145,50 @@ def test_a_read_over_the_limit_is_refused_counted_and_reads_nothing():
     assert [entry.key.pid for entry in ledger.entries(pids={2})] == [2]  # one process fits
 
 
-def test_exit_and_context_destroy_leave_the_counted_totals_to_what_the_kernel_dropped():
-    """The source deletes the kernel's entries after the Session saw the event and says exactly what went
-    (uncount): only entries as old as the event go, so a reused pid's allocation stays counted."""
-    from kvtrace.model.ledger import TotalsKey
-
+def test_exit_and_context_destroy_take_out_exactly_what_the_agent_deleted():
+    """The source deletes the kernel's entries after the Session saw the event (not through the probes, so the
+    kernel's totals still hold them) and says exactly what went (uncount): only entries as old as the event
+    go, so a reused pid's allocation stays counted; after the exit the pid's totals are taken out of the
+    kernel (retire_totals), and what a process that reused the pid added stays."""
     kernel = Kernel()
     ledger = counted(kernel)
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x1000, MiB, device=0))
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x2000, MiB, device=1))
     ledger.apply(kernel.alloc(2, Layer.DRIVER, 0x3000, MiB))
     ledger.apply(Event(kind=Kind.CONTEXT_DESTROY, api=Api.cuCtxDestroy_v2, pid=1, tid=1, timestamp_ns=5, device=1))
-    assert ledger.physical_device_bytes(1) == 2 * MiB  # until the source says what the kernel dropped
-    ledger.uncount({TotalsKey(1, 1, Layer.DRIVER, Memory.DEVICE): (MiB, 1)})
-    assert ledger.physical_device_bytes(1) == MiB
+    assert ledger.physical_device_bytes(1) == 2 * MiB  # until the source says what it deleted
+    ledger.uncount(kernel.agent_deletes(1, before_ns=5, device=1))
+    assert ledger.physical_device_bytes(1) == MiB and ledger.implicit_frees_total[1] == 1
     ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=1, tid=1, timestamp_ns=6))
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x4000, MiB, ts=7))  # a new process with that pid, at once
-    ledger.uncount({TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE): (MiB, 1)})  # the exit's, older than 6
+    ledger.uncount(kernel.agent_deletes(1, before_ns=6), implicit=False)  # the exit's, older than 6
     assert ledger.physical_device_bytes(1) == MiB and ledger.physical_device_bytes(2) == MiB
+    ledger.retire_totals(kernel.take_totals(1))
+    assert ledger.physical_device_bytes(1) == MiB and ledger.physical_device_bytes(2) == MiB
+    assert ledger.totals() == kernel.ledger.totals()
+    ledger.apply(kernel.free(1, Layer.DRIVER, 0x4000))  # the new process frees it: the probe's change
+    ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=1, tid=1, timestamp_ns=9))
+    ledger.uncount(kernel.agent_deletes(1, before_ns=9), implicit=False)
+    ledger.retire_totals(kernel.take_totals(1))
+    assert ledger.physical_device_bytes(1) == 0 and 1 not in ledger.pids()
+    assert ledger._adjustments == {}  # nothing is left behind per exited process
 
 
-def test_resync_counts_the_kernels_copy_again():
+def test_resync_replaces_the_kept_objects_and_leaves_the_kernels_totals():
     kernel = Kernel()
     ledger = counted(kernel)
-    for i in range(5):
-        kernel.alloc(1, Layer.DRIVER, 0x1000 + i, MiB)  # events lost: the ledger never saw them
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x9000, MiB))
-    ledger.resync(kernel.ledger.entries())
+    for i in range(5):
+        kernel.alloc(1, Layer.VMM, 0x70 + i, MiB, obj=ObjectKind.VMM_HANDLE, api=Api.cuMemCreate)  # events lost
+    ledger.resync([entry for entry in kernel.ledger.entries() if entry.key.object not in COUNTED_OBJECTS])
     assert ledger.totals() == kernel.ledger.totals()
-    assert ledger.kept_entries() == []
+    assert len(ledger.kept_entries()) == 5
 
 
 def test_a_million_counted_allocations_take_no_memory_per_allocation():
-    kernel_reads = []
+    kernel_totals = {TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE): (4096 * 1_000_000, 1_000_000)}
     ledger = Ledger()
-    ledger.count_only(lambda pids: kernel_reads, lambda key: None, 1000)
+    ledger.count_only(lambda pids: [], lambda key: None, lambda: kernel_totals, 1000)
     event = Event(kind=Kind.ALLOC, api=Api.cuMemAlloc_v2, pid=1, tid=1, timestamp_ns=0, layer=Layer.DRIVER,
                   object=ObjectKind.ALLOCATION, memory=Memory.DEVICE, size_bytes=4096, device=0)
     tracemalloc.start()
@@ -137,14 +199,14 @@ def test_a_million_counted_allocations_take_no_memory_per_allocation():
     grown = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     print(f"ledger growth over 1 000 000 counted allocations: {grown} bytes")
-    assert ledger.counted_entries() == 1_000_000
+    assert ledger.counted_entries() == 1_000_000 and ledger.allocations_total[(1, Layer.DRIVER)] == 1_000_000
     assert grown < 64 * 1024
 
 
 def test_session_streams_what_reports_go_through_and_refuses_only_a_copy_too_large():
     kernel = Kernel()
     session = Session()
-    session.count_only(kernel.read, kernel.find, 3)
+    session.count_only(kernel.read, kernel.find, kernel.read_totals, 3)
     for i in range(4):
         session.ingest(kernel.alloc(7, Layer.DRIVER, 0x1000 + i, MiB))
     assert sorted(entry.key.address for entry in session.outstanding()) == [0x1000, 0x1001, 0x1002, 0x1003]
@@ -226,34 +288,28 @@ def test_the_kernels_entries_decoded_in_bulk_are_those_decoded_one_by_one():
     assert [entry.key.address for entry, _ in decode_ledger_chunk(keys, values, clock, None, {8})] == [0x55, 0xB000]
 
 
-def test_a_recount_takes_the_kernels_totals_and_counts_no_event_twice():
-    from kvtrace.model.ledger import RECOUNT_MARGIN_NS, TotalsKey
+def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries():
+    import ctypes
 
-    kernel = Kernel()
-    ledger = counted(kernel)
-    second = 1_000_000_000
-    for i in range(5):  # their events are lost; then some arrive late, after the recount read the kernel
-        kernel.alloc(1, Layer.DRIVER, 0x1000 + i, MiB, ts=i)
-    late_free = kernel.free(1, Layer.DRIVER, 0x1000, ts=10)
-    counted_totals = {TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE): (4 * MiB, 4)}
-    ledger.recount(counted_totals, [], read_from_ns=second, read_until_ns=2 * second)
-    ledger.apply(late_free)  # older than the read: the kernel's count has it already
-    ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x9000, MiB, ts=3 * second))  # after the read: counted
-    assert ledger.physical_device_bytes(1) == 5 * MiB and ledger.recount_overlaps == 0
-    ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x9100, MiB, ts=second - RECOUNT_MARGIN_NS // 2))  # during it
-    assert ledger.recount_overlaps == 1  # counted, and the source reads again
-    assert ledger.physical_device_bytes(1) == 6 * MiB
-    assert ledger.allocations_total[(1, Layer.DRIVER)] == 2 and ledger.frees_total[(1, Layer.DRIVER)] == 1
+    from kvtrace.sources.bpf import abi
+    from kvtrace.sources.bpf.decode import _LEDGER_KEY, _LEDGER_VALUE, decode_totals, doomed_in_chunk, stacks_in_chunk
 
-
-def test_count_ledger_chunk_adds_raw_entries_by_totals_key():
-    from kvtrace.model.ledger import TotalsKey
-    from kvtrace.sources.bpf.decode import _LEDGER_KEY, _LEDGER_VALUE, count_ledger_chunk
-
-    raw = [((7, 2, 1, 0, 0xA000 + i), (MiB, 5, 0, 0, 8, i % 2, 20, 1, 0, 0, 0)) for i in range(5)]
+    raw = [((7, 2, 1, 0, 0xA000 + i), (MiB, 5 + i, 0, 0, 8, i % 2, 20, 1, 0, 0, 30 + i)) for i in range(5)]
     raw.append(((7, 3, 2, 0, 0x55), (MiB, 5, 0, 0, 8, 0, 40, 1, 0, 0, 0)))  # a VMM handle: not counted
-    totals: dict = {}
-    count_ledger_chunk(b"".join(_LEDGER_KEY.pack(*k) for k, _ in raw), b"".join(_LEDGER_VALUE.pack(*v) for _, v in raw),
-                       totals, frozenset(kind.value for kind in COUNTED_OBJECTS))
-    assert totals == {TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE): [3 * MiB, 3],
-                      TotalsKey(7, 1, Layer.DRIVER, Memory.DEVICE): [2 * MiB, 2]}
+    raw.append(((8, 2, 1, 0, 0xB000), (MiB, 5, 0, 0, 9, 0, 20, 1, 0, 0, 0)))  # another process
+    keys = b"".join(_LEDGER_KEY.pack(*k) for k, _ in raw)
+    values = b"".join(_LEDGER_VALUE.pack(*v) for _, v in raw)
+    counted_values = frozenset(kind.value for kind in COUNTED_OBJECTS)
+    doomed = doomed_in_chunk(keys, values, 7, before_ns=8, device=0, counted=counted_values)
+    assert [(raw_key, totals, size) for raw_key, totals, size in doomed] == [
+        (_LEDGER_KEY.pack(*raw[0][0]), TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE), MiB),
+        (_LEDGER_KEY.pack(*raw[2][0]), TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE), MiB),
+        (_LEDGER_KEY.pack(*raw[5][0]), None, MiB)]  # 0xA004 is newer than the event; odd ones on device 1
+    assert list(stacks_in_chunk(keys, values, counted_values, {7})) == [(7, 30 + i) for i in range(5)]
+    assert ctypes.sizeof(abi.RawTotalsKey) == 16 and ctypes.sizeof(abi.RawTotalsValue) == 16
+    totals = [(abi.RawTotalsKey(pid=7, device=1, layer=2, memory=1), abi.RawTotalsValue(size_bytes=3 * MiB, count=3)),
+              (abi.RawTotalsKey(pid=8, device=0, layer=4, memory=1), abi.RawTotalsValue(size_bytes=-512, count=-1)),
+              (abi.RawTotalsKey(pid=8, device=0, layer=99, memory=1), abi.RawTotalsValue(size_bytes=1, count=1))]
+    assert decode_totals(totals) == {TotalsKey(7, 1, Layer.DRIVER, Memory.DEVICE): (3 * MiB, 3),
+                                     TotalsKey(8, 0, Layer.TORCH, Memory.DEVICE): (-512, -1)}
+    assert decode_totals(totals, {7}) == {TotalsKey(7, 1, Layer.DRIVER, Memory.DEVICE): (3 * MiB, 3)}

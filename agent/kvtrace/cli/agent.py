@@ -56,12 +56,13 @@ class AgentCommand:
                                  "PyTorch blocks nested for fragmentation. Beyond it these wait and are counted; "
                                  "snapshots, leak suspects and roles go through the kernel's entries without "
                                  "holding them (default: %(default)s)")
-        parser.add_argument("--ledger-in-kernel", action="store_true",
-                            help="keep allocations and PyTorch blocks only in the kernel's ledger: the agent counts "
-                                 "them (its memory grows per process, not per allocation: ~7 MiB instead of ~880 at "
-                                 "1 000 000 live) and reads them from the kernel for reports. After lost events "
-                                 "under a steady flood its totals can be off by the events made while it recounts, "
-                                 "until a recount reads while none happens")
+        parser.add_argument("--ledger-in-kernel", action=argparse.BooleanOptionalAction, default=True,
+                            help="keep allocations and PyTorch blocks, and their totals, only in the kernel, where "
+                                 "the probes change both as objects come and go: the agent's memory grows per "
+                                 "process, not per allocation (about 7 MiB instead of 880 at 1 000 000 live), its "
+                                 "totals are exact whatever events are lost, and reports read the entries from the "
+                                 "kernel. --no-ledger-in-kernel also keeps every entry in the agent (default: "
+                                 "in the kernel)")
         parser.add_argument("--per-process-probes-max", metavar="N", type=int, default=8,
                             help="with -p of at most N processes, probes go into those processes only and no "
                                  "other pays for them; with more, each library gets one set of probes shared by "

@@ -14,6 +14,7 @@ Rules:
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -89,7 +90,8 @@ COUNTED_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.BLOCK})
 # A report may copy this many of them from the kernel at once (--max-read-entries): about 450 bytes of agent
 # memory each, 110 MB at most.
 DEFAULT_MAX_READ_ENTRIES = 250_000
-RECOUNT_MARGIN_NS = 1_000_000  # see Ledger._counted_before_read
+# Counted totals read from the kernel are read again after a counted event, an uncount, or this long.
+COUNTED_TOTALS_MAX_AGE_NS = 1_000_000_000
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where those live (VMM's are kept)
 
 
@@ -97,10 +99,10 @@ class Ledger:
     """Outstanding objects and their totals, built from events.
 
     By default every object is kept here (a replay, `kvtrace run`). Where the kernel keeps the exact
-    ledger (the agent's BPF source), `count_only` makes it keep only totals of allocations and blocks,
-    which come in millions, and read those entries from the kernel when a report asks: the agent's memory
-    then grows with processes and VMM objects, not with allocations. Their frees carry what the totals
-    need (size, device, memory), read from the kernel's entry by the probe."""
+    ledger (the agent's BPF source), `count_only` makes it keep neither the entries of allocations and
+    blocks, which come in millions, nor their totals: the probes keep both, and both are read from the
+    kernel when a report asks. The agent's memory then grows with processes and VMM objects, not with
+    allocations, and the totals are exact whatever events are lost."""
 
     def __init__(self) -> None:
         self._entries: dict[LedgerKey, Outstanding] = {}
@@ -109,9 +111,13 @@ class Ledger:
         self.find_counted: Callable[[LedgerKey], Outstanding | None] | None = None
         self.max_read_entries = 0
         self.reads_refused_total = 0
-        # The last recount's read of the kernel (wall-clock ns): see recount.
-        self._read_from_ns = self._read_until_ns = 0
-        self.recount_overlaps = 0
+        # Where the ledger counts: the kernel's totals of the counted objects (read_totals), what the agent
+        # took out of the kernel's ledger or totals itself (_adjustments), and the last sum of the two.
+        self._read_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]] | None = None
+        self._adjustments: dict[TotalsKey, list[int]] = {}
+        self._counted_cache: dict[TotalsKey, tuple[int, int]] = {}
+        self._counted_read_ns: int | None = None  # monotonic; None: read again at the next use
+        # The kept objects' totals (every object's unless count_only).
         self._bytes: dict[TotalsKey, int] = defaultdict(int)
         self._counts: dict[TotalsKey, int] = defaultdict(int)
         self.allocations_total: Counter[tuple[int, Layer]] = Counter()
@@ -121,15 +127,18 @@ class Ledger:
         self.failures_total: Counter[tuple[Api, int]] = Counter()  # (api, error code)
 
     def count_only(self, read: Callable[[Collection[int]], Iterable[Outstanding]],
-                   find: Callable[[LedgerKey], Outstanding | None], max_read_entries: int,
+                   find: Callable[[LedgerKey], Outstanding | None],
+                   read_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]], max_read_entries: int,
                    objects: frozenset[ObjectKind] = COUNTED_OBJECTS) -> None:
-        """Keeps totals, not entries, of `objects` from now on. `read(pids)` yields those entries (the
-        kernel's) of `pids` (empty: all) when a report asks, `find(key)` one of them; a report that copies
-        them all at once (a checkpoint) copies at most `max_read_entries`. Call it before the first event."""
+        """Keeps neither entries nor totals of `objects` from now on: the kernel keeps both, changed by the
+        probes as objects come and go, so they are exact whatever events are lost. `read_totals()` gives
+        the kernel's (bytes, count) per (pid, device, layer, memory); `read(pids)` yields the entries of
+        `pids` (empty: all) when a report asks, `find(key)` one of them; a report that copies them all at
+        once (a checkpoint) copies at most `max_read_entries`. Call it before the first event."""
         if self._entries:
             raise RuntimeError("count_only on a ledger that already keeps entries")
         self._counted, self._read_counted, self.max_read_entries = objects, read, max_read_entries
-        self.find_counted = find
+        self.find_counted, self._read_totals = find, read_totals
 
     @property
     def counting(self) -> bool:
@@ -167,16 +176,8 @@ class Ledger:
         layer, object_kind, _ = _placed(event)
         return _new_tuple(LedgerKey, (event.pid, layer, object_kind, event.address))
 
-    def _count(self, pid: int, device: int, layer: Layer, memory: Memory, size_bytes: int, count: int) -> None:
-        totals = _new_tuple(TotalsKey, (pid, device, layer, memory))
-        self._bytes[totals] += size_bytes
-        left = self._counts[totals] = self._counts[totals] + count
-        if left <= 0:
-            del self._bytes[totals], self._counts[totals]
-
     def _insert(self, entry: Outstanding) -> None:
-        if entry.key.object in self._counted:  # the kernel keeps the entry (it overwrote any of that key)
-            self._count(entry.key.pid, entry.device, entry.key.layer, entry.memory, entry.size_bytes, 1)
+        if entry.key.object in self._counted:  # the kernel keeps the entry and its totals
             return
         old = self._entries.get(entry.key)
         if old is not None:  # the same address again: the free was not seen (lost or predates us)
@@ -201,9 +202,8 @@ class Ledger:
     def _on_alloc(self, event: Event) -> None:
         layer, object_kind, memory = _placed(event)
         self.allocations_total[(event.pid, layer)] += 1
-        if object_kind in self._counted:  # the kernel keeps the entry (it overwrote any of that key)
-            if not self._counted_before_read(event):
-                self._count(event.pid, event.device, layer, memory, event.size_bytes, 1)
+        if object_kind in self._counted:  # the kernel keeps the entry and its totals
+            self._counted_read_ns = None
             return
         # Positional, in Outstanding's field order (keywords cost twice as much, on every allocation):
         # key, size, time, device, api, memory, tid, caller, mapped_count, released, handle, stack, stream.
@@ -214,12 +214,9 @@ class Ledger:
 
     def _on_free(self, event: Event) -> None:
         key = self._key(event)
-        if key.object in self._counted:
-            # The probe sends FREE only for an entry its ledger held, with that entry's size, device and memory.
+        if key.object in self._counted:  # the probe sends FREE only for an entry its ledger held
             self.frees_total[(event.pid, key.layer)] += 1
-            assert event.memory is not None
-            if not self._counted_before_read(event):
-                self._count(event.pid, event.device, key.layer, event.memory, -event.size_bytes, -1)
+            self._counted_read_ns = None
             return
         entry = self._entries.get(key)
         if entry is None:
@@ -268,16 +265,51 @@ class Ledger:
         return len(doomed)
 
     def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True) -> None:
-        """Counted objects the kernel's ledger dropped (an exit, a context destroy): (bytes, count) each;
-        `implicit`: counted as implicit frees of their process (not after an exit: its counters are gone).
-        Only where the ledger counts: a kept ledger dropped the entries themselves (drop_process)."""
+        """Counted objects the agent deleted from the kernel's ledger (an exit, a context destroy): (bytes,
+        count) each, which the kernel's totals still hold (the probes did not delete them); `implicit`: counted
+        as implicit frees of their process (not after an exit: its counters are gone). Only where the ledger
+        counts: a kept ledger dropped the entries themselves (drop_process)."""
         if not self._counted:
             return
-        for totals, (size_bytes, count) in dropped.items():
-            if totals in self._counts:
-                self._count(totals.pid, totals.device, totals.layer, totals.memory, -size_bytes, -count)
-            if implicit:
+        self._adjust(dropped, -1)
+        if implicit:
+            for totals, (_, count) in dropped.items():
                 self.implicit_frees_total[totals.pid] += count
+
+    def retire_totals(self, taken: Mapping[TotalsKey, tuple[int, int]]) -> None:
+        """The kernel's totals of an exited process, which the agent took out of the kernel (read and
+        deleted at once): after uncount, what they held beyond what was dropped (normally nothing; a process
+        that reused the pid meanwhile, its allocations) is kept here."""
+        if self._counted:
+            self._adjust(taken, 1)
+
+    def _adjust(self, totals: Mapping[TotalsKey, tuple[int, int]], sign: int) -> None:
+        adjustments = self._adjustments
+        for key, (size_bytes, count) in totals.items():
+            adjusted = adjustments.setdefault(key, [0, 0])
+            adjusted[0] += sign * size_bytes
+            adjusted[1] += sign * count
+            if adjusted == [0, 0]:
+                del adjustments[key]
+        self._counted_read_ns = None
+
+    def _counted_totals(self) -> dict[TotalsKey, tuple[int, int]]:
+        """(bytes, count) of the counted objects per (pid, device, layer, memory): the kernel's totals, with
+        what the agent took out of the kernel itself; read again after a counted event or an uncount, or
+        COUNTED_TOTALS_MAX_AGE_NS after the last read (events lost change the kernel's too)."""
+        now = time.monotonic_ns()
+        if (self._counted_read_ns is not None and now - self._counted_read_ns < COUNTED_TOTALS_MAX_AGE_NS) \
+                or self._read_totals is None:
+            return self._counted_cache
+        sums = {key: [size_bytes, count] for key, (size_bytes, count) in self._read_totals().items()}
+        for key, (size_bytes, count) in self._adjustments.items():
+            total = sums.setdefault(key, [0, 0])
+            total[0] += size_bytes
+            total[1] += count
+        self._counted_cache = {key: (size_bytes, count) for key, (size_bytes, count) in sums.items()
+                               if size_bytes or count}
+        self._counted_read_ns = now
+        return self._counted_cache
 
     def forget_counters(self, pid: int) -> None:
         """After the process is gone: its per-pid counters go too, or a host that runs many short
@@ -297,32 +329,6 @@ class Ledger:
                 entry.stack_id = previous.stack_id
             self._insert(entry)
 
-    def recount(self, counted: Mapping[TotalsKey, tuple[int, int]], kept: Iterable[Outstanding],
-                read_from_ns: int, read_until_ns: int) -> None:
-        """Where the ledger counts (count_only): replaces the counted totals with the kernel's, as read from
-        `read_from_ns` to `read_until_ns`, and the kept entries with `kept`. Events of counted objects
-        older than the read are in it already and are not counted again; those during the read may or
-        may not be (the kernel's map was read while they happened): recount_overlaps says how many, and
-        the source reads again until a read overlaps none."""
-        self.resync(kept)
-        for totals, (size_bytes, count) in counted.items():
-            self._bytes[totals] += size_bytes
-            self._counts[totals] += count
-        self._read_from_ns, self._read_until_ns = read_from_ns, read_until_ns
-        self.recount_overlaps = 0
-
-    def _counted_before_read(self, event: Event) -> bool:
-        """A counted object's event that the last recount already holds (older than its read); one made
-        during the read is counted, and the overlap noted."""
-        if event.timestamp_ns > self._read_until_ns:
-            return False
-        # A probe takes an allocation's time just before it writes the entry: one stamped a moment before
-        # the read began may still have been written after it. Those count as made during the read.
-        if event.timestamp_ns < self._read_from_ns - RECOUNT_MARGIN_NS:
-            return True
-        self.recount_overlaps += 1
-        return False
-
     # ---- views ----
 
     def __len__(self) -> int:
@@ -335,7 +341,7 @@ class Ledger:
         """Entries of `pids` (empty: all) counted here and kept by the kernel (0 unless count_only)."""
         if not self._counted:
             return 0
-        return sum(count for totals, count in self._counts.items()
+        return sum(count for totals, (_, count) in self._counted_totals().items()
                    if totals.layer in _COUNTED_LAYERS and (not pids or totals.pid in pids))
 
     def kept_entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
@@ -379,17 +385,25 @@ class Ledger:
         return self._entries.get(key)
 
     def pids(self) -> set[int]:
-        return {key.pid for key in self._entries} | {key.pid for key in self._counts}
+        counted = self._counted_totals() if self._counted else {}
+        return {key.pid for key in self._entries} | {key.pid for key in self._counts} | {key.pid for key in counted}
 
     def totals(self) -> dict[TotalsKey, tuple[int, int]]:
         """(bytes, count) of memory-holding objects per (pid, device, layer, memory)."""
-        return {key: (self._bytes[key], self._counts[key]) for key in self._bytes}
+        kept = {key: (self._bytes[key], self._counts[key]) for key in self._bytes}
+        if not self._counted:
+            return kept
+        totals = dict(self._counted_totals())
+        for key, (size_bytes, count) in kept.items():
+            counted = totals.get(key)
+            totals[key] = (size_bytes, count) if counted is None else (size_bytes + counted[0], count + counted[1])
+        return totals
 
     def outstanding_bytes(self, pid: int | None = None, device: int | None = None,
                           layers: Iterable[Layer] | None = None,
                           memory: Memory | None = Memory.DEVICE) -> int:
         wanted = set(layers) if layers is not None else None
-        return sum(size for key, size in self._bytes.items()
+        return sum(size for key, (size, _) in self.totals().items()
                    if (pid is None or key.pid == pid) and (device is None or key.device == device)
                    and (wanted is None or key.layer in wanted)
                    and (memory is None or key.memory == memory))

@@ -165,9 +165,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_ledger_full_total", "counter", "allocations", (),
                "Allocations the in-kernel ledger had no room for: outstanding totals are no longer "
                "exact. Restart the agent with a larger --max-ledger-entries."),
+    MetricSpec("kvtrace_ledger_totals_full_total", "counter", "changes", (),
+               "Changes of allocations or PyTorch blocks the kernel's totals map had no room for (16 384 keys: a "
+               "few per process, GPU, layer and kind of memory): those totals are no longer exact until their "
+               "processes exit. Follow fewer processes with the agent (-p, --cmdline)."),
     MetricSpec("kvtrace_ledger_kernel_objects", "gauge", "objects", (),
-               "Allocations and PyTorch blocks of traced processes that the in-kernel ledger holds. The agent "
-               "counts them and keeps none: reports read them from the kernel when asked."),
+               "Allocations and PyTorch blocks of traced processes that the in-kernel ledger holds, from the "
+               "kernel's totals: the agent keeps none, and reports read them from the kernel when asked."),
     MetricSpec("kvtrace_ledger_reads_refused_total", "counter", "reads", (),
                "Copies of every kernel ledger entry at once (a recording's or flight dump's checkpoint) not made "
                "because they would exceed --max-read-entries; the agent log says which. Raise "
@@ -223,6 +227,7 @@ _SESSION_COUNTERS = {
     "kvtrace_events_total": "events_submitted",
     "kvtrace_events_lost_total": "events_lost",
     "kvtrace_ledger_full_total": "ledger_full",
+    "kvtrace_ledger_totals_full_total": "totals_full",
     "kvtrace_unknown_frees_total": "unknown_frees",
     "kvtrace_vllm_messages_received_total": "vllm_messages_received",
     "kvtrace_vllm_messages_rejected_total": "vllm_messages_rejected",

@@ -67,6 +67,21 @@ class RawLedgerValue(ctypes.Structure):
     ]
 
 
+class RawTotalsKey(ctypes.Structure):
+    _fields_ = [
+        ("pid", ctypes.c_uint32),
+        ("device", ctypes.c_int32),
+        ("layer", ctypes.c_uint8),
+        ("memory", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint16),
+        ("reserved2", ctypes.c_uint32),
+    ]
+
+
+class RawTotalsValue(ctypes.Structure):
+    _fields_ = [("size_bytes", ctypes.c_int64), ("count", ctypes.c_int64)]
+
+
 MAX_FRAMES = 64
 
 
@@ -105,7 +120,8 @@ class RawStack(ctypes.Structure):
 # Per-CPU counter indexes (KVT_COUNTER_*).
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
             "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced", "stack_walks",
-            "stack_windows", "stack_frame_reads", "stack_walker_missing", "stack_walks_preempted")
+            "stack_windows", "stack_frame_reads", "stack_walker_missing", "stack_walks_preempted",
+            "totals_full")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
 

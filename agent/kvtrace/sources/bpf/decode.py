@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from kvtrace.model.events import (
     Api,
@@ -210,43 +210,41 @@ def decode_ledger_chunk(keys: bytes, values: bytes, clock: Clock, objects: froze
         yield entry, stack_id
 
 
-def count_ledger_chunk(keys: bytes, values: bytes, totals: dict[TotalsKey, list[int]], objects: frozenset[int],
-                       pids: Collection[int] = (), unnamed: Callable[[int, int], None] | None = None) -> None:
-    """Adds the raw entries of `objects` (raw values) of `pids` (empty: all) to `totals`: (pid, device,
-    layer, memory) -> [bytes, count], without building an entry each (a recount goes through millions).
-    `unnamed(pid, kernel stack id)` is called for each entry's stack, for the caller to name new ones."""
-    for (pid, layer, object_kind, _, _), (size_bytes, _, _, _, _, device, _, memory, _, _, stack_id) in \
-            _raw_entries(keys, values):
-        if object_kind not in objects or (pids and pid not in pids):
+def stacks_in_chunk(keys: bytes, values: bytes, objects: frozenset[int],
+                    pids: Collection[int] = ()) -> Iterator[tuple[int, int]]:
+    """(pid, kernel stack id) of each raw entry of `objects` (raw values) of `pids` (empty: all) that has a
+    stack, without building an entry each (a resync goes through millions)."""
+    for (pid, _, object_kind, _, _), (*_, stack_id) in _raw_entries(keys, values):
+        if stack_id and object_kind in objects and (not pids or pid in pids):
+            yield pid, stack_id
+
+
+def decode_totals(raw: Iterable[tuple[abi.RawTotalsKey, abi.RawTotalsValue]],
+                  pids: Collection[int] = ()) -> dict[TotalsKey, tuple[int, int]]:
+    """The kernel's totals (struct kvt_totals_key/value) of `pids` (empty: all) as (bytes, count) per
+    TotalsKey; a layer or memory this build does not know is left out."""
+    totals: dict[TotalsKey, tuple[int, int]] = {}
+    for key, value in raw:
+        layer, memory = _LAYER_VALUES.get(key.layer), _MEMORY_VALUES.get(key.memory)
+        if layer is None or memory is None or (pids and key.pid not in pids):
             continue
-        if stack_id and unnamed is not None:
-            unnamed(pid, stack_id)
-        layer_member, memory_member = _LAYER_VALUES.get(layer), _MEMORY_VALUES.get(memory)
-        if layer_member is None or memory_member is None:
-            continue
-        total = totals.get(key := TotalsKey(pid, device, layer_member, memory_member))
-        if total is None:
-            totals[key] = [size_bytes, 1]
-        else:
-            total[0] += size_bytes
-            total[1] += 1
+        totals[TotalsKey(key.pid, key.device, layer, memory)] = (value.size_bytes, value.count)
+    return totals
 
 
 def doomed_in_chunk(keys: bytes, values: bytes, pid: int, before_ns: int, device: int | None,
-                    counted: frozenset[int], sums: dict[TotalsKey, list[int]]) -> list[bytes]:
-    """The raw keys of `pid`'s entries at most `before_ns` old (kernel clock; on `device` if given): what a
-    process exit or context destroy drops. Those of `counted` objects are added to `sums` (TotalsKey ->
-    [bytes, count]), which the Session then no longer counts."""
-    doomed: list[bytes] = []
+                    counted: frozenset[int]) -> list[tuple[bytes, TotalsKey | None, int]]:
+    """(raw key, totals key, size) of `pid`'s entries at most `before_ns` old (kernel clock; on `device` if
+    given): what a process exit or context destroy drops. The totals key is None but for `counted` objects
+    (raw values), whose totals the kernel keeps: the Session stops counting those the agent deletes."""
+    doomed: list[tuple[bytes, TotalsKey | None, int]] = []
     key_size = _LEDGER_KEY.size
     for index, ((entry_pid, layer, object_kind, _, _), (size_bytes, timestamp_ns, _, _, _, entry_device, _, memory,
                                                         _, _, _)) in enumerate(_raw_entries(keys, values)):
         if entry_pid != pid or timestamp_ns > before_ns or (device is not None and entry_device != device):
             continue
-        doomed.append(keys[index * key_size:(index + 1) * key_size])
         layer_member, memory_member = _LAYER_VALUES.get(layer), _MEMORY_VALUES.get(memory)
-        if object_kind in counted and layer_member is not None and memory_member is not None:
-            total = sums.setdefault(TotalsKey(entry_pid, entry_device, layer_member, memory_member), [0, 0])
-            total[0] += size_bytes
-            total[1] += 1
+        totals = (TotalsKey(entry_pid, entry_device, layer_member, memory_member)
+                  if object_kind in counted and layer_member is not None and memory_member is not None else None)
+        doomed.append((keys[index * key_size:(index + 1) * key_size], totals, size_bytes))
     return doomed

@@ -35,6 +35,9 @@ class ProbeSettings:
     """Compile-time sizes of the BPF maps and run-time limits (probes/settings.h lists the defines)."""
 
     max_ledger_entries: int = 1 << 20
+    # (process, device, layer, memory) sums of the ledger's allocations and blocks: ~100 bytes of kernel
+    # memory each; a process holds a few (one per device, layer and kind of memory it uses).
+    max_totals: int = 16384
     ringbuf_pages: int = 4096  # 16 MiB: ~190 000 events of burst before any is lost
     max_threads: int = 65536
     max_stacks: int = 16384
@@ -62,6 +65,7 @@ class ProbeSettings:
             f"-DKVT_TASK_FSBASE_OFFSET={self.task_fsbase_offset}",
             f"-DKVT_TASK_EXIT_CODE_OFFSET={self.task_exit_code_offset}",
             f"-DKVT_MAX_LEDGER_ENTRIES={self.max_ledger_entries}",
+            f"-DKVT_MAX_TOTALS={self.max_totals}",
             f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
             f"-DKVT_MAX_THREADS={self.max_threads}",
             f"-DKVT_WAKEUP_EVENTS={self.wakeup_events}",
@@ -503,13 +507,44 @@ class BpfProbes:
             return None
         return key, abi.RawLedgerValue.from_buffer_copy(value)
 
-    def delete_ledger_keys(self, keys: list[abi.RawLedgerKey]) -> None:
+    def delete_ledger_keys(self, keys: list[abi.RawLedgerKey]) -> list[bool]:
+        """Deletes entries; for each key, whether this delete took it (a probe may have freed it meanwhile,
+        and then the probe took it out of the totals)."""
         table = self._bpf[b"ledger"]
+        deleted = []
         for key in keys:
             try:
                 del table[table.Key.from_buffer_copy(key)]
             except KeyError:
-                pass
+                deleted.append(False)
+            else:
+                deleted.append(True)
+        return deleted
+
+    def read_totals(self) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
+        """The kernel's totals of allocations and blocks (struct kvt_totals_key/value pairs): a few per
+        process, read key by key (each value is exact when read; the probes go on changing others)."""
+        return [(abi.RawTotalsKey.from_buffer_copy(key), abi.RawTotalsValue.from_buffer_copy(value))
+                for key, value in self._bpf[b"ledger_totals"].items()]
+
+    def take_totals(self, pid: int) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
+        """Deletes the totals of `pid` (after its exit), each read in the same system call that deletes
+        it (BPF_MAP_LOOKUP_AND_DELETE_ELEM, Linux 5.14+; before, read then deleted): what a process that
+        reused the pid added meanwhile is in the value, not lost."""
+        from bcc.libbcc import lib
+
+        table = self._bpf[b"ledger_totals"]
+        taken = []
+        for key in [key for key in table.keys() if key.pid == pid]:
+            value = abi.RawTotalsValue()
+            if lib.bpf_lookup_and_delete(table.map_fd, ctypes.byref(key), ctypes.byref(value)) != 0:
+                try:
+                    value = abi.RawTotalsValue.from_buffer_copy(table[key])
+                    del table[key]
+                except KeyError:
+                    continue
+            taken.append((abi.RawTotalsKey.from_buffer_copy(key), value))
+        return taken
 
     def set_process_device(self, pid: int, device: int | None) -> None:
         """The device of the process's threads that never selected one (None: CUDA's device 0)."""

@@ -30,11 +30,12 @@ from kvtrace.sources import procfs
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import (
     Clock,
-    count_ledger_chunk,
     decode_events,
     decode_ledger_chunk,
     decode_ledger_entry,
+    decode_totals,
     doomed_in_chunk,
+    stacks_in_chunk,
 )
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, ProbeSettings, TorchProbesRefused
 from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
@@ -91,12 +92,12 @@ class BpfOptions:
     # -p with at most this many processes: probes in those processes only; more: one set per library for
     # every process, filtered in the kernel by pid (--per-process-probes-max).
     per_process_probes_max: int = 8
-    # --ledger-in-kernel: the Session counts allocations and blocks and keeps none (Session.count_only).
-    # Off by default: after lost events under a steady flood, a recount of the kernel's entries can be off
-    # by the events made while it read (until a read overlaps none); a kept ledger resyncs exactly by key.
-    ledger_in_kernel: bool = False
-    # The kernel keeps the ledger; the Session counts allocations and blocks, and a report copies at most
-    # this many of them from the kernel at once (Session.count_only).
+    # The Session keeps no entry and no total of allocations and blocks: the kernel's ledger and totals
+    # are read when a report asks (Session.count_only), and the agent's memory does not grow with them.
+    # --no-ledger-in-kernel: every entry is also kept in the agent (about 440 bytes each).
+    ledger_in_kernel: bool = True
+    # Where the kernel keeps the ledger, a report copies at most this many allocations and blocks from it
+    # at once (Session.count_only).
     max_read_entries: int = DEFAULT_MAX_READ_ENTRIES
 
 
@@ -138,8 +139,6 @@ class BpfSource:
         self.libraries_detached = 0
         self._missed_seen = 0  # events lost + block events unsent, as last seen
         self._resync_due = False
-        self._recount_to_check = False  # a recount was read while counted events happened: see housekeeping
-        self._replaced_seen = 0  # the probes' ledger_replaced counter when last looked at
         self._resync_pace_seconds = self.options.resync_min_seconds  # see resync
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
         self._next_full_scan = 0.0
@@ -198,7 +197,8 @@ class BpfSource:
         for pid in self.options.pids:
             self._select(pid)
         if self.options.ledger_in_kernel:
-            self.session.count_only(self._read_allocations, self._find_allocation, self.options.max_read_entries)
+            self.session.count_only(self._read_allocations, self._find_allocation, self._read_totals,
+                                    self.options.max_read_entries)
         probes.open_rings(self._on_raw_events, self._on_notify)
         # Running processes first: each one's Python runtime is found before any probe goes into
         # it, so that an allocation caught in the middle of attaching still has its stack.
@@ -356,12 +356,6 @@ class BpfSource:
             self._events_since_report = False
             self._next_report = now + IDLE_REPORT_SECONDS
             self._check_counters()
-        if self._recount_to_check and now >= self._next_resync_allowed:
-            # Every event made before the recount's read ended has arrived by now (the ring is in order):
-            # one made during the read may have been counted twice or not at all, so it is read again.
-            self._recount_to_check = False
-            if self.session.recount_overlaps():
-                self._resync_due = True
         if self._resync_due and now >= self._next_resync_allowed:
             self._next_resync_allowed = now + self._resync_pace_seconds
             self._resync_due = False
@@ -377,10 +371,6 @@ class BpfSource:
             self.session.ingest(EventsLost(missed - self._missed_seen, self.session.wall_clock_ns()))
             self._missed_seen = missed
             self._resync_due = True
-        if counters["ledger_replaced"] > self._replaced_seen:
-            self._replaced_seen = counters["ledger_replaced"]
-            # A kept ledger replaces the entry by key as the kernel did; a counting one counted it twice.
-            self._resync_due = self._resync_due or self.session.ledger.counting
 
     def full_scan(self) -> None:
         self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
@@ -626,55 +616,60 @@ class BpfSource:
         the Session counts, it then stops counting exactly what went."""
         probes = self._probes()
         before = self.clock.monotonic_ns(before_wall_ns)
+        doomed = [found for keys, values in probes.iter_ledger_chunks()
+                  for found in doomed_in_chunk(keys, values, pid, before, device, _COUNTED_OBJECT_VALUES)]
+        deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
+        # The kernel's totals still hold what the agent deleted (a probe that freed one meanwhile took its own
+        # out): a counting Session takes those out of them; a kept ledger dropped its own entries at the event.
         sums: dict[TotalsKey, list[int]] = {}
-        doomed = [abi.RawLedgerKey.from_buffer_copy(raw)
-                  for keys, values in probes.iter_ledger_chunks()
-                  for raw in doomed_in_chunk(keys, values, pid, before, device, _COUNTED_OBJECT_VALUES, sums)]
-        probes.delete_ledger_keys(doomed)
-        if sums and self.session.ledger.counting:  # a kept ledger dropped its own entries at the event
+        for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
+            if taken and totals is not None:
+                total = sums.setdefault(totals, [0, 0])
+                total[0] += size_bytes
+                total[1] += 1
+        counting = self.session.ledger.counting
+        if sums and counting:
             self.session.uncount({key: (size, count) for key, (size, count) in sums.items()},
                                  implicit=device is not None)
         if device is None:
             probes.forget_tracked(pid)
+            taken_totals = decode_totals(probes.take_totals(pid))
+            if counting and taken_totals:
+                self.session.retire_totals(taken_totals)
 
     def resync(self) -> None:
-        """Replaces the Session's ledger with the kernel's exact copy (after lost events). Where the Session
-        counts allocations and blocks (count_only), their totals are counted again from the kernel's
-        entries, a chunk at a time, and only the other objects are decoded; a recount read while counted
-        events happened is made again at the next housekeeping, until one is read while none do."""
+        """Replaces the Session's kept entries with the kernel's exact copy (after lost events). Where the
+        kernel keeps the allocations and blocks (count_only), their totals are exact already: only the other
+        objects are decoded, and the stacks of allocations whose events were lost are named."""
         if not self.session.ledger.counting:
             self.session.resync(self._kernel_entries())
             log.warning("events were lost: ledger resynced from the kernel")
             return
         wanted = frozenset(self._selected) if self.filtering else frozenset()
-        totals: dict[TotalsKey, list[int]] = {}
         kept: list[Outstanding] = []
         unnamed: dict[int, int] = {}  # kernel stack id -> a pid: allocations whose events were lost
-
-        def note_stack(pid: int, kernel_stack_id: int) -> None:
-            if kernel_stack_id not in self._stack_ids:
-                unnamed.setdefault(kernel_stack_id, pid)
-
-        read_from_ns = self.clock.wall_ns(time.monotonic_ns())
+        started = time.monotonic()
         for keys, values in self._probes().iter_ledger_chunks():
-            count_ledger_chunk(keys, values, totals, _COUNTED_OBJECT_VALUES, wanted, note_stack)
+            for pid, kernel_stack_id in stacks_in_chunk(keys, values, _COUNTED_OBJECT_VALUES, wanted):
+                if kernel_stack_id not in self._stack_ids:
+                    unnamed.setdefault(kernel_stack_id, pid)
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _KEPT_OBJECT_VALUES, wanted):
                 if kernel_stack_id:
                     entry.stack_id = self._resolve_stack(entry.key.pid, kernel_stack_id)
                 kept.append(entry)
-        read_until_ns = self.clock.wall_ns(time.monotonic_ns())
-        self.session.recount({key: (size, count) for key, (size, count) in totals.items()}, kept,
-                             read_from_ns, read_until_ns)
+        self.session.resync(kept)
         for kernel_stack_id, pid in unnamed.items():  # reports read these entries with their stacks now
             self._resolve_stack(pid, kernel_stack_id)
-        self._recount_to_check = True
-        # A recount goes through every entry on this thread: under a steady flood (each read overlapping
-        # events) it is made again at most once per ten times its own length.
-        self._resync_pace_seconds = max(self.options.resync_min_seconds,
-                                        10 * (read_until_ns - read_from_ns) / 1e9)
-        log.warning("ledger totals counted again from the kernel's %d entries in %.2f s (events lost, an entry "
-                    "replaced, or the last recount overlapped events)",
-                    sum(count for _, count in totals.values()) + len(kept), (read_until_ns - read_from_ns) / 1e9)
+        seconds = time.monotonic() - started
+        # The read goes through every entry on this thread: under a steady flood of losses it is made again
+        # at most once per ten times its own length.
+        self._resync_pace_seconds = max(self.options.resync_min_seconds, 10 * seconds)
+        log.warning("events were lost: %d VMM objects read again from the kernel, %d stacks named, in %.2f s",
+                    len(kept), len(unnamed), seconds)
+
+    def _read_totals(self) -> dict[TotalsKey, tuple[int, int]]:
+        """The kernel's totals of allocations and blocks (of the followed processes, where filtering)."""
+        return decode_totals(self._probes().read_totals(), frozenset(self._selected) if self.filtering else ())
 
     def _kernel_entries(self) -> Iterator[Outstanding]:
         """The kernel ledger one entry at a time (millions of entries must not be held twice)."""
