@@ -429,6 +429,11 @@ class Session:
         with self.lock:
             self.ledger.count_only(read, find, read_totals, max_read_entries)
 
+    def stop_counting(self) -> None:
+        """The source that keeps the ledger in the kernel stopped (Ledger.stop_counting)."""
+        with self.lock:
+            self.ledger.stop_counting()
+
     def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live ledger entry of `pids` (empty: all), to go through (Ledger.stream): where the kernel
         keeps the allocations they are read from it at each pass, outside the lock."""

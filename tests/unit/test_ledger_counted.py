@@ -313,3 +313,17 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
     assert decode_totals(totals) == {TotalsKey(7, 1, Layer.DRIVER, Memory.DEVICE): (3 * MiB, 3),
                                      TotalsKey(8, 0, Layer.TORCH, Memory.DEVICE): (-512, -1)}
     assert decode_totals(totals, {7}) == {TotalsKey(7, 1, Layer.DRIVER, Memory.DEVICE): (3 * MiB, 3)}
+
+
+def test_a_ledger_that_stops_counting_forgets_the_kernels_totals_and_can_count_again():
+    kernel = Kernel()
+    ledger = counted(kernel)
+    ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x1000, MiB))
+    ledger.uncount({TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE): (MiB, 1)})
+    assert ledger.counted_entries() == 0 and ledger._adjustments
+    ledger.stop_counting()  # the probes were taken out (the off switch)
+    assert not ledger.counting and ledger.totals() == {} and ledger.pids() == set()
+    again = Kernel()
+    ledger.count_only(again.read, again.find, again.read_totals, 1000)
+    ledger.apply(again.alloc(2, Layer.DRIVER, 0x2000, MiB))
+    assert ledger.totals() == again.ledger.totals()

@@ -140,6 +140,13 @@ class Ledger:
         self._counted, self._read_counted, self.max_read_entries = objects, read, max_read_entries
         self.find_counted, self._read_totals = find, read_totals
 
+    def stop_counting(self) -> None:
+        """The kernel's ledger is gone (the source stopped): what count_only read from it goes too, and the
+        ledger keeps every object again until count_only is called anew."""
+        self._counted, self._read_counted, self.find_counted, self._read_totals = frozenset(), None, None, None
+        self.max_read_entries = 0
+        self._adjustments, self._counted_cache, self._counted_read_ns = {}, {}, None
+
     @property
     def counting(self) -> bool:
         return bool(self._counted)

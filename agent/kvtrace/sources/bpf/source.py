@@ -224,6 +224,8 @@ class BpfSource:
             finally:
                 self.probes = None
                 self.symbolizer.close()  # the open /proc/PID/mem files
+                if self.session.ledger.counting:  # its totals and entries were the kernel's, gone with the probes
+                    self.session.stop_counting()
 
     def run_once(self, timeout_ms: int = 100) -> None:
         probes = self._probes()
