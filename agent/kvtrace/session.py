@@ -387,15 +387,19 @@ class Session:
             for sink in self._sinks:
                 sink.publish_state(resynced)
 
-    def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True) -> None:
-        """Counted allocations the kernel's ledger dropped after an exit or context destroy (Ledger.uncount)."""
+    def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True,
+                take_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]] | None = None) -> bool:
+        """Where the ledger counts: allocations the agent deleted from the kernel's ledger after an exit or
+        context destroy (Ledger.uncount) and, after an exit, the pid's totals `take_totals()` takes out of
+        the kernel (Ledger.retire_totals), at once under the lock: no reader sees one without the other.
+        False (nothing taken) where the ledger keeps its entries."""
         with self.lock:
+            if not self.ledger.counting:
+                return False
+            taken = take_totals() if take_totals is not None else {}
             self.ledger.uncount(dropped, implicit)
-
-    def retire_totals(self, taken: Mapping[TotalsKey, tuple[int, int]]) -> None:
-        """An exited process's totals, taken out of the kernel (Ledger.retire_totals)."""
-        with self.lock:
             self.ledger.retire_totals(taken)
+            return True
 
     def forget_process(self, pid: int) -> None:
         """A process found gone without an exit event: drop what it held and what is known of it."""
@@ -430,9 +434,11 @@ class Session:
             self.ledger.count_only(read, find, read_totals, max_read_entries)
 
     def stop_counting(self) -> None:
-        """The source that keeps the ledger in the kernel stopped (Ledger.stop_counting)."""
+        """The source that keeps the ledger in the kernel is stopping (Ledger.stop_counting); no-op where the
+        ledger keeps its entries."""
         with self.lock:
-            self.ledger.stop_counting()
+            if self.ledger.counting:
+                self.ledger.stop_counting()
 
     def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live ledger entry of `pids` (empty: all), to go through (Ledger.stream): where the kernel

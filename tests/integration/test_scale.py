@@ -1,5 +1,5 @@
-"""Scale (issue 16) on the real agent and the stub libraries: the kernel keeps the allocations and the
-agent only counts them, reading them from the kernel when a report asks; `-p` of many processes shares
+"""Scale (issue 16) on the real agent and the stub libraries: the kernel keeps the allocations and
+their totals, the agent keeps neither, reading them from the kernel when a report asks; `-p` of many processes shares
 one set of probes per library, filtered in the kernel.
 
 GIVEN 11 stub workloads that each hold 13 cudaMalloc'd MiB and an agent following 10 of them (more than

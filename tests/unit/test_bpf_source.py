@@ -373,3 +373,100 @@ def test_no_task_storage_flag_chooses_lru_hashes():
     assert settings().task_storage is None  # chosen by the kernel
     assert settings("--no-task-storage").task_storage is False
     assert "-DKVT_TASK_STORAGE=0" in settings("--no-task-storage").cflags()
+
+
+class KernelTotalsProbes(CountingProbes):
+    """The kernel's side where it keeps the totals: ledger entries, the totals the probes changed, and deletes
+    a probe may have won (its free took the entry, and its own bytes out of the totals, first)."""
+
+    def __init__(self, items, totals, freed_meanwhile=frozenset()) -> None:
+        super().__init__(items)
+        self.totals = dict(totals)  # (pid, device, layer, memory) -> (bytes, count)
+        self.freed_meanwhile = freed_meanwhile  # addresses a probe freed between the agent's read and delete
+        self.closed = False
+
+    def delete_ledger_keys(self, keys) -> list[bool]:
+        return [key.address not in self.freed_meanwhile for key in keys]
+
+    def read_totals(self) -> list:
+        return [(abi.RawTotalsKey(pid=pid, device=device, layer=layer, memory=memory),
+                 abi.RawTotalsValue(size_bytes=size, count=count))
+                for (pid, device, layer, memory), (size, count) in self.totals.items()]
+
+    def take_totals(self, pid: int) -> list:
+        taken = [(key, value) for key, value in self.read_totals() if key.pid == pid]
+        self.totals = {key: value for key, value in self.totals.items() if key[0] != pid}
+        return taken
+
+    def close(self) -> float:
+        self.closed = True
+        return 0.0
+
+
+def _driver_entry(pid, address, timestamp_ns, size=1 << 20, device=0):
+    return (abi.RawLedgerKey(pid=pid, layer=Layer.DRIVER.value, object=ObjectKind.ALLOCATION.value, address=address),
+            abi.RawLedgerValue(size_bytes=size, timestamp_ns=timestamp_ns, device=device, api=Api.cuMemAlloc_v2.value,
+                               memory=Memory.DEVICE.value))
+
+
+def _counting_source(probes) -> BpfSource:
+    """A source whose Session keeps the ledger in the kernel, as start() sets it up."""
+    session = Session()
+    tracer = BpfSource(session, BpfOptions())
+    tracer.probes = probes
+    session.count_only(tracer._read_allocations, tracer._find_allocation, tracer._read_totals, 1000)
+    return tracer
+
+
+def test_an_exit_takes_out_what_the_agent_deleted_and_the_pids_totals_and_keeps_a_reused_pids():
+    MiB = 1 << 20
+    driver = (Layer.DRIVER.value, Memory.DEVICE.value)
+    # GIVEN pid 7's three allocations made before its exit (at 100), one freed by a probe while the agent
+    # deleted (the kernel's totals no longer hold it), and one made after the exit by a process that reused
+    # the pid (at 200)
+    made = ((0xA, 50), (0xB, 60), (0xC, 70), (0xD, 200))
+    entries = [_driver_entry(7, address, timestamp) for address, timestamp in made]
+    probes = KernelTotalsProbes(entries, {(7, 0, *driver): (3 * MiB, 3), (8, 0, *driver): (MiB, 1)},
+                                freed_meanwhile={0xC})
+    tracer = _counting_source(probes)
+    ledger = tracer.session.ledger
+    assert ledger.physical_device_bytes(7) == 3 * MiB
+    # WHEN the agent drops what the exit freed
+    tracer._drop_in_kernel(7, tracer.clock.wall_ns(100))
+    # THEN only the reused pid's allocation is left, the kernel has no totals of pid 7, and the agent keeps
+    # the one it took with them; pid 8 is untouched
+    assert ledger.physical_device_bytes(7) == MiB and ledger.counted_entries({7}) == 1
+    assert all(key[0] != 7 for key in probes.totals) and ledger.physical_device_bytes(8) == MiB
+    # AND when the reused pid exits too, nothing of pid 7 is left anywhere
+    probes.items = [_driver_entry(7, 0xD, 200)]
+    tracer._drop_in_kernel(7, tracer.clock.wall_ns(300))
+    assert ledger.physical_device_bytes(7) == 0 and 7 not in ledger.pids() and ledger._adjustments == {}
+
+
+def test_a_context_destroy_takes_out_its_device_only_and_leaves_the_kernels_totals():
+    MiB = 1 << 20
+    driver = (Layer.DRIVER.value, Memory.DEVICE.value)
+    probes = KernelTotalsProbes([_driver_entry(7, 0xA, 50, device=0), _driver_entry(7, 0xB, 60, device=1)],
+                                {(7, 0, *driver): (MiB, 1), (7, 1, *driver): (MiB, 1)})
+    tracer = _counting_source(probes)
+    tracer._drop_in_kernel(7, tracer.clock.wall_ns(100), device=1)
+    ledger = tracer.session.ledger
+    assert ledger.physical_device_bytes(7, device=1) == 0 and ledger.physical_device_bytes(7, device=0) == MiB
+    assert len(probes.totals) == 2 and ledger.implicit_frees_total[7] == 1  # the process lives on
+
+
+def test_stopping_the_source_stops_the_sessions_counting_before_the_probes_close():
+    seen_counting_at_close = []
+    probes = KernelTotalsProbes([], {(7, 0, Layer.DRIVER.value, Memory.DEVICE.value): (4096, 1)})
+    tracer = _counting_source(probes)
+    original_close = probes.close
+
+    def close() -> float:
+        seen_counting_at_close.append(tracer.session.ledger.counting)
+        return original_close()
+
+    probes.close = close
+    assert tracer.session.ledger.physical_device_bytes(7) == 4096
+    tracer.stop()
+    assert seen_counting_at_close == [False] and probes.closed
+    assert tracer.session.ledger.totals() == {}  # nothing read from probes that are gone

@@ -84,8 +84,8 @@ class LedgerReadRefused(Exception):
         self.limit = limit
 
 
-# Objects that come in millions (allocations, PyTorch's blocks): where the kernel keeps them (the agent's BPF
-# source), the ledger counts them and reads them from there when asked (Ledger.count_only).
+# Objects that come in millions (allocations, PyTorch's blocks): where the kernel keeps them and their totals (the
+# agent's BPF source), the ledger keeps neither and reads them from there when asked (Ledger.count_only).
 COUNTED_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.BLOCK})
 # A report may copy this many of them from the kernel at once (--max-read-entries): about 450 bytes of agent
 # memory each, 110 MB at most.
@@ -141,8 +141,9 @@ class Ledger:
         self.find_counted, self._read_totals = find, read_totals
 
     def stop_counting(self) -> None:
-        """The kernel's ledger is gone (the source stopped): what count_only read from it goes too, and the
-        ledger keeps every object again until count_only is called anew."""
+        """The kernel's ledger is going (the source stops): what count_only read from it goes too, and the
+        ledger keeps every object again. count_only may be called anew once the kept entries are gone too
+        (the daemon resyncs to nothing when tracing stops)."""
         self._counted, self._read_counted, self.find_counted, self._read_totals = frozenset(), None, None, None
         self.max_read_entries = 0
         self._adjustments, self._counted_cache, self._counted_read_ns = {}, {}, None
@@ -303,7 +304,8 @@ class Ledger:
     def _counted_totals(self) -> dict[TotalsKey, tuple[int, int]]:
         """(bytes, count) of the counted objects per (pid, device, layer, memory): the kernel's totals, with
         what the agent took out of the kernel itself; read again after a counted event or an uncount, or
-        COUNTED_TOTALS_MAX_AGE_NS after the last read (events lost change the kernel's too)."""
+        COUNTED_TOTALS_MAX_AGE_NS after the last read (events lost change the kernel's too). Under steady
+        traffic each report reads the map again (a few keys per process, under the Session's lock)."""
         now = time.monotonic_ns()
         if (self._counted_read_ns is not None and now - self._counted_read_ns < COUNTED_TOTALS_MAX_AGE_NS) \
                 or self._read_totals is None:
@@ -313,8 +315,10 @@ class Ledger:
             total = sums.setdefault(key, [0, 0])
             total[0] += size_bytes
             total[1] += count
-        self._counted_cache = {key: (size_bytes, count) for key, (size_bytes, count) in sums.items()
-                               if size_bytes or count}
+        # Never below zero: a probe's two adds (bytes, count) are apart by an instant, and a free racing an
+        # allocation at the same address can take the old size out of the new entry's totals (ledger.h).
+        self._counted_cache = {key: (max(size_bytes, 0), max(count, 0)) for key, (size_bytes, count) in sums.items()
+                               if size_bytes > 0 or count > 0}
         self._counted_read_ns = now
         return self._counted_cache
 
@@ -345,7 +349,7 @@ class Ledger:
         return iter(self.entries())
 
     def counted_entries(self, pids: Collection[int] = ()) -> int:
-        """Entries of `pids` (empty: all) counted here and kept by the kernel (0 unless count_only)."""
+        """Allocations and blocks of `pids` (empty: all) the kernel keeps, from its totals (0 unless count_only)."""
         if not self._counted:
             return 0
         return sum(count for totals, (_, count) in self._counted_totals().items()

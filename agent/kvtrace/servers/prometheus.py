@@ -161,7 +161,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Events the probes delivered to the agent's ring buffer."),
     MetricSpec("kvtrace_events_lost_total", "counter", "events", (),
                "Events dropped because the ring buffer was full. Outstanding totals stay exact (the "
-               "ledger is resynced from the kernel); stacks and rates of the lost events are missing."),
+               "kernel keeps them; VMM objects are read again from it); stacks and rates of the lost "
+               "events are missing."),
     MetricSpec("kvtrace_ledger_full_total", "counter", "allocations", (),
                "Allocations the in-kernel ledger had no room for: outstanding totals are no longer "
                "exact. Restart the agent with a larger --max-ledger-entries."),

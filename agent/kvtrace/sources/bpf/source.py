@@ -219,13 +219,13 @@ class BpfSource:
 
     def stop(self) -> None:
         if self.probes is not None:
+            # First: the Session's totals and entries are the kernel's, and go with the probes.
+            self.session.stop_counting()
             try:
                 self.probes.close()
             finally:
                 self.probes = None
                 self.symbolizer.close()  # the open /proc/PID/mem files
-                if self.session.ledger.counting:  # its totals and entries were the kernel's, gone with the probes
-                    self.session.stop_counting()
 
     def run_once(self, timeout_ms: int = 100) -> None:
         probes = self._probes()
@@ -614,30 +614,30 @@ class BpfSource:
 
     def _drop_in_kernel(self, pid: int, before_wall_ns: int, device: int | None = None) -> None:
         """Deletes what an exit or context destroy freed from the kernel's ledger (its entries at most as
-        old as the event: a reused pid's or a new context's stay), after the Session saw the event; where
-        the Session counts, it then stops counting exactly what went."""
+        old as the event: a reused pid's or a new context's stay), after the Session saw the event. The
+        kernel's totals still hold what the agent deleted (the probes did not): a counting Session takes
+        exactly that out of them, and after an exit the pid's totals leave the kernel (what a process that
+        reused the pid added meanwhile stays counted). A kept ledger dropped its own entries at the event."""
         probes = self._probes()
         before = self.clock.monotonic_ns(before_wall_ns)
         doomed = [found for keys, values in probes.iter_ledger_chunks()
                   for found in doomed_in_chunk(keys, values, pid, before, device, _COUNTED_OBJECT_VALUES)]
         deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
-        # The kernel's totals still hold what the agent deleted (a probe that freed one meanwhile took its own
-        # out): a counting Session takes those out of them; a kept ledger dropped its own entries at the event.
         sums: dict[TotalsKey, list[int]] = {}
         for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
-            if taken and totals is not None:
+            if taken and totals is not None:  # not taken: a probe freed it meanwhile, and took its own out
                 total = sums.setdefault(totals, [0, 0])
                 total[0] += size_bytes
                 total[1] += 1
-        counting = self.session.ledger.counting
-        if sums and counting:
-            self.session.uncount({key: (size, count) for key, (size, count) in sums.items()},
-                                 implicit=device is not None)
         if device is None:
             probes.forget_tracked(pid)
-            taken_totals = decode_totals(probes.take_totals(pid))
-            if counting and taken_totals:
-                self.session.retire_totals(taken_totals)
+
+        def take_totals() -> dict[TotalsKey, tuple[int, int]]:
+            return decode_totals(probes.take_totals(pid)) if device is None else {}
+
+        dropped = {key: (size, count) for key, (size, count) in sums.items()}
+        if not self.session.uncount(dropped, implicit=device is not None, take_totals=take_totals):
+            take_totals()  # a kept ledger: the kernel's totals of the pid go all the same
 
     def resync(self) -> None:
         """Replaces the Session's kept entries with the kernel's exact copy (after lost events). Where the
