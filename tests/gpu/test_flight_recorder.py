@@ -124,6 +124,9 @@ def test_a_real_oom_leaves_a_dump_whose_leaks_name_the_leaking_function(tmp_path
         print(f"oom dump: {len(events)} events, {len(failed)} failed allocations, the first "
               f"{failed[0]['api'] if failed else None} of {failed[0]['size_bytes'] if failed else 0} bytes, "
               f"error {failed[0]['error_code'] if failed else None}")
+        if events:  # where the dump's window starts and ends (a dump that starts at its trigger lost its past)
+            print("oom dump spans: " + " ... ".join(f"{event['kind']} {event['api']} at {event.get('timestamp_ns')}"
+                                                    for event in (events[0], events[-1])))
         if not failed or failed[0]["error_code"] != 2 or failed[0]["size_bytes"] < step:
             failures.append(f"the dump's failed allocations: {failed[:3]}")
         kept = {event["address"] for event in events if event["kind"] == "alloc" and event["api"] == "cudaMalloc"}
