@@ -225,11 +225,18 @@ def decode_totals(raw: Iterable[tuple[abi.RawTotalsKey, abi.RawTotalsValue]],
     TotalsKey; a layer or memory this build does not know is left out."""
     totals: dict[TotalsKey, tuple[int, int]] = {}
     for key, value in raw:
-        layer, memory = _LAYER_VALUES.get(key.layer), _MEMORY_VALUES.get(key.memory)
-        if layer is None or memory is None or (pids and key.pid not in pids):
-            continue
-        totals[TotalsKey(key.pid, key.device, layer, memory)] = (value.size_bytes, value.count)
+        totals_key = _totals_key(key.pid, key.device, key.layer, key.memory)
+        if totals_key is not None and (not pids or key.pid in pids):
+            totals[totals_key] = (value.size_bytes, value.count)
     return totals
+
+
+def _totals_key(pid: int, device: int, layer: int, memory: int) -> TotalsKey | None:
+    """The TotalsKey of raw values; None for a layer or memory this build does not know."""
+    layer_member, memory_member = _LAYER_VALUES.get(layer), _MEMORY_VALUES.get(memory)
+    if layer_member is None or memory_member is None:
+        return None
+    return TotalsKey(pid, device, layer_member, memory_member)
 
 
 def doomed_in_chunk(keys: bytes, values: bytes, pid: int, before_ns: int, device: int | None,
@@ -243,8 +250,6 @@ def doomed_in_chunk(keys: bytes, values: bytes, pid: int, before_ns: int, device
                                                         _, _, _)) in enumerate(_raw_entries(keys, values)):
         if entry_pid != pid or timestamp_ns > before_ns or (device is not None and entry_device != device):
             continue
-        layer_member, memory_member = _LAYER_VALUES.get(layer), _MEMORY_VALUES.get(memory)
-        totals = (TotalsKey(entry_pid, entry_device, layer_member, memory_member)
-                  if object_kind in counted and layer_member is not None and memory_member is not None else None)
+        totals = _totals_key(entry_pid, entry_device, layer, memory) if object_kind in counted else None
         doomed.append((keys[index * key_size:(index + 1) * key_size], totals, size_bytes))
     return doomed
