@@ -23,12 +23,13 @@ Each subscriber accounts for every event the workload made: received + dropped (
 + kernel-lost (the ring buffer was full) = sent, "unaccounted" must be 0. Needs root and bcc (as
 `make test`); runs unchanged on any such host.
 
-    sudo .venv/bin/python bench/api_throughput.py [--pairs 200000] [--latency-pairs 2000]
+    sudo .venv/bin/python bench/api_throughput.py [--pairs 200000] [--workloads 1] [--latency-pairs 2000]
                                                   [--subscribers 4] [--slow-us 100] [--messages]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ LATENCY_SAMPLES = 200_000  # a subscriber keeps at most this many latencies (an 
 
 # ---- the subscriber process ----
 
-def subscribe(socket: Path, pid: int, expected: int, slow_us: float, messages: bool,
+def subscribe(socket: Path, pids: list[int], expected: int, slow_us: float, messages: bool,
               latencies: bool, deadline_s: float) -> dict:
     """Reads until every expected event is received or reported lost; the figures as a dict."""
     from kvtrace.client import AgentClient
@@ -61,7 +62,7 @@ def subscribe(socket: Path, pid: int, expected: int, slow_us: float, messages: b
     deadline = time.monotonic() + deadline_s
     cpu = time.process_time()
     with AgentClient.for_socket(socket, timeout_seconds=deadline_s) as client:
-        stream = client.stream_responses(pids=[pid], columns=not messages)
+        stream = client.stream_responses(pids=pids, columns=not messages)
         print("subscribed", flush=True)
         for response in stream:
             now_ns = time.time_ns()
@@ -74,7 +75,7 @@ def subscribe(socket: Path, pid: int, expected: int, slow_us: float, messages: b
                 elif payload == "allocation":  # an agent (or a request) without columns
                     received += 1
                     kinds[message.allocation.kind] = kinds.get(message.allocation.kind, 0) + 1
-                    foreign += message.pid != pid
+                    foreign += message.pid not in pids
                     if latencies:
                         latencies_ns.append(now_ns - message.timestamp_ns)
             columns = response.columns
@@ -84,7 +85,8 @@ def subscribe(socket: Path, pid: int, expected: int, slow_us: float, messages: b
                 column = list(columns.kind)
                 for kind in set(column):
                     kinds[kind] = kinds.get(kind, 0) + column.count(kind)
-                foreign += count - list(columns.pid).count(pid)
+                column = list(columns.pid)
+                foreign += count - sum(column.count(pid) for pid in pids)
                 if latencies:
                     latencies_ns.extend(now_ns - timestamp for timestamp in columns.timestamp_ns)
             first = first or time.monotonic()
@@ -107,8 +109,9 @@ def subscribe(socket: Path, pid: int, expected: int, slow_us: float, messages: b
 
 
 def subscriber_main(args: argparse.Namespace) -> int:
-    result = subscribe(Path(args.subscriber), args.pid, args.expected, args.slow_us, args.messages,
-                       args.latencies, args.deadline_s)
+    pids = [int(pid) for pid in args.pids.split(",")]
+    result = subscribe(Path(args.subscriber), pids, args.expected, args.slow_us, args.messages, args.latencies,
+                       args.deadline_s)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -116,9 +119,9 @@ def subscriber_main(args: argparse.Namespace) -> int:
 # ---- the bench ----
 
 class Subscriber:
-    def __init__(self, socket: Path, pid: int, expected: int, slow_us: float, messages: bool,
+    def __init__(self, socket: Path, pids: list[int], expected: int, slow_us: float, messages: bool,
                  latencies: bool) -> None:
-        argv = [sys.executable, __file__, "--subscriber", str(socket), "--pid", str(pid), "--expected",
+        argv = [sys.executable, __file__, "--subscriber", str(socket), "--pids", ",".join(map(str, pids)), "--expected",
                 str(expected), "--slow-us", str(slow_us)]
         argv += ["--messages"] if messages else []
         argv += ["--latencies"] if latencies else []
@@ -142,34 +145,39 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run(stubs, socket: Path, pairs: int, slow: list[float], messages: bool, env: dict | None = None,
-        latencies: bool = False) -> dict:
-    """One workload of `pairs` pairs, one subscriber process per entry of `slow` (its sleep per event
-    received, µs; 0: reads as fast as it can)."""
+        latencies: bool = False, workloads: int = 1) -> dict:
+    """`pairs` pairs made by `workloads` processes at once (a share each), one subscriber process per entry
+    of `slow` (its sleep per event received, µs; 0: reads as fast as it can) following all of them."""
     from agent_process import AgentProcess
     from cuda_stubs import Workload
     from kvtrace.client import AgentClient
 
+    shares = [pairs // workloads + (index < pairs % workloads) for index in range(workloads)]
     expected = 4 * pairs
-    with Workload([stubs.workload, "loop", str(pairs)], env=env) as workload:
-        pid = workload.wait_ready()
-        with AgentProcess(socket, "-p", str(pid), "--no-python-stacks") as agent:
-            subscribers = [Subscriber(socket, pid, expected, slow_us, messages, latencies) for slow_us in slow]
-            for subscriber in subscribers:
-                subscriber.wait_subscribed()
-            with AgentClient.for_socket(socket) as client:  # every stream is registered with the hub
-                deadline = time.monotonic() + 30
-                while client.info().counters["subscribers"] < len(subscribers) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            agent_pid = agent.process.pid
-            cpu_before, started = cpu_seconds(agent_pid), time.monotonic()
+    with contextlib.ExitStack() as stack:
+        makers = [stack.enter_context(Workload([stubs.workload, "loop", str(share)], env=env)) for share in shares]
+        pids = [workload.wait_ready() for workload in makers]
+        agent = stack.enter_context(AgentProcess(socket, *(arg for pid in pids for arg in ("-p", str(pid))),
+                                                 "--no-python-stacks"))
+        subscribers = [Subscriber(socket, pids, expected, slow_us, messages, latencies) for slow_us in slow]
+        for subscriber in subscribers:
+            subscriber.wait_subscribed()
+        with AgentClient.for_socket(socket) as client:  # every stream is registered with the hub
+            deadline = time.monotonic() + 30
+            while client.info().counters["subscribers"] < len(subscribers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        agent_pid = agent.process.pid
+        cpu_before, started = cpu_seconds(agent_pid), time.monotonic()
+        for workload in makers:
             workload.go()
-            (loop,) = workload.read_calls(timeout_s=600)
-            workload_seconds = time.monotonic() - started
-            results = [subscriber.result(600) for subscriber in subscribers]
-            wall = time.monotonic() - started
-            agent_cpu = cpu_seconds(agent_pid) - cpu_before
+        loops = [workload.read_calls(timeout_s=600)[0] for workload in makers]
+        workload_seconds = time.monotonic() - started
+        results = [subscriber.result(600) for subscriber in subscribers]
+        wall = time.monotonic() - started
+        agent_cpu = cpu_seconds(agent_pid) - cpu_before
+    made = sum(4 * 1e9 / loop["ns_per_pair"] for loop in loops)  # each process's rate while it ran, summed
     return dict(subscribers=results, agent_cpu_seconds=agent_cpu, wall_seconds=wall, expected=expected,
-                workload_seconds=workload_seconds, workload_ns_per_pair=loop.get("ns_per_pair"))
+                workload_seconds=workload_seconds, made_per_second=made, workloads=workloads)
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -182,7 +190,8 @@ def report(title: str, outcome: dict) -> bool:
     expected = outcome["expected"]
     print(f"\n{title}")
     print(f"  events sent {expected}; workload {outcome['workload_seconds']:.2f} s "
-          f"({4 * 1e9 / outcome['workload_ns_per_pair']:.0f} events/s made); agent CPU "
+          f"({outcome['made_per_second']:.0f} events/s made by {outcome['workloads']} process"
+          f"{'es' if outcome['workloads'] > 1 else ''}); agent CPU "
           f"{outcome['agent_cpu_seconds']:.2f} s over {outcome['wall_seconds']:.2f} s "
           f"({100 * outcome['agent_cpu_seconds'] / outcome['wall_seconds']:.0f}% of a core)")
     print(f"  {'subscriber':<14}{'events/s':>10}{'received':>10}{'dropped':>10}{'kernel-lost':>12}"
@@ -209,10 +218,13 @@ def main() -> int:
     parser.add_argument("--offered", default="50000,100000,150000,200000",
                         help="run 4: offered loads, events/s, comma-separated")
     parser.add_argument("--offered-seconds", type=float, default=4.0, help="run 4: seconds of each offered load")
+    parser.add_argument("--workloads", type=int, default=1,
+                        help="runs 1 and 4: processes making the pairs at once (a share each; one stub process "
+                             "makes ~120-180k events/s on the H200, less than the agent takes in)")
     parser.add_argument("--messages", action="store_true",
                         help="subscribers ask for one Event message each (clients before columns)")
     parser.add_argument("--subscriber", help=argparse.SUPPRESS)  # SOCKET: run as a subscriber process
-    parser.add_argument("--pid", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--pids", help=argparse.SUPPRESS)
     parser.add_argument("--expected", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--latencies", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--deadline-s", type=float, default=600.0, help=argparse.SUPPRESS)
@@ -228,9 +240,9 @@ def main() -> int:
     stubs = build_stubs(work / "stubs")
     encoding = "messages" if args.messages else "columns"
 
-    print(f"1: {args.pairs} pairs = {4 * args.pairs} events, unpaced, one subscriber ({encoding})",
-          file=sys.stderr)
-    single = run(stubs, work / "a.sock", args.pairs, [0.0], args.messages)
+    print(f"1: {args.pairs} pairs = {4 * args.pairs} events, unpaced, {args.workloads} workload process(es), "
+          f"one subscriber ({encoding})", file=sys.stderr)
+    single = run(stubs, work / "a.sock", args.pairs, [0.0], args.messages, workloads=args.workloads)
     slow = [0.0] * (args.subscribers - 1) + [args.slow_us]
     print(f"2: the same, {args.subscribers} subscribers, one slow", file=sys.stderr)
     several = run(stubs, work / "b.sock", args.pairs, slow, args.messages)
@@ -256,13 +268,13 @@ def sustained(stubs, work: Path, args) -> bool:
     ok, whole = True, []
     for index, offered in enumerate(int(rate) for rate in args.offered.split(",")):
         pairs = int(offered / 4 * args.offered_seconds)
-        env = dict(os.environ, KVT_LOOP_PAIRS_PER_SECOND=str(offered / 4))
-        outcome = run(stubs, work / f"d{index}.sock", pairs, [0.0], args.messages, env)
+        env = dict(os.environ, KVT_LOOP_PAIRS_PER_SECOND=str(offered / 4 / args.workloads))
+        outcome = run(stubs, work / f"d{index}.sock", pairs, [0.0], args.messages, env, workloads=args.workloads)
         (result,) = outcome["subscribers"]
         lost = result["dropped"] + result["kernel_lost"]
         ok = ok and outcome["expected"] == result["received"] + lost and result["foreign"] == 0
         delivered = result["received"] / result["event_seconds"] if result["event_seconds"] else 0.0
-        print(f"  {offered:>10}{4 * 1e9 / outcome['workload_ns_per_pair']:>10.0f}{result['received']:>10}{lost:>8}"
+        print(f"  {offered:>10}{outcome['made_per_second']:>10.0f}{result['received']:>10}{lost:>8}"
               f"{delivered:>13.0f}{100 * outcome['agent_cpu_seconds'] / outcome['wall_seconds']:>10.0f}%",
               flush=True)
         if lost == 0 and delivered >= KEPT_UP * offered:

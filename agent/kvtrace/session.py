@@ -241,8 +241,12 @@ class Session:
                     self._crosscheck.settle(now_ns)
             run: list[Event] = []
             run_kinds = _RUN_KINDS
+            # Where CUPTI witnesses the uprobes (the daemon), only its events and those of the processes it
+            # traces are compared: the rest (the bulk of a busy host) take the run as without a witness.
+            compared = self._crosscheck.followed() if witness else ()
             for record in records:
-                if not witness and type(record) is Event and record.kind in run_kinds:
+                if type(record) is Event and record.kind in run_kinds and (
+                        not witness or (record.source is Source.UPROBE and record.pid not in compared)):
                     run.append(record)
                     continue
                 if run:
@@ -304,9 +308,9 @@ class Session:
                 continue  # a source that knows better (a recording) already said
             pid = event.pid
             _label(event, labels[pid] if pid in labels else labels.setdefault(pid, get_process(pid)))
-        apply = self.ledger.apply
         each, many = self._run_sinks
         if each:
+            apply = self.ledger.apply
             for event in events:
                 self.events_total += 1  # before the sinks: a checkpoint one takes is of this point (shared by position)
                 apply(event)
@@ -314,8 +318,7 @@ class Session:
                     publish(event)
         else:
             self.events_total += len(events)
-            for event in events:
-                apply(event)
+            self.ledger.apply_many(events)
         for publish_many in many:
             publish_many(events)
 

@@ -145,7 +145,7 @@ def events_to_columns(events: Sequence[Event], title: Callable[[str], str] | Non
     if sources.count(Source.UPROBE) != len(sources):  # all the uprobes': left unset, as event_to_proto does
         columns.source.extend([_WIRE_SOURCES[source] for source in sources])
     order: dict[tuple[str, str, str], int] = {}
-    if len(set(zip(comms, titles, containers, strict=True))) == 1:  # one process: index 0 for all, no column
+    if len(set(comms)) == len(set(titles)) == len(set(containers)) == 1:  # one label: index 0 for all, no column
         order[comms[0], titles[0], containers[0]] = 0
     else:
         columns.process.extend([order.setdefault(label, len(order))

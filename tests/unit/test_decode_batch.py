@@ -93,6 +93,21 @@ def test_the_walk_takes_no_record_cut_by_the_copy_and_keeps_to_its_budget():
     assert consumed == 2 * RingReader.STRIDE
 
 
+def test_committed_headers_are_read_in_bulk_up_to_the_first_busy_record():
+    size = RingReader.RECORD_BYTES
+    committed = [header(size) + RECORDS[0]] * 4
+    reader = walker()
+    reader._data = memoryview(b"".join(committed) + header(size | RingReader.BUSY_BIT) + RECORDS[1])
+    stride = RingReader.STRIDE
+    assert reader._committed(0, 4 * stride) == 4 * stride  # all committed: the bulk read
+    assert reader._committed(stride, 3 * stride + 40) == 3 * stride  # a record cut by the limit is not taken
+    assert reader._committed(0, 5 * stride) == 4 * stride  # the busy fifth ends the run
+    discarded = [header(size) + RECORDS[0], header(size | RingReader.DISCARD_BIT) + RECORDS[1],
+                 header(16) + RECORDS[2][:16], header(size | RingReader.BUSY_BIT) + RECORDS[3]]
+    reader._data = memoryview(b"".join(discarded))
+    assert reader._committed(0, len(reader._data)) == 2 * stride + 24  # discarded and short ones are whole records
+
+
 def test_a_short_record_is_padded_and_then_undecodable():
     chunk = header(16) + RECORDS[0][:16]
     records, consumed = walker()._walk(chunk, 100)

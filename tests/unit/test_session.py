@@ -72,6 +72,31 @@ def test_runs_of_allocation_events_reach_batch_sinks_at_once_and_the_others_one_
     assert unknown.title == unknown.comm and session.events_total == 5
 
 
+def test_with_cupti_witnessing_only_the_compared_processes_leave_the_run():
+    """The daemon always has CUPTI witness the uprobes; the processes it does not compare (the bulk of a
+    busy host) must still reach the sinks as runs, and a compared one's events one by one, witnessed."""
+    from fake_agent import _process, event
+    from kvtrace.model.crosscheck import TracerStatus
+    from kvtrace.model.events import Kind
+    from kvtrace.model.processes import ProcessTable
+
+    # GIVEN a Session whose CUPTI witness compares pid 300 only
+    session = Session(ProcessTable(_process))
+    session.set_cupti_witness(True)
+    session.report_tracer(TracerStatus(300, "tracing"))
+    runs = _RunSink(session)
+    session.add_sink(runs)
+    # WHEN two allocations of pid 200 arrive, then one of pid 300, then a free of pid 200
+    session.ingest_many([event(address=0x1000), event(address=0x2000), event(address=0x3000, pid=300),
+                         event(kind=Kind.FREE, address=0x1000)])
+    # THEN pid 200's events came as runs around pid 300's single one
+    assert [(item[0], [e.address for e in item[1]]) if item[0] == "run" else item[0].address
+            for item in runs.seen] == [("run", [0x1000, 0x2000]), 0x3000, ("run", [0x1000])]
+    # AND all four entered the ledger: pid 200 holds one allocation, pid 300 one
+    assert session.events_total == 4
+    assert {entry.key.pid: entry.key.address for entry in session.outstanding()} == {200: 0x2000, 300: 0x3000}
+
+
 def test_a_checkpoint_taken_inside_a_run_is_not_shared_as_the_runs_end():
     """A one-at-a-time sink (a recording) may copy the ledger at any event of a run; the Session
     shares a copy by stream position, so a later subscriber must not get that copy as its own."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Event, Kind, Source
@@ -198,6 +199,10 @@ class CrossCheck:
 
     def follows(self, pid: int) -> bool:
         return pid in self._matching
+
+    def followed(self) -> Container[int]:
+        """The pids whose calls are compared, as a live view (a membership test per event, no call)."""
+        return self._matching.keys()
 
     def witness(self, event: Event, side: Side, now_ns: int) -> None:
         """An event from one witness, in arrival order (`now_ns` is the Session's clock)."""

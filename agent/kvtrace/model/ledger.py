@@ -179,6 +179,28 @@ class Ledger:
         elif kind is Kind.PROCESS_EXIT:
             self.drop_process(event.pid, before_ns=event.timestamp_ns)
 
+    def apply_many(self, events: Iterable[Event]) -> None:
+        """apply() of each event, in order, at less cost where the kernel keeps the objects (count_only):
+        an allocation or free of a counted object only adds to the pid's calls here, in one pass."""
+        counted = self._counted
+        if not counted:
+            for event in events:
+                self.apply(event)
+            return
+        allocations, frees = self.allocations_total, self.frees_total
+        alloc, free = Kind.ALLOC, Kind.FREE
+        changed = False
+        for event in events:
+            kind = event.kind
+            if (kind is alloc or kind is free) and event.object in counted and event.memory is not None \
+                    and event.layer is not None:
+                (allocations if kind is alloc else frees)[event.pid, event.layer] += 1
+                changed = True
+            else:
+                self.apply(event)
+        if changed:
+            self._counted_read_ns = None
+
     @staticmethod
     def _key(event: Event) -> LedgerKey:
         layer, object_kind, _ = _placed(event)

@@ -21,7 +21,9 @@ Session's lock for every event); encoding happens only when a dump is written, o
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import os
 import queue
 import secrets
@@ -43,6 +45,7 @@ from kvtrace.reports.recording import RecordingError, RecordingReader, Recording
 from kvtrace.session import Session, SessionCheckpoint
 
 log = logging.getLogger(__name__)
+_TIMESTAMP_NS = operator.attrgetter("timestamp_ns")
 
 # Dumps copied and waiting for the writer, at most: each holds a copy of the ledger.
 MAX_PENDING_DUMPS = 4
@@ -171,10 +174,18 @@ class FlightRecorder:
 
     def _let_go_before(self, oldest_kept_ns: int) -> None:
         ring = self._ring
-        while ring and (ring[0].timestamp_ns < oldest_kept_ns or len(ring) > self._max_records):
-            let_go = ring.popleft().timestamp_ns
-            if self._let_go_ns is None or let_go > self._let_go_ns:
-                self._let_go_ns = let_go
+        over = len(ring) - self._max_records
+        if over > 0:  # a full ring under a steady flood: what is over the limit goes at once
+            self._note_let_go(max(map(_TIMESTAMP_NS, itertools.islice(ring, over))))
+            popleft = ring.popleft
+            for _ in itertools.repeat(None, over):
+                popleft()
+        while ring and ring[0].timestamp_ns < oldest_kept_ns:
+            self._note_let_go(ring.popleft().timestamp_ns)
+
+    def _note_let_go(self, timestamp_ns: int) -> None:
+        if self._let_go_ns is None or timestamp_ns > self._let_go_ns:
+            self._let_go_ns = timestamp_ns
 
     def expire(self) -> None:
         """Lets go of what is older than the window now, also when no record comes to push it out: an

@@ -36,6 +36,7 @@ import grp
 import hashlib
 import heapq
 import logging
+import operator
 import os
 import pwd
 import re
@@ -88,6 +89,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 
 MAX_FILTER_PIDS = 1024
+_STACK_ID = operator.attrgetter("stack_id")
 MAX_TITLE_REGEX_CHARS = 1024
 MAX_REGEX_MEMORY_BYTES = 8 << 20  # RE2's budget for one compiled title regex
 NO_SAFE_REGEX = "this agent has no safe regex engine; install google-re2 (pip install google-re2)"
@@ -503,7 +505,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         """One run of events (no markers) in columns, after the definitions of its new stacks."""
         messages = []
         if titles is None:
-            for stack_id in sorted({event.stack_id for event in events} - sent_stacks - {0}):
+            for stack_id in sorted(set(map(_STACK_ID, events)) - sent_stacks - {0}):
                 sent_stacks.add(stack_id)
                 stack = self._state.stack(stack_id)
                 if stack is not None:

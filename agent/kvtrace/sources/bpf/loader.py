@@ -664,8 +664,14 @@ class RingReader:
 
     def _committed(self, start: int, limit: int) -> int:
         """Bytes from `start` (at most `limit`) that hold whole committed or discarded records, read header
-        by header from the shared mapping: the first one still busy ends the run."""
-        unpack, data = self._LENGTH.unpack_from, self._data
+        by header from the shared mapping: the first one still busy ends the run. Where every header in
+        reach is an event's, committed (the bulk of a busy ring), they are read in one C call."""
+        data = self._data
+        records = limit // self.STRIDE
+        if records and data[start:start + records * self.STRIDE].cast("I")[::self.STRIDE // 4].tolist().count(
+                self.RECORD_BYTES) == records:
+            return records * self.STRIDE
+        unpack = self._LENGTH.unpack_from
         position = 0
         while position + self.HEADER_BYTES <= limit:
             length = unpack(data, start + position)[0]
