@@ -48,6 +48,7 @@ struct kvt_thread {
     struct kvt_args args[KVT_API_SLOTS];
     s32 device;     /* the device this thread selected (cudaSetDevice, a context made current) */
     u32 device_set; /* 1 once it selected one */
+    u64 selected_in; /* 1 + the filter generation in which its process was found selected; 0: never */
 };
 BPF_TASK_STORAGE(threads, struct kvt_thread);
 
@@ -135,15 +136,28 @@ static __always_inline void call_stack_walked(u32 api, u64 stack_id, u64 status)
     remember_outer(api, thread, stack_id, status);
 }
 
+static __always_inline u64 filter_generation(void) {
+    u32 index = KVT_CONFIG_FILTER_GENERATION;
+    u64 *generation = config.lookup(&index);
+    return generation ? *generation : 0;
+}
+
 static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
     if (api >= KVT_API_SLOTS)
         return 0; /* no slot: never the case for the APIs probed with it */
-    u64 pid_tgid = bpf_get_current_pid_tgid();
-    if (filtered_out(pid_tgid >> 32))
-        return 0;
-    struct kvt_thread *thread = this_thread(1);
-    if (!thread)
-        return 0; /* no memory for it: the return counts as unpaired */
+    /* A thread remembers that its process is selected until the filter changes: the pid filter's hash
+     * lookup once per thread and change, not once per call. Unselected threads get no storage. */
+    struct kvt_thread *thread = this_thread(0);
+    u64 selected_in = filter_generation() + 1;
+    if (!thread || thread->selected_in != selected_in) {
+        if (filtered_out(bpf_get_current_pid_tgid() >> 32))
+            return 0;
+        if (!thread)
+            thread = this_thread(1);
+        if (!thread)
+            return 0; /* no memory for it: the return counts as unpaired */
+        thread->selected_in = selected_in;
+    }
     struct kvt_args *args = &thread->args[api];
     args->arg[0] = PT_REGS_PARM1(ctx);
     args->arg[1] = PT_REGS_PARM2(ctx);

@@ -6,17 +6,16 @@
 BPF_RINGBUF_OUTPUT(events, KVT_RINGBUF_PAGES);
 BPF_RINGBUF_OUTPUT(notify, 16);
 BPF_PERCPU_ARRAY(counters, u64, KVT_COUNTER_COUNT);
-BPF_PERCPU_ARRAY(unwoken_events, u64, 1);  /* events since this CPU last woke the reader */
 
-static __always_inline u64 wakeup_flag(void) {
-    u32 zero = 0;
-    u64 *unwoken = unwoken_events.lookup(&zero);
-    if (!unwoken || ++*unwoken >= KVT_WAKEUP_EVENTS) {
-        if (unwoken)
-            *unwoken = 0;
+/* Counts a submitted event on this CPU and says whether it wakes the reader: every KVT_WAKEUP_EVENTS-th
+ * event of a CPU does (one map lookup for both). */
+static __always_inline u64 count_submitted(void) {
+    u32 index = KVT_COUNTER_EVENTS_SUBMITTED;
+    u64 *submitted = counters.lookup(&index);
+    if (!submitted)
         return BPF_RB_FORCE_WAKEUP;
-    }
-    return BPF_RB_NO_WAKEUP;
+    *submitted += 1;
+    return *submitted % KVT_WAKEUP_EVENTS == 0 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 }
 
 static __always_inline void count(u32 index) {
@@ -27,6 +26,20 @@ static __always_inline void count(u32 index) {
 
 /* One event into the ring, stamped `timestamp_ns` (the ledger entry it describes carries the same
  * stamp, which is how user space keeps its stack across a resync). 0 when sent, -1 when lost. */
+/* The calling thread's name into `comm` (16 bytes, NUL-terminated: bytes after the NUL may be left from an
+ * older name, where bpf_get_current_comm pads with zeros; user space reads up to the NUL). Where the
+ * kernel has BTF, two loads from the task_struct the verifier checks against it, not a helper call. */
+_Static_assert(KVT_COMM_LEN == 16, "current_comm copies a 16-byte comm in two words");
+static __always_inline void current_comm(char comm[KVT_COMM_LEN]) {
+#if KVT_TASK_STORAGE && KVT_TASK_COMM_OFFSET >= 0
+    const char *task = (const char *)bpf_get_current_task_btf();
+    *(u64 *)&comm[0] = *(const u64 *)(task + KVT_TASK_COMM_OFFSET);
+    *(u64 *)&comm[8] = *(const u64 *)(task + KVT_TASK_COMM_OFFSET + 8);
+#else
+    bpf_get_current_comm(comm, KVT_COMM_LEN);
+#endif
+}
+
 static __always_inline int emit_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer, u8 object, u8 memory,
                                    u64 address, u64 size_bytes, s32 device, s32 error_code, u64 caller,
                                    u64 aux, u64 stack_id, u8 stack_status) {
@@ -53,9 +66,8 @@ static __always_inline int emit_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer,
     e->stack_id = stack_id;
     e->stack_status = stack_status;
     e->reserved = 0;
-    bpf_get_current_comm(&e->comm, sizeof(e->comm));
-    events.ringbuf_submit(e, wakeup_flag());
-    count(KVT_COUNTER_EVENTS_SUBMITTED);
+    current_comm(e->comm);
+    events.ringbuf_submit(e, count_submitted());
     return 0;
 }
 

@@ -99,7 +99,10 @@
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
 #define KVT_CONFIG_BLOCK_EVENTS_PER_SECOND 1 /* per process; 0: no limit */
-#define KVT_CONFIG_COUNT          2
+/* Raised by user space after every change of the filter (switch or pid_filter): a thread's remembered
+ * "its process is selected" (task storage) holds only for the generation it was found in. */
+#define KVT_CONFIG_FILTER_GENERATION 2
+#define KVT_CONFIG_COUNT          3
 
 #define KVT_COMM_LEN 16
 

@@ -27,6 +27,12 @@
 #ifndef KVT_TASK_EXIT_CODE_OFFSET
 #error "KVT_TASK_EXIT_CODE_OFFSET: task_struct.exit_code from BTF, or -1"
 #endif
+/* Offset of comm in task_struct, from BTF: with task storage (a kernel with BTF), an event's thread
+ * name is two loads from the task instead of bpf_get_current_comm (~75 ns an event on the test VM, a
+ * tenth of a return probe: bench/probe_overhead.py --bpf-stats). -1: the helper. */
+#ifndef KVT_TASK_COMM_OFFSET
+#error "KVT_TASK_COMM_OFFSET: task_struct.comm from BTF, or -1"
+#endif
 /* Events submitted on a CPU before the reader is woken; the rest the reader takes on its timer.
  * Every wakeup costs the traced thread an interrupt on the spot (on a virtual machine, an exit to
  * the hypervisor): one per event was a large part of a probe's cost. */

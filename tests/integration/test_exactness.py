@@ -130,6 +130,34 @@ def test_cmdline_filter_selects_matching_processes_only(session_tracer, stub_bui
         tracer.options.cmdline = None
 
 
+def test_a_thread_that_found_its_process_selected_looks_again_after_the_filter_changes(session_tracer, stub_build):
+    """Threads remember in task storage that their process is selected (the pid filter's lookup once per
+    thread, not per call); every change of the filter makes them look again."""
+    import sys
+    from pathlib import Path
+
+    target = Path(__file__).resolve().parent / "pytargets" / "alloc_target.py"
+    harness, probes = session_tracer, session_tracer.source.probes
+    harness.pump(0.05)
+    with Workload([sys.executable, target, stub_build.libcudart, "--cases", "steady", "--then", "steady"]) as workload:
+        pid = workload.wait_ready()
+        harness.source.follow(pid)
+        workload.go()
+        first = workload.read_calls()
+        # GIVEN its threads traced a first batch, so they remember the process selected
+        assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.cudaMalloc)) == len(first), 10)
+        filtered = harness.source.counters()["filtered"]
+        # WHEN the process leaves the filter and makes a second batch
+        probes.unselect_pid(pid)
+        workload.go()
+        second = workload.read_calls()
+        harness.pump(0.3)
+        # THEN none of the second batch is traced: each entry was filtered in BPF
+        assert len(harness.of(pid, Kind.ALLOC, Api.cudaMalloc)) == len(first) and len(second) == len(first)
+        assert harness.source.counters()["filtered"] - filtered >= 2 * len(second)  # cudaMalloc, cuMemAlloc_v2
+        probes.select_pid(pid)  # as the source has it, until the process exits
+
+
 def test_pid_option_puts_probes_on_that_process_only(bpf_here_unshared, stub_build):
     # GIVEN two processes on the same libraries, and a tracer told to follow one of them (-p)
     with Workload([stub_build.workload, "devices"]) as chosen, \

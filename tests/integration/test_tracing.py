@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import time
 from collections import Counter
+from pathlib import Path
 
 from cuda_stubs import LIBCUDART_MISSING, Workload, real_libcudart
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
@@ -118,6 +119,11 @@ def test_device_follows_cudaSetDevice_per_thread(trace, stub_build):
         assert [(e.device, e.error_code) for e in set_device] == [(1, 0), (2, 0), (9, 101)]
         driver = harness.of(pid, Kind.ALLOC, Api.cuMemAlloc_v2)
         assert Counter(e.device for e in driver) == {1: 5, 2: 5}
+        # Each event carries the name of the thread that made the call, as it was then.
+        main_name = Path(f"/proc/{pid}/comm").read_text().strip()
+        assert main_name == "short"
+        assert [(e.tid == pid, e.comm) for e in sorted(mallocs, key=lambda e: e.timestamp_ns)] == \
+            [(True, Path(stub_build.workload).name[:15])] * 3 + [(False, "kvt-dev-thread")] * 5 + [(True, "short")] * 2
 
 
 def test_per_thread_state_in_lru_hashes_where_the_kernel_has_no_task_storage(bpf_here_unshared, stub_build):

@@ -79,9 +79,10 @@ def test_usdt_site_matches_header():
 
 def test_config_indexes_match_header():
     config = defines("KVT_CONFIG_")
-    assert config.pop("COUNT") == 2
+    assert config.pop("COUNT") == 3
     assert config == {"FILTER_ENABLED": abi.CONFIG_FILTER_ENABLED,
-                      "BLOCK_EVENTS_PER_SECOND": abi.CONFIG_BLOCK_EVENTS_PER_SECOND}
+                      "BLOCK_EVENTS_PER_SECOND": abi.CONFIG_BLOCK_EVENTS_PER_SECOND,
+                      "FILTER_GENERATION": abi.CONFIG_FILTER_GENERATION}
 
 
 def test_every_attached_symbol_has_entry_and_return_probe():

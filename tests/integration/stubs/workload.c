@@ -25,6 +25,7 @@
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #include "cuda_stub.h"
@@ -150,6 +151,7 @@ static void scenario_counts(unsigned long n) {
 
 static void *devices_thread(void *unused) {
     (void)unused;
+    prctl(PR_SET_NAME, "kvt-dev-thread"); /* events carry the calling thread's name */
     runtime_set_device(2);
     for (int i = 0; i < 5; i++)
         runtime_malloc(2 * MiB);
@@ -167,6 +169,8 @@ static void scenario_devices(unsigned long n) {
         exit(1);
     }
     pthread_join(thread, NULL);
+    prctl(PR_SET_NAME, "kvt-a-long-name");
+    prctl(PR_SET_NAME, "short"); /* a shorter name over a longer one: nothing of the old one shows */
     for (int i = 0; i < 2; i++)
         runtime_malloc(MiB);
     runtime_set_device(9);

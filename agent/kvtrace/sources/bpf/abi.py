@@ -124,6 +124,7 @@ COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "
             "totals_full")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
+CONFIG_FILTER_GENERATION = 2
 
 USDT_MAX_ARGS = 4
 USDT_ARG_NONE, USDT_ARG_CONSTANT, USDT_ARG_REGISTER, USDT_ARG_MEMORY = 0, 1, 2, 3

@@ -100,6 +100,11 @@ def task_fsbase_offset(path: Path = VMLINUX_BTF) -> int:
     return Btf.from_file(path).offset_of("task_struct", "thread.fsbase")
 
 
+def task_comm_offset(path: Path = VMLINUX_BTF) -> int:
+    """Offset of comm (the thread's name, 16 bytes) in task_struct, for this kernel."""
+    return Btf.from_file(path).offset_of("task_struct", "comm")
+
+
 def task_exit_code_offset(path: Path = VMLINUX_BTF) -> int:
     """Offset of exit_code (the wait status do_exit sets before sched_process_exit) in task_struct."""
     return Btf.from_file(path).offset_of("task_struct", "exit_code")

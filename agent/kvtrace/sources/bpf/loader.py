@@ -43,6 +43,7 @@ class ProbeSettings:
     max_stacks: int = 16384
     task_fsbase_offset: int = -1  # from BTF; -1 disables Python stacks
     task_exit_code_offset: int = -1  # from BTF; -1: process exits carry no wait status
+    task_comm_offset: int = -1  # from BTF; -1: events copy the thread's name through a helper call
     wakeup_events: int = 512  # events a CPU submits before it wakes the reader; else its timer takes them
     # How probes go in: uprobe_multi links (Linux 6.6+: detaching waits for one grace period per
     # link, in parallel, where a perf-event uprobe waits for its own, one after another, under a
@@ -64,6 +65,7 @@ class ProbeSettings:
             f"-DKVT_MAX_STACKS={self.max_stacks}",
             f"-DKVT_TASK_FSBASE_OFFSET={self.task_fsbase_offset}",
             f"-DKVT_TASK_EXIT_CODE_OFFSET={self.task_exit_code_offset}",
+            f"-DKVT_TASK_COMM_OFFSET={self.task_comm_offset}",
             f"-DKVT_MAX_LEDGER_ENTRIES={self.max_ledger_entries}",
             f"-DKVT_MAX_TOTALS={self.max_totals}",
             f"-DKVT_RINGBUF_PAGES={self.ringbuf_pages}",
@@ -178,6 +180,7 @@ class BpfProbes:
         # shared by its links (one per pid under -p)
         self._torch_sites: dict[Hashable, tuple[list[UsdtProbe], list[int]]] = {}
         self._next_cookie = 0  # usdt_sites keys: one per probe site
+        self._filter_generation = 0  # config's KVT_CONFIG_FILTER_GENERATION: raised at each filter change
         self.uprobe_links = settings.uprobe_links
         if self.uprobe_links is None:
             why_not = links.uprobe_multi_supported()
@@ -392,6 +395,7 @@ class BpfProbes:
     def set_filter(self, enabled: bool) -> None:
         config = self._bpf[b"config"]
         config[ctypes.c_int(abi.CONFIG_FILTER_ENABLED)] = ctypes.c_uint64(1 if enabled else 0)
+        self._filter_changed()
 
     def set_block_rate(self, events_per_second: int) -> None:
         config = self._bpf[b"config"]
@@ -399,12 +403,19 @@ class BpfProbes:
 
     def select_pid(self, pid: int) -> None:
         self._bpf[b"pid_filter"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+        self._filter_changed()
 
     def unselect_pid(self, pid: int) -> None:
         try:
             del self._bpf[b"pid_filter"][ctypes.c_uint32(pid)]
         except KeyError:
             pass
+        self._filter_changed()
+
+    def _filter_changed(self) -> None:
+        """After the filter changed: threads look their process up in it again (context.h)."""
+        self._filter_generation += 1
+        self._bpf[b"config"][ctypes.c_int(abi.CONFIG_FILTER_GENERATION)] = ctypes.c_uint64(self._filter_generation)
 
     # ---- rings ----
 

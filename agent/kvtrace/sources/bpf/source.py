@@ -178,6 +178,13 @@ class BpfSource:
                 settings = replace(settings, task_exit_code_offset=task_exit_code_offset())
             except BtfError as error:  # exits then say nothing of how the process ended
                 log.warning("process exits carry no exit status: %s", error)
+        if settings.task_comm_offset < 0:
+            from kvtrace.sources.bpf.btf import BtfError, task_comm_offset
+
+            try:
+                settings = replace(settings, task_comm_offset=task_comm_offset())
+            except BtfError as error:  # the same names, through bpf_get_current_comm (slower)
+                log.info("events' thread names through a helper call: %s", error)
         self.options.settings = settings
         self.session.traced_only = self.filtering
         self.session.report_component("python_stacks", not self.python_stacks_down, self.python_stacks_down)
