@@ -84,10 +84,12 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
         }
         error = ledger.insert(&key, &value);
     }
-    if (error != 0)
+    if (error == 0) {
+        if (counted_object(object))
+            totals_add(key.pid, device, layer, memory, size_bytes, 1);
+    } else if (error != -KVT_EEXIST) { /* -EEXIST again: another thread put this address back meanwhile */
         count(KVT_COUNTER_LEDGER_FULL);
-    else if (counted_object(object))
-        totals_add(key.pid, device, layer, memory, size_bytes, 1);
+    }
     mark_tracked(key.pid);
     return value.timestamp_ns;
 }

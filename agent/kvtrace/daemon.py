@@ -392,7 +392,7 @@ class Daemon:
 
 
 # The cyclic garbage collector's youngest generation, in allocations: Python's default (700) made it
-# run ~150 times a second at 100 000 events/s, and with the flight recorder's ring (up to 200 000
+# run ~150 times a second at 100 000 events/s, and with the flight recorder's ring (up to 100 000
 # events) and the ledger alive, the older generations' passes walk all of them. Events, ledger entries
 # and stacks are freed by their reference counts (they form no cycles), so a collection rarely finds
 # anything: bench/api_throughput.py measured the difference (bench/RESULTS.md §J).

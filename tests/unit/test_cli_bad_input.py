@@ -135,6 +135,7 @@ AGENT_CASES = [
     # passed the checks, then the kernel refused the map after 13 s of compiling: 22 lines
     (["--max-ledger-entries", "99999999999999"], "--max-ledger-entries takes 1024 to"),
     (["--max-ledger-entries", "x"], "invalid int value: 'x'"),  # argparse: 14 lines of usage
+    (["--max-totals", "10"], "--max-totals takes 1024 to"),
     # refused by the server only after BPF was loaded, or a UnicodeEncodeError there
     (["--socket", "{regular}"], "is a file that is not a socket"),
     (["--socket", "{dir}"], "is a directory"),
@@ -211,3 +212,14 @@ def test_every_client_command_without_root_is_one_line(argv):
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode not in (0, None)
     assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_agent_gives_the_probes_the_totals_map_it_was_asked_for():
+    import argparse
+
+    from kvtrace.cli.agent import AgentCommand
+
+    parser = argparse.ArgumentParser()
+    AgentCommand().prepare_parser(parser)
+    assert AgentCommand._options(parser.parse_args([])).bpf.settings.max_totals == 16384
+    assert AgentCommand._options(parser.parse_args(["--max-totals", "65536"])).bpf.settings.max_totals == 65536

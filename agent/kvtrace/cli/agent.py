@@ -42,6 +42,8 @@ class AgentCommand:
     EPILOG = EPILOG
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        from kvtrace.sources.bpf.loader import ProbeSettings  # its defaults (bcc is imported only to load)
+
         parser.add_argument("-p", "--pid", type=int, action="append", default=[],
                             help="trace only this process id (repeatable)")
         parser.add_argument("--cmdline", metavar="REGEX",
@@ -50,6 +52,10 @@ class AgentCommand:
                             help="print every event as one JSON object per line on stdout")
         parser.add_argument("--max-ledger-entries", type=int, default=1 << 20,
                             help="size of the in-kernel ledger (default: %(default)s)")
+        parser.add_argument("--max-totals", metavar="N", type=int, default=ProbeSettings().max_totals,
+                            help="(process, GPU, layer, kind of memory) totals the kernel keeps of allocations "
+                                 "and PyTorch blocks, under 100 bytes of kernel memory each; a few per process "
+                                 "(default: %(default)s)")
         parser.add_argument("--max-read-entries", metavar="N", type=int, default=DEFAULT_MAX_READ_ENTRIES,
                             help="allocations the agent may copy from the kernel's ledger at once, about 450 bytes "
                                  "of agent memory each: a recording's or flight dump's checkpoint, and the live "
@@ -214,6 +220,8 @@ class AgentCommand:
             raise CommandError("--wakeup-events takes 1 to 65536", ExitCode.USAGE)
         if not 1024 <= args.max_ledger_entries <= MAX_LEDGER_ENTRIES:  # more: the kernel refuses the map
             raise CommandError(f"--max-ledger-entries takes 1024 to {MAX_LEDGER_ENTRIES}", ExitCode.USAGE)
+        if not 1024 <= args.max_totals <= 1 << 22:
+            raise CommandError(f"--max-totals takes 1024 to {1 << 22}", ExitCode.USAGE)
         if not 0 <= args.per_process_probes_max <= 65536:
             raise CommandError("--per-process-probes-max takes 0 to 65536", ExitCode.USAGE)
         if not 1 <= args.max_read_entries <= MAX_LEDGER_ENTRIES:
@@ -272,6 +280,7 @@ class AgentCommand:
         return DaemonOptions(
             bpf=BpfOptions(pids=set(args.pid), cmdline=cmdline,
                            settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries,
+                                                  max_totals=args.max_totals,
                                                   wakeup_events=args.wakeup_events,
                                                   block_events_per_second=args.max_block_events_per_second,
                                                   task_storage=False if args.no_task_storage else None),
@@ -343,7 +352,7 @@ def add_flight_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flight-window", metavar="SECONDS", type=float, default=defaults.window_seconds,
                         help="seconds of events the flight recorder keeps to dump (default: %(default)g)")
     parser.add_argument("--flight-max-records", metavar="N", type=int, default=defaults.max_records,
-                        help="records it keeps at most, whatever the window; ~270 bytes each "
+                        help="records it keeps at most, whatever the window; ~310 bytes each "
                              "(default: %(default)s)")
     parser.add_argument("--flight-max-dumps", metavar="N", type=int, default=defaults.max_dumps,
                         help="dumps kept on disk, the oldest removed first (default: %(default)s)")

@@ -64,7 +64,7 @@ _AGENT_COUNTERS = {
     "ledger_full": "allocations the in-kernel ledger had no room for: restart with a larger "
                    "--max-ledger-entries",
     "totals_full": "allocation changes the kernel's totals map had no room for: those processes' totals are "
-                   "off until they exit; follow fewer processes (-p, --cmdline)",
+                   "off until they exit; restart with a larger --max-totals",
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",
 }
