@@ -169,7 +169,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_ledger_totals_full_total", "counter", "changes", (),
                "Changes of allocations or PyTorch blocks the kernel's totals map had no room for (16 384 keys: a "
                "few per process, GPU, layer and kind of memory): those totals are no longer exact until their "
-               "processes exit. Follow fewer processes with the agent (-p, --cmdline)."),
+               "processes exit. Restart the agent with a larger --max-totals."),
     MetricSpec("kvtrace_ledger_kernel_objects", "gauge", "objects", (),
                "Allocations and PyTorch blocks of traced processes that the in-kernel ledger holds, from the "
                "kernel's totals: the agent keeps none, and reports read them from the kernel when asked."),
