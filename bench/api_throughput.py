@@ -170,12 +170,15 @@ def run(stubs, socket: Path, pairs: int, slow: list[float], messages: bool, env:
         cpu_before, started = cpu_seconds(agent_pid), time.monotonic()
         for workload in makers:
             workload.go()
-        loops = [workload.read_calls(timeout_s=600)[0] for workload in makers]
+        loops = [loop for workload in makers for loop in workload.read_calls(timeout_s=600)]
+        if len(loops) != len(makers):
+            raise RuntimeError(f"{len(makers)} workloads reported {len(loops)} loops: {loops}")
         workload_seconds = time.monotonic() - started
         results = [subscriber.result(600) for subscriber in subscribers]
         wall = time.monotonic() - started
         agent_cpu = cpu_seconds(agent_pid) - cpu_before
-    made = sum(4 * 1e9 / loop["ns_per_pair"] for loop in loops)  # each process's rate while it ran, summed
+    # Each process's rate while it ran, summed: they start at one `go` and make equal shares.
+    made = sum(4 * 1e9 / loop["ns_per_pair"] for loop in loops)
     return dict(subscribers=results, agent_cpu_seconds=agent_cpu, wall_seconds=wall, expected=expected,
                 workload_seconds=workload_seconds, made_per_second=made, workloads=workloads)
 
@@ -231,6 +234,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.subscriber:
         return subscriber_main(args)
+    if not 1 <= args.workloads <= args.pairs:
+        parser.error("--workloads takes 1 to --pairs")
     if os.geteuid() != 0:
         print("run as root: the agent loads BPF", file=sys.stderr)
         return 3

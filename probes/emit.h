@@ -24,8 +24,6 @@ static __always_inline void count(u32 index) {
         *value += 1;
 }
 
-/* One event into the ring, stamped `timestamp_ns` (the ledger entry it describes carries the same
- * stamp, which is how user space keeps its stack across a resync). 0 when sent, -1 when lost. */
 /* The calling thread's name into `comm` (16 bytes, NUL-terminated: bytes after the NUL may be left from an
  * older name, where bpf_get_current_comm pads with zeros; user space reads up to the NUL). Where the
  * kernel has BTF, two loads from the task_struct the verifier checks against it, not a helper call. */
@@ -40,6 +38,8 @@ static __always_inline void current_comm(char comm[KVT_COMM_LEN]) {
 #endif
 }
 
+/* One event into the ring, stamped `timestamp_ns` (the ledger entry it describes carries the same
+ * stamp, which is how user space keeps its stack across a resync). 0 when sent, -1 when lost. */
 static __always_inline int emit_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer, u8 object, u8 memory,
                                    u64 address, u64 size_bytes, s32 device, s32 error_code, u64 caller,
                                    u64 aux, u64 stack_id, u8 stack_status) {

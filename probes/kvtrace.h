@@ -100,7 +100,9 @@
 #define KVT_CONFIG_FILTER_ENABLED 0
 #define KVT_CONFIG_BLOCK_EVENTS_PER_SECOND 1 /* per process; 0: no limit */
 /* Raised by user space after every change of the filter (switch or pid_filter): a thread's remembered
- * "its process is selected" (task storage) holds only for the generation it was found in. */
+ * "its process is selected" (task storage) holds only for the generation it was found in. Sound where
+ * loads are not reordered with older loads (x86-64, as RingReader): a probe that reads the new
+ * generation then finds pid_filter as changed before it. */
 #define KVT_CONFIG_FILTER_GENERATION 2
 #define KVT_CONFIG_COUNT          3
 

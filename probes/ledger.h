@@ -87,7 +87,9 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
     if (error == 0) {
         if (counted_object(object))
             totals_add(key.pid, device, layer, memory, size_bytes, 1);
-    } else if (error != -KVT_EEXIST) { /* -EEXIST again: another thread put this address back meanwhile */
+    } else if (error == -KVT_EEXIST) {
+        count(KVT_COUNTER_LEDGER_REPLACED); /* again: another thread put this address back meanwhile */
+    } else {
         count(KVT_COUNTER_LEDGER_FULL);
     }
     mark_tracked(key.pid);

@@ -95,7 +95,7 @@ def test_slow_subscriber_loses_only_its_own_events(agent_socket, stub_build):
     with Workload([stub_build.workload, "loop", str(pairs)], env=paced) as workload:
         pid = workload.wait_ready()
         # The agent's RSS measures the subscribers' queues: without the flight recorder, whose ring
-        # (bounded, ~51 MiB at most: bench/RESULTS.md §H) would hold these 160 000 events too.
+        # (bounded, ~30 MiB at most: bench/RESULTS.md §H, §J) would hold these 160 000 events too.
         with AgentProcess(agent_socket, "-p", str(pid), "--no-flight-recorder") as agent:
             fast_events, fast_lost = [], [0]
             slow_started, release_slow = threading.Event(), threading.Event()

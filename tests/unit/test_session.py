@@ -74,27 +74,32 @@ def test_runs_of_allocation_events_reach_batch_sinks_at_once_and_the_others_one_
 
 def test_with_cupti_witnessing_only_the_compared_processes_leave_the_run():
     """The daemon always has CUPTI witness the uprobes; the processes it does not compare (the bulk of a
-    busy host) must still reach the sinks as runs, and a compared one's events one by one, witnessed."""
+    busy host) must still reach the sinks as runs, a compared one's events one by one, witnessed, and
+    CUPTI's own events never reach the ledger (the uprobes' event of the same call does)."""
     from fake_agent import _process, event
     from kvtrace.model.crosscheck import TracerStatus
-    from kvtrace.model.events import Kind
+    from kvtrace.model.events import Kind, Source
     from kvtrace.model.processes import ProcessTable
 
-    # GIVEN a Session whose CUPTI witness compares pid 300 only
+    # GIVEN a Session whose CUPTI witness compares pid 300 only, since before the events
     session = Session(ProcessTable(_process))
+    session.wall_clock_ns = lambda: 1_700_000_000_000_000_000 - 10**9
     session.set_cupti_witness(True)
     session.report_tracer(TracerStatus(300, "tracing"))
     runs = _RunSink(session)
     session.add_sink(runs)
-    # WHEN two allocations of pid 200 arrive, then one of pid 300, then a free of pid 200
+    # WHEN two allocations of pid 200 arrive, then one of pid 300, then CUPTI's of pid 200, then a free
     session.ingest_many([event(address=0x1000), event(address=0x2000), event(address=0x3000, pid=300),
-                         event(kind=Kind.FREE, address=0x1000)])
-    # THEN pid 200's events came as runs around pid 300's single one
+                         event(address=0x4000, source=Source.CUPTI), event(kind=Kind.FREE, address=0x1000)])
+    # THEN pid 200's uprobe events came as runs around pid 300's single one; CUPTI's reached no sink
     assert [(item[0], [e.address for e in item[1]]) if item[0] == "run" else item[0].address
             for item in runs.seen] == [("run", [0x1000, 0x2000]), 0x3000, ("run", [0x1000])]
-    # AND all four entered the ledger: pid 200 holds one allocation, pid 300 one
-    assert session.events_total == 4
+    # AND the uprobe events entered the ledger, CUPTI's was witnessed only
+    assert session.events_total == 4 and session.counters()["cupti_events_witnessed"] == 1
     assert {entry.key.pid: entry.key.address for entry in session.outstanding()} == {200: 0x2000, 300: 0x3000}
+    # AND pid 300's event went to the cross-check, waiting for CUPTI's side
+    [check] = session.cross_checks(300)
+    assert check.compared and check.pending == 1
 
 
 def test_a_checkpoint_taken_inside_a_run_is_not_shared_as_the_runs_end():

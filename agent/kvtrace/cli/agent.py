@@ -17,6 +17,7 @@ from kvtrace.daemon import DEFAULT_OFF_SWITCH, DaemonOptions
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.ledger import DEFAULT_MAX_READ_ENTRIES
 from kvtrace.reports.flight import FlightOptions
+from kvtrace.sources.bpf import abi
 from kvtrace.sources.cupti import protocol as cupti_protocol
 from kvtrace.sources.vllm import protocol as vllm_protocol
 
@@ -42,8 +43,6 @@ class AgentCommand:
     EPILOG = EPILOG
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
-        from kvtrace.sources.bpf.loader import ProbeSettings  # its defaults (bcc is imported only to load)
-
         parser.add_argument("-p", "--pid", type=int, action="append", default=[],
                             help="trace only this process id (repeatable)")
         parser.add_argument("--cmdline", metavar="REGEX",
@@ -52,7 +51,7 @@ class AgentCommand:
                             help="print every event as one JSON object per line on stdout")
         parser.add_argument("--max-ledger-entries", type=int, default=1 << 20,
                             help="size of the in-kernel ledger (default: %(default)s)")
-        parser.add_argument("--max-totals", metavar="N", type=int, default=ProbeSettings().max_totals,
+        parser.add_argument("--max-totals", metavar="N", type=int, default=abi.DEFAULT_MAX_TOTALS,
                             help="(process, GPU, layer, kind of memory) totals the kernel keeps of allocations "
                                  "and PyTorch blocks, under 100 bytes of kernel memory each; a few per process "
                                  "(default: %(default)s)")

@@ -189,17 +189,14 @@ class Ledger:
             return
         allocations, frees = self.allocations_total, self.frees_total
         alloc, free = Kind.ALLOC, Kind.FREE
-        changed = False
+        self._counted_read_ns = None  # first: a run that stops at a bad event has changed the totals too
         for event in events:
             kind = event.kind
             if (kind is alloc or kind is free) and event.object in counted and event.memory is not None \
                     and event.layer is not None:
                 (allocations if kind is alloc else frees)[event.pid, event.layer] += 1
-                changed = True
             else:
                 self.apply(event)
-        if changed:
-            self._counted_read_ns = None
 
     @staticmethod
     def _key(event: Event) -> LedgerKey:

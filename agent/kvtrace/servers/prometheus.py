@@ -167,9 +167,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Allocations the in-kernel ledger had no room for: outstanding totals are no longer "
                "exact. Restart the agent with a larger --max-ledger-entries."),
     MetricSpec("kvtrace_ledger_totals_full_total", "counter", "changes", (),
-               "Changes of allocations or PyTorch blocks the kernel's totals map had no room for (16 384 keys: a "
-               "few per process, GPU, layer and kind of memory): those totals are no longer exact until their "
-               "processes exit. Restart the agent with a larger --max-totals."),
+               "Changes of allocations or PyTorch blocks the kernel's totals map had no room for (--max-totals "
+               "keys, 16 384 by default: a few per process, GPU, layer and kind of memory): those totals are no "
+               "longer exact until their processes exit. Restart the agent with a larger --max-totals."),
     MetricSpec("kvtrace_ledger_kernel_objects", "gauge", "objects", (),
                "Allocations and PyTorch blocks of traced processes that the in-kernel ledger holds, from the "
                "kernel's totals: the agent keeps none, and reports read them from the kernel when asked."),

@@ -37,7 +37,7 @@ class ProbeSettings:
     max_ledger_entries: int = 1 << 20
     # (process, device, layer, memory) sums of the ledger's allocations and blocks: ~100 bytes of kernel
     # memory each; a process holds a few (one per device, layer and kind of memory it uses).
-    max_totals: int = 16384
+    max_totals: int = abi.DEFAULT_MAX_TOTALS
     ringbuf_pages: int = 4096  # 16 MiB: ~190 000 events of burst before any is lost
     max_threads: int = 65536
     max_stacks: int = 16384
@@ -618,8 +618,9 @@ class RingReader:
     in one copy: the consumer position (read-write page), then the producer position and the data,
     mapped twice in a row so that a run of records that wraps is contiguous.
 
-    First the headers, one at a time from the mapping itself, up to the first record not yet
-    committed; then one copy of that run. A record's header is read before any of its data, and the
+    First the headers, from the mapping itself, up to the first record not yet committed (where all
+    in reach are committed events, the usual case, in one C call; else one at a time); then one copy
+    of that run. A record's header is read before any of its data, and the
     kernel clears the busy bit only after writing the data: sound where loads are not reordered with
     older loads (x86-64, which also stores the 8-byte consumer position at once), so other CPUs use
     bcc's callback. Discarded records and ones of another size are sorted out in the copy."""
@@ -662,9 +663,7 @@ class RingReader:
         if not committed:
             return b""
         chunk = bytes(self._data[start:start + committed])  # the data, after every header of it
-        count = len(chunk) // self.STRIDE
-        if len(chunk) == count * self.STRIDE and \
-                memoryview(chunk).cast("I")[::self.STRIDE // 4].tolist().count(self.RECORD_BYTES) == count:
+        if self._all_events(memoryview(chunk)):
             records = chunk
         else:
             records, length = self._walk(chunk, max_records)
@@ -678,10 +677,9 @@ class RingReader:
         by header from the shared mapping: the first one still busy ends the run. Where every header in
         reach is an event's, committed (the bulk of a busy ring), they are read in one C call."""
         data = self._data
-        records = limit // self.STRIDE
-        if records and data[start:start + records * self.STRIDE].cast("I")[::self.STRIDE // 4].tolist().count(
-                self.RECORD_BYTES) == records:
-            return records * self.STRIDE
+        whole = limit // self.STRIDE * self.STRIDE
+        if whole and self._all_events(data[start:start + whole]):
+            return whole
         unpack = self._LENGTH.unpack_from
         position = 0
         while position + self.HEADER_BYTES <= limit:
@@ -693,6 +691,14 @@ class RingReader:
                 break
             position += total
         return position
+
+    @classmethod
+    def _all_events(cls, view: memoryview) -> bool:
+        """Whether `view` is whole records, each a committed event (its header, read in one C call per
+        view, is the event's length: neither busy nor discarded nor of another size)."""
+        count = len(view) // cls.STRIDE
+        return len(view) == count * cls.STRIDE and \
+            view.cast("I")[::cls.STRIDE // 4].tolist().count(cls.RECORD_BYTES) == count
 
     def _walk(self, chunk: bytes, max_records: int) -> tuple[bytes, int]:
         """(records, bytes consumed) one header at a time: stops at a record not yet committed (or
