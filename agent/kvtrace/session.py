@@ -24,7 +24,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtrace import __version__
 from kvtrace.model.agent import (
@@ -66,6 +66,7 @@ SLEEP_REPORTS_KEPT = 8
 # Kinds the ledger takes as a run and batch sinks get at once (Session._ingest_run); every other kind
 # (failures, which may trigger a flight dump with a copy of the ledger, exits, context destroys) is
 # taken alone, in order, after the run before it.
+_UNSEEN: Any = object()  # _ingest_run: a pid not yet looked up
 _RUN_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.MAP, Kind.UNMAP, Kind.RELEASE, Kind.FREE_UNKNOWN})
 
 
@@ -301,13 +302,20 @@ class Session:
         """Consecutive allocation-type events (the bulk of a busy stream), as ingest_many takes each
         alone, at less cost: each pid's title is looked up once, the ledger takes them one by one with
         each sink that publishes one at a time, and then the sinks that take a run get it at once."""
-        labels: dict[int, ProcessInfo | None] = {}
+        labels: dict[int, tuple[str, str] | None] = {}  # pid -> (title, container); None: not known
         get_process = self.processes.get
-        for event in events:
+        for event in events:  # _label's work, inline: it runs for every event of a busy stream
             if event.title:
                 continue  # a source that knows better (a recording) already said
             pid = event.pid
-            _label(event, labels[pid] if pid in labels else labels.setdefault(pid, get_process(pid)))
+            label = labels.get(pid, _UNSEEN)
+            if label is _UNSEEN:
+                info = get_process(pid)
+                label = labels[pid] = (info.title, info.container) if info is not None else None
+            if label is None:
+                event.title = event.comm
+            else:
+                event.title, event.container = label
         each, many = self._run_sinks
         if each:
             apply = self.ledger.apply
