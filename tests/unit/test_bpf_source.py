@@ -3,6 +3,8 @@ ledger entry it cannot decode costs a resync, never the agent."""
 import math
 import os
 
+import pytest
+
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
@@ -470,3 +472,26 @@ def test_stopping_the_source_stops_the_sessions_counting_before_the_probes_close
     tracer.stop()
     assert seen_counting_at_close == [False] and probes.closed
     assert tracer.session.ledger.totals() == {}  # nothing read from probes that are gone
+
+
+def test_task_offsets_read_btf_once_and_say_why_each_is_missing(tmp_path, monkeypatch):
+    from kvtrace.sources.bpf import btf as btf_module
+
+    reads = []
+    real = btf_module.Btf.from_file
+
+    def counted(path=btf_module.VMLINUX_BTF):
+        reads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(btf_module.Btf, "from_file", staticmethod(counted))
+    missing = btf_module.task_offsets(["comm", "exit_code"], tmp_path / "no-btf")
+    assert set(missing) == {"comm", "exit_code"}
+    assert all(isinstance(error, btf_module.BtfError) and "cannot read" in str(error) for error in missing.values())
+    if not btf_module.VMLINUX_BTF.exists():
+        pytest.skip(f"{btf_module.VMLINUX_BTF} is not here: the kernel's own offsets cannot be read")
+    found = btf_module.task_offsets([btf_module.TASK_COMM, btf_module.TASK_EXIT_CODE, "no_such_member"])
+    assert isinstance(found[btf_module.TASK_COMM], int) and isinstance(found[btf_module.TASK_EXIT_CODE], int)
+    assert found[btf_module.TASK_COMM] != found[btf_module.TASK_EXIT_CODE]
+    assert isinstance(found["no_such_member"], btf_module.BtfError)
+    assert len(reads) == 2  # one read per call, whatever the members

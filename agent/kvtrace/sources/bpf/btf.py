@@ -6,6 +6,7 @@ kernel structs come from the running kernel's own BTF, never from headers.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
@@ -95,16 +96,22 @@ class Btf:
         return total
 
 
-def task_fsbase_offset(path: Path = VMLINUX_BTF) -> int:
-    """Offset of the user fs base (x86_64 TLS pointer) in task_struct, for this kernel."""
-    return Btf.from_file(path).offset_of("task_struct", "thread.fsbase")
+# task_struct members the probes read: the user fs base (x86_64 TLS pointer: Python stacks), the wait
+# status do_exit sets before sched_process_exit, and the thread's name (16 bytes).
+TASK_FSBASE, TASK_EXIT_CODE, TASK_COMM = "thread.fsbase", "exit_code", "comm"
 
 
-def task_comm_offset(path: Path = VMLINUX_BTF) -> int:
-    """Offset of comm (the thread's name, 16 bytes) in task_struct, for this kernel."""
-    return Btf.from_file(path).offset_of("task_struct", "comm")
-
-
-def task_exit_code_offset(path: Path = VMLINUX_BTF) -> int:
-    """Offset of exit_code (the wait status do_exit sets before sched_process_exit) in task_struct."""
-    return Btf.from_file(path).offset_of("task_struct", "exit_code")
+def task_offsets(members: Iterable[str], path: Path = VMLINUX_BTF) -> dict[str, int | BtfError]:
+    """Offsets of `members` in task_struct for this kernel, from its BTF read once; a member that cannot
+    be found (or BTF that cannot be read) maps to the error that says why."""
+    try:
+        btf = Btf.from_file(path)
+    except BtfError as error:
+        return {member: error for member in members}
+    offsets: dict[str, int | BtfError] = {}
+    for member in members:
+        try:
+            offsets[member] = btf.offset_of("task_struct", member)
+        except BtfError as error:
+            offsets[member] = error
+    return offsets

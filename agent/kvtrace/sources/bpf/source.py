@@ -160,31 +160,30 @@ class BpfSource:
     # ---- lifecycle ----
 
     def start(self) -> None:
+        from kvtrace.sources.bpf.btf import TASK_COMM, TASK_EXIT_CODE, TASK_FSBASE, BtfError, task_offsets
+
         settings = self.options.settings
-        if self.options.python_stacks and settings.task_fsbase_offset < 0:
-            from kvtrace.sources.bpf.btf import BtfError, task_fsbase_offset
-
-            try:
-                settings = replace(settings, task_fsbase_offset=task_fsbase_offset())
-            except BtfError as error:
-                self.python_stacks_down = f"no Python stacks: {error}"
-                log.warning("%s", self.python_stacks_down)
-        elif not self.options.python_stacks:
+        wanted_fsbase = settings.task_fsbase_offset if self.options.python_stacks else 0  # 0: not wanted
+        missing = [member for member, offset in ((TASK_FSBASE, wanted_fsbase),
+                                                 (TASK_EXIT_CODE, settings.task_exit_code_offset),
+                                                 (TASK_COMM, settings.task_comm_offset)) if offset < 0]
+        offsets = task_offsets(missing) if missing else {}  # the kernel's BTF, read once
+        fsbase, exit_code, comm = (offsets.get(member) for member in (TASK_FSBASE, TASK_EXIT_CODE, TASK_COMM))
+        if not self.options.python_stacks:
             self.python_stacks_down = "Python stacks disabled by configuration"
-        if settings.task_exit_code_offset < 0:
-            from kvtrace.sources.bpf.btf import BtfError, task_exit_code_offset
-
-            try:
-                settings = replace(settings, task_exit_code_offset=task_exit_code_offset())
-            except BtfError as error:  # exits then say nothing of how the process ended
-                log.warning("process exits carry no exit status: %s", error)
-        if settings.task_comm_offset < 0:
-            from kvtrace.sources.bpf.btf import BtfError, task_comm_offset
-
-            try:
-                settings = replace(settings, task_comm_offset=task_comm_offset())
-            except BtfError as error:  # the same names, through bpf_get_current_comm (slower)
-                log.info("events' thread names through a helper call: %s", error)
+        elif isinstance(fsbase, BtfError):
+            self.python_stacks_down = f"no Python stacks: {fsbase}"
+            log.warning("%s", self.python_stacks_down)
+        if isinstance(exit_code, BtfError):  # exits then say nothing of how the process ended
+            log.warning("process exits carry no exit status: %s", exit_code)
+        if isinstance(comm, BtfError):  # the same names, through bpf_get_current_comm (slower)
+            log.info("events' thread names through a helper call: %s", comm)
+        if isinstance(fsbase, int):
+            settings = replace(settings, task_fsbase_offset=fsbase)
+        if isinstance(exit_code, int):
+            settings = replace(settings, task_exit_code_offset=exit_code)
+        if isinstance(comm, int):
+            settings = replace(settings, task_comm_offset=comm)
         self.options.settings = settings
         self.session.traced_only = self.filtering
         self.session.report_component("python_stacks", not self.python_stacks_down, self.python_stacks_down)
