@@ -3,8 +3,9 @@ accounted for, the agent's CPU, and probe-to-client latency (p50/p99).
 
 Runs the real `kvtrace agent` (BPF + gRPC on a temporary Unix socket) as a subprocess, a stub
 workload making cudaMalloc+cudaFree pairs (4 traced calls each), and subscriber processes (this
-script with --subscriber) reading StreamEvents with EVENT_ENCODING_COLUMNS (--messages: one Event
-message each, as clients before columns). Four runs:
+script with --subscriber) reading StreamEvents with EVENT_ENCODING_FIXED_COLUMNS (--encoding columns:
+EVENT_ENCODING_COLUMNS, as clients before fixed columns; --encoding messages: one Event message each,
+as clients before columns). Four runs:
 
   1. one subscriber, the workload unpaced;
   2. four subscribers at once, one of them slow (after every response it sleeps --slow-us per event
@@ -24,7 +25,8 @@ Each subscriber accounts for every event the workload made: received + dropped (
 `make test`); runs unchanged on any such host.
 
     sudo .venv/bin/python bench/api_throughput.py [--pairs 200000] [--workloads 1] [--latency-pairs 2000]
-                                                  [--subscribers 4] [--slow-us 100] [--messages]
+                                                  [--subscribers 4] [--slow-us 100]
+                                                  [--encoding fixed|columns|messages]
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ LATENCY_SAMPLES = 200_000  # a subscriber keeps at most this many latencies (an 
 
 # ---- the subscriber process ----
 
-def subscribe(socket: Path, pids: list[int], expected: int, slow_us: float, messages: bool,
+def subscribe(socket: Path, pids: list[int], expected: int, slow_us: float, encoding: str,
               latencies: bool, deadline_s: float) -> dict:
     """Reads until every expected event is received or reported lost; the figures as a dict."""
     from kvtrace.client import AgentClient
@@ -62,7 +64,7 @@ def subscribe(socket: Path, pids: list[int], expected: int, slow_us: float, mess
     deadline = time.monotonic() + deadline_s
     cpu = time.process_time()
     with AgentClient.for_socket(socket, timeout_seconds=deadline_s) as client:
-        stream = client.stream_responses(pids=pids, columns=not messages)
+        stream = client.stream_responses(pids=pids, columns=encoding != "messages", fixed=encoding == "fixed")
         print("subscribed", flush=True)
         for response in stream:
             now_ns = time.time_ns()
@@ -79,16 +81,19 @@ def subscribe(socket: Path, pids: list[int], expected: int, slow_us: float, mess
                     if latencies:
                         latencies_ns.append(now_ns - message.timestamp_ns)
             columns = response.columns
-            count = len(columns.kind)
+            fixed = response.fixed_columns
+            count = len(columns.kind) + len(fixed.timestamp_ns)
             if count:
                 received += count
-                column = list(columns.kind)
+                column = list(columns.kind) if len(columns.kind) else fixed.kind  # bytes: one number each
                 for kind in set(column):
                     kinds[kind] = kinds.get(kind, 0) + column.count(kind)
-                column = list(columns.pid)
+                column = list(columns.pid) + list(fixed.pid)
                 foreign += count - sum(column.count(pid) for pid in pids)
                 if latencies:
                     latencies_ns.extend(now_ns - timestamp for timestamp in columns.timestamp_ns)
+                    latencies_ns.extend(now_ns - timestamp - fixed.timestamp_offset_ns
+                                        for timestamp in fixed.timestamp_ns)
             first = first or time.monotonic()
             last = time.monotonic()
             if count or any(message.WhichOneof("payload") == "allocation" for message in response.events):
@@ -110,7 +115,7 @@ def subscribe(socket: Path, pids: list[int], expected: int, slow_us: float, mess
 
 def subscriber_main(args: argparse.Namespace) -> int:
     pids = [int(pid) for pid in args.pids.split(",")]
-    result = subscribe(Path(args.subscriber), pids, args.expected, args.slow_us, args.messages, args.latencies,
+    result = subscribe(Path(args.subscriber), pids, args.expected, args.slow_us, args.encoding, args.latencies,
                        args.deadline_s)
     print(json.dumps(result), flush=True)
     return 0
@@ -119,11 +124,11 @@ def subscriber_main(args: argparse.Namespace) -> int:
 # ---- the bench ----
 
 class Subscriber:
-    def __init__(self, socket: Path, pids: list[int], expected: int, slow_us: float, messages: bool,
+    def __init__(self, socket: Path, pids: list[int], expected: int, slow_us: float, encoding: str,
                  latencies: bool) -> None:
         argv = [sys.executable, __file__, "--subscriber", str(socket), "--pids", ",".join(map(str, pids)), "--expected",
                 str(expected), "--slow-us", str(slow_us)]
-        argv += ["--messages"] if messages else []
+        argv += ["--encoding", encoding]
         argv += ["--latencies"] if latencies else []
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
@@ -144,7 +149,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(stubs, socket: Path, pairs: int, slow: list[float], messages: bool, env: dict | None = None,
+def run(stubs, socket: Path, pairs: int, slow: list[float], encoding: str, env: dict | None = None,
         latencies: bool = False, workloads: int = 1) -> dict:
     """`pairs` pairs made by `workloads` processes at once (a share each), one subscriber process per entry
     of `slow` (its sleep per event received, µs; 0: reads as fast as it can) following all of them."""
@@ -159,7 +164,7 @@ def run(stubs, socket: Path, pairs: int, slow: list[float], messages: bool, env:
         pids = [workload.wait_ready() for workload in makers]
         agent = stack.enter_context(AgentProcess(socket, *(arg for pid in pids for arg in ("-p", str(pid))),
                                                  "--no-python-stacks"))
-        subscribers = [Subscriber(socket, pids, expected, slow_us, messages, latencies) for slow_us in slow]
+        subscribers = [Subscriber(socket, pids, expected, slow_us, encoding, latencies) for slow_us in slow]
         for subscriber in subscribers:
             subscriber.wait_subscribed()
         with AgentClient.for_socket(socket) as client:  # every stream is registered with the hub
@@ -224,8 +229,9 @@ def main() -> int:
     parser.add_argument("--workloads", type=int, default=1,
                         help="runs 1 and 4: processes making the pairs at once (a share each; one stub process "
                              "makes ~120-180k events/s on the H200, less than the agent takes in)")
-    parser.add_argument("--messages", action="store_true",
-                        help="subscribers ask for one Event message each (clients before columns)")
+    parser.add_argument("--encoding", choices=("fixed", "columns", "messages"), default="fixed",
+                        help="how subscribers ask for events: fixed columns (default), columns (clients before "
+                             "fixed columns) or one Event message each (clients before columns)")
     parser.add_argument("--subscriber", help=argparse.SUPPRESS)  # SOCKET: run as a subscriber process
     parser.add_argument("--pids", help=argparse.SUPPRESS)
     parser.add_argument("--expected", type=int, help=argparse.SUPPRESS)
@@ -243,17 +249,17 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
     stubs = build_stubs(work / "stubs")
-    encoding = "messages" if args.messages else "columns"
+    encoding = args.encoding
 
     print(f"1: {args.pairs} pairs = {4 * args.pairs} events, unpaced, {args.workloads} workload process(es), "
           f"one subscriber ({encoding})", file=sys.stderr)
-    single = run(stubs, work / "a.sock", args.pairs, [0.0], args.messages, workloads=args.workloads)
+    single = run(stubs, work / "a.sock", args.pairs, [0.0], args.encoding, workloads=args.workloads)
     slow = [0.0] * (args.subscribers - 1) + [args.slow_us]
     print(f"2: the same, {args.subscribers} subscribers, one slow", file=sys.stderr)
-    several = run(stubs, work / "b.sock", args.pairs, slow, args.messages)
+    several = run(stubs, work / "b.sock", args.pairs, slow, args.encoding)
     print(f"3: {args.latency_pairs} pairs paced at 20 pairs / 10 ms, one subscriber", file=sys.stderr)
     paced_env = dict(os.environ, KVT_LOOP_PAUSE_EVERY="20", KVT_LOOP_PAUSE_MS="10")
-    paced = run(stubs, work / "c.sock", args.latency_pairs, [0.0], args.messages, paced_env, latencies=True)
+    paced = run(stubs, work / "c.sock", args.latency_pairs, [0.0], args.encoding, paced_env, latencies=True)
 
     ok = report(f"1: one subscriber ({encoding}; goal >= 100 000 events/s)", single)
     ok = report(f"2: {args.subscribers} subscribers at once, one slow ({encoding}; the others unaffected)",
@@ -274,7 +280,7 @@ def sustained(stubs, work: Path, args) -> bool:
     for index, offered in enumerate(int(rate) for rate in args.offered.split(",")):
         pairs = int(offered / 4 * args.offered_seconds)
         env = dict(os.environ, KVT_LOOP_PAIRS_PER_SECOND=str(offered / 4 / args.workloads))
-        outcome = run(stubs, work / f"d{index}.sock", pairs, [0.0], args.messages, env, workloads=args.workloads)
+        outcome = run(stubs, work / f"d{index}.sock", pairs, [0.0], args.encoding, env, workloads=args.workloads)
         (result,) = outcome["subscribers"]
         lost = result["dropped"] + result["kernel_lost"]
         ok = ok and outcome["expected"] == result["received"] + lost and result["foreign"] == 0

@@ -145,17 +145,19 @@ class AgentClient:
         return self._batches(self._stub.StreamEvents(request))
 
     def stream_responses(self, pids: Iterable[int] = (), title_regex: str = "", kinds: Iterable[Kind] = (),
-                         layers: Iterable[Layer] = (), min_size_bytes: int = 0,
-                         columns: bool = True) -> Iterator[service_pb2.StreamEventsResponse]:
+                         layers: Iterable[Layer] = (), min_size_bytes: int = 0, columns: bool = True,
+                         fixed: bool = False) -> Iterator[service_pb2.StreamEventsResponse]:
         """The stream's responses as the agent sends them. With `columns` (EVENT_ENCODING_COLUMNS, what a
         busy reader wants) a response's traced events are in `columns` (kvtrace.wire.events_from_columns
         reads them), after its `events`, which then hold only stack definitions and loss reports; an
-        agent older than columns puts every event in `events`, so read both.
+        agent older than columns puts every event in `events`, so read both. With `fixed` too
+        (EVENT_ENCODING_FIXED_COLUMNS, the cheapest for both sides) a response may carry them in
+        `fixed_columns` instead (kvtrace.wire.events_from_fixed_columns).
 
         Not a generator itself: a missing socket or a bad argument fails here, at the call."""
         request = self._stream_request(pids, title_regex, kinds, layers, min_size_bytes)
         if columns:
-            request.encoding = service_pb2.EVENT_ENCODING_COLUMNS
+            request.encoding = service_pb2.EVENT_ENCODING_FIXED_COLUMNS if fixed else service_pb2.EVENT_ENCODING_COLUMNS
         return self._responses(self._stub.StreamEvents(request))
 
     def _stream_request(self, pids: Iterable[int], title_regex: str, kinds: Iterable[Kind],

@@ -23,6 +23,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ from kvtrace.model.agent import (
     TrackedProcess,
 )
 from kvtrace.model.crosscheck import CrossCheck, ProcessCrossCheck, Side, TracerStatus
-from kvtrace.model.events import Api, Event, EventsLost, Kind, Source
+from kvtrace.model.events import Api, Event, EventRun, EventsLost, Kind, Source
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import (
     Ledger,
@@ -58,7 +59,7 @@ from kvtrace.model.vllm import (
     VllmView,
 )
 
-Record = Event | EventsLost | NvmlSample | VllmRecord
+Record = Event | EventRun | EventsLost | NvmlSample | VllmRecord
 
 # Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
 # tests see a process's last few transitions).
@@ -68,6 +69,7 @@ SLEEP_REPORTS_KEPT = 8
 # taken alone, in order, after the run before it.
 _UNSEEN: Any = object()  # _ingest_run: a pid not yet looked up
 _RUN_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.MAP, Kind.UNMAP, Kind.RELEASE, Kind.FREE_UNKNOWN})
+_RUN_KIND_NUMBERS = frozenset(int(kind) for kind in _RUN_KINDS)  # EventRun.kinds are raw numbers
 
 
 def _same_but_time(kept: KvCacheLayout | SleepReport | None, new: KvCacheLayout | SleepReport) -> bool:
@@ -233,79 +235,91 @@ class Session:
         """The one entrance: events go to the ledger and the sinks, in order; a loss report goes to
         the sinks where the gap is; an NVML sample replaces the last one."""
         with self.lock:
-            sinks = self._sinks
             witness = self.cupti_witness
             if witness:
                 now_ns = self.wall_clock_ns()
                 if now_ns - self._crosscheck_settled_ns > 1_000_000_000:
                     self._crosscheck_settled_ns = now_ns
                     self._crosscheck.settle(now_ns)
-            run: list[Event] = []
-            run_kinds = _RUN_KINDS
             # Where CUPTI witnesses the uprobes (the daemon), only its events and those of the processes it
             # traces are compared: the rest (the bulk of a busy host) take the run as without a witness.
-            compared = self._crosscheck.followed() if witness else ()
-            for record in records:
-                if type(record) is Event and record.kind in run_kinds and (
-                        not witness or (record.source is Source.UPROBE and record.pid not in compared)):
-                    run.append(record)
-                    continue
-                if run:
-                    self._ingest_run(run)
-                    run = []
-                if type(record) is Event and witness and (
-                        record.source is Source.CUPTI or self._crosscheck.follows(record.pid)):
-                    if record.source is Source.CUPTI:
-                        self._crosscheck.witness(record, Side.CUPTI, self.wall_clock_ns())
-                        self.witnessed_total += 1
-                        continue  # the uprobes' own event of this call is the ledger's
-                    self._crosscheck.witness(record, Side.UPROBE, self.wall_clock_ns())
-                if type(record) is Event:
-                    self._attribute(record)
-                    self.events_total += 1
-                    if record.kind is Kind.PROCESS_EXIT:
-                        record.freed_bytes = self.ledger.physical_device_bytes(record.pid)
-                        for watcher in self._exit_watchers:
-                            watcher(record)
-                        self._checkpoint_position = None  # a watcher's copy is of the ledger before the exit
-                    self.ledger.apply(record)
-                    if record.kind is Kind.PROCESS_EXIT:
-                        self._forget_process(record.pid)
-                        self._crosscheck.process_exited(record.pid)
-                    for sink in sinks:
-                        sink.publish(record)
-                elif type(record) is EventsLost:
-                    self.lost_total += record.count
-                    for sink in sinks:
-                        sink.publish_loss(record.count)
-                elif type(record) is NvmlSample:
-                    self._nvml = record
-                    for sink in sinks:
-                        sink.publish_state(record)
-                elif type(record) is SchedulerReport:
-                    self._schedulers[record.pid] = record
-                elif type(record) is KvCacheLayout:
-                    if not _same_but_time(self._kv_layouts.get(record.pid), record):
-                        self._kv_layouts[record.pid] = record
-                elif type(record) is SleepReport:
-                    reports = self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT))
-                    if not reports or not _same_but_time(reports[-1], record):
-                        reports.append(record)
-                elif type(record) is VllmMetricsSample:
-                    self._vllm_metrics[record.url] = record
-                else:
-                    raise TypeError(f"not a record a Session takes: {type(record).__name__}")
+            self._ingest_locked(records, witness, self._crosscheck.followed() if witness else frozenset())
+
+    def _ingest_locked(self, records: Iterable[Record], witness: bool, compared: AbstractSet[int]) -> None:
+        """ingest_many's work, under the lock: consecutive allocation-type events that need nothing
+        else go in runs (an EventRun as it came), the rest one by one."""
+        sinks = self._sinks
+        run: list[Event] = []
+        run_kinds = _RUN_KINDS
+        for record in records:
+            if type(record) is Event and record.kind in run_kinds and (
+                    not witness or (record.source is Source.UPROBE and record.pid not in compared)):
+                run.append(record)
+                continue
             if run:
                 self._ingest_run(run)
+                run = []
+            if type(record) is EventRun:
+                if record.kinds <= _RUN_KIND_NUMBERS and compared.isdisjoint(record.pids):
+                    self._ingest_run(record)
+                else:  # some of its events need more than a run's work
+                    self._ingest_locked(list(record), witness, compared)
+                continue
+            if type(record) is Event and witness and (
+                    record.source is Source.CUPTI or self._crosscheck.follows(record.pid)):
+                if record.source is Source.CUPTI:
+                    self._crosscheck.witness(record, Side.CUPTI, self.wall_clock_ns())
+                    self.witnessed_total += 1
+                    continue  # the uprobes' own event of this call is the ledger's
+                self._crosscheck.witness(record, Side.UPROBE, self.wall_clock_ns())
+            if type(record) is Event:
+                self._attribute(record)
+                self.events_total += 1
+                if record.kind is Kind.PROCESS_EXIT:
+                    record.freed_bytes = self.ledger.physical_device_bytes(record.pid)
+                    for watcher in self._exit_watchers:
+                        watcher(record)
+                    self._checkpoint_position = None  # a watcher's copy is of the ledger before the exit
+                self.ledger.apply(record)
+                if record.kind is Kind.PROCESS_EXIT:
+                    self._forget_process(record.pid)
+                    self._crosscheck.process_exited(record.pid)
+                for sink in sinks:
+                    sink.publish(record)
+            elif type(record) is EventsLost:
+                self.lost_total += record.count
+                for sink in sinks:
+                    sink.publish_loss(record.count)
+            elif type(record) is NvmlSample:
+                self._nvml = record
+                for sink in sinks:
+                    sink.publish_state(record)
+            elif type(record) is SchedulerReport:
+                self._schedulers[record.pid] = record
+            elif type(record) is KvCacheLayout:
+                if not _same_but_time(self._kv_layouts.get(record.pid), record):
+                    self._kv_layouts[record.pid] = record
+            elif type(record) is SleepReport:
+                reports = self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT))
+                if not reports or not _same_but_time(reports[-1], record):
+                    reports.append(record)
+            elif type(record) is VllmMetricsSample:
+                self._vllm_metrics[record.url] = record
+            else:
+                raise TypeError(f"not a record a Session takes: {type(record).__name__}")
+        if run:
+            self._ingest_run(run)
 
     def _ingest_run(self, events: list[Event]) -> None:
         """Consecutive allocation-type events (the bulk of a busy stream), as ingest_many takes each
         alone, at less cost: each pid's title is looked up once, the ledger takes them one by one with
         each sink that publishes one at a time, and then the sinks that take a run get it at once."""
         labels: dict[int, tuple[str, str] | None] = {}  # pid -> (title, container); None: not known
+        labelled_before = False
         get_process = self.processes.get
         for event in events:  # _label's work, inline: it runs for every event of a busy stream
             if event.title:
+                labelled_before = True
                 continue  # a source that knows better (a recording) already said
             pid = event.pid
             label = labels.get(pid, _UNSEEN)
@@ -316,6 +330,8 @@ class Session:
                 event.title = event.comm
             else:
                 event.title, event.container = label
+        if type(events) is EventRun:  # for a stream that copies its records (servers/api.py)
+            events.labels = None if labelled_before else labels
         each, many = self._run_sinks
         if each:
             apply = self.ledger.apply

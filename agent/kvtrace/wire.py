@@ -8,8 +8,10 @@ the same object for the same event.
 """
 from __future__ import annotations
 
+import array
 import enum
 import operator
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ from kvtrace.model.events import (
     SIZED_KINDS,
     Api,
     Event,
+    EventRun,
     Kind,
     Layer,
     Memory,
@@ -43,6 +46,8 @@ from kvtrace.model.stacks import Frame, NativeFrame, Stack
 from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
 
 _STACK_STATUS_NAMES = {status: status.name.lower() for status in StackStatus}
+_TORCH_APIS = frozenset({Api.pytorch_malloc, Api.pytorch_free})  # their events' stream (FixedEventColumns.aux)
+_COMM_BYTES = 16  # FixedEventColumns.comm: a thread name's bytes, NUL-padded (TASK_COMM_LEN)
 
 
 def wire_number(value: enum.IntEnum | None) -> Any:
@@ -159,6 +164,102 @@ def events_to_columns(events: Sequence[Event], title: Callable[[str], str] | Non
 
 def columns_event_count(columns: events_pb2.EventColumns) -> int:
     return len(columns.kind)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# FixedEventColumns' column fields: name -> the field's key on the wire (length-delimited: a packed
+# repeated fixed-width field or bytes), so a column's bytes become the field with two small prefixes.
+_FIXED_KEYS = {field.name: _varint(field.number << 3 | 2)
+               for field in events_pb2.FixedEventColumns.DESCRIPTOR.fields if field.name != "processes"
+               and field.name != "timestamp_offset_ns"}
+
+
+def runs_to_fixed_columns(runs: Sequence[EventRun], message: events_pb2.FixedEventColumns) -> None:
+    """Runs' events, in order, into `message` (the stream's EVENT_ENCODING_FIXED_COLUMNS), copied from the
+    records they were decoded from: each column a strided copy per run, joined, and a parse that is a copy
+    too; nothing per event. The runs' records must join (RawRecords.joins: one clock)."""
+    if not runs:
+        return
+    first = runs[0].raw
+    if not all(first.joins(run.raw) for run in runs):
+        raise ValueError("runs of records that do not join (another clock offset or layout)")
+    parts = [run.raw.columns() for run in runs]
+    keys = _FIXED_KEYS
+    message.MergeFromString(b"".join(
+        keys[name] + _varint(len(column)) + column
+        for name, column in ((name, b"".join(part[name] for part in parts)) for name in parts[0])))
+    message.timestamp_offset_ns = first.timestamp_offset_ns
+    labels: dict[int, tuple[str, str]] = {}
+    for run in runs:
+        if run.labels is None:
+            raise ValueError("a run the Session has not labelled")
+        for pid, label in run.labels.items():
+            if label is not None and pid in run.pids:
+                labels[pid] = label
+    add = message.processes.add
+    for pid, (title, container) in labels.items():
+        add(pid=pid, title=title, container=container)
+
+
+def fixed_columns_event_count(columns: events_pb2.FixedEventColumns) -> int:
+    return len(columns.timestamp_ns)
+
+
+def _fixed_bytes(values: bytes, code: str, count: int, name: str) -> array.array:
+    column = array.array(code, values)
+    if len(column) != count or len(values) != count * column.itemsize:
+        raise ValueError(f"FixedEventColumns.{name} has {len(values)} bytes for {count} events")
+    if sys.byteorder != "little":
+        column.byteswap()
+    return column
+
+
+def events_from_fixed_columns(columns: events_pb2.FixedEventColumns) -> list[Event | None]:
+    """The model events of a FixedEventColumns batch, in order; None for an event this client cannot
+    represent (an enum value of a newer agent), as events_from_columns does. ValueError for a batch
+    whose columns disagree on how many events there are."""
+    count = len(columns.timestamp_ns)
+    numbers = (columns.pid, columns.tid, columns.size_bytes, columns.address, columns.caller_address,
+               columns.aux, columns.device, columns.error_code)
+    if any(len(column) != count for column in numbers):
+        raise ValueError(f"FixedEventColumns columns of different lengths for {count} events")
+    apis = _fixed_bytes(columns.api, "H", count, "api")
+    small = [_fixed_bytes(getattr(columns, name), "B", count, name)
+             for name in ("kind", "layer", "object", "memory", "stack_status")]
+    comm_bytes = columns.comm
+    if len(comm_bytes) != count * _COMM_BYTES:
+        raise ValueError(f"FixedEventColumns.comm has {len(comm_bytes)} bytes for {count} events")
+    labels = {label.pid: (label.title, label.container) for label in columns.processes}
+    offset_ns = columns.timestamp_offset_ns
+    events: list[Event | None] = []
+    for index, (timestamp_ns, pid, tid, size_bytes, address, caller_address, aux, device, error_code, api, kind,
+                layer, obj, memory, stack_status) in enumerate(zip(
+            columns.timestamp_ns, *numbers, apis, *small, strict=True)):
+        comm = comm_bytes[index * _COMM_BYTES:(index + 1) * _COMM_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace")
+        title, container = labels.get(pid) or (comm, "")
+        try:
+            api_member = Api(api)
+            event = Event(kind=Kind(kind), api=api_member, pid=pid, tid=tid, timestamp_ns=timestamp_ns + offset_ns,
+                          layer=_member(Layer, layer), object=_member(ObjectKind, obj),
+                          memory=_member(Memory, memory), size_bytes=size_bytes, address=address, device=device,
+                          error_code=error_code, caller_address=caller_address,
+                          handle=aux if api_member is Api.cuMemMap else 0,
+                          freed_bytes=aux if api_member is Api.cuMemUnmap else 0,
+                          stream=aux if api_member in _TORCH_APIS else 0, comm=comm, title=title,
+                          container=container, stack_status=StackStatus(stack_status))
+        except ValueError:  # a value this client does not know: a newer agent
+            events.append(None)
+            continue
+        events.append(event)
+    return events
 
 
 def _column(values, count: int, default: int = 0) -> list:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Container
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Event, Kind, Source
@@ -200,7 +200,7 @@ class CrossCheck:
     def follows(self, pid: int) -> bool:
         return pid in self._matching
 
-    def followed(self) -> Container[int]:
+    def followed(self) -> AbstractSet[int]:
         """The pids whose calls are compared, as a live view (a membership test per event, no call)."""
         return self._matching.keys()
 

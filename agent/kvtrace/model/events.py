@@ -7,7 +7,9 @@ test checks the two stay in step.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class Layer(enum.IntEnum):
@@ -160,6 +162,55 @@ class Event:
     stack_id: int = 0  # interned Python stack (model/stacks.py); 0 = none
     stack_status: StackStatus = StackStatus.NOT_WALKED
     source: Source = Source.UPROBE
+
+
+class RawRecords(Protocol):
+    """The records a source decoded an EventRun from, as they came: what a wire encoder copies instead
+    of reading each event (sources/bpf/decode.py's RawEvents)."""
+
+    def __len__(self) -> int: ...
+
+    def columns(self) -> dict[str, bytes]:
+        """Each FixedEventColumns column of these events but `processes`, little-endian, by field name."""
+        ...
+
+    @property
+    def timestamp_offset_ns(self) -> int: ...
+
+    def sliced(self, start: int, stop: int) -> RawRecords: ...
+
+    def joins(self, other: RawRecords) -> bool:
+        """Whether `other`'s columns may follow these in one batch (one timestamp offset)."""
+        ...
+
+
+class EventRun(list):  # list[Event]; a generic list subclass is not a runtime class in 3.10
+    """Events a source read at once, in order, with the raw records they were decoded from (`raw`): a
+    stream may send those copied as they are. Only the uprobes' events of the Session's run kinds
+    (allocation-type, no stack), so nothing but their labels changes after decoding.
+
+    `pids` and `kinds` (raw numbers) are those of the events (a slice keeps its whole run's: a superset).
+    `labels`: pid -> (title, container) as the Session labelled the events, each of their pids; None for
+    a process it knew nothing of (the events' title is their comm). None until then: not to be copied.
+    A list: every sink that takes events takes a run."""
+
+    __slots__ = ("raw", "pids", "kinds", "labels")
+
+    def __init__(self, events: list[Event], raw: RawRecords, pids: frozenset[int], kinds: frozenset[int]) -> None:
+        super().__init__(events)
+        if len(raw) != len(events):
+            raise ValueError(f"{len(events)} events from {len(raw)} records")
+        self.raw = raw
+        self.pids = pids
+        self.kinds = kinds
+        self.labels: Mapping[int, tuple[str, str] | None] | None = None
+
+    def sliced(self, start: int, stop: int) -> EventRun:
+        """Events start..stop (clamped, as a list slice), with their records."""
+        start, stop, _ = slice(start, stop).indices(len(self))
+        part = EventRun(self[start:stop], self.raw.sliced(start, stop), self.pids, self.kinds)
+        part.labels = self.labels
+        return part
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import errno
+import functools
 import grp
 import hashlib
 import heapq
@@ -57,13 +58,13 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import ApiConfig
-from kvtrace.model.events import Event, Kind, Layer
+from kvtrace.model.events import Event, EventRun, Kind, Layer
 from kvtrace.model.ledger import LedgerReadRefused, Outstanding
 from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo, TitlePattern, redact_title
 from kvtrace.reports.flight import FlightDumpError, FlightRecorder
 from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, encode_stream, recording_header
 from kvtrace.servers.backend import AgentAnalysis, AgentState
-from kvtrace.servers.hub import EventFilter, EventHub, Lost, Subscription
+from kvtrace.servers.hub import EventFilter, EventHub, Lost, QueueItem, Subscription, flatten
 from kvtrace.wire import (
     cross_checks_to_proto,
     event_to_proto,
@@ -74,6 +75,7 @@ from kvtrace.wire import (
     lost_to_proto,
     outstanding_to_proto,
     process_to_proto,
+    runs_to_fixed_columns,
     stack_message,
     stack_to_proto,
     vllm_engines_to_proto,
@@ -109,6 +111,7 @@ _TITLE_CACHE_MAX_ENTRIES = 4096
 VIEW_FULL = service_pb2.VIEW_FULL
 VIEW_REDACTED = service_pb2.VIEW_REDACTED
 ENCODING_COLUMNS = service_pb2.EVENT_ENCODING_COLUMNS
+ENCODING_FIXED_COLUMNS = service_pb2.EVENT_ENCODING_FIXED_COLUMNS
 
 
 class ServerSetupError(Exception):
@@ -456,8 +459,9 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         context.add_callback(subscription.close)  # a cancel or an expired deadline wakes the reader
         sent_stacks: set[int] = set()
         titles = TitleRedactor() if self._redacted else None
-        columns = request.encoding == ENCODING_COLUMNS
-        responses = self._column_responses if columns else self._message_responses
+        columns = request.encoding in (ENCODING_COLUMNS, ENCODING_FIXED_COLUMNS)
+        fixed = request.encoding == ENCODING_FIXED_COLUMNS and titles is None  # the full view's records
+        responses = functools.partial(self._column_responses, fixed=fixed) if columns else self._message_responses
         batch_max_events = self._limits.column_batch_max_events if columns else self._limits.batch_max_events
         try:
             while context.is_active() and not self.stopping.is_set() and not subscription.closed:
@@ -467,7 +471,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                     if remaining <= 0:  # say so, rather than end the stream as if completed
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream's deadline passed")
                     wait_seconds = min(wait_seconds, remaining)
-                items = subscription.read(batch_max_events, wait_seconds)
+                items = subscription.read_batches(batch_max_events, wait_seconds)
                 if items:
                     yield from responses(items, sent_stacks, titles)
             if self.stopping.is_set():
@@ -478,26 +482,45 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             self._hub.unsubscribe(subscription)
             self._slots.close(subscription)
 
-    def _message_responses(self, items: list[Event | Lost], sent_stacks: set[int],
+    def _message_responses(self, items: list[QueueItem], sent_stacks: set[int],
                            titles: TitleRedactor | None) -> list[service_pb2.StreamEventsResponse]:
-        return [service_pb2.StreamEventsResponse(events=self._messages(items, sent_stacks, titles), view=self.view)]
+        return [service_pb2.StreamEventsResponse(events=self._messages(flatten(items), sent_stacks, titles),
+                                                 view=self.view)]
 
-    def _column_responses(self, items: list[Event | Lost], sent_stacks: set[int],
-                          titles: TitleRedactor | None) -> list[service_pb2.StreamEventsResponse]:
-        """EVENT_ENCODING_COLUMNS: each run of events in one response's columns, after the stack
-        definitions it needs; a loss marker goes in `events`, and so ends a response (what follows it
-        goes in the next), keeping the stream's order."""
+    def _column_responses(self, items: list[QueueItem], sent_stacks: set[int], titles: TitleRedactor | None,
+                          fixed: bool = False) -> list[service_pb2.StreamEventsResponse]:
+        """EVENT_ENCODING_COLUMNS: the events between loss markers in one response's columns, after the
+        stack definitions they need; a loss marker goes in `events`, and so ends a response (what follows
+        it goes in the next), keeping the stream's order. `fixed` (EVENT_ENCODING_FIXED_COLUMNS, full
+        view): consecutive runs with their records go in one response's fixed_columns, copied."""
         responses = []
-        start = 0
-        for index, item in enumerate(items):
-            if type(item) is Lost:
-                if index > start:
-                    responses.append(self._columns_response(items[start:index], sent_stacks, titles))
+        events: list[Event] = []  # waiting for a response's columns
+        runs: list[EventRun] = []  # waiting for a response's fixed_columns (never both waiting)
+
+        def flush() -> None:
+            if events:
+                responses.append(self._columns_response(events, sent_stacks, titles))
+                events.clear()
+            if runs:
+                response = service_pb2.StreamEventsResponse(view=self.view)
+                runs_to_fixed_columns(runs, response.fixed_columns)
+                responses.append(response)
+                runs.clear()
+
+        for item in items:
+            if isinstance(item, Lost):
+                flush()
                 lost = lost_to_proto(item.dropped_count, item.kernel_lost_count)
                 responses.append(service_pb2.StreamEventsResponse(events=[lost], view=self.view))
-                start = index + 1
-        if start < len(items):
-            responses.append(self._columns_response(items[start:] if start else items, sent_stacks, titles))
+            elif fixed and isinstance(item, EventRun) and item.labels is not None:
+                if events or (runs and not runs[0].raw.joins(item.raw)):
+                    flush()
+                runs.append(item)
+            else:
+                if runs:
+                    flush()
+                events.extend(item)
+        flush()
         return responses
 
     def _columns_response(self, events: list, sent_stacks: set[int],

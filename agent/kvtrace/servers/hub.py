@@ -1,10 +1,12 @@
 """Fan-out of model events to subscribers (gRPC streams), each with its own bounded queue.
 
-The hub is a Session sink: the Session calls `publish()` for every event; it never blocks, and costs
-one list append: events wait in a pending list, and are handed out in batches (`_distribute`) when a
-reader comes for more, when a loss is published, or when the list is long. A batch costs each
-subscriber that reads a filter over the batch and one extend of its queue (C loops, no Python call
-per event), so fan-out work per event is a few tens of nanoseconds a subscriber.
+The hub is a Session sink: the Session calls `publish()` for an event and `publish_many()` for a run of
+them; neither blocks, and each costs one list append: runs wait in a pending list as they came, and are
+handed out (`_distribute`) when a reader comes for more, when a loss is published, or when the list is
+long. Queues hold runs, not events: an unfiltered subscriber's costs nothing per event, and a run the
+BPF source decoded at once (model.events.EventRun) reaches the stream whole, with the records a
+fixed-column stream copies (servers/api.py). A filtered subscriber's filter runs over the events (C
+loops, no Python call per event), so fan-out work per event is a few tens of nanoseconds a subscriber.
 Each subscriber filters its batch before queueing, so its queue holds only events it wants. When a queue is
 full the subscriber is *parked*: the hub stops offering it events (a subscriber that does not read
 costs no work per event, however many there are) and notes where. When its reader has emptied the
@@ -30,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtrace.model.events import SIZED_KINDS, Event, Kind, Layer
+from kvtrace.model.events import SIZED_KINDS, Event, EventRun, Kind, Layer
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerResynced
 from kvtrace.model.processes import TitleMatcher, TitlePattern
@@ -60,6 +62,31 @@ class Lost:
     kernel_lost_count: int = 0  # lost in the kernel ring buffer, for everyone
 
 
+# A run of events as published: an EventRun, the Session's list, or one event's tuple. Never changed after.
+Batch = Sequence[Event]
+QueueItem = Batch | Lost
+
+
+def _head(events: Batch, count: int) -> Batch:
+    """The first `count` events of a batch; a run stays a run (with its records)."""
+    return events.sliced(0, count) if type(events) is EventRun else events[:count]
+
+
+def _tail(events: Batch, start: int) -> Batch:
+    return events.sliced(start, len(events)) if type(events) is EventRun else events[start:]
+
+
+def flatten(items: list[QueueItem]) -> list[Event | Lost]:
+    """The events and markers of queued items, one by one."""
+    flat: list[Event | Lost] = []
+    for item in items:
+        if isinstance(item, Lost):
+            flat.append(item)
+        else:
+            flat.extend(item)
+    return flat
+
+
 class Subscription:
     """One subscriber's queue. The hub hands it batches from the publishing thread or a reader's; one
     reader reads."""
@@ -78,7 +105,7 @@ class Subscription:
         self._last_read_monotonic = time.monotonic()  # when the reader last came back for more
         self.delivered_total = 0
         self.dropped_total = 0
-        self._queue: deque[Event | Lost] = deque()  # oldest first
+        self._queue: deque[QueueItem] = deque()  # oldest first
         self._queued_events = 0  # events in _queue (markers not counted)
         self._lock = threading.Lock()
         self._ready = threading.Event()  # set when something was queued since the reader looked
@@ -86,6 +113,9 @@ class Subscription:
             if event_filter.title_regex is not None else None
         self._filtered = bool(event_filter.pids or event_filter.kinds or event_filter.layers
                               or event_filter.min_size_bytes or self._titles is not None)
+        # Only processes are chosen: a run of none but chosen ones passes whole, records and all.
+        self._pids_only = bool(event_filter.pids) and not (
+            event_filter.kinds or event_filter.layers or event_filter.min_size_bytes or self._titles is not None)
 
     def wants(self, event: Event) -> bool:
         wanted = self.event_filter
@@ -99,11 +129,30 @@ class Subscription:
             return False
         return self._titles is None or self._titles.matches(event.title)
 
-    def wanted(self, batch: list[Event]) -> list[Event]:
-        """The events of `batch` this subscriber wants, in order: what `wants` says of each, one
-        comprehension per constraint set (no call per event but the title's, cached per title)."""
+    def wanted(self, batches: list[Batch]) -> list[Batch]:
+        """The events of `batches` this subscriber wants, in order, in batches: what `wants` says of each.
+        A run whose processes are all wanted (and nothing else constrains) passes whole; other events are
+        filtered together (`_wanted_events`)."""
         if not self._filtered:
-            return batch
+            return batches
+        kept: list[Batch] = []
+        loose: list[Event] = []
+        pids = self.event_filter.pids if self._pids_only else None
+        for events in batches:
+            if pids is not None and type(events) is EventRun and events.pids <= pids:
+                if loose:
+                    kept.append(self._wanted_events(loose))
+                    loose = []
+                kept.append(events)
+            else:
+                loose.extend(events)
+        if loose:
+            kept.append(self._wanted_events(loose))
+        return [events for events in kept if events]
+
+    def _wanted_events(self, batch: list[Event]) -> list[Event]:
+        """The events of `batch` this subscriber wants: one comprehension per constraint set (no call per
+        event but the title's, cached per title)."""
         wanted = self.event_filter
         if wanted.pids:
             pids = wanted.pids
@@ -124,19 +173,32 @@ class Subscription:
 
     def offer(self, event: Event) -> bool:
         """Queues the event; False when the queue is full (the hub then parks this subscriber)."""
-        return self._take([event]) == 1
+        return self._take([(event,)]) is None
 
-    def _take(self, wanted: list[Event]) -> int:
-        """Queues what fits of `wanted` (events this subscriber wants, in order); how many fitted."""
+    def _take(self, wanted: list[Batch]) -> Event | None:
+        """Queues what fits of `wanted` (batches of events this subscriber wants, in order); the first
+        event that did not fit, None when all did."""
+        missed = None
+        taken = 0
         with self._lock:
             room = self.max_queued_events - self._queued_events
-            taken = len(wanted) if len(wanted) <= room else max(room, 0)
-            if taken:
-                self._queue.extend(wanted if taken == len(wanted) else wanted[:taken])
-                self._queued_events += taken
+            queue = self._queue
+            for events in wanted:
+                count = len(events)
+                if count <= room:
+                    queue.append(events)
+                    room -= count
+                    taken += count
+                    continue
+                if room > 0:
+                    queue.append(_head(events, room))
+                    taken += room
+                missed = events[max(room, 0)]
+                break
+            self._queued_events += taken
         if taken:
             self._wake()
-        return taken
+        return missed
 
     def stalled_seconds(self, now: float) -> float:
         """How long the reader has not come back for events (0 while it waits in read())."""
@@ -161,19 +223,24 @@ class Subscription:
             self._ready.set()
 
     def read(self, max_items: int, timeout_seconds: float) -> list[Event | Lost]:
-        """Up to `max_items` queued events and loss markers, oldest first.
+        """Up to `max_items` queued events, and the loss markers among them, oldest first.
 
         Returns at once when something is queued; otherwise waits up to `timeout_seconds` for the
         first item and returns what came ([] on timeout or when closed).
         """
+        return flatten(self.read_batches(max_items, timeout_seconds))
+
+    def read_batches(self, max_events: int, timeout_seconds: float) -> list[QueueItem]:
+        """read(), in the batches the events were published in (a run stays a run, but for one cut
+        at `max_events`)."""
         self._reading = True
         try:
-            return self._read(max_items, timeout_seconds)
+            return self._read(max_events, timeout_seconds)
         finally:
             self._last_read_monotonic = time.monotonic()
             self._reading = False
 
-    def _read(self, max_items: int, timeout_seconds: float) -> list[Event | Lost]:
+    def _read(self, max_events: int, timeout_seconds: float) -> list[QueueItem]:
         deadline = time.monotonic() + timeout_seconds
         while True:
             # Clear before looking: a publish after the look then sets it again, so no wake-up is lost.
@@ -182,18 +249,7 @@ class Subscription:
                 self._hub.distribute()
             with self._lock:
                 if self._queue:
-                    queue = self._queue
-                    if len(queue) <= max_items:
-                        items = list(queue)
-                        queue.clear()
-                        # The whole queue: its events are the ones counted queued (no item looked at).
-                        events = self._queued_events
-                    else:
-                        items = [queue.popleft() for _ in range(max_items)]
-                        events = sum(1 for item in items if type(item) is not Lost)
-                    self._queued_events -= events
-                    self.delivered_total += events
-                    return items
+                    return self._take_out(max(max_events, 1))
             # Emptied while parked: rejoin, with the gap's marker (the queue stays empty meanwhile:
             # nothing is offered to a parked subscriber).
             if self.parked and self._hub is not None and not self.closed:
@@ -205,10 +261,49 @@ class Subscription:
                 return []
             self._ready.wait(remaining)
 
+    def _take_out(self, max_events: int) -> list[QueueItem]:
+        """Up to `max_events` queued events (a batch cut where they end) and the markers among them,
+        oldest first. Holds the lock."""
+        queue = self._queue
+        if self._queued_events <= max_events:  # the whole queue (no batch looked at)
+            items = list(queue)
+            queue.clear()
+            events = self._queued_events
+        else:
+            items = []
+            events = 0
+            while queue and events < max_events:
+                item = queue[0]
+                if isinstance(item, Lost):
+                    items.append(queue.popleft())
+                    continue
+                room = max_events - events
+                if len(item) <= room:
+                    items.append(queue.popleft())
+                    events += len(item)
+                else:
+                    items.append(_head(item, room))
+                    queue[0] = _tail(item, room)
+                    events += room
+        self._queued_events -= events
+        self.delivered_total += events
+        return items
+
     def close(self) -> None:
         """Wakes the reader; it then gets what is queued and [] after that."""
         self.closed = True
         self._ready.set()
+
+
+def _position(batches: list[Batch], event: Event) -> int:
+    """Where `event` (that object) is among the events of `batches`."""
+    position = 0
+    for events in batches:
+        for index, candidate in enumerate(events):
+            if candidate is event:
+                return position + index
+        position += len(events)
+    raise ValueError("the event is not in the batches")
 
 
 class EventHub:
@@ -225,16 +320,17 @@ class EventHub:
         # The subscribers offered events. Replaced, never mutated: _distribute iterates its snapshot.
         self._subscriptions: tuple[Subscription, ...] = ()
         self._parked: list[Subscription] = []  # full queues: offered nothing until emptied
-        # Published, not yet handed out. The publisher only appends; _distribute takes a prefix (one
-        # slice and one del, each atomic under the GIL), so publish takes no lock.
-        self._pending: list[Event] = []
+        # Published batches, not yet handed out. The publisher only appends; _distribute takes a prefix
+        # (one slice and one del, each atomic under the GIL), so publish takes no lock.
+        self._pending: list[Batch] = []
         self._kicked = False  # the readers were woken for what is pending
-        self._distributed_total = 0  # events handed out (or published while nobody took them)
+        self._published_total = 0  # events published (written by the publisher only)
+        self._distributed_total = 0  # events handed out (or published while nobody took them); under _lock
         self.kernel_lost_total = 0
 
     @property
     def published_total(self) -> int:
-        return self._distributed_total + len(self._pending)
+        return self._published_total
 
     def subscribe(self, event_filter: EventFilter | None = None,
                   max_queued_events: int | None = None) -> Subscription:
@@ -264,16 +360,18 @@ class EventHub:
         """Offers the event to every subscriber that wants it. Never blocks."""
         self.publish_many((event,))
 
-    def publish_many(self, events: Sequence[Event]) -> None:
-        """publish, for each of a run of events."""
-        pending = self._pending
-        pending.extend(events)
+    def publish_many(self, events: Batch) -> None:
+        """publish, for each of a run of events (the hub keeps the run: the caller never changes it)."""
+        if not events:
+            return
+        self._pending.append(events)
+        self._published_total += len(events)
         if not self._kicked:
-            # The first event since the last hand-out: wake the readers (they hand it out).
+            # The first events since the last hand-out: wake the readers (they hand them out).
             self._kicked = True
             for subscription in self._subscriptions:
                 subscription._wake()
-        elif len(pending) >= self.distribute_at:
+        elif self._published_total - self._distributed_total >= self.distribute_at:
             self.distribute()
 
     def distribute(self) -> None:
@@ -297,16 +395,14 @@ class EventHub:
         batch = pending[:count]
         del pending[:count]
         base = self._distributed_total
-        self._distributed_total = base + count
+        self._distributed_total = base + sum(map(len, batch))
         for subscription in self._subscriptions:
             wanted = subscription.wanted(batch)
             if not wanted:
                 continue
-            taken = subscription._take(wanted)
-            if taken < len(wanted):
-                first_missed = wanted[taken]
-                position = base + next(index for index, item in enumerate(batch) if item is first_missed)
-                self._park(subscription, position)
+            first_missed = subscription._take(wanted)
+            if first_missed is not None:
+                self._park(subscription, base + _position(batch, first_missed))
 
     def _park(self, subscription: Subscription, position: int) -> None:
         """The subscription's queue is full: offer it nothing more until its reader empties it.

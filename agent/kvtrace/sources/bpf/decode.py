@@ -8,10 +8,12 @@ from collections.abc import Collection, Iterable, Iterator
 from kvtrace.model.events import (
     Api,
     Event,
+    EventRun,
     Kind,
     Layer,
     Memory,
     ObjectKind,
+    RawRecords,
     StackStatus,
 )
 from kvtrace.model.ledger import LedgerKey, Outstanding, TotalsKey
@@ -156,6 +158,74 @@ def decode_events(records: bytes, clock: Clock, stride: int = abi.EVENT_STRUCT.s
             name, "", "", 0, status))
         add_stack(kernel_stack_id)
     return events, stack_ids, undecodable
+
+
+# FixedEventColumns' columns but comm (16 bytes: two 8-byte halves), each the kvt_event field of that name,
+# by its width in bytes. The records are the host's byte order: little-endian wherever the probes build
+# (x86-64, arm64), as the wire's fixed columns are.
+_FIXED_COLUMNS = tuple((name, getattr(abi.RawEvent, name).size) for name in (
+    "timestamp_ns", "pid", "tid", "size_bytes", "address", "caller_address", "aux", "device", "error_code", "api",
+    "kind", "layer", "object", "memory", "stack_status"))
+
+
+class RawEvents:
+    """struct kvt_event records at `offset` in every `stride` bytes, as the ring held them, and the clock
+    offset their events were stamped with: what an EventRun was decoded from (model.events.RawRecords).
+    Each column is one strided copy of the records (a C loop), a few nanoseconds an event."""
+
+    __slots__ = ("records", "stride", "offset", "timestamp_offset_ns")
+
+    def __init__(self, records: bytes, stride: int, offset: int, timestamp_offset_ns: int) -> None:
+        if not aligned(stride, offset) or len(records) % stride:
+            raise ValueError(f"{len(records)} bytes are not whole 8-byte aligned records of {stride} bytes "
+                             f"with the event at {offset}")
+        self.records = records
+        self.stride = stride
+        self.offset = offset
+        self.timestamp_offset_ns = timestamp_offset_ns
+
+    def __len__(self) -> int:
+        return len(self.records) // self.stride
+
+    def sliced(self, start: int, stop: int) -> RawEvents:
+        stride = self.stride
+        return RawEvents(self.records[start * stride:stop * stride], stride, self.offset, self.timestamp_offset_ns)
+
+    def joins(self, other: RawRecords) -> bool:
+        return self.timestamp_offset_ns == other.timestamp_offset_ns
+
+    def columns(self) -> dict[str, bytes]:
+        view = memoryview(self.records)
+        casts = {8: view.cast("Q"), 4: view.cast("I"), 2: view.cast("H"), 1: view.cast("B")}
+        stride, offset = self.stride, self.offset
+        columns = {name: casts[width][(offset + getattr(abi.RawEvent, name).offset) // width::stride // width].tobytes()
+                   for name, width in _FIXED_COLUMNS}
+        comm = bytearray(len(self) * abi.COMM_LEN)
+        halves, words = memoryview(comm).cast("Q"), casts[8]
+        first = (offset + abi.RawEvent.comm.offset) // 8
+        halves[0::2] = words[first::stride // 8]
+        halves[1::2] = words[first + 1::stride // 8]
+        columns["comm"] = bytes(comm)
+        return columns
+
+
+def aligned(stride: int, offset: int) -> bool:
+    """Whether records so laid out can be copied as columns (RawEvents): 8-byte fields on 8-byte bounds."""
+    return stride > 0 and stride % 8 == 0 and offset % 8 == 0 and offset + abi.EVENT_STRUCT.size <= stride
+
+
+def event_run(events: list[Event], records: bytes, clock: Clock, stride: int, offset: int) -> EventRun | None:
+    """The events decode_events made of every record of `records`, as a run with those records; None where
+    the records are not their events copied (some were left out, or a stack status was read as another),
+    or cannot be copied as columns (not aligned)."""
+    if not aligned(stride, offset) or len(events) * stride != len(records):
+        return None
+    view = memoryview(records)
+    if not _STACK_STATUS.keys() >= frozenset(view[offset + abi.RawEvent.stack_status.offset::stride]):
+        return None
+    pids = frozenset(view.cast("I")[(offset + abi.RawEvent.pid.offset) // 4::stride // 4])
+    kinds = frozenset(view[offset + abi.RawEvent.kind.offset::stride])
+    return EventRun(events, RawEvents(records, stride, offset, clock.offset_ns), pids, kinds)
 
 
 def decode_ledger_entry(key: abi.RawLedgerKey, value: abi.RawLedgerValue, clock: Clock) -> Outstanding:

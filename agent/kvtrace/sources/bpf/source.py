@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from kvtrace.model.agent import AttachedLibrary
-from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventsLost, Kind, ObjectKind, StackStatus
+from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventRun, EventsLost, Kind, ObjectKind, StackStatus
 from kvtrace.model.gpus import cuda_visible_count
 from kvtrace.model.ledger import COUNTED_OBJECTS, DEFAULT_MAX_READ_ENTRIES, LedgerKey, Outstanding, TotalsKey
 from kvtrace.model.stacks import Stack
@@ -35,6 +35,7 @@ from kvtrace.sources.bpf.decode import (
     decode_ledger_entry,
     decode_totals,
     doomed_in_chunk,
+    event_run,
     stacks_in_chunk,
 )
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, ProbeSettings, TorchProbesRefused
@@ -51,7 +52,7 @@ _COUNTED_OBJECT_VALUES = frozenset(kind.value for kind in COUNTED_OBJECTS)
 _KEPT_OBJECT_VALUES = frozenset(kind.value for kind in ObjectKind) - _COUNTED_OBJECT_VALUES
 
 # Events the BPF source acts on as they are read (the kernel's ledger drops what they freed).
-_LIFECYCLE_KINDS = frozenset({Kind.PROCESS_EXIT, Kind.CONTEXT_DESTROY})
+_LIFECYCLE_KIND_NUMBERS = frozenset({int(Kind.PROCESS_EXIT), int(Kind.CONTEXT_DESTROY)})
 
 # The loop reports at every turn while events come and once a second when idle (IDLE_REPORT_SECONDS);
 # silent this long, it is stalled.
@@ -117,7 +118,7 @@ class BpfSource:
         self.symbolizer = Symbolizer()
         self._stack_ids: dict[int, int] = {}  # kernel stack hash -> interned stack id
         self._stack_ids_by_pid: dict[int, set[int]] = {}
-        self._batch: list[Event] = []  # decoded in this poll, ingested after it
+        self._batch: list[Event | EventRun] = []  # decoded in this poll, ingested after it
         # Held while the loop polls and keeps house; follow() takes it from other threads.
         self._lock = threading.Lock()
         self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
@@ -271,7 +272,7 @@ class BpfSource:
     def _on_raw_events(self, records: bytes, stride: int, offset: int) -> None:
         """A poll's records at once (loader.open_rings): decoded in one go; events that need no
         more than the pid filter (no kernel stack, not an exit or context destroy) join the batch
-        without a Python call each."""
+        without a Python call each, as one EventRun with their records where all are wanted."""
         self._events_since_report = True
         try:
             events, kernel_stack_ids, undecodable = decode_events(records, self.clock, stride, offset)
@@ -280,9 +281,13 @@ class BpfSource:
             return
         if undecodable:
             self._count_undecodable(undecodable, "a kind, API or enum value this agent does not know")
-        if any(kernel_stack_ids) or not _LIFECYCLE_KINDS.isdisjoint({event.kind for event in events}):
+        run = event_run(events, records, self.clock, stride, offset)
+        kinds = run.kinds if run is not None else {int(event.kind) for event in events}
+        if any(kernel_stack_ids) or not _LIFECYCLE_KIND_NUMBERS.isdisjoint(kinds):
             for event, kernel_stack_id in zip(events, kernel_stack_ids, strict=True):
                 self._admit(event, kernel_stack_id)
+        elif run is not None and (not self.filtering or run.pids <= self._selected):
+            self._batch.append(run)
         elif self.filtering:
             selected = self._selected
             self._batch.extend([event for event in events if event.pid in selected])

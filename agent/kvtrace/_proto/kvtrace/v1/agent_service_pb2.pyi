@@ -13,6 +13,7 @@ class EventEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_ENCODING_UNSPECIFIED: _ClassVar[EventEncoding]
     EVENT_ENCODING_MESSAGES: _ClassVar[EventEncoding]
     EVENT_ENCODING_COLUMNS: _ClassVar[EventEncoding]
+    EVENT_ENCODING_FIXED_COLUMNS: _ClassVar[EventEncoding]
 
 class View(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -59,6 +60,7 @@ class FlightTriggerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 EVENT_ENCODING_UNSPECIFIED: EventEncoding
 EVENT_ENCODING_MESSAGES: EventEncoding
 EVENT_ENCODING_COLUMNS: EventEncoding
+EVENT_ENCODING_FIXED_COLUMNS: EventEncoding
 VIEW_UNSPECIFIED: View
 VIEW_FULL: View
 VIEW_REDACTED: View
@@ -105,14 +107,16 @@ class StreamEventsRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ..., title_regex: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[_events_pb2.EventKind, str]]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., min_size_bytes: _Optional[int] = ..., encoding: _Optional[_Union[EventEncoding, str]] = ...) -> None: ...
 
 class StreamEventsResponse(_message.Message):
-    __slots__ = ("events", "view", "columns")
+    __slots__ = ("events", "view", "columns", "fixed_columns")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    FIXED_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
     view: View
     columns: _events_pb2.EventColumns
-    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., columns: _Optional[_Union[_events_pb2.EventColumns, _Mapping]] = ...) -> None: ...
+    fixed_columns: _events_pb2.FixedEventColumns
+    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., columns: _Optional[_Union[_events_pb2.EventColumns, _Mapping]] = ..., fixed_columns: _Optional[_Union[_events_pb2.FixedEventColumns, _Mapping]] = ...) -> None: ...
 
 class GetSnapshotRequest(_message.Message):
     __slots__ = ("pids", "layers", "page_size", "page_token")

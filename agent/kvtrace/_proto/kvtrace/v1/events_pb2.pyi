@@ -357,11 +357,53 @@ class EventColumns(_message.Message):
     def __init__(self, kind: _Optional[_Iterable[_Union[EventKind, str]]] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., process: _Optional[_Iterable[int]] = ..., api: _Optional[_Iterable[_Union[Api, str]]] = ..., layer: _Optional[_Iterable[_Union[Layer, str]]] = ..., object: _Optional[_Iterable[_Union[ObjectKind, str]]] = ..., memory: _Optional[_Iterable[_Union[Memory, str]]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., error_code: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., handle: _Optional[_Iterable[int]] = ..., freed_bytes: _Optional[_Iterable[int]] = ..., stack_id: _Optional[_Iterable[int]] = ..., stack_status: _Optional[_Iterable[_Union[StackStatus, str]]] = ..., stream: _Optional[_Iterable[int]] = ..., source: _Optional[_Iterable[_Union[EventSource, str]]] = ..., processes: _Optional[_Iterable[_Union[ProcessLabel, _Mapping]]] = ...) -> None: ...
 
 class ProcessLabel(_message.Message):
-    __slots__ = ("comm", "title", "container")
+    __slots__ = ("comm", "title", "container", "pid")
     COMM_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     comm: str
     title: str
     container: str
-    def __init__(self, comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class FixedEventColumns(_message.Message):
+    __slots__ = ("timestamp_offset_ns", "timestamp_ns", "pid", "tid", "size_bytes", "address", "caller_address", "aux", "device", "error_code", "api", "kind", "layer", "object", "memory", "stack_status", "comm", "processes")
+    TIMESTAMP_OFFSET_NS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    STACK_STATUS_FIELD_NUMBER: _ClassVar[int]
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    timestamp_offset_ns: int
+    timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
+    pid: _containers.RepeatedScalarFieldContainer[int]
+    tid: _containers.RepeatedScalarFieldContainer[int]
+    size_bytes: _containers.RepeatedScalarFieldContainer[int]
+    address: _containers.RepeatedScalarFieldContainer[int]
+    caller_address: _containers.RepeatedScalarFieldContainer[int]
+    aux: _containers.RepeatedScalarFieldContainer[int]
+    device: _containers.RepeatedScalarFieldContainer[int]
+    error_code: _containers.RepeatedScalarFieldContainer[int]
+    api: bytes
+    kind: bytes
+    layer: bytes
+    object: bytes
+    memory: bytes
+    stack_status: bytes
+    comm: bytes
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessLabel]
+    def __init__(self, timestamp_offset_ns: _Optional[int] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., error_code: _Optional[_Iterable[int]] = ..., api: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., layer: _Optional[bytes] = ..., object: _Optional[bytes] = ..., memory: _Optional[bytes] = ..., stack_status: _Optional[bytes] = ..., comm: _Optional[bytes] = ..., processes: _Optional[_Iterable[_Union[ProcessLabel, _Mapping]]] = ...) -> None: ...
