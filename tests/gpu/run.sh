@@ -8,6 +8,7 @@
 #   bash tests/gpu/run.sh cupti [pytest args]          # tests/gpu/test_cupti.py: kvtrace run (CUPTI) vs the uprobes
 #   bash tests/gpu/run.sh cupti-bench [bench args]     # bench/cupti_overhead.py: CUPTI's cost, side by side
 #   bash tests/gpu/run.sh throughput [bench args]      # bench/api_throughput.py: events/s to gRPC subscribers (gcc: stubs)
+#   bash tests/gpu/run.sh idle [bench args]            # bench/agent_idle.py: the idle agent's CPU, with and without NVML
 #   bash tests/gpu/run.sh vllm [pytest args]           # tests/gpu/test_vllm*.py, with the vLLM bundle
 #   bash tests/gpu/run.sh vllm-bench [bench args]      # bench/vllm_overhead.py: tokens/s untraced, traced, plugin
 #     (upload .vllm+.vllm1, `bash .vllm/install.sh`; then .vllm+.vllm2 and again: it lands in /tmp/vsite)
@@ -19,7 +20,7 @@
 # -d .whl cupti-python==13.0.1). Both are used only when bcc or a package is not importable already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|throughput|vllm|vllm-bench [args]}; shift
+what=${1:?usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|throughput|idle|vllm|vllm-bench [args]}; shift
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
@@ -47,6 +48,7 @@ case $what in
   cupti-bench) exec $python bench/cupti_overhead.py "$@" ;;
   bench) exec $python bench/gpu_overhead.py "$@" ;;
   throughput) exec $python bench/api_throughput.py "$@" ;;
+  idle) exec $python bench/agent_idle.py "$@" ;;
   blocks-bench) exec $python bench/torch_blocks_overhead.py "$@" ;;
   vllm|vllm-bench)
     [ -f /tmp/vsite/.vllm_bundle_ok ] || { echo "vLLM is not installed in /tmp/vsite: bash .vllm/install.sh (twice)" >&2; exit 1; }
@@ -55,5 +57,5 @@ case $what in
       exec $python -m pytest tests/gpu/test_vllm.py tests/gpu/test_vllm_placement.py -s -q -p no:cacheprovider "$@"
     fi
     exec $python bench/vllm_overhead.py "$@" ;;
-  *) echo "usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|throughput|vllm|vllm-bench [args]" >&2; exit 2 ;;
+  *) echo "usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|throughput|idle|vllm|vllm-bench [args]" >&2; exit 2 ;;
 esac
