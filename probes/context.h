@@ -243,8 +243,8 @@ static __always_inline int save_alloc_entry(struct pt_regs *ctx, u32 api) {
  * address it took over back into the registers before return probes run, so reading it off the user
  * stack at entry (a bpf_probe_read_user per call) gave the same number at a cost. */
 #if KVT_TASK_STORAGE
-static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_args *out) {
-    struct kvt_thread *thread = this_thread(0);
+static __always_inline int take_thread_entry(struct kvt_thread *thread, struct pt_regs *ctx, u32 api,
+                                             struct kvt_args *out) {
     struct kvt_args *args = thread && api < KVT_API_SLOTS ? &thread->args[api] : 0;
     if (!args || !args->in_flight) {
         if (selected(bpf_get_current_pid_tgid() >> 32))
@@ -257,6 +257,10 @@ static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_a
     if (thread->outer.api == api)
         thread->outer.api = 0;
     return 1;
+}
+
+static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_args *out) {
+    return take_thread_entry(this_thread(0), ctx, api, out);
 }
 #else
 static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_args *out) {
@@ -277,6 +281,12 @@ static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_a
 
 /* CUDA's rule: a thread works on the device it selected (cudaSetDevice, or a context made
  * current); one that never selected any works on device 0, the first GPU it can see. */
+static __always_inline s32 default_device(void) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    s32 *fallback = process_device.lookup(&pid);
+    return fallback ? *fallback : 0;
+}
+
 static __always_inline s32 current_device(u32 tid) {
 #if KVT_TASK_STORAGE
     struct kvt_thread *thread = this_thread(0);
@@ -287,9 +297,23 @@ static __always_inline s32 current_device(u32 tid) {
     if (device)
         return *device;
 #endif
-    u32 pid = bpf_get_current_pid_tgid() >> 32;
-    s32 *fallback = process_device.lookup(&pid);
-    return fallback ? *fallback : 0;
+    return default_device();
+}
+
+/* take_entry, and then the calling thread's current_device (with task storage, from the storage the
+ * entry came from: one lookup of it per return, not two). */
+static __always_inline int take_entry_on_device(struct pt_regs *ctx, u32 api, struct kvt_args *out, s32 *device) {
+#if KVT_TASK_STORAGE
+    struct kvt_thread *thread = this_thread(0);
+    if (!take_thread_entry(thread, ctx, api, out))
+        return 0;
+    *device = thread && thread->device_set ? thread->device : default_device();
+#else
+    if (!take_entry(ctx, api, out))
+        return 0;
+    *device = current_device((u32)bpf_get_current_pid_tgid());
+#endif
+    return 1;
 }
 
 /* `tid` is the calling thread's (with task storage, its storage is where the device goes). */

@@ -107,15 +107,17 @@ static __always_inline void ledger_delete(struct kvt_ledger_key *key, s32 device
 static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, u8 object, u8 memory,
                                         int pitched) {
     struct kvt_args args;
-    if (!take_entry(ctx, api, &args))
+    s32 device;
+    if (!take_entry_on_device(ctx, api, &args, &device))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
-    u32 tid = (u32)bpf_get_current_pid_tgid();
 #if !KVT_TASK_STORAGE
+    u32 tid = (u32)bpf_get_current_pid_tgid();
     if (is_runtime_api(api))
         outer_stack.delete(&tid); /* the runtime call is over: its driver calls are done */
 #endif
-    s32 device = memory == KVT_MEMORY_HOST ? KVT_DEVICE_UNKNOWN : current_device(tid);
+    if (memory == KVT_MEMORY_HOST)
+        device = KVT_DEVICE_UNKNOWN;
     u64 size_bytes = args.arg[1];
     if (pitched) {
         /* (out, size_t *pitch, width, height): the real size is pitch * height. */
