@@ -158,6 +158,8 @@ class AgentClient:
         request = self._stream_request(pids, title_regex, kinds, layers, min_size_bytes)
         if columns:
             request.encoding = service_pb2.EVENT_ENCODING_FIXED_COLUMNS if fixed else service_pb2.EVENT_ENCODING_COLUMNS
+        elif fixed:
+            raise ValueError("fixed columns are columns: fixed=True needs columns=True")
         return self._responses(self._stub.StreamEvents(request))
 
     def _stream_request(self, pids: Iterable[int], title_regex: str, kinds: Iterable[Kind],

@@ -91,7 +91,8 @@ class Sink(Protocol):
 
     A sink may also have `publish_many(events)`: the same as publish for each of a run of consecutive
     allocation-type events, called once after the ledger took the whole run (a sink that reads the
-    ledger as it publishes, a recording's checkpoint, must not have it)."""
+    ledger as it publishes, a recording's checkpoint, must not have it). The run (a list, or an EventRun
+    as a source read it) is every such sink's to keep: no one changes it, or its events, afterwards."""
 
     def publish(self, event: Event) -> None: ...
 

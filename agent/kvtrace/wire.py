@@ -21,6 +21,8 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.agent import AgentInfo, TrackedProcess
 from kvtrace.model.crosscheck import ProcessCrossCheck, Side
 from kvtrace.model.events import (
+    AUX_FIELDS,
+    COMM_BYTES,
     SIZED_KINDS,
     Api,
     Event,
@@ -46,8 +48,6 @@ from kvtrace.model.stacks import Frame, NativeFrame, Stack
 from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
 
 _STACK_STATUS_NAMES = {status: status.name.lower() for status in StackStatus}
-_TORCH_APIS = frozenset({Api.pytorch_malloc, Api.pytorch_free})  # their events' stream (FixedEventColumns.aux)
-_COMM_BYTES = 16  # FixedEventColumns.comm: a thread name's bytes, NUL-padded (TASK_COMM_LEN)
 
 
 def wire_number(value: enum.IntEnum | None) -> Any:
@@ -182,35 +182,60 @@ _FIXED_KEYS = {field.name: _varint(field.number << 3 | 2)
                and field.name != "timestamp_offset_ns"}
 
 
+class FixedColumnsBatch:
+    """Runs for one FixedEventColumns (the stream's EVENT_ENCODING_FIXED_COLUMNS), in order: labelled by the
+    Session, on one clock, and with one label per process (a title that changed between two runs, at an
+    exec say, ends a batch)."""
+
+    def __init__(self) -> None:
+        self.runs: list[EventRun] = []
+        self._labels: dict[int, tuple[str, str] | None] = {}
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def takes(self, run: EventRun) -> bool:
+        labels = run.labels
+        if labels is None or (self.runs and not self.runs[0].raw.joins(run.raw)):
+            return False
+        kept = self._labels
+        return all(kept.get(pid, labels.get(pid)) == labels.get(pid) for pid in run.pids)
+
+    def add(self, run: EventRun) -> None:
+        if not self.takes(run):
+            raise ValueError("a run that cannot share this batch (another clock, a process labelled otherwise, "
+                             "or not labelled)")
+        self.runs.append(run)
+        assert run.labels is not None
+        self._labels.update((pid, run.labels.get(pid)) for pid in run.pids)
+
+    def into(self, message: events_pb2.FixedEventColumns) -> None:
+        """The runs' events into `message`, copied from the records they were decoded from: each column a
+        strided copy per run, joined, and a parse that is a copy too; nothing per event."""
+        if not self.runs:
+            return
+        parts = [run.raw.columns() for run in self.runs]
+        keys = _FIXED_KEYS
+        message.MergeFromString(b"".join(
+            keys[name] + _varint(len(column)) + column
+            for name, column in ((name, b"".join(part[name] for part in parts)) for name in parts[0])))
+        message.timestamp_offset_ns = self.runs[0].raw.timestamp_offset_ns
+        add = message.processes.add
+        for pid, label in self._labels.items():
+            if label is not None:
+                add(pid=pid, title=label[0], container=label[1])
+
+    def clear(self) -> None:
+        self.runs.clear()
+        self._labels.clear()
+
+
 def runs_to_fixed_columns(runs: Sequence[EventRun], message: events_pb2.FixedEventColumns) -> None:
-    """Runs' events, in order, into `message` (the stream's EVENT_ENCODING_FIXED_COLUMNS), copied from the
-    records they were decoded from: each column a strided copy per run, joined, and a parse that is a copy
-    too; nothing per event. The runs' records must join (RawRecords.joins: one clock)."""
-    if not runs:
-        return
-    first = runs[0].raw
-    if not all(first.joins(run.raw) for run in runs):
-        raise ValueError("runs of records that do not join (another clock offset or layout)")
-    parts = [run.raw.columns() for run in runs]
-    keys = _FIXED_KEYS
-    message.MergeFromString(b"".join(
-        keys[name] + _varint(len(column)) + column
-        for name, column in ((name, b"".join(part[name] for part in parts)) for name in parts[0])))
-    message.timestamp_offset_ns = first.timestamp_offset_ns
-    labels: dict[int, tuple[str, str]] = {}
+    """Runs that may share one batch (FixedColumnsBatch.takes each), in order, into `message`."""
+    batch = FixedColumnsBatch()
     for run in runs:
-        if run.labels is None:
-            raise ValueError("a run the Session has not labelled")
-        for pid, label in run.labels.items():
-            if label is not None and pid in run.pids:
-                labels[pid] = label
-    add = message.processes.add
-    for pid, (title, container) in labels.items():
-        add(pid=pid, title=title, container=container)
-
-
-def fixed_columns_event_count(columns: events_pb2.FixedEventColumns) -> int:
-    return len(columns.timestamp_ns)
+        batch.add(run)
+    batch.into(message)
 
 
 def _fixed_bytes(values: bytes, code: str, count: int, name: str) -> array.array:
@@ -235,25 +260,29 @@ def events_from_fixed_columns(columns: events_pb2.FixedEventColumns) -> list[Eve
     small = [_fixed_bytes(getattr(columns, name), "B", count, name)
              for name in ("kind", "layer", "object", "memory", "stack_status")]
     comm_bytes = columns.comm
-    if len(comm_bytes) != count * _COMM_BYTES:
+    if len(comm_bytes) != count * COMM_BYTES:
         raise ValueError(f"FixedEventColumns.comm has {len(comm_bytes)} bytes for {count} events")
     labels = {label.pid: (label.title, label.container) for label in columns.processes}
     offset_ns = columns.timestamp_offset_ns
+    names: dict[bytes, str] = {}  # each distinct name decoded once
     events: list[Event | None] = []
     for index, (timestamp_ns, pid, tid, size_bytes, address, caller_address, aux, device, error_code, api, kind,
                 layer, obj, memory, stack_status) in enumerate(zip(
             columns.timestamp_ns, *numbers, apis, *small, strict=True)):
-        comm = comm_bytes[index * _COMM_BYTES:(index + 1) * _COMM_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace")
+        raw_comm = comm_bytes[index * COMM_BYTES:(index + 1) * COMM_BYTES]
+        comm = names.get(raw_comm)
+        if comm is None:
+            comm = names[raw_comm] = raw_comm.split(b"\0", 1)[0].decode("utf-8", "replace")
         title, container = labels.get(pid) or (comm, "")
         try:
             api_member = Api(api)
+            field = AUX_FIELDS.get(api_member)
             event = Event(kind=Kind(kind), api=api_member, pid=pid, tid=tid, timestamp_ns=timestamp_ns + offset_ns,
                           layer=_member(Layer, layer), object=_member(ObjectKind, obj),
                           memory=_member(Memory, memory), size_bytes=size_bytes, address=address, device=device,
                           error_code=error_code, caller_address=caller_address,
-                          handle=aux if api_member is Api.cuMemMap else 0,
-                          freed_bytes=aux if api_member is Api.cuMemUnmap else 0,
-                          stream=aux if api_member in _TORCH_APIS else 0, comm=comm, title=title,
+                          handle=aux if field == "handle" else 0, freed_bytes=aux if field == "freed_bytes" else 0,
+                          stream=aux if field == "stream" else 0, comm=comm, title=title,
                           container=container, stack_status=StackStatus(stack_status))
         except ValueError:  # a value this client does not know: a newer agent
             events.append(None)

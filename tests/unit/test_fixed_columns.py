@@ -11,14 +11,14 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.crosscheck import TracerStatus
-from kvtrace.model.events import Api, EventRun, Kind, Layer, Memory, ObjectKind, Source, StackStatus
+from kvtrace.model.events import Api, Event, EventRun, Kind, Layer, Memory, ObjectKind, Source, StackStatus
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.servers.hub import EventFilter, EventHub, Lost
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, RawEvents, decode_events, event_run
 from kvtrace.sources.bpf.loader import RingReader
-from kvtrace.wire import events_from_columns, events_from_fixed_columns, runs_to_fixed_columns
+from kvtrace.wire import FixedColumnsBatch, events_from_columns, events_from_fixed_columns, runs_to_fixed_columns
 
 CLOCK = Clock(offset_ns=1_700_000_000_000_000_000)
 FIXED = service_pb2.EVENT_ENCODING_FIXED_COLUMNS
@@ -101,7 +101,7 @@ def test_labels_go_by_pid_and_an_unknown_process_is_titled_by_its_comm():
 def test_runs_of_two_clocks_do_not_join():
     other = decoded_run()
     other.raw = RawEvents(other.raw.records, STRIDE, HEADER, CLOCK.offset_ns + 1)
-    with pytest.raises(ValueError, match="do not join"):
+    with pytest.raises(ValueError, match="another clock"):
         over_the_wire(decoded_run(), other)
 
 
@@ -303,3 +303,80 @@ def deadline_wait(condition, timeout_seconds=5.0):
 
 def test_sources_are_the_uprobes():
     assert {event.source for event in decoded_run()} == {Source.UPROBE}
+
+
+# ---- one label per process in a batch ----
+
+def labelled(records, labels) -> EventRun:
+    return decoded_run(records, {pid: labels.get(pid) for pid in (4000, 4100, 4200)})
+
+
+def test_a_title_that_changed_between_runs_ends_the_batch_even_with_a_run_between():
+    """pid 4000 known as "old", then 4100 alone, then 4000 as "new" (it exec'd): the third run cannot join
+    the first's batch, or the first's events would read the new title."""
+    first = labelled([RECORDS[0]], {4000: ("old", "")})
+    between = labelled([RECORDS[2]], {4100: ("other", "")})
+    then = labelled([RECORDS[1]], {4000: ("new", "")})
+    unknown = labelled([RECORDS[1]], {})  # 4000 no longer known: its events' title is their comm
+    batch = FixedColumnsBatch()
+    batch.add(first)
+    assert batch.takes(between) and batch.add(between) is None
+    assert not batch.takes(then) and not batch.takes(unknown)
+    assert batch.takes(labelled([RECORDS[1]], {4000: ("old", "")}))
+    with pytest.raises(ValueError, match="labelled otherwise"):
+        batch.add(then)
+
+
+def test_a_stream_sends_runs_of_one_process_relabelled_in_two_batches_with_their_own_titles():
+    """Read at once, as a busy stream reads: the runs before and after the relabelling go in two batches."""
+    with served() as (server, _):
+        first = labelled([RECORDS[0]], {4000: ("old", "")})
+        between = labelled([RECORDS[2]], {4100: ("other", "")})
+        then = labelled([RECORDS[1]], {4000: ("new", "")})
+        responses = server.servicer._column_responses([first, between, then], set(), None, fixed=True)
+    assert [len(response.fixed_columns.timestamp_ns) for response in responses] == [2, 1]
+    got = [event for response in responses for event in events_from_fixed_columns(response.fixed_columns)]
+    assert [event.title for event in got] == ["old", "other", "new"] and got == [*first, *between, *then]
+
+
+# ---- the BPF source makes runs ----
+
+def source_with(selected=None):
+    from kvtrace.sources.bpf.source import BpfOptions, BpfSource
+    from test_bpf_source import CountingProbes
+    source = BpfSource(Session(), BpfOptions(only_selected=selected is not None))
+    source.probes = CountingProbes()
+    source._selected.update(selected or ())
+    return source
+
+
+def test_the_source_hands_a_poll_over_as_one_run_where_nothing_needs_an_event_alone():
+    source = source_with()
+    data = b"".join(RECORDS)
+    source._on_raw_events(data, STRIDE, HEADER)
+    (run,) = source._batch
+    assert type(run) is EventRun and run.raw.records == data and run.pids == {4000, 4100, 4200}
+    assert run == decode_events(data, source.clock, STRIDE, HEADER)[0]
+
+
+def test_the_source_filters_a_run_of_other_processes_and_admits_stacks_one_by_one():
+    chosen = source_with(selected={4000, 4100, 4200})
+    chosen._on_raw_events(b"".join(RECORDS), STRIDE, HEADER)
+    assert type(chosen._batch[0]) is EventRun  # every process chosen: whole
+    fewer = source_with(selected={4000})
+    fewer._on_raw_events(b"".join(RECORDS), STRIDE, HEADER)
+    assert all(type(item) is not EventRun for item in fewer._batch) and {e.pid for e in fewer._batch} == {4000}
+    stacked = source_with()
+    stacked._resolve_stack = lambda pid, kernel_stack_id: 0
+    stacked._on_raw_events(b"".join([RECORDS[0], record(stack_id=77)]), STRIDE, HEADER)
+    assert [type(item) for item in stacked._batch] == [Event, Event]
+    assert stacked._batch[1].stack_status is StackStatus.UNRESOLVED
+
+
+def test_a_client_asks_for_fixed_columns_only_with_columns():
+    from kvtrace.client import AgentClient
+    with served() as (server, _):
+        client = AgentClient.for_socket(server.config.socket)
+        with pytest.raises(ValueError, match="fixed=True needs columns=True"):
+            client.stream_responses(columns=False, fixed=True)
+        client.close()

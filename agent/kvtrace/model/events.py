@@ -125,6 +125,12 @@ PHYSICAL_LAYERS = frozenset({Layer.DRIVER, Layer.VMM})
 # address space only.
 MEMORY_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.VMM_HANDLE, ObjectKind.BLOCK})
 
+# The Event field a traced call's one extra number is, by API (a uprobe record's and FixedEventColumns' `aux`):
+# the handle cuMemMap mapped, the physical bytes cuMemUnmap freed, a PyTorch block's stream. Others: none.
+AUX_FIELDS = {Api.cuMemMap: "handle", Api.cuMemUnmap: "freed_bytes", Api.pytorch_malloc: "stream",
+              Api.pytorch_free: "stream"}
+COMM_BYTES = 16  # a thread's name (Event.comm) as the kernel keeps it: at most 15 bytes and a NUL (TASK_COMM_LEN)
+
 # Kinds whose events describe an object with a size (the wire's Allocation payload).
 SIZED_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.ALLOC_FAILED, Kind.FREE_FAILED, Kind.FREE_UNKNOWN,
                          Kind.MAP, Kind.UNMAP, Kind.RELEASE})

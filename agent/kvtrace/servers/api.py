@@ -66,6 +66,7 @@ from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, e
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 from kvtrace.servers.hub import EventFilter, EventHub, Lost, QueueItem, Subscription, flatten
 from kvtrace.wire import (
+    FixedColumnsBatch,
     cross_checks_to_proto,
     event_to_proto,
     events_to_columns,
@@ -75,7 +76,6 @@ from kvtrace.wire import (
     lost_to_proto,
     outstanding_to_proto,
     process_to_proto,
-    runs_to_fixed_columns,
     stack_message,
     stack_to_proto,
     vllm_engines_to_proto,
@@ -495,7 +495,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         view): consecutive runs with their records go in one response's fixed_columns, copied."""
         responses = []
         events: list[Event] = []  # waiting for a response's columns
-        runs: list[EventRun] = []  # waiting for a response's fixed_columns (never both waiting)
+        runs = FixedColumnsBatch()  # waiting for a response's fixed_columns (never both waiting)
 
         def flush() -> None:
             if events:
@@ -503,7 +503,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                 events.clear()
             if runs:
                 response = service_pb2.StreamEventsResponse(view=self.view)
-                runs_to_fixed_columns(runs, response.fixed_columns)
+                runs.into(response.fixed_columns)
                 responses.append(response)
                 runs.clear()
 
@@ -513,9 +513,9 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                 lost = lost_to_proto(item.dropped_count, item.kernel_lost_count)
                 responses.append(service_pb2.StreamEventsResponse(events=[lost], view=self.view))
             elif fixed and isinstance(item, EventRun) and item.labels is not None:
-                if events or (runs and not runs[0].raw.joins(item.raw)):
+                if events or not runs.takes(item):
                     flush()
-                runs.append(item)
+                runs.add(item)
             else:
                 if runs:
                     flush()

@@ -171,10 +171,6 @@ class Subscription:
             batch = [event for event in batch if matches(event.title)]
         return batch
 
-    def offer(self, event: Event) -> bool:
-        """Queues the event; False when the queue is full (the hub then parks this subscriber)."""
-        return self._take([(event,)]) is None
-
     def _take(self, wanted: list[Batch]) -> Event | None:
         """Queues what fits of `wanted` (batches of events this subscriber wants, in order); the first
         event that did not fit, None when all did."""
@@ -222,13 +218,13 @@ class Subscription:
         if not self._ready.is_set():
             self._ready.set()
 
-    def read(self, max_items: int, timeout_seconds: float) -> list[Event | Lost]:
-        """Up to `max_items` queued events, and the loss markers among them, oldest first.
+    def read(self, max_events: int, timeout_seconds: float) -> list[Event | Lost]:
+        """Up to `max_events` queued events, and the loss markers among them, oldest first.
 
         Returns at once when something is queued; otherwise waits up to `timeout_seconds` for the
         first item and returns what came ([] on timeout or when closed).
         """
-        return flatten(self.read_batches(max_items, timeout_seconds))
+        return flatten(self.read_batches(max_events, timeout_seconds))
 
     def read_batches(self, max_events: int, timeout_seconds: float) -> list[QueueItem]:
         """read(), in the batches the events were published in (a run stays a run, but for one cut
@@ -364,8 +360,8 @@ class EventHub:
         """publish, for each of a run of events (the hub keeps the run: the caller never changes it)."""
         if not events:
             return
+        self._published_total += len(events)  # first: a hand-out meanwhile never counts more than published
         self._pending.append(events)
-        self._published_total += len(events)
         if not self._kicked:
             # The first events since the last hand-out: wake the readers (they hand them out).
             self._kicked = True

@@ -7,7 +7,9 @@ import re
 import struct
 from pathlib import Path
 
-COMM_LEN = 16
+from kvtrace.model.events import COMM_BYTES
+
+COMM_LEN = COMM_BYTES
 
 
 class RawEvent(ctypes.Structure):

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import struct
+import sys
 import time
 from collections.abc import Collection, Iterable, Iterator
 
 from kvtrace.model.events import (
+    AUX_FIELDS,
     Api,
     Event,
     EventRun,
@@ -50,8 +52,6 @@ def _lookup(enum_type, zero: bool = True) -> dict:
 _KINDS, _APIS, _LAYERS = _lookup(Kind, zero=False), _lookup(Api, zero=False), _lookup(Layer)
 _OBJECTS, _MEMORIES = _lookup(ObjectKind), _lookup(Memory)
 _STACK_STATUS = {member.value: member for member in StackStatus}
-_MAP, _UNMAP = Api.cuMemMap.value, Api.cuMemUnmap.value
-_TORCH_APIS = (Api.pytorch_malloc.value, Api.pytorch_free.value)
 
 
 def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
@@ -76,17 +76,16 @@ def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
         timestamp_ns=timestamp_ns + clock.offset_ns,
         layer=layer_member, object=object_member, memory=memory_member,
         size_bytes=size_bytes, address=address, device=device, error_code=error_code,
-        caller_address=caller_address, handle=aux if api == _MAP else 0,
-        freed_bytes=aux if api == _UNMAP else 0, stream=aux if api in _TORCH_APIS else 0,
+        caller_address=caller_address, handle=aux if _AUX_FIELD[api] == 1 else 0,
+        freed_bytes=aux if _AUX_FIELD[api] == 2 else 0, stream=aux if _AUX_FIELD[api] == 3 else 0,
         comm=comm.split(b"\0", 1)[0].decode("utf-8", "replace"),
         stack_status=_STACK_STATUS.get(stack_status, StackStatus.NOT_WALKED),
     )
     return event, kernel_stack_id
 
 
-# api number -> which Event field a record's `aux` is: 1 handle, 2 freed_bytes, 3 stream, 0 none.
-_AUX_FIELD = {api.value: 1 if api is Api.cuMemMap else 2 if api is Api.cuMemUnmap else 3 if api.value in _TORCH_APIS
-              else 0 for api in Api}
+# api number -> which Event field a record's `aux` is (AUX_FIELDS): 1 handle, 2 freed_bytes, 3 stream, 0 none.
+_AUX_FIELD = {api.value: {"handle": 1, "freed_bytes": 2, "stream": 3}.get(AUX_FIELDS.get(api, ""), 0) for api in Api}
 _RECORD_STRUCTS: dict[tuple[int, int], struct.Struct] = {}
 # decode_events reads api, kind, layer, object, memory, stack_status and the reserved byte (8 bytes)
 # as one bytes "tag", looked up at once in _TAGS: the same members as the lookups one by one, at a
@@ -200,7 +199,7 @@ class RawEvents:
         stride, offset = self.stride, self.offset
         columns = {name: casts[width][(offset + getattr(abi.RawEvent, name).offset) // width::stride // width].tobytes()
                    for name, width in _FIXED_COLUMNS}
-        comm = bytearray(len(self) * abi.COMM_LEN)
+        comm = bytearray(len(self) * abi.COMM_LEN)  # two 8-byte halves each
         halves, words = memoryview(comm).cast("Q"), casts[8]
         first = (offset + abi.RawEvent.comm.offset) // 8
         halves[0::2] = words[first::stride // 8]
@@ -210,8 +209,10 @@ class RawEvents:
 
 
 def aligned(stride: int, offset: int) -> bool:
-    """Whether records so laid out can be copied as columns (RawEvents): 8-byte fields on 8-byte bounds."""
-    return stride > 0 and stride % 8 == 0 and offset % 8 == 0 and offset + abi.EVENT_STRUCT.size <= stride
+    """Whether records so laid out can be copied as columns (RawEvents): 8-byte fields on 8-byte bounds, in
+    the wire's byte order (little-endian)."""
+    return (sys.byteorder == "little" and stride > 0 and stride % 8 == 0 and offset % 8 == 0
+            and offset + abi.EVENT_STRUCT.size <= stride)
 
 
 def event_run(events: list[Event], records: bytes, clock: Clock, stride: int, offset: int) -> EventRun | None:
