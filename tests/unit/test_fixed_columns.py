@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from fake_agent import FakeAgent, served
+from fake_agent import served
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
@@ -253,12 +253,17 @@ def test_under_a_witness_a_run_of_a_compared_process_goes_one_by_one():
 
 # ---- the stream ----
 
+def fixed_stream(socket, backend):
+    """A StreamEvents call asking for fixed columns, once the hub has it as a subscriber."""
+    agent = service_grpc.AgentServiceStub(grpc.insecure_channel(f"unix:{socket}"))
+    responses = agent.StreamEvents(service_pb2.StreamEventsRequest(encoding=FIXED), timeout=10)
+    deadline_wait(lambda: backend.hub.subscriber_count() == 1)
+    return responses
+
+
 def test_a_fixed_stream_copies_runs_and_keeps_every_other_event_and_loss_in_order():
-    backend = FakeAgent()
-    with served(backend) as (server, backend):
-        agent = service_grpc.AgentServiceStub(grpc.insecure_channel(f"unix:{server.config.admin_path}"))
-        responses = agent.StreamEvents(service_pb2.StreamEventsRequest(encoding=FIXED), timeout=10)
-        deadline_wait(lambda: backend.hub.subscriber_count() == 1)
+    with served() as (server, backend):
+        responses = fixed_stream(server.config.admin_path, backend)
         first, second = decoded_run(labelled=False), decoded_run(labelled=False)
         alone = decoded_run([record(kind=Kind.ALLOC_FAILED, error_code=2)], labelled=False)[0]
         backend.apply(first, alone)
@@ -282,11 +287,8 @@ def test_a_fixed_stream_copies_runs_and_keeps_every_other_event_and_loss_in_orde
 
 
 def test_the_redacted_view_never_copies_records():
-    backend = FakeAgent()
-    with served(backend) as (server, backend):
-        group = service_grpc.AgentServiceStub(grpc.insecure_channel(f"unix:{server.config.socket}"))
-        responses = group.StreamEvents(service_pb2.StreamEventsRequest(encoding=FIXED), timeout=10)
-        deadline_wait(lambda: backend.hub.subscriber_count() == 1)
+    with served() as (server, backend):
+        responses = fixed_stream(server.config.socket, backend)  # the group's socket: the redacted view
         backend.apply(decoded_run(labelled=False))
         response = next(responses)
         responses.cancel()
