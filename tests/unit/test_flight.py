@@ -209,6 +209,19 @@ def test_the_ring_keeps_at_most_max_records_and_the_dump_still_replays_exactly(t
     assert ledger_of(replay(Path(dump.path)).session) == ledger_of(agent.session)
 
 
+def test_a_full_ring_lets_its_oldest_go_as_runs_come_and_the_dump_still_replays_exactly(tmp_path, recorders):
+    agent = FakeAgent()
+    recorder = recorders(agent, tmp_path, max_records=1000)
+    start = time.time_ns() - 60 * NS
+    leaky(agent, start, count=600, spacing_ns=1_000_000)
+    leaky(agent, start + 600 * 1_000_000, count=409, spacing_ns=1_000_000, address=0x100000 + 600 * MiB)
+    dump = recorder.request(REQUEST, "test")
+    assert dump.event_count == 1000
+    first, last = checkpoints_of(Path(dump.path))
+    assert len(first.allocations) == 9 and len(last.allocations) == 1009
+    assert ledger_of(replay(Path(dump.path)).session) == ledger_of(agent.session)
+
+
 # ---- 3: cooldown ----
 
 def test_a_second_out_of_memory_within_the_cooldown_writes_no_second_dump(tmp_path, recorders):

@@ -31,6 +31,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,7 +112,8 @@ class FlightRecorder:
         self.session = session
         self.options = options
         self._leak_min_age_seconds = leak_min_age_seconds
-        self._ring: deque[RingRecord] = deque()
+        # Full, it drops its oldest as records come (in C); _make_room notes the newest it lets go first.
+        self._ring: deque[RingRecord] = deque(maxlen=options.max_records)
         self._window_ns = int(options.window_seconds * 1e9)  # read for every event: not recomputed
         self._max_records = options.max_records
         # The newest time the ring let go of (evicted, or cleared at a resync); None while it holds all.
@@ -155,6 +157,7 @@ class FlightRecorder:
         """A run of allocation-type events (never a failure: those come to publish, which may dump)."""
         if not events:
             return
+        self._make_room(events)
         self._ring.extend(events)
         self._let_go_before(events[-1].timestamp_ns - self._window_ns)
 
@@ -169,18 +172,19 @@ class FlightRecorder:
             self._let_go_ns = record.timestamp_ns
 
     def _append(self, record: RingRecord) -> None:
-        ring = self._ring
-        ring.append(record)
+        self._make_room((record,))
+        self._ring.append(record)
         self._let_go_before(record.timestamp_ns - self._window_ns)
+
+    def _make_room(self, records: Sequence[RingRecord]) -> None:
+        """Notes what the ring will let go of to take `records` (full: its oldest; more records than it
+        holds: some of these too), before extending it drops them."""
+        over = len(self._ring) + len(records) - self._max_records
+        if over > 0:  # a full ring under a steady flood
+            self._note_let_go(max(map(_TIMESTAMP_NS, itertools.islice(itertools.chain(self._ring, records), over))))
 
     def _let_go_before(self, oldest_kept_ns: int) -> None:
         ring = self._ring
-        over = len(ring) - self._max_records
-        if over > 0:  # a full ring under a steady flood: what is over the limit goes at once
-            self._note_let_go(max(map(_TIMESTAMP_NS, itertools.islice(ring, over))))
-            popleft = ring.popleft
-            for _ in itertools.repeat(None, over):
-                popleft()
         while ring and ring[0].timestamp_ns < oldest_kept_ns:
             self._note_let_go(ring.popleft().timestamp_ns)
 
