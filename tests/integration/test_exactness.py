@@ -4,11 +4,13 @@ GIVEN a ring buffer far too small for the workload's burst, WHEN events are lost
 counted in BPF and the agent's ledger, resynced from the kernel's, holds exactly the workload's
 outstanding allocations.
 """
+import ctypes
 import re
 
 from cuda_stubs import Workload
 from harness import TracingHarness
 from kvtrace.model.events import Api, Kind, Layer
+from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.loader import ProbeSettings
 
 
@@ -40,6 +42,11 @@ def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_
             assert counters["events_lost"] > 0
             assert counters["events_submitted"] + counters["events_lost"] == 2 * leaks
             assert tracer.session.resyncs_total >= 1
+            # the counters came in one batched read of the per-CPU array, the same as one lookup each
+            probes = tracer.probes
+            table = probes._bpf[b"counters"]
+            assert probes._counters_batched and probes.counters() == {
+                name: sum(table[ctypes.c_int(index)]) for index, name in enumerate(abi.COUNTERS)}
             assert_ledgers_hold(tracer, pid, calls)
         finally:
             harness.close()

@@ -114,26 +114,28 @@ class _NoBatchedLookup(Exception):
     pass
 
 
-def _lookup_in_chunks(map_fd: int) -> Iterator[tuple[bytes, bytes]]:
-    """BPF_MAP_LOOKUP_BATCH over the ledger map, a chunk at a time: (keys, values) as raw bytes of
-    struct kvt_ledger_key and kvt_ledger_value arrays. A map changing meanwhile (probes run on) may give
-    an entry twice or miss one moved between buckets: readers treat it as a moment's view."""
+def _lookup_in_chunks(map_fd: int, key_size: int = ctypes.sizeof(abi.RawLedgerKey),
+                      value_size: int = ctypes.sizeof(abi.RawLedgerValue), chunk: int = LEDGER_READ_CHUNK,
+                      what: str = "the ledger") -> Iterator[tuple[bytes, bytes]]:
+    """BPF_MAP_LOOKUP_BATCH over a map, `chunk` entries at a time: (keys, values) as raw bytes (by default
+    of the ledger map: struct kvt_ledger_key and kvt_ledger_value arrays; a per-CPU map's value is every
+    CPU's, 8-byte aligned). A map changing meanwhile (probes run on) may give an entry twice or miss one
+    moved between buckets: readers treat it as a moment's view."""
     from bcc.libbcc import lib
 
-    keys = (abi.RawLedgerKey * LEDGER_READ_CHUNK)()
-    values = (abi.RawLedgerValue * LEDGER_READ_CHUNK)()
-    key_size, value_size = ctypes.sizeof(abi.RawLedgerKey), ctypes.sizeof(abi.RawLedgerValue)
+    keys = (ctypes.c_char * (key_size * chunk))()
+    values = (ctypes.c_char * (value_size * chunk))()
     token, next_token, count = ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0)
     first = True
     while True:
-        count.value = LEDGER_READ_CHUNK
+        count.value = chunk
         result = lib.bpf_lookup_batch(map_fd, None if first else ctypes.byref(token), ctypes.byref(next_token),
                                       ctypes.byref(keys), ctypes.byref(values), ctypes.byref(count))
         error = ctypes.get_errno() if result != 0 else 0
         if result != 0 and error not in (errno.ENOENT, 0):
             if first and error in (errno.EINVAL, errno.EOPNOTSUPP, _KERNEL_ENOTSUPP):
                 raise _NoBatchedLookup()
-            raise OSError(error, f"BPF_MAP_LOOKUP_BATCH of the ledger failed: {os.strerror(error)}")
+            raise OSError(error, f"BPF_MAP_LOOKUP_BATCH of {what} failed: {os.strerror(error)}")
         if count.value:
             yield (ctypes.string_at(keys, key_size * count.value),
                    ctypes.string_at(values, value_size * count.value))
@@ -143,6 +145,18 @@ def _lookup_in_chunks(map_fd: int) -> Iterator[tuple[bytes, bytes]]:
         token.value = next_token.value
 
 
+def _per_cpu_sums(table, count: int) -> dict[str, int]:
+    """abi.COUNTERS by name, each summed over the CPUs, from a BPF per-CPU array of u64 (bcc's PerCpuArray)
+    in one BPF_MAP_LOOKUP_BATCH."""
+    cpus = ctypes.sizeof(table.Leaf) // 8  # bcc sizes a per-CPU u64 leaf for every possible CPU
+    sums = dict.fromkeys(range(count), 0)
+    for keys, values in _lookup_in_chunks(table.map_fd, 4, 8 * cpus, count, "the counters"):
+        per_cpu = memoryview(values).cast("Q")
+        for index, key in enumerate(memoryview(keys).cast("I")):
+            sums[key] = sum(per_cpu[index * cpus:(index + 1) * cpus])
+    return {name: sums[index] for index, name in enumerate(abi.COUNTERS)}
+
+
 class BpfProbes:
     """The compiled probe program: attach/detach per library, ring buffers, maps."""
 
@@ -150,6 +164,7 @@ class BpfProbes:
         from bcc import BPF  # imported here so that everything else works without bcc
 
         self.settings = settings
+        self._counters_batched = True  # until the kernel refuses a batched read of an array
         links.repair_bcc_attach_uprobe()  # before any perf-event probe (kernels before 6.6)
         started = time.monotonic()
         text = abi.program_text()
@@ -483,7 +498,14 @@ class BpfProbes:
     # ---- maps ----
 
     def counters(self) -> dict[str, int]:
+        """The probes' counters, each summed over the CPUs: one batched read of the per-CPU array (the agent
+        reads them at every busy turn; one lookup per counter took ~10 % of its main thread in a flood)."""
         table = self._bpf[b"counters"]
+        if self._counters_batched:
+            try:
+                return _per_cpu_sums(table, len(abi.COUNTERS))
+            except _NoBatchedLookup:  # kernels without batched lookups of arrays (before 5.7)
+                self._counters_batched = False
         return {name: sum(table[ctypes.c_int(index)]) for index, name in enumerate(abi.COUNTERS)}
 
     def ledger_items(self) -> list[tuple[abi.RawLedgerKey, abi.RawLedgerValue]]:
