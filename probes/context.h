@@ -300,18 +300,22 @@ static __always_inline s32 current_device(u32 tid) {
     return default_device();
 }
 
-/* take_entry, and then the calling thread's current_device (with task storage, from the storage the
- * entry came from: one lookup of it per return, not two). */
-static __always_inline int take_entry_on_device(struct pt_regs *ctx, u32 api, struct kvt_args *out, s32 *device) {
+/* take_entry, and then the calling thread's current_device where `on_device` (with task storage, from the
+ * storage the entry came from: one lookup of it per return, not two); else KVT_DEVICE_UNKNOWN. */
+static __always_inline int take_entry_on_device(struct pt_regs *ctx, u32 api, struct kvt_args *out, int on_device,
+                                                s32 *device) {
 #if KVT_TASK_STORAGE
     struct kvt_thread *thread = this_thread(0);
     if (!take_thread_entry(thread, ctx, api, out))
         return 0;
-    *device = thread && thread->device_set ? thread->device : default_device();
+    if (!on_device)
+        *device = KVT_DEVICE_UNKNOWN;
+    else
+        *device = thread && thread->device_set ? thread->device : default_device();
 #else
     if (!take_entry(ctx, api, out))
         return 0;
-    *device = current_device((u32)bpf_get_current_pid_tgid());
+    *device = on_device ? current_device((u32)bpf_get_current_pid_tgid()) : KVT_DEVICE_UNKNOWN;
 #endif
     return 1;
 }

@@ -108,7 +108,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
                                         int pitched) {
     struct kvt_args args;
     s32 device;
-    if (!take_entry_on_device(ctx, api, &args, &device))
+    if (!take_entry_on_device(ctx, api, &args, memory != KVT_MEMORY_HOST, &device))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
 #if !KVT_TASK_STORAGE
@@ -116,8 +116,6 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
     if (is_runtime_api(api))
         outer_stack.delete(&tid); /* the runtime call is over: its driver calls are done */
 #endif
-    if (memory == KVT_MEMORY_HOST)
-        device = KVT_DEVICE_UNKNOWN;
     u64 size_bytes = args.arg[1];
     if (pitched) {
         /* (out, size_t *pitch, width, height): the real size is pitch * height. */

@@ -312,7 +312,7 @@ class Daemon:
               "Hit Ctrl-C to end.", file=self.err, flush=True)
 
     def request_stop(self) -> None:
-        """Ends `run()` at its next turn (at most 0.1 s): safe from a signal handler."""
+        """Ends `run()` at its next turn (at most ~0.11 s): safe from a signal handler."""
         self._stopping.set()
 
     def run(self) -> None:

@@ -2,13 +2,14 @@
 ledger entry it cannot decode costs a resync, never the agent."""
 import math
 import os
+import time
 
 import pytest
 
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull
+from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull, ProbeSettings, RingReader
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 from kvtrace.sources.discovery import FileId, Target
 
@@ -495,3 +496,59 @@ def test_task_offsets_read_btf_once_and_say_why_each_is_missing(tmp_path, monkey
     assert found[btf_module.TASK_COMM] != found[btf_module.TASK_EXIT_CODE]
     assert isinstance(found["no_such_member"], btf_module.BtfError)
     assert len(reads) == 2  # one read per call, whatever the members
+
+
+class PollingProbes(CountingProbes):
+    """Rings that hold one given batch of records per poll; counts the counter reads."""
+
+    def __init__(self, source: BpfSource, batches: list[bytes]) -> None:
+        super().__init__()
+        self.source, self.batches, self.counter_reads = source, list(batches), 0
+
+    def wait(self, timeout_ms: int) -> None:
+        pass
+
+    def poll(self, timeout_ms: int) -> None:
+        batch = self.batches.pop(0) if self.batches else b""
+        if batch:
+            self.source._on_raw_events(batch, RingReader.STRIDE, RingReader.HEADER_BYTES)
+
+    def counters(self) -> dict[str, int]:
+        self.counter_reads += 1
+        return super().counters()
+
+
+def test_a_busy_loop_spaces_its_turns_reads_counters_each_turn_and_reports_every_tenth_of_a_second():
+    from test_fixed_columns import RECORDS
+
+    # GIVEN a source whose rings hold a few records at two turns, nothing at the third, some at the fourth
+    source = BpfSource(Session(), BpfOptions())
+    source._next_full_scan = source._next_sweep = math.inf
+    source.probes = probes = PollingProbes(source, [b"".join(RECORDS)] * 2 + [b"", b"".join(RECORDS)])
+    reports = []
+    source._report = lambda counters=None: reports.append(counters)
+    # WHEN it turns twice at once
+    source.run_once(0)
+    started = time.monotonic()
+    source.run_once(0)
+    # THEN the second turn started 10 ms after the first (the stream's next batch gathered meanwhile)
+    assert time.monotonic() - started >= 0.008
+    # AND each turn read the counters (a loss marker lands where the loss is), but reported once
+    assert probes.counter_reads == 2 and len(reports) == 1
+    # AND a turn that took nothing leaves the next to start at once; a busy one 0.1 s later reports again
+    source.run_once(0)
+    assert source._next_turn_monotonic == 0.0
+    time.sleep(0.1)
+    source.run_once(0)
+    assert len(reports) == 2 and probes.counter_reads == 3
+
+
+def test_a_turn_that_took_half_the_ring_is_behind_and_the_next_starts_at_once():
+    from test_fixed_columns import RECORDS
+
+    small = BpfSource(Session(), BpfOptions(settings=ProbeSettings(ringbuf_pages=1)))  # 42 records fit
+    assert small._behind_records == 4096 // RingReader.STRIDE // 2
+    small._next_full_scan = small._next_sweep = math.inf
+    small.probes = PollingProbes(small, [b"".join(RECORDS * 4)])  # 24 records: behind
+    small.run_once(0)
+    assert small._next_turn_monotonic == 0.0

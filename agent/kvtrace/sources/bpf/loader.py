@@ -150,7 +150,8 @@ def _per_cpu_sums(table, count: int) -> dict[str, int]:
     in one BPF_MAP_LOOKUP_BATCH."""
     cpus = ctypes.sizeof(table.Leaf) // 8  # bcc sizes a per-CPU u64 leaf for every possible CPU
     sums = dict.fromkeys(range(count), 0)
-    for keys, values in _lookup_in_chunks(table.map_fd, 4, 8 * cpus, count, "the counters"):
+    # a chunk one longer than the array: the kernel says ENOENT in the first call, no second one
+    for keys, values in _lookup_in_chunks(table.map_fd, 4, 8 * cpus, count + 1, "the counters"):
         per_cpu = memoryview(values).cast("Q")
         for index, key in enumerate(memoryview(keys).cast("I")):
             sums[key] = sum(per_cpu[index * cpus:(index + 1) * cpus])
@@ -499,7 +500,8 @@ class BpfProbes:
 
     def counters(self) -> dict[str, int]:
         """The probes' counters, each summed over the CPUs: one batched read of the per-CPU array (the agent
-        reads them at every busy turn; one lookup per counter took ~10 % of its main thread in a flood)."""
+        reads them at every turn that took events; one lookup per counter took ~10 % of its main thread in
+        a flood)."""
         table = self._bpf[b"counters"]
         if self._counters_batched:
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import mmap
 import os
 import platform
 import re
@@ -43,6 +44,7 @@ from kvtrace.sources.bpf.loader import (
     BpfProbes,
     ProbeQuotaFull,
     ProbeSettings,
+    RingReader,
     TorchProbesRefused,
 )
 from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
@@ -60,17 +62,16 @@ _KEPT_OBJECT_VALUES = frozenset(kind.value for kind in ObjectKind) - _COUNTED_OB
 # Events the BPF source acts on as they are read (the kernel's ledger drops what they freed).
 _LIFECYCLE_KIND_NUMBERS = frozenset({int(Kind.PROCESS_EXIT), int(Kind.CONTEXT_DESTROY)})
 
-# The loop reports every BUSY_REPORT_SECONDS while events come and once a second when idle
-# (IDLE_REPORT_SECONDS); silent this long, it is stalled.
+# The loop reports (counters, libraries, a heartbeat) every BUSY_REPORT_SECONDS while events come and
+# once a second when idle (IDLE_REPORT_SECONDS); silent this long, it is stalled. It reads the probes'
+# counters at every turn that took events (one system call), so that a loss marker lands where the loss is.
 STALLED_AFTER_SECONDS = 5.0
-# An idle loop (no event since the last) reads the probes' counters and reports at most this often; a
-# busy one this often, so that a loss marker lands within a tenth of a second of the loss.
 IDLE_REPORT_SECONDS = 1.0
 BUSY_REPORT_SECONDS = 0.1
 # A turn that read events starts the next at least this much later: a steady stream is taken in batches
 # of thousands, not in the hundreds each CPU's wakeup brings (every turn costs the same few hundred
 # microseconds besides its events: 500 turns a second took a third of the agent's time on the H200).
-# The ring holds ~190 000 events; a turn that reads its budget (behind) starts the next at once.
+# A turn that read its budget, or half the ring, is behind: the next starts at once.
 BUSY_TURN_SECONDS = 0.01
 
 # Where CUDA libraries usually live: attached at start so that a late dlopen (the driver is loaded
@@ -160,6 +161,9 @@ class BpfSource:
         self._next_busy_report = 0.0
         self._next_turn_monotonic = 0.0  # run_once: not before (a busy stream's turns are spaced)
         self._records_this_turn = 0
+        # A turn that takes this many records is behind: the poll budget, or half the ring if that is less.
+        self._behind_records = min(POLL_BUDGET_EVENTS,
+                                   self.options.settings.ringbuf_pages * mmap.PAGESIZE // RingReader.STRIDE // 2)
         self._partly_blind: set[str] = set()  # libraries some of whose functions the kernel refused
         self._events_since_report = False
         self._next_resync_allowed = 0.0
@@ -261,7 +265,7 @@ class BpfSource:
             probes.poll(0)
             self._flush()
             self.housekeeping()
-            busy = 0 < self._records_this_turn < POLL_BUDGET_EVENTS
+            busy = 0 < self._records_this_turn < self._behind_records
         self._next_turn_monotonic = started + BUSY_TURN_SECONDS if busy else 0.0
 
     def _flush(self) -> None:
@@ -270,8 +274,8 @@ class BpfSource:
             self.session.ingest_many(batch)
 
     def _report(self, counters: dict[str, int] | None = None) -> None:
-        """Counters, attached libraries and a heartbeat to the Session (at every busy turn of the loop,
-        once a second when idle)."""
+        """Counters, attached libraries and a heartbeat to the Session (every BUSY_REPORT_SECONDS while
+        events come, once a second when idle)."""
         counters = dict(counters if counters is not None else self._probes().counters())
         counters["events_undecodable"] = self._undecodable
         counters["libraries_attached"] = len(self._attached_targets)
@@ -388,19 +392,22 @@ class BpfSource:
             self._next_sweep = now + self.options.sweep_seconds
             self.sweep_exited()
             self._detach_unused(now)
-        if now >= self._next_report or (self._events_since_report and now >= self._next_busy_report):
+        if self._events_since_report or now >= self._next_report:
             self._events_since_report = False
-            self._next_report = now + IDLE_REPORT_SECONDS
-            self._next_busy_report = now + BUSY_REPORT_SECONDS
-            self._check_counters()
+            report = now >= self._next_report or now >= self._next_busy_report
+            if report:
+                self._next_report = now + IDLE_REPORT_SECONDS
+                self._next_busy_report = now + BUSY_REPORT_SECONDS
+            self._check_counters(report)
         if self._resync_due and now >= self._next_resync_allowed:
             self._next_resync_allowed = now + self._resync_pace_seconds
             self._resync_due = False
             self.resync()
 
-    def _check_counters(self) -> None:
+    def _check_counters(self, report: bool = True) -> None:
         counters = self._probes().counters()
-        self._report(counters)
+        if report:
+            self._report(counters)
         # Events that never reached user space: lost when the ring was full, or a block event over
         # its process's rate. Subscribers are told in-band; the ledger comes back from the kernel's.
         missed = counters["events_lost"] + counters["blocks_unsent"] + self._undecodable
