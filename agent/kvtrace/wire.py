@@ -33,6 +33,7 @@ from kvtrace.model.events import (
     ObjectKind,
     Source,
     StackStatus,
+    comm_text,
 )
 from kvtrace.model.findings import (
     AnalysisSnapshot,
@@ -272,7 +273,7 @@ def events_from_fixed_columns(columns: events_pb2.FixedEventColumns) -> list[Eve
         raw_comm = comm_bytes[index * COMM_BYTES:(index + 1) * COMM_BYTES]
         comm = names.get(raw_comm)
         if comm is None:
-            comm = names[raw_comm] = raw_comm.split(b"\0", 1)[0].decode("utf-8", "replace")
+            comm = names[raw_comm] = comm_text(raw_comm)
         title, container = labels.get(pid) or (comm, "")
         try:
             api_member = Api(api)

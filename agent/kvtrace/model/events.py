@@ -131,6 +131,11 @@ AUX_FIELDS = {Api.cuMemMap: "handle", Api.cuMemUnmap: "freed_bytes", Api.pytorch
               Api.pytorch_free: "stream"}
 COMM_BYTES = 16  # a thread's name (Event.comm) as the kernel keeps it: at most 15 bytes and a NUL (TASK_COMM_LEN)
 
+
+def comm_text(raw: bytes) -> str:
+    """Event.comm of a thread name as the kernel keeps it (COMM_BYTES, NUL-terminated unless full)."""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
 # Kinds whose events describe an object with a size (the wire's Allocation payload).
 SIZED_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.ALLOC_FAILED, Kind.FREE_FAILED, Kind.FREE_UNKNOWN,
                          Kind.MAP, Kind.UNMAP, Kind.RELEASE})

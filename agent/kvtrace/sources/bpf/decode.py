@@ -17,6 +17,7 @@ from kvtrace.model.events import (
     ObjectKind,
     RawRecords,
     StackStatus,
+    comm_text,
 )
 from kvtrace.model.ledger import LedgerKey, Outstanding, TotalsKey
 from kvtrace.sources.bpf import abi
@@ -78,7 +79,7 @@ def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
         size_bytes=size_bytes, address=address, device=device, error_code=error_code,
         caller_address=caller_address, handle=aux if _AUX_FIELD[api] == 1 else 0,
         freed_bytes=aux if _AUX_FIELD[api] == 2 else 0, stream=aux if _AUX_FIELD[api] == 3 else 0,
-        comm=comm.split(b"\0", 1)[0].decode("utf-8", "replace"),
+        comm=comm_text(comm),
         stack_status=_STACK_STATUS.get(stack_status, StackStatus.NOT_WALKED),
     )
     return event, kernel_stack_id
@@ -149,7 +150,7 @@ def decode_events(records: bytes, clock: Clock, stride: int = abi.EVENT_STRUCT.s
         kind_member, api_member, layer_member, object_member, memory_member, field, status = members
         name = names.get(comm)
         if name is None:
-            name = names[comm] = comm.split(b"\0", 1)[0].decode("utf-8", "replace")
+            name = names[comm] = comm_text(comm)
         add_event(new_event(
             kind_member, api_member, pid, tid, timestamp_ns + offset_ns, layer_member, object_member, memory_member,
             size_bytes, address, device, error_code, caller_address,

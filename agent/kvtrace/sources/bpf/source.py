@@ -308,9 +308,10 @@ class BpfSource:
             return
         if undecodable:
             self._count_undecodable(undecodable, "a kind, API or enum value this agent does not know")
-        run = event_run(events, records, self.clock, stride, offset)
-        kinds = run.kinds if run is not None else {int(event.kind) for event in events}
-        if any(kernel_stack_ids) or not _LIFECYCLE_KIND_NUMBERS.isdisjoint(kinds):
+        stacked = any(kernel_stack_ids)  # then each event is admitted alone: no run is made
+        run = None if stacked else event_run(events, records, self.clock, stride, offset)
+        if stacked or not _LIFECYCLE_KIND_NUMBERS.isdisjoint(
+                run.kinds if run is not None else {int(event.kind) for event in events}):
             for event, kernel_stack_id in zip(events, kernel_stack_ids, strict=True):
                 self._admit(event, kernel_stack_id)
         elif run is not None and (not self.filtering or run.pids <= self._selected):
