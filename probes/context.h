@@ -287,17 +287,20 @@ static __always_inline s32 default_device(void) {
     return fallback ? *fallback : 0;
 }
 
+#if KVT_TASK_STORAGE
+/* current_device of the thread whose storage this is (NULL: none yet). */
+static __always_inline s32 thread_device_of(struct kvt_thread *thread) {
+    return thread && thread->device_set ? thread->device : default_device();
+}
+#endif
+
 static __always_inline s32 current_device(u32 tid) {
 #if KVT_TASK_STORAGE
-    struct kvt_thread *thread = this_thread(0);
-    if (thread && thread->device_set)
-        return thread->device;
+    return thread_device_of(this_thread(0));
 #else
     s32 *device = thread_device.lookup(&tid);
-    if (device)
-        return *device;
+    return device ? *device : default_device();
 #endif
-    return default_device();
 }
 
 /* take_entry, and then the calling thread's current_device where `on_device` (with task storage, from the
@@ -308,10 +311,7 @@ static __always_inline int take_entry_on_device(struct pt_regs *ctx, u32 api, st
     struct kvt_thread *thread = this_thread(0);
     if (!take_thread_entry(thread, ctx, api, out))
         return 0;
-    if (!on_device)
-        *device = KVT_DEVICE_UNKNOWN;
-    else
-        *device = thread && thread->device_set ? thread->device : default_device();
+    *device = on_device ? thread_device_of(thread) : KVT_DEVICE_UNKNOWN;
 #else
     if (!take_entry(ctx, api, out))
         return 0;
