@@ -48,7 +48,12 @@ struct kvt_thread {
     struct kvt_args args[KVT_API_SLOTS];
     s32 device;     /* the device this thread selected (cudaSetDevice, a context made current) */
     u32 device_set; /* 1 once it selected one */
-    u64 selected_in; /* 1 + the filter generation in which its process was found selected; 0: never */
+    /* 1 + the process generation in which it read its process's settings: the process is selected, and
+     * its default device is process_default_device (one hash lookup each, once a thread and change,
+     * not once a call); 0: never */
+    u64 checked_in;
+    s32 process_default_device;
+    u32 process_tracked; /* 1 once its process is in tracked_pids (mark_tracked, KVT_TRACKED_IN_THREAD) */
 };
 BPF_TASK_STORAGE(threads, struct kvt_thread);
 
@@ -67,6 +72,14 @@ BPF_TABLE("lru_hash", struct kvt_ctx_key, s32, context_device, 4096);
 BPF_HASH(process_device, u32, s32, 65536);
 BPF_HASH(pid_filter, u32, u8, 65536);
 BPF_ARRAY(config, u64, KVT_CONFIG_COUNT);
+
+/* CUDA's rule: a thread works on the device it selected (cudaSetDevice, or a context made
+ * current); one that never selected any works on device 0, the first GPU it can see. */
+static __always_inline s32 default_device(void) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    s32 *fallback = process_device.lookup(&pid);
+    return fallback ? *fallback : 0;
+}
 
 static __always_inline int selected(u32 pid) {
     u32 index = KVT_CONFIG_FILTER_ENABLED;
@@ -136,8 +149,8 @@ static __always_inline void call_stack_walked(u32 api, u64 stack_id, u64 status)
     remember_outer(api, thread, stack_id, status);
 }
 
-static __always_inline u64 filter_generation(void) {
-    u32 index = KVT_CONFIG_FILTER_GENERATION;
+static __always_inline u64 process_generation(void) {
+    u32 index = KVT_CONFIG_PROCESS_GENERATION;
     u64 *generation = config.lookup(&index);
     return generation ? *generation : 0;
 }
@@ -145,18 +158,19 @@ static __always_inline u64 filter_generation(void) {
 static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int with_stack) {
     if (api >= KVT_API_SLOTS)
         return 0; /* no slot: never the case for the APIs probed with it */
-    /* A thread remembers that its process is selected until the filter changes: the pid filter's hash
-     * lookup once per thread and change, not once per call. Unselected threads get no storage. */
+    /* A thread remembers its process's settings until user space changes any (kvt_thread.checked_in).
+     * Unselected threads get no storage. */
     struct kvt_thread *thread = this_thread(0);
-    u64 selected_in = filter_generation() + 1;
-    if (!thread || thread->selected_in != selected_in) {
+    u64 checked_in = process_generation() + 1;
+    if (!thread || thread->checked_in != checked_in) {
         if (filtered_out(bpf_get_current_pid_tgid() >> 32))
             return 0;
         if (!thread)
             thread = this_thread(1);
         if (!thread)
             return 0; /* no memory for it: the return counts as unpaired */
-        thread->selected_in = selected_in;
+        thread->process_default_device = default_device();
+        thread->checked_in = checked_in;
     }
     struct kvt_args *args = &thread->args[api];
     args->arg[0] = PT_REGS_PARM1(ctx);
@@ -164,9 +178,9 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     args->arg[2] = PT_REGS_PARM3(ctx);
     args->arg[3] = PT_REGS_PARM4(ctx);
     args->stack_id = 0;
-    args->stack_status = KVT_STACK_NOT_WALKED;
+    args->stack_status = with_stack ? stack_status_unwalked() : KVT_STACK_NOT_WALKED;
     args->in_flight = 1;
-    if (with_stack)
+    if (with_stack && KVT_PYTHON_STACKS)
         python_stack_for_call(ctx, api, thread, args); /* last: it may end in the walker */
     return 0;
 }
@@ -211,7 +225,8 @@ static __always_inline int save_entry_common(struct pt_regs *ctx, u32 api, int w
     args.arg[1] = PT_REGS_PARM2(ctx);
     args.arg[2] = PT_REGS_PARM3(ctx);
     args.arg[3] = PT_REGS_PARM4(ctx);
-    int walk = with_stack && !reuse_outer(api, tid, &args);
+    args.stack_status = with_stack ? stack_status_unwalked() : KVT_STACK_NOT_WALKED;
+    int walk = with_stack && KVT_PYTHON_STACKS && !reuse_outer(api, tid, &args);
     if (walk && !python_target(pid)) {
         args.stack_status = KVT_STACK_NOT_PYTHON;
         remember_outer(api, tid, 0, KVT_STACK_NOT_PYTHON);
@@ -279,18 +294,15 @@ static __always_inline int take_entry(struct pt_regs *ctx, u32 api, struct kvt_a
 }
 #endif
 
-/* CUDA's rule: a thread works on the device it selected (cudaSetDevice, or a context made
- * current); one that never selected any works on device 0, the first GPU it can see. */
-static __always_inline s32 default_device(void) {
-    u32 pid = bpf_get_current_pid_tgid() >> 32;
-    s32 *fallback = process_device.lookup(&pid);
-    return fallback ? *fallback : 0;
-}
-
 #if KVT_TASK_STORAGE
-/* current_device of the thread whose storage this is (NULL: none yet). */
+/* current_device of the thread whose storage this is (NULL: none yet). The process's default as the
+ * thread read it, while user space has changed no process's settings since (else the map's). */
 static __always_inline s32 thread_device_of(struct kvt_thread *thread) {
-    return thread && thread->device_set ? thread->device : default_device();
+    if (thread && thread->device_set)
+        return thread->device;
+    if (thread && thread->checked_in == process_generation() + 1)
+        return thread->process_default_device;
+    return default_device();
 }
 #endif
 
@@ -304,18 +316,21 @@ static __always_inline s32 current_device(u32 tid) {
 }
 
 /* take_entry, and then the calling thread's current_device where `on_device` (with task storage, from the
- * storage the entry came from: one lookup of it per return, not two); else KVT_DEVICE_UNKNOWN. */
+ * storage the entry came from: one lookup of it per return, not two); else KVT_DEVICE_UNKNOWN. `tracked`:
+ * the thread's flag for mark_tracked, NULL where it has none (KVT_TRACKED_IN_THREAD 0). */
 static __always_inline int take_entry_on_device(struct pt_regs *ctx, u32 api, struct kvt_args *out, int on_device,
-                                                s32 *device) {
+                                                s32 *device, u32 **tracked) {
 #if KVT_TASK_STORAGE
     struct kvt_thread *thread = this_thread(0);
     if (!take_thread_entry(thread, ctx, api, out))
         return 0;
     *device = on_device ? thread_device_of(thread) : KVT_DEVICE_UNKNOWN;
+    *tracked = KVT_TRACKED_IN_THREAD ? &thread->process_tracked : 0;
 #else
     if (!take_entry(ctx, api, out))
         return 0;
     *device = on_device ? current_device((u32)bpf_get_current_pid_tgid()) : KVT_DEVICE_UNKNOWN;
+    *tracked = 0;
 #endif
     return 1;
 }

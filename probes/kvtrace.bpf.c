@@ -88,8 +88,13 @@ int walk_stack(struct pt_regs *ctx) {
 TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 pid = pid_tgid >> 32;
+#if KVT_EXIT_GROUP_DEAD
+    if (!args->group_dead)
+        return 0; /* not the process's last thread */
+#else
     if ((u32)pid_tgid != pid)
-        return 0; /* a thread, not the process */
+        return 0; /* a thread, not the group leader */
+#endif
     process_device.delete(&pid); /* a later process with this pid starts on CUDA's default */
     if (!tracked_pids.lookup(&pid))
         return 0;

@@ -99,11 +99,12 @@
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
 #define KVT_CONFIG_BLOCK_EVENTS_PER_SECOND 1 /* per process; 0: no limit */
-/* Raised by user space after every change of the filter (switch or pid_filter): a thread's remembered
- * "its process is selected" (task storage) holds only for the generation it was found in. Sound where
- * loads are not reordered with older loads (x86-64, as RingReader): a probe that reads the new
- * generation then finds pid_filter as changed before it. */
-#define KVT_CONFIG_FILTER_GENERATION 2
+/* Raised by user space after every change of what it tells the probes per process (the filter's switch,
+ * pid_filter, process_device): what a thread remembers of its process (task storage: selected, its
+ * default device) holds only for the generation it was read in. Sound where loads are not reordered with
+ * older loads (x86-64, as RingReader): a probe that reads the new generation then finds the maps as
+ * changed before it. */
+#define KVT_CONFIG_PROCESS_GENERATION 2
 #define KVT_CONFIG_COUNT          3
 
 #define KVT_COMM_LEN 16

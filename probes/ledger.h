@@ -34,11 +34,20 @@ static __always_inline void totals_add(u32 pid, s32 device, u8 layer, u8 memory,
     __sync_fetch_and_add(&totals->count, count_delta);
 }
 
-static __always_inline void mark_tracked(u32 pid) {
-    if (tracked_pids.lookup(&pid))
-        return; /* a lookup is cheaper than the update it saves on every allocation but the first */
-    u64 one = 1;
-    tracked_pids.update(&pid, &one);
+/* Marks the calling process as holding ledger entries: its exit is then reported (or, lost, swept).
+ * `known`, a flag in the calling thread's storage (NULL: none), saves the lookup on all of a thread's
+ * inserts but the first: the mark goes only when the process's last thread exits
+ * (KVT_TRACKED_IN_THREAD), so a living thread's flag stays true. */
+static __always_inline void mark_tracked(u32 pid, u32 *known) {
+    if (known && *known)
+        return;
+    if (!tracked_pids.lookup(&pid)) { /* a lookup is cheaper than the update it saves */
+        u64 one = 1;
+        if (tracked_pids.update(&pid, &one) != 0)
+            return; /* no room: the next insert tries again */
+    }
+    if (known)
+        *known = 1;
 }
 
 /* The calling process's ledger entry of an object (NULL if none); fills `key` for a delete. */
@@ -53,9 +62,10 @@ static __always_inline struct kvt_ledger_value *ledger_lookup(u8 layer, u8 objec
 }
 
 /* Inserts an outstanding object into the in-kernel ledger; returns its timestamp, which the event
- * about it must carry too (emit_at). */
+ * about it must carry too (emit_at). `tracked`: the calling thread's mark_tracked flag, or NULL. */
 static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api, u64 address,
-                                         u64 size_bytes, s32 device, u64 caller, u64 aux, u64 stack_id) {
+                                         u64 size_bytes, s32 device, u64 caller, u64 aux, u64 stack_id,
+                                         u32 *tracked) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     struct kvt_ledger_key key = {.pid = pid_tgid >> 32, .layer = layer, .object = object, .address = address};
     struct kvt_ledger_value value = {};
@@ -92,7 +102,7 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
     } else {
         count(KVT_COUNTER_LEDGER_FULL);
     }
-    mark_tracked(key.pid);
+    mark_tracked(key.pid, tracked);
     return value.timestamp_ns;
 }
 
@@ -108,7 +118,8 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
                                         int pitched) {
     struct kvt_args args;
     s32 device;
-    if (!take_entry_on_device(ctx, api, &args, memory != KVT_MEMORY_HOST, &device))
+    u32 *tracked;
+    if (!take_entry_on_device(ctx, api, &args, memory != KVT_MEMORY_HOST, &device, &tracked))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
 #if !KVT_TASK_STORAGE
@@ -132,7 +143,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
     u64 address = 0;
     bpf_probe_read_user(&address, sizeof(address), (void *)args.arg[0]);
     u64 now = ledger_insert(layer, object, memory, api, address, size_bytes, device, args.caller_address, 0,
-                            args.stack_id);
+                            args.stack_id, tracked);
     emit_at(now, KVT_KIND_ALLOC, api, layer, object, memory, address, size_bytes, device, 0,
             args.caller_address, 0, args.stack_id, args.stack_status);
     return 0;

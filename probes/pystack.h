@@ -261,6 +261,16 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
     return hash;
 }
 
+/* Whether these probes walk Python stacks at all (not with the agent's --no-python-stacks, nor without
+ * the fsbase offset): without, an allocation call asks nothing of the walker, and says NOT_PYTHON as
+ * the call of a process with no registered runtime does. */
+#define KVT_PYTHON_STACKS (KVT_TASK_FSBASE_OFFSET >= 0)
+
+/* The stack status of an allocation call before (or without) its walk. */
+static __always_inline u64 stack_status_unwalked(void) {
+    return KVT_PYTHON_STACKS ? KVT_STACK_NOT_WALKED : KVT_STACK_NOT_PYTHON;
+}
+
 /* Whether the calling process is a Python whose stacks can be walked (a probe asks before it
  * hands itself to the walker). */
 static __always_inline int python_target(u32 pid) {

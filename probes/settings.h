@@ -43,6 +43,13 @@
 #ifndef KVT_TASK_STORAGE
 #error "KVT_TASK_STORAGE: 1 where the kernel has task storage for tracing programs (6.2+), else 0"
 #endif
+/* 1 where sched_process_exit says whether the exiting thread is its process's last (group_dead): a
+ * process's exit is then reported when it ends, and a thread may remember that its process is tracked
+ * (KVT_TRACKED_IN_THREAD). 0: the exit is reported when the group leader exits. */
+#ifndef KVT_EXIT_GROUP_DEAD
+#error "KVT_EXIT_GROUP_DEAD: 1 where the sched_process_exit tracepoint has group_dead, else 0"
+#endif
+#define KVT_TRACKED_IN_THREAD (KVT_TASK_STORAGE && KVT_EXIT_GROUP_DEAD)
 /* glibc struct pthread: specific_1stblock[32] of {seq, data} (sources/python/offsets.py). */
 #ifndef KVT_GLIBC_SPECIFIC_1STBLOCK
 #error "KVT_GLIBC_SPECIFIC_1STBLOCK: offset of specific_1stblock in glibc's struct pthread"

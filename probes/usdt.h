@@ -136,7 +136,7 @@ int usdt_pytorch(struct pt_regs *ctx) {
                                          .address = address, .size_bytes = size_bytes, .stream = stream,
                                          .device = (s32)device};
         block.inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                                          KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream, 0);
+                                          KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream, 0, 0);
         if (over_block_rate(pid, block.inserted_ns)) {
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;

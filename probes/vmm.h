@@ -32,7 +32,7 @@ int return_cuMemCreate(struct pt_regs *ctx) {
     u64 handle = 0;
     bpf_probe_read_user(&handle, sizeof(handle), (void *)args.arg[0]);
     u64 now = ledger_insert(KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE, KVT_MEMORY_DEVICE, KVT_API_cuMemCreate,
-                            handle, args.arg[1], device, args.caller_address, 0, args.stack_id);
+                            handle, args.arg[1], device, args.caller_address, 0, args.stack_id, 0);
     emit_at(now, KVT_KIND_ALLOC, KVT_API_cuMemCreate, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE,
             KVT_MEMORY_DEVICE, handle, args.arg[1], device, 0, args.caller_address, 0,
             args.stack_id, args.stack_status);
@@ -107,7 +107,7 @@ int return_cuMemMap(struct pt_regs *ctx) {
     if (physical)
         __sync_fetch_and_add(&physical->aux, 1);
     u64 now = ledger_insert(KVT_LAYER_VMM, KVT_OBJECT_VMM_MAPPING, KVT_MEMORY_NONE, KVT_API_cuMemMap, va,
-                            size_bytes, device, args.caller_address, handle, 0);
+                            size_bytes, device, args.caller_address, handle, 0, 0);
     emit_at(now, KVT_KIND_MAP, KVT_API_cuMemMap, KVT_LAYER_VMM, KVT_OBJECT_VMM_MAPPING, KVT_MEMORY_NONE, va,
             size_bytes, device, 0, args.caller_address, handle, 0, KVT_STACK_NOT_WALKED);
     return 0;

@@ -7,11 +7,13 @@ outstanding allocations.
 import ctypes
 import re
 
+import pytest
+
 from cuda_stubs import Workload
 from harness import TracingHarness
 from kvtrace.model.events import Api, Kind, Layer
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.loader import ProbeSettings
+from kvtrace.sources.bpf.loader import ProbeSettings, exit_reports_group_dead
 
 
 def assert_ledgers_hold(tracer, pid: int, calls: list[dict]) -> None:
@@ -110,6 +112,52 @@ def test_an_exit_lost_to_a_full_ring_is_swept(bpf_here_unshared, stub_build):
 
             assert harness.pump_until(swept, timeout_seconds=10)
             assert len(harness.of(pid, Kind.PROCESS_EXIT)) == 1  # the sweep's, once
+        finally:
+            harness.close()
+
+
+@pytest.mark.parametrize("group_dead", [True, False], ids=["exit-of-last-thread", "exit-of-leader"])
+def test_a_process_whose_main_thread_ends_first_is_dropped_when_its_last_thread_ends(
+        bpf_here_unshared, stub_build, group_dead):
+    """GIVEN a process whose main thread ends while another thread goes on allocating, THEN what it
+    held leaves both ledgers once its last thread ends. Where sched_process_exit has group_dead, the
+    exit event says so, once, after the last allocation (the sweep is not what drops it: it does not
+    run); on kernels without, the event comes at the main thread's end (and drops what the process
+    held then), and the allocations made after it keep the process tracked (no thread may remember it
+    tracked) for the sweep to drop."""
+    if group_dead and not exit_reports_group_dead():
+        pytest.skip("this kernel's sched_process_exit has no group_dead field")
+    with Workload([stub_build.workload, "leader_exits"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness((), settings=ProbeSettings(exit_group_dead=group_dead),
+                                 sweep_seconds=3600 if group_dead else 0.2,
+                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            workload.go()
+            calls = workload.read_calls()
+            assert [c["api"] for c in calls] == ["cudaMalloc"] * 5
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) == 10)
+            probes = harness.source.probes
+            assert probes is not None and pid in probes.tracked_pids()
+            # (without group_dead, the main thread's end dropped its 2 as if the process had ended)
+            held = {e.key.address for e in harness.source.kernel_ledger() if e.key.pid == pid}
+            assert len(held) == (5 if group_dead else 3)
+            assert workload.finish() == 7
+
+            def dropped():
+                return (pid not in probes.tracked_pids() and pid not in harness.session.ledger.pids()
+                        and all(e.key.pid != pid for e in harness.source.kernel_ledger())
+                        and all(key.pid != pid for key, _ in probes.read_totals()))
+
+            assert harness.pump_until(dropped, timeout_seconds=10)
+            exits = harness.of(pid, Kind.PROCESS_EXIT)
+            if group_dead:
+                assert len(exits) == 1
+                assert exits[0].timestamp_ns > max(e.timestamp_ns for e in harness.of(pid, Kind.ALLOC))
+                assert exits[0].error_code == 7 << 8  # the wait status of exit(7)
+            else:
+                assert exits[0].timestamp_ns < max(e.timestamp_ns for e in harness.of(pid, Kind.ALLOC))
+            assert probes.counters()["events_lost"] == 0
         finally:
             harness.close()
 

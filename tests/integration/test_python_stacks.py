@@ -386,3 +386,32 @@ def test_unsupported_python_39_no_stack_reason_given_allocations_traced(session_
             [(c["address"], c["size_bytes"]) for c in calls]
         assert all(e.layer is Layer.RUNTIME for e in mallocs)
         assert {(e.stack_id, e.stack_status) for e in events} == {(0, StackStatus.NOT_PYTHON)}
+
+
+def test_without_python_stacks_a_python_process_is_traced_and_no_walk_is_asked(bpf_here_unshared, stub_build):
+    """GIVEN the agent's --no-python-stacks (probes built without the walk), THEN a supported Python's
+    allocations are traced exactly and say NOT_PYTHON, as the calls of a process with no registered
+    runtime do; the frees (no walk asked) NOT_WALKED; and the kernel walked nothing."""
+    from harness import TracingHarness
+
+    python = pyenv_python("3.12")
+    harness = TracingHarness(only_selected=True, python_stacks=False,
+                             preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+    try:
+        assert "-DKVT_TASK_FSBASE_OFFSET=-1" in harness.source.options.settings.cflags()
+        workload, pid, calls = run_to_done(harness, python, stub_build, "--cases", "recursion,thread")
+        with workload:
+            assert harness.pump_until(lambda: len(harness.of(pid)) >= 2 * len(calls))
+            harness.pump(0.2)
+            assert pid not in harness.source.python  # no runtime registered
+            allocs = [e for e in harness.of(pid) if e.kind is Kind.ALLOC]
+            assert sorted((e.address, e.size_bytes) for e in allocs if e.api is Api.cudaMalloc) == \
+                sorted((c["address"], c["size_bytes"]) for c in calls)
+            assert len(allocs) == 2 * len(calls)  # the runtime's and the driver's
+            assert {(e.stack_id, e.stack_status) for e in allocs} == {(0, StackStatus.NOT_PYTHON)}
+            others = [e for e in harness.of(pid) if e.kind is not Kind.ALLOC]
+            assert {e.stack_status for e in others} <= {StackStatus.NOT_WALKED}
+            counters = harness.source.counters()
+            assert counters["stack_walks"] == 0 and counters["stack_walker_missing"] == 0
+    finally:
+        harness.close()

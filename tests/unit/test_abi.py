@@ -82,7 +82,7 @@ def test_config_indexes_match_header():
     assert config.pop("COUNT") == 3
     assert config == {"FILTER_ENABLED": abi.CONFIG_FILTER_ENABLED,
                       "BLOCK_EVENTS_PER_SECOND": abi.CONFIG_BLOCK_EVENTS_PER_SECOND,
-                      "FILTER_GENERATION": abi.CONFIG_FILTER_GENERATION}
+                      "PROCESS_GENERATION": abi.CONFIG_PROCESS_GENERATION}
 
 
 def test_every_attached_symbol_has_entry_and_return_probe():

@@ -48,7 +48,10 @@ class CountingProbes:
     def tracked_pids(self) -> set[int]:
         return set()
 
-    def forget_tracked(self, pid: int) -> None:
+    def forget_tracked(self, pid: int) -> bool:
+        return False
+
+    def mark_tracked(self, pid: int) -> None:
         pass
 
     def set_python_target(self, pid: int, target) -> None:
@@ -81,6 +84,47 @@ def test_a_chosen_process_that_is_gone_is_dropped_once_not_every_sweep():
     # with that pid would be traced)
     assert tracer.probes.ledger_reads == 1
     assert GONE_PID in tracer._selected
+
+
+class TrackedProbes(CountingProbes):
+    """A kernel's tracked_pids: what the probes marked, what the sweep untracked and marked again."""
+
+    def __init__(self, tracked) -> None:
+        super().__init__()
+        self.tracked = set(tracked)
+        self.calls: list[tuple[str, int]] = []
+
+    def tracked_pids(self) -> set[int]:
+        return set(self.tracked)
+
+    def forget_tracked(self, pid: int) -> bool:
+        self.calls.append(("forget", pid))
+        if pid not in self.tracked:
+            return False
+        self.tracked.discard(pid)
+        return True
+
+    def mark_tracked(self, pid: int) -> None:
+        self.calls.append(("mark", pid))
+        self.tracked.add(pid)
+
+
+def test_a_tracked_pid_taken_by_a_new_process_while_swept_is_tracked_again_and_not_dropped(monkeypatch):
+    """GIVEN the kernel tracks a pid whose process ended unreported (its exit was lost to a full ring),
+    WHEN a new process takes the pid just as the sweep untracks it, THEN the mark goes back (a thread of
+    the new process may have seen it and remember it) and nothing is dropped: the new process's exit
+    drops what both held. Where nothing takes it, it is untracked and dropped, once."""
+    from kvtrace.sources.bpf import source as source_module
+
+    for taken_meanwhile, calls, reads, tracked in ((True, [("forget", GONE_PID), ("mark", GONE_PID)], 0, {GONE_PID}),
+                                                   (False, [("forget", GONE_PID)], 1, set())):
+        answers = iter([False, taken_meanwhile])  # gone at the first look; the second as given
+        monkeypatch.setattr(source_module.psutil, "pid_exists",
+                            lambda pid, answers=answers, later=taken_meanwhile: next(answers, later))
+        tracer = BpfSource(Session(), BpfOptions())
+        probes = tracer.probes = TrackedProbes({GONE_PID})
+        tracer.sweep_exited()
+        assert (probes.calls, probes.ledger_reads, probes.tracked) == (calls, reads, tracked)
 
 
 class Seen:
@@ -319,6 +363,22 @@ def test_task_storage_is_chosen_from_kernel_6_2_with_btf(tmp_path):
     assert task_storage_supported("6.18.44", str(tmp_path / "no-btf")) is False
     assert "-DKVT_TASK_STORAGE=0" in ProbeSettings(task_storage=False).cflags()
     assert "-DKVT_TASK_STORAGE=1" in ProbeSettings(task_storage=True).cflags()
+
+
+def test_exit_of_the_last_thread_is_chosen_where_the_tracepoint_says_group_dead(tmp_path):
+    from kvtrace.sources.bpf.loader import ProbeSettings, exit_reports_group_dead
+
+    fields = ("\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n"
+              "\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n")
+    new, old = tmp_path / "new", tmp_path / "old"
+    new.write_text(fields + "\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n")  # 6.18's
+    old.write_text(fields)
+    missing = tmp_path / "not-mounted"
+    assert exit_reports_group_dead([missing, new]) is True  # the first format that reads
+    assert exit_reports_group_dead([old, new]) is False
+    assert exit_reports_group_dead([missing]) is False
+    assert "-DKVT_EXIT_GROUP_DEAD=0" in ProbeSettings(exit_group_dead=False).cflags()
+    assert "-DKVT_EXIT_GROUP_DEAD=1" in ProbeSettings(exit_group_dead=True).cflags()
 
 
 def test_probes_that_refuse_task_storage_load_with_lru_hashes(monkeypatch, caplog):

@@ -21,6 +21,9 @@
  *            {"loop_pairs": N, "ns_per_pair": X}. KVT_LOOP_PAUSE_EVERY / KVT_LOOP_PAUSE_MS pace it.
  *   leak N   N cudaMalloc (1 MiB), never freed.
  *   hold     13 cudaMalloc (1 MiB), then waits to be killed.
+ *   leader_exits  2 cudaMalloc (1 MiB); the main thread starts a thread and ends (pthread_exit). That
+ *            thread, once the main one is a zombie, makes 3 cudaMalloc (1 MiB) and writes the
+ *            manifest; the process ends with it (exit status 7).
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -300,6 +303,49 @@ static void scenario_hold(unsigned long n) {
         runtime_malloc(MiB);
 }
 
+/* Whether thread `tid` of this process has ended (a zombie, or gone). */
+static int thread_ended(pid_t tid) {
+    char path[64], stat[256];
+    snprintf(path, sizeof(path), "/proc/self/task/%d/stat", (int)tid);
+    FILE *file = fopen(path, "r");
+    if (!file)
+        return 1;
+    size_t length = fread(stat, 1, sizeof(stat) - 1, file);
+    fclose(file);
+    stat[length] = '\0';
+    const char *state = strrchr(stat, ')'); /* "pid (comm) S ...": the name may hold spaces */
+    return state && state[1] == ' ' && (state[2] == 'Z' || state[2] == 'X');
+}
+
+static void *leader_exits_thread(void *unused) {
+    (void)unused;
+    for (int tries = 0; !thread_ended(getpid()); tries++) {
+        if (tries == 10000) {
+            fprintf(stderr, "the main thread did not end\n");
+            exit(1);
+        }
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+    }
+    for (int i = 0; i < 3; i++)
+        runtime_malloc(MiB);
+    print_manifest();
+    wait_for_line();
+    exit(7); /* a status of its own: the exit event carries the last thread's */
+}
+
+static void scenario_leader_exits(unsigned long n) {
+    (void)n;
+    for (int i = 0; i < 2; i++)
+        runtime_malloc(MiB);
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, leader_exits_thread, NULL) != 0) {
+        perror("pthread_create");
+        exit(1);
+    }
+    pthread_exit(NULL);
+}
+
 static const struct {
     const char *name;
     void (*run)(unsigned long n);
@@ -307,11 +353,11 @@ static const struct {
 } scenarios[] = {
     {"counts", scenario_counts, 0}, {"devices", scenario_devices, 0}, {"vmm", scenario_vmm, 0},
     {"context", scenario_context, 0}, {"loop", scenario_loop, 1}, {"leak", scenario_leak, 1},
-    {"hold", scenario_hold, 0},
+    {"hold", scenario_hold, 0}, {"leader_exits", scenario_leader_exits, 0},
 };
 
 static void usage(void) {
-    fprintf(stderr, "usage: workload counts|devices|vmm|context|hold | workload loop|leak N\n");
+    fprintf(stderr, "usage: workload counts|devices|vmm|context|hold|leader_exits | workload loop|leak N\n");
     exit(2);
 }
 

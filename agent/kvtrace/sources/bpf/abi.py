@@ -126,7 +126,7 @@ COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "
             "totals_full")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
-CONFIG_FILTER_GENERATION = 2
+CONFIG_PROCESS_GENERATION = 2
 
 DEFAULT_MAX_TOTALS = 16384  # keys of ledger_totals (KVT_MAX_TOTALS); kvtrace agent --max-totals
 

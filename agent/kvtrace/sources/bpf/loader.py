@@ -18,6 +18,7 @@ import struct
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from kvtrace.model.events import Api
 from kvtrace.sources.bpf import abi, links
@@ -57,11 +58,17 @@ class ProbeSettings:
     # or in LRU hashes keyed by thread id. None: task storage where the kernel has it for these
     # programs (task_storage_supported).
     task_storage: bool | None = None
+    # Whether sched_process_exit says which thread is its process's last (group_dead): an exit is then
+    # reported when the process ends, not when its first thread does, and each thread remembers that its
+    # process is tracked (one hash lookup a thread, not one an allocation). None: read from tracefs.
+    exit_group_dead: bool | None = None
 
     def cflags(self) -> list[str]:
         task_storage = task_storage_supported() if self.task_storage is None else self.task_storage
+        group_dead = exit_reports_group_dead() if self.exit_group_dead is None else self.exit_group_dead
         return [
             f"-DKVT_TASK_STORAGE={int(task_storage)}",
+            f"-DKVT_EXIT_GROUP_DEAD={int(group_dead)}",
             f"-DKVT_MAX_STACKS={self.max_stacks}",
             f"-DKVT_TASK_FSBASE_OFFSET={self.task_fsbase_offset}",
             f"-DKVT_TASK_EXIT_CODE_OFFSET={self.task_exit_code_offset}",
@@ -86,6 +93,21 @@ def task_storage_supported(release: str | None = None, btf: str | os.PathLike[st
     if numbers is None:
         return False
     return (int(numbers[1]), int(numbers[2])) >= TASK_STORAGE_KERNEL and os.path.exists(btf)
+
+
+# The process exit tracepoint's fields, as bcc reads them to compile TRACEPOINT_PROBE (tracefs, either mount).
+EXIT_TRACEPOINT_FORMATS = tuple(Path(root) / "events/sched/sched_process_exit/format"
+                                for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
+
+
+def exit_reports_group_dead(formats: Iterable[Path] = EXIT_TRACEPOINT_FORMATS) -> bool:
+    """Whether this kernel's sched_process_exit has the group_dead field (6.18 has it)."""
+    for path in formats:
+        try:
+            return "field:bool group_dead;" in path.read_text()
+        except OSError:
+            continue
+    return False
 
 
 # The program the allocation probes tail-call for the Python stack walk (probes/pystack.h).
@@ -196,7 +218,7 @@ class BpfProbes:
         # shared by its links (one per pid under -p)
         self._torch_sites: dict[Hashable, tuple[list[UsdtProbe], list[int]]] = {}
         self._next_cookie = 0  # usdt_sites keys: one per probe site
-        self._filter_generation = 0  # config's KVT_CONFIG_FILTER_GENERATION: raised at each filter change
+        self._process_generation = 0  # config's KVT_CONFIG_PROCESS_GENERATION: raised at each change per process
         self.uprobe_links = settings.uprobe_links
         if self.uprobe_links is None:
             why_not = links.uprobe_multi_supported()
@@ -411,7 +433,7 @@ class BpfProbes:
     def set_filter(self, enabled: bool) -> None:
         config = self._bpf[b"config"]
         config[ctypes.c_int(abi.CONFIG_FILTER_ENABLED)] = ctypes.c_uint64(1 if enabled else 0)
-        self._filter_changed()
+        self._process_settings_changed()
 
     def set_block_rate(self, events_per_second: int) -> None:
         config = self._bpf[b"config"]
@@ -419,19 +441,20 @@ class BpfProbes:
 
     def select_pid(self, pid: int) -> None:
         self._bpf[b"pid_filter"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
-        self._filter_changed()
+        self._process_settings_changed()
 
     def unselect_pid(self, pid: int) -> None:
         try:
             del self._bpf[b"pid_filter"][ctypes.c_uint32(pid)]
         except KeyError:
             pass
-        self._filter_changed()
+        self._process_settings_changed()
 
-    def _filter_changed(self) -> None:
-        """After the filter changed: threads look their process up in it again (context.h)."""
-        self._filter_generation += 1
-        self._bpf[b"config"][ctypes.c_int(abi.CONFIG_FILTER_GENERATION)] = ctypes.c_uint64(self._filter_generation)
+    def _process_settings_changed(self) -> None:
+        """After the filter or a process's default device changed: threads read their process's settings
+        again (context.h), not what they remember."""
+        self._process_generation += 1
+        self._bpf[b"config"][ctypes.c_int(abi.CONFIG_PROCESS_GENERATION)] = ctypes.c_uint64(self._process_generation)
 
     # ---- rings ----
 
@@ -584,6 +607,7 @@ class BpfProbes:
     def set_process_device(self, pid: int, device: int | None) -> None:
         """The device of the process's threads that never selected one (None: CUDA's device 0)."""
         self._set_for_pid(b"process_device", pid, None if device is None else ctypes.c_int32(device))
+        self._process_settings_changed()
 
     def set_python_target(self, pid: int, target: abi.RawPyTarget | None) -> None:
         self._set_for_pid(b"py_targets", pid, target)
@@ -610,11 +634,17 @@ class BpfProbes:
         """Processes the probes have put into the ledger and not yet seen exit."""
         return {key.value for key in self._bpf[b"tracked_pids"].keys()}
 
-    def forget_tracked(self, pid: int) -> None:
+    def forget_tracked(self, pid: int) -> bool:
+        """Untracks a process (its exit swept); False where it was not tracked."""
         try:
             del self._bpf[b"tracked_pids"][ctypes.c_uint32(pid)]
         except KeyError:
-            pass
+            return False
+        return True
+
+    def mark_tracked(self, pid: int) -> None:
+        """Tracks a process again, as its probes' first ledger insert does (ledger.h mark_tracked)."""
+        self._bpf[b"tracked_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint64(1)
 
     def close(self) -> float:
         """Takes every probe down and frees the program; returns the seconds detaching took.

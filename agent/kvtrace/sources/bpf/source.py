@@ -625,15 +625,27 @@ class BpfSource:
         kernel ledger."""
         # (one that is alive again is a new process with that pid: swept again when it exits)
         self._swept_exited = {pid for pid in self._swept_exited & self._selected if not psutil.pid_exists(pid)}
-        for pid in self._probes().tracked_pids() | (self._selected - self._swept_exited):
-            if not psutil.pid_exists(pid):
-                if pid in self._selected:
-                    self._swept_exited.add(pid)
-                self._flush()
-                self.session.forget_process(pid)  # before the kernel's entries go: an exit watcher reads them
-                self._drop_in_kernel(pid, self.session.wall_clock_ns())
-                self._forget_process(pid)
-                log.info("process %d exited: what it held is dropped", pid)
+        probes = self._probes()
+        for pid in probes.tracked_pids() | (self._selected - self._swept_exited):
+            if psutil.pid_exists(pid):
+                continue
+            # The probes untrack a process whose exit they report; one they could not report (the ring was
+            # full) is untracked here, and then looked for again: a process that took the pid before that
+            # may have seen the mark (a thread remembers it), so it gets it back, and its exit drops what
+            # both held. One that takes the pid after marks itself, and holds nothing older than `before`.
+            before_wall_ns = self.session.wall_clock_ns()
+            was_tracked = probes.forget_tracked(pid)
+            if psutil.pid_exists(pid):
+                if was_tracked:
+                    probes.mark_tracked(pid)
+                continue
+            if pid in self._selected:
+                self._swept_exited.add(pid)
+            self._flush()
+            self.session.forget_process(pid)  # before the kernel's entries go: an exit watcher reads them
+            self._drop_in_kernel(pid, before_wall_ns)
+            self._forget_process(pid)
+            log.info("process %d exited: what it held is dropped", pid)
         # Processes that exited holding nothing traced send no exit event: forget them here too.
         for pid in [pid for pid in {*self.late_device, *self.python} if not psutil.pid_exists(pid)]:
             self._forget_process(pid)
@@ -672,8 +684,6 @@ class BpfSource:
                 total = sums.setdefault(totals, [0, 0])
                 total[0] += size_bytes
                 total[1] += 1
-        if device is None:
-            probes.forget_tracked(pid)
 
         def take_totals() -> dict[TotalsKey, tuple[int, int]]:
             return decode_totals(probes.take_totals(pid)) if device is None else {}
