@@ -595,12 +595,35 @@ def test_a_busy_loop_spaces_its_turns_reads_counters_each_turn_and_reports_every
     assert time.monotonic() - started >= 0.008
     # AND each turn read the counters (a loss marker lands where the loss is), but reported once
     assert probes.counter_reads == 2 and len(reports) == 1
-    # AND a turn that took nothing leaves the next to start at once; a busy one 0.1 s later reports again
+    # AND a turn that took nothing leaves the next to start at once; it reads the counters again (the
+    # second turn's are not reported yet); a busy one 0.1 s later reports again
     source.run_once(0)
     assert source._next_turn_monotonic == 0.0
+    assert probes.counter_reads == 3 and len(reports) == 1
     time.sleep(0.1)
     source.run_once(0)
-    assert len(reports) == 2 and probes.counter_reads == 3
+    assert len(reports) == 2 and probes.counter_reads == 4
+    # AND once reported, idle turns read nothing until the idle report (a second later)
+    source.run_once(0)
+    assert len(reports) == 2 and probes.counter_reads == 4
+
+
+def test_the_last_counts_of_a_burst_are_reported_within_a_tenth_of_a_second_of_its_end():
+    from test_fixed_columns import RECORDS
+
+    # GIVEN a source that reported at its first busy turn and then took more events at once
+    source = BpfSource(Session(), BpfOptions())
+    source._next_full_scan = source._next_sweep = math.inf
+    source.probes = PollingProbes(source, [b"".join(RECORDS)] * 2)
+    reports = []
+    source._report = lambda counters=None: reports.append(counters)
+    source.run_once(0)
+    source.run_once(0)
+    assert len(reports) == 1  # the second turn's counts wait for the busy pace
+    # WHEN nothing more comes, THEN a turn 0.1 s later reports them (not the idle report, a second later)
+    time.sleep(0.1)
+    source.run_once(0)
+    assert len(reports) == 2
 
 
 def test_a_turn_that_took_half_the_ring_is_behind_and_the_next_starts_at_once():

@@ -394,9 +394,11 @@ class BpfSource:
             self.sweep_exited()
             self._detach_unused(now)
         if self._events_since_report or now >= self._next_report:
-            self._events_since_report = False
+            # (counters read since the last report are reported at the busy pace even where no event
+            # follows: a burst's last counts are out within BUSY_REPORT_SECONDS of its end, not a second)
             report = now >= self._next_report or now >= self._next_busy_report
             if report:
+                self._events_since_report = False
                 self._next_report = now + IDLE_REPORT_SECONDS
                 self._next_busy_report = now + BUSY_REPORT_SECONDS
             self._check_counters(report)
