@@ -13,7 +13,7 @@ KVTRACE = [sys.executable, "-m", "kvtrace.cli.main"]
 
 
 class AgentProcess:
-    def __init__(self, socket: Path, *args: str) -> None:
+    def __init__(self, socket: Path, *args: str, env: dict[str, str] | None = None) -> None:
         """The vLLM plugin's and the CUPTI tracers' sockets and the flight recorder's dumps go next to
         `socket` unless `args` say where (never the host's /run/kvtrace-vllm, /run/kvtrace-cupti or
         /var/lib/kvtrace: tests run agents side by side, and must not write into the host's state)."""
@@ -29,7 +29,7 @@ class AgentProcess:
         self.process = subprocess.Popen(
             [*KVTRACE, "agent", "--socket", str(socket), "--group", "root",
              "--metrics-listen", "127.0.0.1:0", *args],
-            stdout=self._stdout, stderr=self._stderr, text=True)
+            stdout=self._stdout, stderr=self._stderr, text=True, env=env)
         deadline = time.monotonic() + 60
         while "Hit Ctrl-C to end." not in self.stderr_text():
             if self.process.poll() is not None or time.monotonic() > deadline:
