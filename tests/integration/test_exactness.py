@@ -49,6 +49,11 @@ def test_overflowing_ring_buffer_keeps_the_ledger_exact(bpf_here_unshared, stub_
             table = probes._bpf[b"counters"]
             assert probes._counters_batched and probes.counters() == {
                 name: sum(table[ctypes.c_int(index)]) for index, name in enumerate(abi.COUNTERS)}
+            # and the totals in one batched lookup, the same as bcc's key by key
+            totals = probes.read_totals()
+            assert probes._totals_batched and any(key.pid == pid for key, _ in totals)
+            assert sorted((bytes(key), bytes(value)) for key, value in totals) == sorted(
+                (bytes(key), bytes(value)) for key, value in probes._bpf[b"ledger_totals"].items())
             assert_ledgers_hold(tracer, pid, calls)
         finally:
             harness.close()
@@ -130,7 +135,7 @@ def test_a_process_whose_main_thread_ends_first_is_dropped_when_its_last_thread_
     with Workload([stub_build.workload, "leader_exits"]) as workload:
         pid = workload.wait_ready()
         harness = TracingHarness((), settings=ProbeSettings(exit_group_dead=group_dead),
-                                 sweep_seconds=3600 if group_dead else 0.2,
+                                 sweep_seconds=3600 if group_dead else 0.2, tracked_sweep_seconds=0.2,
                                  preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
         try:
             workload.go()
@@ -139,6 +144,9 @@ def test_a_process_whose_main_thread_ends_first_is_dropped_when_its_last_thread_
             assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) == 10)
             probes = harness.source.probes
             assert probes is not None and pid in probes.tracked_pids()
+            # read in one batched lookup, the same as bcc's key by key
+            assert probes._tracked_batched and probes.tracked_pids() == {
+                key.value for key in probes._bpf[b"tracked_pids"].keys()}
             # (without group_dead, the main thread's end dropped its 2 as if the process had ended)
             held = {e.key.address for e in harness.source.kernel_ledger() if e.key.pid == pid}
             assert len(held) == (5 if group_dead else 3)

@@ -95,6 +95,7 @@ class TrackedProbes(CountingProbes):
         self.calls: list[tuple[str, int]] = []
 
     def tracked_pids(self) -> set[int]:
+        self.calls.append(("read", 0))
         return set(self.tracked)
 
     def forget_tracked(self, pid: int) -> bool:
@@ -116,8 +117,9 @@ def test_a_tracked_pid_taken_by_a_new_process_while_swept_is_tracked_again_and_n
     drops what both held. Where nothing takes it, it is untracked and dropped, once."""
     from kvtrace.sources.bpf import source as source_module
 
-    for taken_meanwhile, calls, reads, tracked in ((True, [("forget", GONE_PID), ("mark", GONE_PID)], 0, {GONE_PID}),
-                                                   (False, [("forget", GONE_PID)], 1, set())):
+    for taken_meanwhile, calls, reads, tracked in ((True, [("read", 0), ("forget", GONE_PID), ("mark", GONE_PID)],
+                                                    0, {GONE_PID}),
+                                                   (False, [("read", 0), ("forget", GONE_PID)], 1, set())):
         answers = iter([False, taken_meanwhile])  # gone at the first look; the second as given
         monkeypatch.setattr(source_module.psutil, "pid_exists",
                             lambda pid, answers=answers, later=taken_meanwhile: next(answers, later))
@@ -125,6 +127,24 @@ def test_a_tracked_pid_taken_by_a_new_process_while_swept_is_tracked_again_and_n
         probes = tracer.probes = TrackedProbes({GONE_PID})
         tracer.sweep_exited()
         assert (probes.calls, probes.ledger_reads, probes.tracked) == (calls, reads, tracked)
+
+
+def test_sweeps_read_the_tracked_processes_after_losses_or_every_tracked_sweep_seconds(monkeypatch):
+    """Reading the kernel's tracked processes scans their whole map: a sweep (every second) does it
+    where an exit may have gone unreported, after events were lost, and else every
+    tracked_sweep_seconds."""
+    tracer = BpfSource(Session(), BpfOptions(tracked_sweep_seconds=0.2))
+    probes = tracer.probes = TrackedProbes(set())
+    tracer.sweep_exited()  # the first sweep reads
+    tracer.sweep_exited()
+    assert probes.calls == [("read", 0)]
+    tracer._missed_seen += 3  # events lost (counted by _check_counters)
+    tracer.sweep_exited()
+    tracer.sweep_exited()
+    assert probes.calls == [("read", 0)] * 2
+    time.sleep(0.2)
+    tracer.sweep_exited()
+    assert probes.calls == [("read", 0)] * 3
 
 
 class Seen:

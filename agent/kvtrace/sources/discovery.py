@@ -39,8 +39,8 @@ class Target:
 def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, procfs.Mapping]:
     """File-backed executable mappings of a process, as {file id: its first such mapping}."""
     found: dict[FileId, procfs.Mapping] = {}
-    for mapping in procfs.read_maps(pid, proc):
-        if mapping.executable and mapping.inode:
+    for mapping in procfs.read_maps(pid, proc, executable_only=True):
+        if mapping.inode:
             found.setdefault(FileId(mapping.device, mapping.inode), mapping)
     return found
 
@@ -68,13 +68,18 @@ def defined_symbols(path: str, wanted: tuple[str, ...] = ALL_SYMBOLS) -> tuple[s
 class Discovery:
     """Scans processes and keeps the set of attach targets with the pids that map each.
 
-    ELF verdicts are cached per (device, inode, size, mtime), so a rescan reads only /proc/PID/maps.
+    ELF verdicts are cached per (device, inode, size, mtime), so a rescan reads only /proc/PID/maps;
+    a mapped file found to be no target is not looked at again (most of what a process maps: libc, the
+    interpreter's modules), so a rescan of a process costs its maps' executable lines and no stat.
     """
 
     def __init__(self, proc: Path = procfs.PROC) -> None:
         self._proc = proc
         self._verdicts: dict[tuple, tuple[tuple[str, ...], tuple[UsdtProbe, ...]]] = {}
         self.targets: dict[FileId, Target] = {}
+        # Mapped files with nothing to probe. By (device, inode): a file replaced (pip, a package manager)
+        # is a new inode; one rewritten in place under the processes that map it is not looked at again.
+        self._not_targets: set[FileId] = set()
 
     def _open_path(self, pid: int, file_id: FileId, mapping: procfs.Mapping) -> str | None:
         """A path that opens this very file: through the process's root, or, when that path now
@@ -86,12 +91,13 @@ class Discovery:
                 return str(candidate)
         return None
 
-    def _verdict(self, file_id: FileId, path: str) -> tuple[tuple[str, ...], tuple[UsdtProbe, ...]]:
-        """(CUDA symbols, PyTorch allocator probes) the file offers; both () for most files."""
+    def _verdict(self, file_id: FileId, path: str) -> tuple[tuple[str, ...], tuple[UsdtProbe, ...]] | None:
+        """(CUDA symbols, PyTorch allocator probes) the file offers, both () for most files; None where it
+        cannot be looked at now."""
         try:
             st = os.stat(path)
         except OSError:
-            return (), ()
+            return None
         cache_key = (file_id.device, file_id.inode, st.st_size, st.st_mtime_ns)
         verdict = self._verdicts.get(cache_key)
         if verdict is None:
@@ -108,11 +114,17 @@ class Discovery:
             path = mapping.path
             target = self.targets.get(file_id)
             if target is None:
+                if file_id in self._not_targets:
+                    continue
                 open_path = self._open_path(pid, file_id, mapping)
                 if open_path is None:
                     continue
-                symbols, torch_probes = self._verdict(file_id, open_path)
+                verdict = self._verdict(file_id, open_path)
+                if verdict is None:
+                    continue  # gone meanwhile: the next scan looks again
+                symbols, torch_probes = verdict
                 if not symbols and not torch_probes:
+                    self._not_targets.add(file_id)
                     continue
                 # Prefer the plain path when it is the same file (nicer in reports).
                 if os.path.exists(path) and same_file(path, file_id):
@@ -135,9 +147,10 @@ class Discovery:
         file_id = FileId(st.st_dev, st.st_ino)
         if file_id in self.targets:
             return None
-        symbols, torch_probes = self._verdict(file_id, path)
-        if not symbols and not torch_probes:
+        verdict = self._verdict(file_id, path)
+        if verdict is None or not any(verdict):
             return None
+        symbols, torch_probes = verdict
         target = self.targets[file_id] = Target(file_id, path, symbols, torch_probes=torch_probes)
         return target
 

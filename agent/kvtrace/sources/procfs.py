@@ -46,8 +46,9 @@ class Mapping:
         return "x" in self.perms
 
 
-def read_maps(pid: int, proc: Path = PROC) -> list[Mapping]:
-    """The process's mappings in address order; [] if it is gone or unreadable."""
+def read_maps(pid: int, proc: Path = PROC, executable_only: bool = False) -> list[Mapping]:
+    """The process's mappings in address order (only those that may execute, where asked: the rest go
+    unparsed); [] if it is gone or unreadable."""
     try:
         text = (proc / str(pid) / "maps").read_text(errors="surrogateescape")
     except OSError:
@@ -55,6 +56,10 @@ def read_maps(pid: int, proc: Path = PROC) -> list[Mapping]:
     mappings = []
     for line in text.splitlines():
         # start-end perms offset major:minor inode [path, which may contain spaces]
+        if executable_only:
+            perms = line.find(" ") + 1
+            if line[perms + 2:perms + 3] != "x":
+                continue
         parts = line.split(maxsplit=5)
         if len(parts) < 5:
             continue

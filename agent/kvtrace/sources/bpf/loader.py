@@ -127,6 +127,8 @@ def _return_freed_heap() -> None:
 
 
 LEDGER_READ_CHUNK = 4096  # entries per batched read of the ledger map (72 bytes each: ~300 KB of buffers)
+TRACKED_READ_CHUNK = 1024  # of tracked_pids (12 bytes each)
+TOTALS_READ_CHUNK = 1024  # of ledger_totals (32 bytes each)
 
 
 _KERNEL_ENOTSUPP = 524  # the kernel's "operation not supported" (no name in Python's errno)
@@ -188,6 +190,7 @@ class BpfProbes:
 
         self.settings = settings
         self._counters_batched = True  # until the kernel refuses a batched read of an array
+        self._tracked_batched = self._totals_batched = True  # until it refuses one of a hash
         links.repair_bcc_attach_uprobe()  # before any perf-event probe (kernels before 6.6)
         started = time.monotonic()
         text = abi.program_text()
@@ -581,9 +584,21 @@ class BpfProbes:
 
     def read_totals(self) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
         """The kernel's totals of allocations and blocks (struct kvt_totals_key/value pairs): a few per
-        process, read key by key (each value is exact when read; the probes go on changing others)."""
+        process, in one batched lookup where the kernel has it (each value is exact when read; the probes
+        go on changing others). Every analysis reads them."""
+        table = self._bpf[b"ledger_totals"]
+        if self._totals_batched:
+            key_size, value_size = ctypes.sizeof(abi.RawTotalsKey), ctypes.sizeof(abi.RawTotalsValue)
+            try:
+                return [(abi.RawTotalsKey.from_buffer_copy(keys, index * key_size),
+                         abi.RawTotalsValue.from_buffer_copy(values, index * value_size))
+                        for keys, values in _lookup_in_chunks(table.map_fd, key_size, value_size, TOTALS_READ_CHUNK,
+                                                              "the totals")
+                        for index in range(len(keys) // key_size)]
+            except _NoBatchedLookup:
+                self._totals_batched = False
         return [(abi.RawTotalsKey.from_buffer_copy(key), abi.RawTotalsValue.from_buffer_copy(value))
-                for key, value in self._bpf[b"ledger_totals"].items()]
+                for key, value in table.items()]
 
     def take_totals(self, pid: int) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
         """Deletes the totals of `pid` (after its exit), each read in the same system call that deletes
@@ -631,8 +646,17 @@ class BpfProbes:
         return abi.RawStack.from_buffer_copy(value)
 
     def tracked_pids(self) -> set[int]:
-        """Processes the probes have put into the ledger and not yet seen exit."""
-        return {key.value for key in self._bpf[b"tracked_pids"].keys()}
+        """Processes the probes have put into the ledger and not yet seen exit (read at every sweep: one
+        batched lookup, where bcc's iteration made two system calls and Python objects per key)."""
+        table = self._bpf[b"tracked_pids"]
+        if self._tracked_batched:
+            try:
+                return {pid for keys, _ in _lookup_in_chunks(table.map_fd, 4, 8, TRACKED_READ_CHUNK,
+                                                             "the tracked processes")
+                        for pid in memoryview(keys).cast("I")}
+            except _NoBatchedLookup:  # kernels without batched lookups of hashes (before 5.6)
+                self._tracked_batched = False
+        return {key.value for key in table.keys()}
 
     def forget_tracked(self, pid: int) -> bool:
         """Untracks a process (its exit swept); False where it was not tracked."""

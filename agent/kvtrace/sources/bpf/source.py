@@ -96,6 +96,10 @@ class BpfOptions:
     preattach_globs: tuple[str, ...] = DEFAULT_PREATTACH_GLOBS
     full_rescan_seconds: float = 10.0
     sweep_seconds: float = 1.0
+    # The kernel's tracked processes (scanning all 65 536 buckets of their map) are read by a sweep after
+    # events were lost (an exit among them), else this often: an exit the probes could not report for
+    # another reason (the main thread that ended first, on a kernel without group_dead) waits this long.
+    tracked_sweep_seconds: float = 30.0
     resync_min_seconds: float = 1.0
     # Libraries with probes in at once. Any user can make new ones (a copy of libcudart is one):
     # beyond the limit a library is refused, said and counted, and tried again once one is free.
@@ -152,6 +156,8 @@ class BpfSource:
         self.libraries_refused = 0  # attach attempts refused by the limit or bcc's probe quota
         self.libraries_detached = 0
         self._missed_seen = 0  # events lost + block events unsent, as last seen
+        self._tracked_read_at_missed = -1  # _missed_seen when the sweep last read the tracked processes
+        self._next_tracked_read = 0.0
         self._resync_due = False
         self._resync_pace_seconds = self.options.resync_min_seconds  # see resync
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
@@ -628,7 +634,13 @@ class BpfSource:
         # (one that is alive again is a new process with that pid: swept again when it exits)
         self._swept_exited = {pid for pid in self._swept_exited & self._selected if not psutil.pid_exists(pid)}
         probes = self._probes()
-        for pid in probes.tracked_pids() | (self._selected - self._swept_exited):
+        now = time.monotonic()
+        tracked: set[int] = set()
+        if self._missed_seen != self._tracked_read_at_missed or now >= self._next_tracked_read:
+            self._tracked_read_at_missed = self._missed_seen
+            self._next_tracked_read = now + self.options.tracked_sweep_seconds
+            tracked = probes.tracked_pids()
+        for pid in tracked | (self._selected - self._swept_exited):
             if psutil.pid_exists(pid):
                 continue
             # The probes untrack a process whose exit they report; one they could not report (the ring was
