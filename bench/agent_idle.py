@@ -6,6 +6,10 @@ GPU host the default agent samples NVML every second; on a host without a GPU bo
 agent's loop, timers and housekeeping alone. Needs root and bcc (as `make test`).
 
     sudo .venv/bin/python bench/agent_idle.py [--seconds 30] [--rounds 3] [--variant "--no-nvml --no-vllm"]
+        [--baseline DIR]
+
+--baseline DIR adds the default agent of another commit, side by side: DIR holds that commit's agent/ and
+probes/ (`git archive REV agent probes | tar -x -C DIR`, REV written in DIR/COMMIT).
 """
 from __future__ import annotations
 
@@ -34,14 +38,29 @@ def main() -> int:
     parser.add_argument("--settle-seconds", type=float, default=5.0, help="after start, before measuring")
     parser.add_argument("--variant", action="append", default=[],
                         help="another agent's flags (a shell-quoted string); default: --no-nvml")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also the default agent of DIR/agent with DIR/probes (another commit's)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("run as root: the agents load BPF", file=sys.stderr)
         return 3
     variants = {"default": []} | {flags or "(none)": shlex.split(flags) for flags in args.variant or ["--no-nvml"]}
+    envs: dict[str, dict[str, str]] = {}
+    if args.baseline:
+        if not (args.baseline / "agent" / "kvtrace").is_dir() or not (args.baseline / "probes").is_dir():
+            parser.error(f"--baseline {args.baseline}: no agent/kvtrace and probes/ there")
+        commit = args.baseline / "COMMIT"
+        name = f"default@{commit.read_text().strip() if commit.exists() else args.baseline}"
+        variants[name] = []
+        base = args.baseline.resolve()
+        envs[name] = dict(os.environ, KVTRACE_PROBES_DIR=str(base / "probes"),
+                          PYTHONPATH=os.pathsep.join([str(base / "agent"), *[
+                              path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                              if path and Path(path).resolve() != HERE.parent / "agent"]]))
     fractions: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="kvtrace-idle-") as directory, contextlib.ExitStack() as stack:
-        agents = {name: stack.enter_context(AgentProcess(Path(directory) / f"{index}.sock", *flags))
+        agents = {name: stack.enter_context(AgentProcess(Path(directory) / f"{index}.sock", *flags,
+                                                         env=envs.get(name)))
                   for index, (name, flags) in enumerate(variants.items())}
         time.sleep(args.settle_seconds)
         for round_index in range(args.rounds):
