@@ -132,8 +132,9 @@ def main() -> int:
     parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
     parser.add_argument("--only", choices=("pairs",), help="measure only the pair cost (fewer workers)")
     parser.add_argument("--baseline-probes", type=Path, metavar="DIR",
-                        help="also a kvtrace_nostacks@base agent compiling DIR's probes (e.g. `git archive REV "
-                             "probes | tar -x --strip-components=1 -C DIR`, REV written in DIR/COMMIT)")
+                        help="also a kvtrace_nostacks@base agent compiling DIR's probes (or DIR/probes: e.g. `git "
+                             "archive REV agent probes | tar -x -C DIR`, REV written in DIR/COMMIT, as agent_idle.py "
+                             "--baseline takes); this agent's user space reads them: for commits of the same ABI")
     parser.add_argument("--pin-cpu", type=int, default=max(os.sched_getaffinity(0)),
                         help="the CPU every worker's threads run on during the pair rounds (they run in "
                              "turn); -1: not pinned")
@@ -142,12 +143,14 @@ def main() -> int:
     version = code_version()
     extra_agents_env: dict[str, dict[str, str]] = {}
     if args.baseline_probes:
+        commit = args.baseline_probes / "COMMIT"
+        if (args.baseline_probes / "probes" / "kvtrace.bpf.c").is_file():  # a tree of agent/ and probes/
+            args.baseline_probes = args.baseline_probes / "probes"
         if not (args.baseline_probes / "kvtrace.bpf.c").is_file():
-            parser.error(f"--baseline-probes {args.baseline_probes}: no kvtrace.bpf.c there")
+            parser.error(f"--baseline-probes {args.baseline_probes}: no kvtrace.bpf.c there (nor in probes/)")
         EXTRA_PAIR_AGENTS[BASELINE_ROLE] = EXTRA_PAIR_AGENTS["kvtrace_nostacks"]
         extra_agents_env[BASELINE_ROLE] = dict(os.environ, KVTRACE_PROBES_DIR=str(args.baseline_probes.resolve()))
         pair_roles = PAIR_ROLES + (BASELINE_ROLE,)
-        commit = args.baseline_probes / "COMMIT"
         version += f"; @base: {commit.read_text().strip() if commit.exists() else args.baseline_probes}"
     else:
         pair_roles = PAIR_ROLES

@@ -98,9 +98,11 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     process_device.delete(&pid); /* a later process with this pid starts on CUDA's default */
     if (!tracked_pids.lookup(&pid))
         return 0;
-    /* Forgotten only once user space is told: when the ring is full, the periodic sweep finds the
-     * pid still tracked and drops what it held. */
-    /* do_exit() stores the wait status before this tracepoint: (status << 8), or the signal. */
+    /* Forgotten only once user space is told: when the ring is full, the sweep after the loss (or every
+     * tracked_read_seconds) finds the pid still tracked and drops what it held. */
+    /* do_exit() stores the wait status before this tracepoint: (status << 8), or the signal; this thread's
+     * (the last one's, with group_dead), which is the process's after exit() or a fatal signal (the group's
+     * code), not where threads left one by one with codes of their own (SYS_exit, io_uring workers). */
     s32 wait_status = 0;
     if (KVT_TASK_EXIT_CODE_OFFSET >= 0) {
         struct task_struct *task = (struct task_struct *)bpf_get_current_task();

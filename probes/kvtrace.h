@@ -103,8 +103,13 @@
  * pid_filter, process_device): what a thread remembers of its process (task storage: selected, its
  * default device) holds only for the generation it was read in. Sound where loads are not reordered with
  * older loads (x86-64, as RingReader): a probe that reads the new generation then finds the maps as
- * changed before it. */
+ * changed before it. (The probes themselves delete a process's process_device at its exit without raising
+ * it: the threads that remember it have ended, or, without group_dead, outlive a main thread that ended
+ * first and keep a default that was right for their process.) */
 #define KVT_CONFIG_PROCESS_GENERATION 2
+/* Its name before 0576bc2, for the probes of older commits that benches compile beside this header
+ * (bench/stack_overhead.py --baseline). */
+#define KVT_CONFIG_FILTER_GENERATION KVT_CONFIG_PROCESS_GENERATION
 #define KVT_CONFIG_COUNT          3
 
 #define KVT_COMM_LEN 16

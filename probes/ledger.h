@@ -36,8 +36,9 @@ static __always_inline void totals_add(u32 pid, s32 device, u8 layer, u8 memory,
 
 /* Marks the calling process as holding ledger entries: its exit is then reported (or, lost, swept).
  * `known`, a flag in the calling thread's storage (NULL: none), saves the lookup on all of a thread's
- * inserts but the first: the mark goes only when the process's last thread exits
- * (KVT_TRACKED_IN_THREAD), so a living thread's flag stays true. */
+ * inserts but the first: the probes take the mark away only when the process's last thread exits
+ * (KVT_TRACKED_IN_THREAD), and user space only from a process that is gone, giving it back where a new
+ * one took the pid meanwhile (BpfSource.sweep_exited), so a living thread's flag stays true. */
 static __always_inline void mark_tracked(u32 pid, u32 *known) {
     if (known && *known)
         return;

@@ -126,16 +126,16 @@ def test_a_process_whose_main_thread_ends_first_is_dropped_when_its_last_thread_
         bpf_here_unshared, stub_build, group_dead):
     """GIVEN a process whose main thread ends while another thread goes on allocating, THEN what it
     held leaves both ledgers once its last thread ends. Where sched_process_exit has group_dead, the
-    exit event says so, once, after the last allocation (the sweep is not what drops it: it does not
-    run); on kernels without, the event comes at the main thread's end (and drops what the process
-    held then), and the allocations made after it keep the process tracked (no thread may remember it
-    tracked) for the sweep to drop."""
+    exit event says so, once, after the last allocation (the sweep is not what drops it: after the one at
+    the start, the next is an hour away); on kernels without, the event comes at the main thread's end
+    (and drops what the process held then), and the allocations made after it keep the process tracked
+    (no thread may remember it tracked) for the sweep to drop."""
     if group_dead and not exit_reports_group_dead():
         pytest.skip("this kernel's sched_process_exit has no group_dead field")
     with Workload([stub_build.workload, "leader_exits"]) as workload:
         pid = workload.wait_ready()
         harness = TracingHarness((), settings=ProbeSettings(exit_group_dead=group_dead),
-                                 sweep_seconds=3600 if group_dead else 0.2, tracked_sweep_seconds=0.2,
+                                 sweep_seconds=3600 if group_dead else 0.2, tracked_read_seconds=0.2,
                                  preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
         try:
             workload.go()

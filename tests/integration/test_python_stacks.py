@@ -391,19 +391,31 @@ def test_unsupported_python_39_no_stack_reason_given_allocations_traced(session_
 def test_without_python_stacks_a_python_process_is_traced_and_no_walk_is_asked(bpf_here_unshared, stub_build):
     """GIVEN the agent's --no-python-stacks (probes built without the walk), THEN a supported Python's
     allocations are traced exactly and say NOT_PYTHON, as the calls of a process with no registered
-    runtime do; the frees (no walk asked) NOT_WALKED; and the kernel walked nothing."""
+    runtime do; the frees (no walk asked) NOT_WALKED; and the kernel walked nothing, even for a process
+    registered as a Python (which probes that asked the walker would have walked: NO_THREAD_STATE)."""
     from harness import TracingHarness
+    from kvtrace.sources.bpf import abi
 
     python = pyenv_python("3.12")
     harness = TracingHarness(only_selected=True, python_stacks=False,
                              preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
     try:
         assert "-DKVT_TASK_FSBASE_OFFSET=-1" in harness.source.options.settings.cflags()
-        workload, pid, calls = run_to_done(harness, python, stub_build, "--cases", "recursion,thread")
+        harness.pump(0.05)
+        workload = Workload([python, TARGET, stub_build.libcudart, "--cases", "recursion,thread"])
+        try:
+            pid = workload.wait_ready()
+            harness.source.follow(pid)
+            harness.source.probes.set_python_target(pid, abi.RawPyTarget())  # registered all the same
+            workload.go()
+            calls = workload.read_calls()
+        except BaseException:
+            workload.__exit__(None, None, None)
+            raise
         with workload:
             assert harness.pump_until(lambda: len(harness.of(pid)) >= 2 * len(calls))
             harness.pump(0.2)
-            assert pid not in harness.source.python  # no runtime registered
+            assert pid not in harness.source.python  # the agent registered no runtime (the test did)
             allocs = [e for e in harness.of(pid) if e.kind is Kind.ALLOC]
             assert sorted((e.address, e.size_bytes) for e in allocs if e.api is Api.cudaMalloc) == \
                 sorted((c["address"], c["size_bytes"]) for c in calls)

@@ -129,11 +129,11 @@ def test_a_tracked_pid_taken_by_a_new_process_while_swept_is_tracked_again_and_n
         assert (probes.calls, probes.ledger_reads, probes.tracked) == (calls, reads, tracked)
 
 
-def test_sweeps_read_the_tracked_processes_after_losses_or_every_tracked_sweep_seconds(monkeypatch):
+def test_sweeps_read_the_tracked_processes_after_losses_or_every_tracked_read_seconds(monkeypatch):
     """Reading the kernel's tracked processes scans their whole map: a sweep (every second) does it
     where an exit may have gone unreported, after events were lost, and else every
-    tracked_sweep_seconds."""
-    tracer = BpfSource(Session(), BpfOptions(tracked_sweep_seconds=0.2))
+    tracked_read_seconds."""
+    tracer = BpfSource(Session(), BpfOptions(tracked_read_seconds=0.2))
     probes = tracer.probes = TrackedProbes(set())
     tracer.sweep_exited()  # the first sweep reads
     tracer.sweep_exited()
@@ -145,6 +145,52 @@ def test_sweeps_read_the_tracked_processes_after_losses_or_every_tracked_sweep_s
     time.sleep(0.2)
     tracer.sweep_exited()
     assert probes.calls == [("read", 0)] * 3
+
+
+def test_a_tracked_process_read_while_a_zombie_is_dropped_at_the_sweep_it_is_gone(monkeypatch):
+    """GIVEN the read after a loss finds a tracked process still there (a zombie whose exit event was
+    lost), THEN a later sweep drops it once it is gone, without reading the map again; one whose exit
+    the probes reported since (no longer tracked) is left to its event."""
+    from kvtrace.sources.bpf import source as source_module
+
+    alive = {GONE_PID: True, GONE_PID - 1: True}
+    monkeypatch.setattr(source_module.psutil, "pid_exists", lambda pid: alive.get(pid, False))
+    tracer = BpfSource(Session(), BpfOptions(tracked_read_seconds=3600))
+    probes = tracer.probes = TrackedProbes({GONE_PID, GONE_PID - 1})
+    tracer.sweep_exited()
+    assert probes.calls == [("read", 0)] and probes.ledger_reads == 0
+    probes.tracked.discard(GONE_PID - 1)  # its exit was reported: the probes untracked it
+    alive[GONE_PID] = alive[GONE_PID - 1] = False
+    tracer.sweep_exited()
+    tracer.sweep_exited()
+    assert probes.calls == [("read", 0), ("forget", GONE_PID), ("forget", GONE_PID - 1)] or \
+        probes.calls == [("read", 0), ("forget", GONE_PID - 1), ("forget", GONE_PID)]
+    assert probes.ledger_reads == 1 and probes.tracked == set()  # GONE_PID's entries dropped, once
+
+
+def test_a_pass_over_the_kernels_allocations_reads_nothing_where_its_totals_count_none():
+    """An empty ledger map still costs a scan of its million buckets: a pass reads it only where the
+    kernel's totals (complete: never full) count an allocation or block of the wanted processes."""
+    key, value = abi.RawTotalsKey(pid=7, device=0, layer=int(Layer.DRIVER), memory=int(Memory.DEVICE)), \
+        abi.RawTotalsValue(size_bytes=4096, count=1)
+
+    class TotalsProbes(CountingProbes):
+        totals: list = []
+
+        def read_totals(self) -> list:
+            return self.totals
+
+    tracer = BpfSource(Session(), BpfOptions())
+    probes = tracer.probes = TotalsProbes()
+    assert list(tracer._read_allocations(())) == [] and probes.ledger_reads == 0
+    probes.totals = [(key, value)]
+    assert list(tracer._read_allocations([8])) == [] and probes.ledger_reads == 0  # not the wanted pid's
+    list(tracer._read_allocations([7]))
+    assert probes.ledger_reads == 1
+    probes.totals = []
+    tracer._totals_ever_full = True  # a change the totals had no room for: they may miss some
+    list(tracer._read_allocations(()))
+    assert probes.ledger_reads == 2
 
 
 class Seen:
@@ -644,6 +690,30 @@ def test_the_last_counts_of_a_burst_are_reported_within_a_tenth_of_a_second_of_i
     time.sleep(0.1)
     source.run_once(0)
     assert len(reports) == 2
+
+
+def test_the_first_idle_turn_after_a_burst_gives_the_freed_heap_back_once(monkeypatch):
+    from kvtrace.sources.bpf import source as source_module
+    from test_fixed_columns import RECORDS
+
+    trims = []
+    monkeypatch.setattr(source_module, "return_freed_heap", lambda: trims.append(1))
+    monkeypatch.setattr(source_module, "TRIM_AFTER_RECORDS", 2 * len(RECORDS))
+    # GIVEN turns that take a burst of records, then turns that take nothing
+    source = BpfSource(Session(), BpfOptions())
+    source._next_full_scan = source._next_sweep = math.inf
+    source.probes = PollingProbes(source, [b"".join(RECORDS)] * 2 + [b"", b"", b"".join(RECORDS), b""])
+    source._report = lambda counters=None: None
+    source.run_once(0)
+    assert trims == []  # busy, and not yet enough
+    source.run_once(0)
+    assert trims == []  # enough, but still busy
+    source.run_once(0)
+    source.run_once(0)
+    assert trims == [1]  # the first idle turn after the burst, once
+    source.run_once(0)
+    source.run_once(0)
+    assert trims == [1]  # a small batch since: nothing to give back
 
 
 def test_a_turn_that_took_half_the_ring_is_behind_and_the_next_starts_at_once():

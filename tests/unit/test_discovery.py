@@ -75,6 +75,24 @@ def test_a_mapped_file_with_nothing_to_probe_is_looked_at_once(tmp_path, monkeyp
     assert any(path.endswith("libplain.so") for path in stats)
 
 
+def test_a_file_no_process_maps_any_more_is_forgotten_at_the_prune(tmp_path, monkeypatch):
+    """Its inode may come back as another file: after a prune that found nothing mapping it, it is looked
+    at again when a process maps it."""
+    plain, other = tmp_path / "libplain.so", tmp_path / "libother.so"
+    plain.write_bytes(b"nothing")
+    other.write_bytes(b"nothing either")
+    proc = fake_proc(tmp_path, 42, [("r-xp", plain), ("r-xp", other)])
+    found = Discovery(proc)
+    found.scan_pid(42)
+    assert len(found._not_targets) == 2
+    found.prune_not_targets()  # both mapped since the last prune: kept
+    assert len(found._not_targets) == 2
+    fake_proc(tmp_path, 42, [("r-xp", plain)])  # the process unmapped libother
+    found.scan_pid(42)
+    found.prune_not_targets()
+    assert {path for _, path in found._not_targets} == {str(plain)}
+
+
 def test_a_file_that_cannot_be_looked_at_now_is_looked_at_again(tmp_path, monkeypatch):
     plain = tmp_path / "libplain.so"
     plain.write_bytes(b"nothing")

@@ -398,8 +398,8 @@ class Ledger:
         and keeps what it computes, not the entries: the kept ones are copied now; where the kernel keeps
         the allocations, each pass reads them from it then (outside any lock), without a limit."""
         kept = self.kept_entries(pids)
-        if not self._counted or self._read_counted is None or self.counted_entries(pids) == 0:
-            return kept  # (none in the kernel by its totals: a pass would scan an empty map's buckets for nothing)
+        if not self._counted or self._read_counted is None:
+            return kept
         return LedgerEntries(kept, self._read_counted, frozenset(pids))
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:

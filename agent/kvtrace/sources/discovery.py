@@ -69,17 +69,20 @@ class Discovery:
     """Scans processes and keeps the set of attach targets with the pids that map each.
 
     ELF verdicts are cached per (device, inode, size, mtime), so a rescan reads only /proc/PID/maps;
-    a mapped file found to be no target is not looked at again (most of what a process maps: libc, the
-    interpreter's modules), so a rescan of a process costs its maps' executable lines and no stat.
+    a mapped file found to be no target is not looked at again while some scanned process maps it (most of
+    what a process maps: libc, the interpreter's modules), so a rescan of a process costs its maps'
+    executable lines and no stat.
     """
 
     def __init__(self, proc: Path = procfs.PROC) -> None:
         self._proc = proc
         self._verdicts: dict[tuple, tuple[tuple[str, ...], tuple[UsdtProbe, ...]]] = {}
         self.targets: dict[FileId, Target] = {}
-        # Mapped files with nothing to probe. By (device, inode): a file replaced (pip, a package manager)
-        # is a new inode; one rewritten in place under the processes that map it is not looked at again.
-        self._not_targets: set[FileId] = set()
+        # Mapped files with nothing to probe, by (device, inode, path): a file replaced (pip, a package
+        # manager) is a new inode. An inode is reused only once nothing maps it: prune_not_targets forgets
+        # the ones no process scanned since the last prune mapped (and the path must match too).
+        self._not_targets: set[tuple[FileId, str]] = set()
+        self._mapped_since_prune: set[tuple[FileId, str]] = set()
 
     def _open_path(self, pid: int, file_id: FileId, mapping: procfs.Mapping) -> str | None:
         """A path that opens this very file: through the process's root, or, when that path now
@@ -114,7 +117,9 @@ class Discovery:
             path = mapping.path
             target = self.targets.get(file_id)
             if target is None:
-                if file_id in self._not_targets:
+                seen = (file_id, path)
+                self._mapped_since_prune.add(seen)
+                if seen in self._not_targets:
                     continue
                 open_path = self._open_path(pid, file_id, mapping)
                 if open_path is None:
@@ -124,7 +129,7 @@ class Discovery:
                     continue  # gone meanwhile: the next scan looks again
                 symbols, torch_probes = verdict
                 if not symbols and not torch_probes:
-                    self._not_targets.add(file_id)
+                    self._not_targets.add(seen)
                     continue
                 # Prefer the plain path when it is the same file (nicer in reports).
                 if os.path.exists(path) and same_file(path, file_id):
@@ -136,6 +141,12 @@ class Discovery:
             if file_id not in mapped:
                 target.pids.discard(pid)
         return new
+
+    def prune_not_targets(self) -> None:
+        """After a scan of every process: forgets the files known to offer nothing that none of the scans
+        since the last prune found mapped (a file nothing maps may go, and its inode come back as another)."""
+        self._not_targets &= self._mapped_since_prune
+        self._mapped_since_prune = set()
 
     def add_file(self, path: str) -> Target | None:
         """A library at a known location, attached before any process maps it: a process that

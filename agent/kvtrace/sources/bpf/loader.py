@@ -59,8 +59,9 @@ class ProbeSettings:
     # programs (task_storage_supported).
     task_storage: bool | None = None
     # Whether sched_process_exit says which thread is its process's last (group_dead): an exit is then
-    # reported when the process ends, not when its first thread does, and each thread remembers that its
-    # process is tracked (one hash lookup a thread, not one an allocation). None: read from tracefs.
+    # reported when the process ends, not when its main thread (the group leader) does, and with task
+    # storage each thread remembers that its process is tracked (one hash lookup a thread, not one an
+    # allocation). None: read from tracefs (BpfProbes resolves it once and logs which).
     exit_group_dead: bool | None = None
 
     def cflags(self) -> list[str]:
@@ -101,7 +102,8 @@ EXIT_TRACEPOINT_FORMATS = tuple(Path(root) / "events/sched/sched_process_exit/fo
 
 
 def exit_reports_group_dead(formats: Iterable[Path] = EXIT_TRACEPOINT_FORMATS) -> bool:
-    """Whether this kernel's sched_process_exit has the group_dead field (6.18 has it)."""
+    """Whether this kernel's sched_process_exit has the group_dead field (checked on 6.18; older kernels'
+    tracepoints lack it)."""
     for path in formats:
         try:
             return "field:bool group_dead;" in path.read_text()
@@ -117,7 +119,7 @@ STACK_WALKER = "walk_stack"
 POLL_BUDGET_EVENTS = 16384
 
 
-def _return_freed_heap() -> None:
+def return_freed_heap() -> None:
     """Compiling frees most of what clang and LLVM took, but glibc keeps freed heap for reuse; hand
     it back to the system (about 20 MiB of the agent's resident memory)."""
     try:
@@ -188,6 +190,8 @@ class BpfProbes:
     def __init__(self, settings: ProbeSettings = ProbeSettings()) -> None:
         from bcc import BPF  # imported here so that everything else works without bcc
 
+        if settings.exit_group_dead is None:
+            settings = replace(settings, exit_group_dead=exit_reports_group_dead())
         self.settings = settings
         self._counters_batched = True  # until the kernel refuses a batched read of an array
         self._tracked_batched = self._totals_batched = True  # until it refuses one of a hash
@@ -204,11 +208,14 @@ class BpfProbes:
             log.warning("the probes with task storage did not load (%s): per-thread state in LRU hashes", error)
             settings = self.settings = replace(settings, task_storage=False)
             self._bpf = BPF(text=text.encode(), cflags=settings.cflags())
-        log.info("probes compiled in %.1f s; per-thread state in %s", time.monotonic() - started,
-                 "task storage" if "-DKVT_TASK_STORAGE=1" in settings.cflags() else "LRU hashes")
+        log.info("probes compiled in %.1f s; per-thread state in %s; a process's exit reported at the end of its %s",
+                 time.monotonic() - started,
+                 "task storage" if "-DKVT_TASK_STORAGE=1" in settings.cflags() else "LRU hashes",
+                 "last thread" if settings.exit_group_dead else
+                 "main thread (this kernel's tracepoint has no group_dead)")
         self.compile_seconds = time.monotonic() - started
         self.set_block_rate(settings.block_events_per_second)
-        _return_freed_heap()
+        return_freed_heap()
         # Attachments are per library, named by the caller's key (the agent's: the file's device and
         # inode, so that a file replaced at the same path is a new library; the path by default).
         self._paths: dict[Hashable, str] = {}  # key -> the path attached through
@@ -646,8 +653,8 @@ class BpfProbes:
         return abi.RawStack.from_buffer_copy(value)
 
     def tracked_pids(self) -> set[int]:
-        """Processes the probes have put into the ledger and not yet seen exit (read at every sweep: one
-        batched lookup, where bcc's iteration made two system calls and Python objects per key)."""
+        """Processes the probes have put into the ledger and not yet seen exit (one batched lookup, where
+        bcc's iteration made two system calls and Python objects per key; either scans the whole map)."""
         table = self._bpf[b"tracked_pids"]
         if self._tracked_batched:
             try:
@@ -659,7 +666,9 @@ class BpfProbes:
         return {key.value for key in table.keys()}
 
     def forget_tracked(self, pid: int) -> bool:
-        """Untracks a process (its exit swept); False where it was not tracked."""
+        """Untracks a process; False where it was not tracked. Only for a pid whose process is gone, and the
+        mark goes back (mark_tracked) if a process holds the pid after: its threads may remember the mark and
+        not set it again (BpfSource.sweep_exited)."""
         try:
             del self._bpf[b"tracked_pids"][ctypes.c_uint32(pid)]
         except KeyError:

@@ -46,6 +46,7 @@ from kvtrace.sources.bpf.loader import (
     ProbeSettings,
     RingReader,
     TorchProbesRefused,
+    return_freed_heap,
 )
 from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
 from kvtrace.sources.python.runtime import NoPython, PythonTarget, inspect_python
@@ -64,7 +65,8 @@ _LIFECYCLE_KIND_NUMBERS = frozenset({int(Kind.PROCESS_EXIT), int(Kind.CONTEXT_DE
 
 # The loop reports (counters, libraries, a heartbeat) every BUSY_REPORT_SECONDS while events come and
 # once a second when idle (IDLE_REPORT_SECONDS); silent this long, it is stalled. It reads the probes'
-# counters at every turn that took events (one system call), so that a loss marker lands where the loss is.
+# counters at every turn that took events (one system call), so that a loss marker lands where the loss is,
+# and at the turns after, until what it read is reported.
 STALLED_AFTER_SECONDS = 5.0
 IDLE_REPORT_SECONDS = 1.0
 BUSY_REPORT_SECONDS = 0.1
@@ -73,6 +75,9 @@ BUSY_REPORT_SECONDS = 0.1
 # microseconds besides its events: 500 turns a second took a third of the agent's time on the H200).
 # A turn that read its budget, or half the ring, is behind: the next starts at once.
 BUSY_TURN_SECONDS = 0.01
+# Records read since the C heap last gave back what was freed: at the first idle turn after this many
+# (one malloc_trim, a few milliseconds), the burst's freed memory leaves the agent's RSS.
+TRIM_AFTER_RECORDS = 100_000
 
 # Where CUDA libraries usually live: attached at start so that a late dlopen (the driver is loaded
 # when CUDA initialises) is traced from its first call.
@@ -96,10 +101,11 @@ class BpfOptions:
     preattach_globs: tuple[str, ...] = DEFAULT_PREATTACH_GLOBS
     full_rescan_seconds: float = 10.0
     sweep_seconds: float = 1.0
-    # The kernel's tracked processes (scanning all 65 536 buckets of their map) are read by a sweep after
-    # events were lost (an exit among them), else this often: an exit the probes could not report for
-    # another reason (the main thread that ended first, on a kernel without group_dead) waits this long.
-    tracked_sweep_seconds: float = 30.0
+    # The kernel's tracked processes (a scan of all 65 536 buckets of their map) are read by a sweep after
+    # events were lost (an exit among them), else this often; between reads the sweep looks for the ones
+    # last read among the living. An exit the probes never report (the main thread that ended first, on a
+    # kernel without group_dead) is dropped within this.
+    tracked_read_seconds: float = 30.0
     resync_min_seconds: float = 1.0
     # Libraries with probes in at once. Any user can make new ones (a copy of libcudart is one):
     # beyond the limit a library is refused, said and counted, and tried again once one is free.
@@ -156,8 +162,11 @@ class BpfSource:
         self.libraries_refused = 0  # attach attempts refused by the limit or bcc's probe quota
         self.libraries_detached = 0
         self._missed_seen = 0  # events lost + block events unsent, as last seen
+        self._records_since_trim = 0
+        self._totals_ever_full = False  # the probes counted a change the totals map had no room for
         self._tracked_read_at_missed = -1  # _missed_seen when the sweep last read the tracked processes
         self._next_tracked_read = 0.0
+        self._tracked: set[int] = set()  # those it read, less the ones whose exit came since
         self._resync_due = False
         self._resync_pace_seconds = self.options.resync_min_seconds  # see resync
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
@@ -272,7 +281,13 @@ class BpfSource:
             self._flush()
             self.housekeeping()
             busy = 0 < self._records_this_turn < self._behind_records
+            self._records_since_trim += self._records_this_turn
         self._next_turn_monotonic = started + BUSY_TURN_SECONDS if busy else 0.0
+        if not self._records_this_turn and self._records_since_trim >= TRIM_AFTER_RECORDS:
+            # A burst is over: what it freed goes back to the system, not kept by the C heap for the next
+            # (its batches, rings' copies and decoded runs: megabytes that would stay resident).
+            self._records_since_trim = 0
+            return_freed_heap()
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
@@ -348,6 +363,7 @@ class BpfSource:
             # where the kernel keeps the allocations, that copy is read from the kernel's entries.
             self._flush()
             self._drop_in_kernel(event.pid, event.timestamp_ns)
+            self._tracked.discard(event.pid)  # the probes untracked it: nothing for the sweep
             self._forget_process(event.pid)
             if event.pid in self._selected:
                 self._swept_exited.add(event.pid)  # seen exiting: the sweep has nothing to add
@@ -415,6 +431,7 @@ class BpfSource:
 
     def _check_counters(self, report: bool = True) -> None:
         counters = self._probes().counters()
+        self._totals_ever_full = self._totals_ever_full or counters["totals_full"] > 0
         if report:
             self._report(counters)
         # Events that never reached user space: lost when the ring was full, or a block event over
@@ -434,6 +451,7 @@ class BpfSource:
             pids = psutil.pids()
         for pid in pids:
             self.scan_pid(pid)
+        self.discovery.prune_not_targets()
 
     def scan_pid(self, pid: int) -> None:
         try:
@@ -635,12 +653,13 @@ class BpfSource:
         self._swept_exited = {pid for pid in self._swept_exited & self._selected if not psutil.pid_exists(pid)}
         probes = self._probes()
         now = time.monotonic()
-        tracked: set[int] = set()
         if self._missed_seen != self._tracked_read_at_missed or now >= self._next_tracked_read:
             self._tracked_read_at_missed = self._missed_seen
-            self._next_tracked_read = now + self.options.tracked_sweep_seconds
-            tracked = probes.tracked_pids()
-        for pid in tracked | (self._selected - self._swept_exited):
+            self._next_tracked_read = now + self.options.tracked_read_seconds
+            self._tracked = probes.tracked_pids()
+        # (a process whose exit was lost may still be a zombie at the read after the loss: it is looked for
+        # at every sweep until it is gone)
+        for pid in self._tracked | (self._selected - self._swept_exited):
             if psutil.pid_exists(pid):
                 continue
             # The probes untrack a process whose exit they report; one they could not report (the ring was
@@ -653,6 +672,10 @@ class BpfSource:
                 if was_tracked:
                     probes.mark_tracked(pid)
                 continue
+            if pid in self._tracked:
+                self._tracked.discard(pid)
+                if not was_tracked and pid not in self._selected:
+                    continue  # the probes reported its exit since the read: that event is on its way
             if pid in self._selected:
                 self._swept_exited.add(pid)
             self._flush()
@@ -774,7 +797,11 @@ class BpfSource:
         event named its stack; one whose event was lost is named at the resync that follows)."""
         wanted = frozenset(pids) or (frozenset(self._selected) if self.filtering else frozenset())
         stack_ids = self._stack_ids
-        for keys, values in self._probes().iter_ledger_chunks():
+        probes = self._probes()
+        if not self._totals_ever_full and not any(
+                value.count for key, value in probes.read_totals() if not wanted or key.pid in wanted):
+            return  # none by the kernel's totals (complete: never full): not a scan of an empty map's buckets
+        for keys, values in probes.iter_ledger_chunks():
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _COUNTED_OBJECT_VALUES,
                                                              wanted):
                 if kernel_stack_id:
