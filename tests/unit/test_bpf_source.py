@@ -7,6 +7,7 @@ import time
 import pytest
 
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
+from kvtrace.model.ledger import TotalsKey
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull, ProbeSettings, RingReader
@@ -168,6 +169,24 @@ def test_a_tracked_process_read_while_a_zombie_is_dropped_at_the_sweep_it_is_gon
     assert probes.ledger_reads == 1 and probes.tracked == set()  # GONE_PID's entries dropped, once
 
 
+def test_a_chosen_process_whose_exit_the_probes_reported_is_left_to_that_event(monkeypatch):
+    """A process chosen with -p, read as tracked, that the probes untracked since (they sent its exit
+    event, not read yet: the agent is behind): the sweep does not make up an exit of its own (a second
+    PROCESS_EXIT, without the real status, and no death dump)."""
+    from kvtrace.sources.bpf import source as source_module
+
+    alive = {GONE_PID: True}
+    monkeypatch.setattr(source_module.psutil, "pid_exists", lambda pid: alive.get(pid, False))
+    tracer = BpfSource(Session(), BpfOptions(pids={GONE_PID}, tracked_read_seconds=3600))
+    tracer._selected.add(GONE_PID)
+    probes = tracer.probes = TrackedProbes({GONE_PID})
+    tracer.sweep_exited()
+    probes.tracked.clear()  # the probes sent its exit and untracked it
+    alive[GONE_PID] = False
+    tracer.sweep_exited()
+    assert probes.ledger_reads == 0 and GONE_PID not in tracer._tracked
+
+
 def test_a_pass_over_the_kernels_allocations_reads_nothing_where_its_totals_count_none():
     """An empty ledger map still costs a scan of its million buckets: a pass reads it only where the
     kernel's totals (complete: never full) count an allocation or block of the wanted processes."""
@@ -191,6 +210,14 @@ def test_a_pass_over_the_kernels_allocations_reads_nothing_where_its_totals_coun
     tracer._totals_ever_full = True  # a change the totals had no room for: they may miss some
     list(tracer._read_allocations(()))
     assert probes.ledger_reads == 2
+    tracer._totals_ever_full = False
+    list(tracer._read_allocations(()))
+    assert probes.ledger_reads == 2
+    # the agent took what a process that reused an exited pid held out of the kernel's totals itself
+    tracer.session.ledger._adjustments[TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE)] = [4096, 1]
+    assert tracer.session.ledger.adjusted()
+    list(tracer._read_allocations(()))
+    assert probes.ledger_reads == 3
 
 
 class Seen:

@@ -43,7 +43,7 @@ def test_only_executable_file_backed_lines_are_parsed(tmp_path):
     assert only == [m for m in every if m.executable]
 
 
-def test_a_mapped_file_with_nothing_to_probe_is_looked_at_once(tmp_path, monkeypatch):
+def test_a_mapped_file_with_nothing_to_probe_is_looked_at_once_per_process(tmp_path, monkeypatch):
     plain = tmp_path / "libplain.so"
     plain.write_bytes(b"\x7fELF but nothing CUDA in it")
     proc = fake_proc(tmp_path, 42, [("r-xp", plain)])
@@ -60,9 +60,14 @@ def test_a_mapped_file_with_nothing_to_probe_is_looked_at_once(tmp_path, monkeyp
     # GIVEN a first scan that looked at the file (its verdict: nothing to probe)
     assert found.scan_pid(42) == []
     assert stats
-    # WHEN the process is scanned again, and another maps the same file, THEN no stat of it
+    # WHEN the process is scanned again, THEN no stat of it
     stats.clear()
     assert found.scan_pid(42) == []
+    assert stats == []
+    # AND another process that maps it looks at it once (its inode could be another file's, reused)
+    assert found.scan_pid(43) == []
+    assert stats
+    stats.clear()
     assert found.scan_pid(43) == []
     assert stats == []
     # AND a file put in its place (a new inode: pip, a package manager) is looked at
@@ -75,22 +80,23 @@ def test_a_mapped_file_with_nothing_to_probe_is_looked_at_once(tmp_path, monkeyp
     assert any(path.endswith("libplain.so") for path in stats)
 
 
-def test_a_file_no_process_maps_any_more_is_forgotten_at_the_prune(tmp_path, monkeypatch):
-    """Its inode may come back as another file: after a prune that found nothing mapping it, it is looked
-    at again when a process maps it."""
+def test_what_a_process_no_longer_maps_or_a_process_gone_is_forgotten(tmp_path):
     plain, other = tmp_path / "libplain.so", tmp_path / "libother.so"
     plain.write_bytes(b"nothing")
     other.write_bytes(b"nothing either")
     proc = fake_proc(tmp_path, 42, [("r-xp", plain), ("r-xp", other)])
+    fake_proc(tmp_path, 43, [("r-xp", plain)])
     found = Discovery(proc)
     found.scan_pid(42)
-    assert len(found._not_targets) == 2
-    found.prune_not_targets()  # both mapped since the last prune: kept
-    assert len(found._not_targets) == 2
-    fake_proc(tmp_path, 42, [("r-xp", plain)])  # the process unmapped libother
+    found.scan_pid(43)
+    assert {pid: len(files) for pid, files in found._not_targets.items()} == {42: 2, 43: 1}
+    fake_proc(tmp_path, 42, [("r-xp", plain)])  # 42 unmapped libother
     found.scan_pid(42)
-    found.prune_not_targets()
-    assert {path for _, path in found._not_targets} == {str(plain)}
+    assert {path for _, path in found._not_targets[42]} == {str(plain)}
+    found.forget_other_pids({42})  # a full scan found only 42
+    assert set(found._not_targets) == {42}
+    found.forget_pid(42)
+    assert found._not_targets == {}
 
 
 def test_a_file_that_cannot_be_looked_at_now_is_looked_at_again(tmp_path, monkeypatch):
@@ -100,7 +106,7 @@ def test_a_file_that_cannot_be_looked_at_now_is_looked_at_again(tmp_path, monkey
     found = Discovery(proc)
     monkeypatch.setattr(found, "_verdict", lambda file_id, path: None)  # a stat that failed in a race
     found.scan_pid(42)
-    assert not found._not_targets
+    assert not found._not_targets[42]
     monkeypatch.undo()
     found.scan_pid(42)
-    assert len(found._not_targets) == 1
+    assert len(found._not_targets[42]) == 1

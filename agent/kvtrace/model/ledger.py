@@ -310,6 +310,11 @@ class Ledger:
         if self._counted:
             self._adjust(taken, 1)
 
+    def adjusted(self) -> bool:
+        """Whether the agent's totals differ from the kernel's (what it took out of the kernel's ledger or
+        totals itself: a context destroy's entries, a retired process's leftovers). Safe without the lock."""
+        return bool(self._adjustments)
+
     def _adjust(self, totals: Mapping[TotalsKey, tuple[int, int]], sign: int) -> None:
         adjustments = self._adjustments
         for key, (size_bytes, count) in totals.items():

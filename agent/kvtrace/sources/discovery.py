@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,20 +70,20 @@ class Discovery:
     """Scans processes and keeps the set of attach targets with the pids that map each.
 
     ELF verdicts are cached per (device, inode, size, mtime), so a rescan reads only /proc/PID/maps;
-    a mapped file found to be no target is not looked at again while some scanned process maps it (most of
-    what a process maps: libc, the interpreter's modules), so a rescan of a process costs its maps'
-    executable lines and no stat.
+    a file a process maps and that offers nothing (most of what it maps: libc, the interpreter's modules)
+    is not looked at again in that process while it keeps it mapped, so a rescan of a known process
+    costs its maps' executable lines and no stat. (A file rewritten in place under the processes that
+    map it, same inode and path, is not looked at again in those: they would crash first.)
     """
 
     def __init__(self, proc: Path = procfs.PROC) -> None:
         self._proc = proc
         self._verdicts: dict[tuple, tuple[tuple[str, ...], tuple[UsdtProbe, ...]]] = {}
         self.targets: dict[FileId, Target] = {}
-        # Mapped files with nothing to probe, by (device, inode, path): a file replaced (pip, a package
-        # manager) is a new inode. An inode is reused only once nothing maps it: prune_not_targets forgets
-        # the ones no process scanned since the last prune mapped (and the path must match too).
-        self._not_targets: set[tuple[FileId, str]] = set()
-        self._mapped_since_prune: set[tuple[FileId, str]] = set()
+        # pid -> the (device, inode, path) of files it maps that offer nothing, kept while it maps them: a
+        # new process (a new pid) looks at what it maps once, so a file replaced by another that got its
+        # inode number back is looked at in the processes that map the new one.
+        self._not_targets: dict[int, set[tuple[FileId, str]]] = {}
 
     def _open_path(self, pid: int, file_id: FileId, mapping: procfs.Mapping) -> str | None:
         """A path that opens this very file: through the process's root, or, when that path now
@@ -113,13 +114,15 @@ class Discovery:
         """Records which targets `pid` maps now; returns the targets that are new to the agent."""
         new: list[Target] = []
         mapped = executable_mappings(pid, self._proc)
+        known = self._not_targets.get(pid, set())
+        not_targets = self._not_targets[pid] = set()  # what it still maps of those, and new ones
         for file_id, mapping in mapped.items():
             path = mapping.path
             target = self.targets.get(file_id)
             if target is None:
                 seen = (file_id, path)
-                self._mapped_since_prune.add(seen)
-                if seen in self._not_targets:
+                if seen in known:
+                    not_targets.add(seen)
                     continue
                 open_path = self._open_path(pid, file_id, mapping)
                 if open_path is None:
@@ -129,7 +132,7 @@ class Discovery:
                     continue  # gone meanwhile: the next scan looks again
                 symbols, torch_probes = verdict
                 if not symbols and not torch_probes:
-                    self._not_targets.add(seen)
+                    not_targets.add(seen)
                     continue
                 # Prefer the plain path when it is the same file (nicer in reports).
                 if os.path.exists(path) and same_file(path, file_id):
@@ -141,12 +144,6 @@ class Discovery:
             if file_id not in mapped:
                 target.pids.discard(pid)
         return new
-
-    def prune_not_targets(self) -> None:
-        """After a scan of every process: forgets the files known to offer nothing that none of the scans
-        since the last prune found mapped (a file nothing maps may go, and its inode come back as another)."""
-        self._not_targets &= self._mapped_since_prune
-        self._mapped_since_prune = set()
 
     def add_file(self, path: str) -> Target | None:
         """A library at a known location, attached before any process maps it: a process that
@@ -165,8 +162,15 @@ class Discovery:
         target = self.targets[file_id] = Target(file_id, path, symbols, torch_probes=torch_probes)
         return target
 
+    def forget_other_pids(self, pids: Collection[int]) -> None:
+        """After a scan of `pids`: what was remembered of any other process goes (most processes that end
+        held nothing traced and are never forgotten one by one)."""
+        for pid in [pid for pid in self._not_targets if pid not in pids]:
+            del self._not_targets[pid]
+
     def forget_pid(self, pid: int) -> None:
         """Drops a pid. Its targets stay until the BPF source detaches the ones nobody maps."""
+        self._not_targets.pop(pid, None)
         for target in self.targets.values():
             target.pids.discard(pid)
 

@@ -76,7 +76,7 @@ BUSY_REPORT_SECONDS = 0.1
 # A turn that read its budget, or half the ring, is behind: the next starts at once.
 BUSY_TURN_SECONDS = 0.01
 # Records read since the C heap last gave back what was freed: at the first idle turn after this many
-# (one malloc_trim, a few milliseconds), the burst's freed memory leaves the agent's RSS.
+# (one malloc_trim call), the burst's freed memory leaves the agent's RSS.
 TRIM_AFTER_RECORDS = 100_000
 
 # Where CUDA libraries usually live: attached at start so that a late dlopen (the driver is loaded
@@ -104,7 +104,7 @@ class BpfOptions:
     # The kernel's tracked processes (a scan of all 65 536 buckets of their map) are read by a sweep after
     # events were lost (an exit among them), else this often; between reads the sweep looks for the ones
     # last read among the living. An exit the probes never report (the main thread that ended first, on a
-    # kernel without group_dead) is dropped within this.
+    # kernel without group_dead) is dropped within this and a sweep.
     tracked_read_seconds: float = 30.0
     resync_min_seconds: float = 1.0
     # Libraries with probes in at once. Any user can make new ones (a copy of libcudart is one):
@@ -166,7 +166,7 @@ class BpfSource:
         self._totals_ever_full = False  # the probes counted a change the totals map had no room for
         self._tracked_read_at_missed = -1  # _missed_seen when the sweep last read the tracked processes
         self._next_tracked_read = 0.0
-        self._tracked: set[int] = set()  # those it read, less the ones whose exit came since
+        self._tracked: set[int] = set()  # those it read, less the ones whose exit came or that it swept since
         self._resync_due = False
         self._resync_pace_seconds = self.options.resync_min_seconds  # see resync
         self._undecodable = 0  # events that could not be decoded (each one triggers a resync)
@@ -451,7 +451,7 @@ class BpfSource:
             pids = psutil.pids()
         for pid in pids:
             self.scan_pid(pid)
-        self.discovery.prune_not_targets()
+        self.discovery.forget_other_pids(set(pids))
 
     def scan_pid(self, pid: int) -> None:
         try:
@@ -674,7 +674,7 @@ class BpfSource:
                 continue
             if pid in self._tracked:
                 self._tracked.discard(pid)
-                if not was_tracked and pid not in self._selected:
+                if not was_tracked:
                     continue  # the probes reported its exit since the read: that event is on its way
             if pid in self._selected:
                 self._swept_exited.add(pid)
@@ -798,9 +798,11 @@ class BpfSource:
         wanted = frozenset(pids) or (frozenset(self._selected) if self.filtering else frozenset())
         stack_ids = self._stack_ids
         probes = self._probes()
-        if not self._totals_ever_full and not any(
+        if not self._totals_ever_full and not self.session.ledger.adjusted() and not any(
                 value.count for key, value in probes.read_totals() if not wanted or key.pid in wanted):
-            return  # none by the kernel's totals (complete: never full): not a scan of an empty map's buckets
+            # None by the kernel's totals, while they count every entry (never full, nothing taken out of them
+            # by the agent, as after an exit a process that reused the pid): no scan of an empty map's buckets.
+            return
         for keys, values in probes.iter_ledger_chunks():
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _COUNTED_OBJECT_VALUES,
                                                              wanted):
