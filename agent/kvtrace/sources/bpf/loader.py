@@ -194,7 +194,7 @@ class BpfProbes:
             settings = replace(settings, exit_group_dead=exit_reports_group_dead())
         self.settings = settings
         self._counters_batched = True  # until the kernel refuses a batched read of an array
-        self._tracked_batched = self._totals_batched = True  # until it refuses one of a hash
+        self._hashes_batched = True  # until the kernel refuses a batched read of a hash (_map_chunks)
         links.repair_bcc_attach_uprobe()  # before any perf-event probe (kernels before 6.6)
         started = time.monotonic()
         text = abi.program_text()
@@ -556,15 +556,26 @@ class BpfProbes:
                 yield (abi.RawLedgerKey.from_buffer_copy(keys, index * ctypes.sizeof(abi.RawLedgerKey)),
                        abi.RawLedgerValue.from_buffer_copy(values, index * ctypes.sizeof(abi.RawLedgerValue)))
 
+    def _map_chunks(self, name: bytes, key_size: int, value_size: int, chunk: int,
+                    what: str) -> Iterator[tuple[bytes, bytes]]:
+        """A hash map's entries as (keys, values) raw arrays of up to `chunk` entries, in batched lookups
+        (one system call per chunk; either way the kernel scans every bucket); on kernels without them
+        (before 5.6: remembered) one entry per chunk, through bcc's iteration."""
+        table = self._bpf[name]
+        if self._hashes_batched:
+            try:
+                yield from _lookup_in_chunks(table.map_fd, key_size, value_size, chunk, what)
+                return
+            except _NoBatchedLookup:
+                self._hashes_batched = False
+        for key, value in table.items():
+            yield bytes(key), bytes(value)
+
     def iter_ledger_chunks(self) -> Iterator[tuple[bytes, bytes]]:
         """The in-kernel ledger as (keys, values) raw arrays of up to LEDGER_READ_CHUNK entries, for a
         reader that decodes them in bulk (decode.decode_ledger_chunk)."""
-        table = self._bpf[b"ledger"]
-        try:
-            yield from _lookup_in_chunks(table.map_fd)
-        except _NoBatchedLookup:  # kernels without batched lookups (before 5.6): one call per entry
-            for key, value in table.items():
-                yield bytes(key), bytes(value)
+        return self._map_chunks(b"ledger", ctypes.sizeof(abi.RawLedgerKey), ctypes.sizeof(abi.RawLedgerValue),
+                                LEDGER_READ_CHUNK, "the ledger")
 
     def find_ledger_entry(self, key: abi.RawLedgerKey) -> tuple[abi.RawLedgerKey, abi.RawLedgerValue] | None:
         """One entry of the in-kernel ledger by key (one system call), None if it is not there."""
@@ -593,19 +604,12 @@ class BpfProbes:
         """The kernel's totals of allocations and blocks (struct kvt_totals_key/value pairs): a few per
         process, in one batched lookup where the kernel has it (each value is exact when read; the probes
         go on changing others). Every analysis reads them."""
-        table = self._bpf[b"ledger_totals"]
-        if self._totals_batched:
-            key_size, value_size = ctypes.sizeof(abi.RawTotalsKey), ctypes.sizeof(abi.RawTotalsValue)
-            try:
-                return [(abi.RawTotalsKey.from_buffer_copy(keys, index * key_size),
-                         abi.RawTotalsValue.from_buffer_copy(values, index * value_size))
-                        for keys, values in _lookup_in_chunks(table.map_fd, key_size, value_size, TOTALS_READ_CHUNK,
-                                                              "the totals")
-                        for index in range(len(keys) // key_size)]
-            except _NoBatchedLookup:
-                self._totals_batched = False
-        return [(abi.RawTotalsKey.from_buffer_copy(key), abi.RawTotalsValue.from_buffer_copy(value))
-                for key, value in table.items()]
+        key_size, value_size = ctypes.sizeof(abi.RawTotalsKey), ctypes.sizeof(abi.RawTotalsValue)
+        return [(abi.RawTotalsKey.from_buffer_copy(keys, index * key_size),
+                 abi.RawTotalsValue.from_buffer_copy(values, index * value_size))
+                for keys, values in self._map_chunks(b"ledger_totals", key_size, value_size, TOTALS_READ_CHUNK,
+                                                     "the totals")
+                for index in range(len(keys) // key_size)]
 
     def take_totals(self, pid: int) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
         """Deletes the totals of `pid` (after its exit), each read in the same system call that deletes
@@ -655,15 +659,8 @@ class BpfProbes:
     def tracked_pids(self) -> set[int]:
         """Processes the probes have put into the ledger and not yet seen exit (one batched lookup, where
         bcc's iteration made two system calls and Python objects per key; either scans the whole map)."""
-        table = self._bpf[b"tracked_pids"]
-        if self._tracked_batched:
-            try:
-                return {pid for keys, _ in _lookup_in_chunks(table.map_fd, 4, 8, TRACKED_READ_CHUNK,
-                                                             "the tracked processes")
-                        for pid in memoryview(keys).cast("I")}
-            except _NoBatchedLookup:  # kernels without batched lookups of hashes (before 5.6)
-                self._tracked_batched = False
-        return {key.value for key in table.keys()}
+        return {pid for keys, _ in self._map_chunks(b"tracked_pids", 4, 8, TRACKED_READ_CHUNK, "the tracked processes")
+                for pid in memoryview(keys).cast("I")}
 
     def forget_tracked(self, pid: int) -> bool:
         """Untracks a process; False where it was not tracked. Only for a pid whose process is gone, and the
