@@ -152,6 +152,16 @@ static void scenario_counts(unsigned long n) {
     runtime_free(NULL, 0);
 }
 
+/* A thread running `run`; the workload exits when one cannot be made. */
+static pthread_t start_thread(void *(*run)(void *)) {
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, run, NULL) != 0) {
+        perror("pthread_create");
+        exit(1);
+    }
+    return thread;
+}
+
 static void *devices_thread(void *unused) {
     (void)unused;
     prctl(PR_SET_NAME, "kvt-dev-thread"); /* events carry the calling thread's name */
@@ -166,12 +176,7 @@ static void scenario_devices(unsigned long n) {
     runtime_set_device(1);
     for (int i = 0; i < 3; i++)
         runtime_malloc(MiB);
-    pthread_t thread;
-    if (pthread_create(&thread, NULL, devices_thread, NULL) != 0) {
-        perror("pthread_create");
-        exit(1);
-    }
-    pthread_join(thread, NULL);
+    pthread_join(start_thread(devices_thread), NULL);
     prctl(PR_SET_NAME, "kvt-a-long-name");
     prctl(PR_SET_NAME, "short"); /* a shorter name over a longer one: nothing of the old one shows */
     for (int i = 0; i < 2; i++)
@@ -338,11 +343,7 @@ static void scenario_leader_exits(unsigned long n) {
     (void)n;
     for (int i = 0; i < 2; i++)
         runtime_malloc(MiB);
-    pthread_t thread;
-    if (pthread_create(&thread, NULL, leader_exits_thread, NULL) != 0) {
-        perror("pthread_create");
-        exit(1);
-    }
+    start_thread(leader_exits_thread);
     pthread_exit(NULL);
 }
 
