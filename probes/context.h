@@ -54,6 +54,11 @@ struct kvt_thread {
     u64 checked_in;
     s32 process_default_device;
     u32 process_tracked; /* 1 once its process is in tracked_pids (mark_tracked, KVT_TRACKED_IN_THREAD) */
+    /* PyTorch blocks' stack sampling (usdt.h block_walked): bytes of blocks left before the next one
+     * whose stack is walked, once drawn */
+    s64 block_countdown;
+    u32 block_countdown_drawn;
+    u32 reserved;
 };
 BPF_TASK_STORAGE(threads, struct kvt_thread);
 

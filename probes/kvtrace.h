@@ -94,7 +94,10 @@
                                                * counts as a lost event (it may have been a block's) */
 #define KVT_COUNTER_TOTALS_FULL      14 /* a change of allocations or blocks the totals map had no room
                                          * for: the agent's totals are off until those processes exit */
-#define KVT_COUNTER_COUNT            15
+#define KVT_COUNTER_BLOCKS_SAMPLED   15 /* blocks subject to stack sampling that it chose: their stacks walked */
+#define KVT_COUNTER_BLOCKS_NOT_SAMPLED 16 /* blocks subject to stack sampling that it passed over: no walk,
+                                           * their events say KVT_STACK_NOT_SAMPLED (ledger exact all the same) */
+#define KVT_COUNTER_COUNT            17
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -110,7 +113,10 @@
 /* Its name before 0576bc2, for the probes of older commits that benches compile beside this header
  * (bench/stack_overhead.py --baseline). */
 #define KVT_CONFIG_FILTER_GENERATION KVT_CONFIG_PROCESS_GENERATION
-#define KVT_CONFIG_COUNT          3
+/* Mean bytes between the PyTorch blocks whose stacks are walked (usdt.h block_walked): S of the heap
+ * profilers' sampling. 0: every block's stack is walked. */
+#define KVT_CONFIG_BLOCK_SAMPLE_BYTES 3
+#define KVT_CONFIG_COUNT          4
 
 #define KVT_COMM_LEN 16
 
@@ -157,6 +163,8 @@ struct kvt_notify {
 #define KVT_STACK_NO_THREAD_STATE 3 /* this thread has no Python thread state */
 #define KVT_STACK_READ_ERROR      4 /* target memory could not be read */
 #define KVT_STACK_EMPTY           5 /* a thread state with no Python frame */
+/* (6 is user space's UNRESOLVED) */
+#define KVT_STACK_NOT_SAMPLED     7 /* a PyTorch block that stack sampling passed over: no walk made */
 
 /* Per process: where its thread states are and how to walk its frames (sources/python/offsets.py). */
 struct kvt_py_target {
@@ -232,7 +240,10 @@ struct kvt_ledger_value {
     u16 api;
     u8 memory;
     u8 released;        /* VMM handle: cuMemRelease seen while still mapped */
-    u32 reserved;
+    u16 sample_kib;     /* PyTorch block whose stack was subject to sampling: the mean S (KiB) it was
+                         * sampled at; 0: every block walked (exact), and for every other object */
+    u8 sampled;         /* with sample_kib: 1 = sampling chose it (its stack walked), 0 = passed over */
+    u8 reserved;
     u64 stack_id;       /* the Python stack of the call that made it (stacks map); 0 = none. User space
                          * keeps no entry of its own: a snapshot or leak report reads it from here */
 };

@@ -8,7 +8,8 @@
  * (the kernel raises them while attached, so the probes cost nothing otherwise) and one cookie per
  * probe site: usdt_sites[cookie] says which probe it is and where its arguments are. Blocks go into
  * the same in-kernel ledger as every other object (layer TORCH, object BLOCK), so they stay exact
- * when events are lost; above a process's rate the event is not sent (counted), the ledger still is. */
+ * when events are lost; above a process's rate the event is not sent (counted), the ledger still is.
+ * With stack sampling (block_walked), only some blocks' stacks are walked; the ledger still takes all. */
 #ifndef KVT_USDT_H
 #define KVT_USDT_H
 
@@ -90,6 +91,70 @@ static __always_inline int over_block_rate(u32 pid, u64 now) {
     return __sync_fetch_and_add(&rate->events, 1) + 1 > *limit;
 }
 
+/* Stack sampling of blocks, the heap profilers' technique (tcmalloc's, jemalloc's): walking every
+ * block's stack costs microseconds per tensor, so with a mean S (KVT_CONFIG_BLOCK_SAMPLE_BYTES) each
+ * thread counts bytes of blocks down from a draw of an exponential distribution of mean S, and the block
+ * whose bytes cross zero has its stack walked (and a fresh countdown is drawn). Exponential gaps make
+ * the chosen points a Poisson process over the thread's bytes: a block of s bytes is chosen with
+ * probability 1 - exp(-s/S), independently of the others, so its bytes weighed by the inverse of that
+ * are an unbiased estimate per stack (user space: model/blocks.py estimated_bytes). A block of at least
+ * S bytes is always walked and leaves the countdown alone (weight 1: exact). The ledger and its totals
+ * take every block whatever is sampled; the entry says how it was sampled (sample_kib, sampled).
+ *
+ * Draws: user space fills block_sample_draws with the exponential's quantiles at (i + 0.5) / N times S
+ * (loader.py set_block_sample_bytes), and a probe takes one at random; block_full_pids lists processes
+ * whose every block is walked whatever S. */
+#define KVT_BLOCK_SAMPLE_DRAWS 1024 /* a power of two */
+BPF_ARRAY(block_sample_draws, u64, KVT_BLOCK_SAMPLE_DRAWS);
+BPF_HASH(block_full_pids, u32, u8, 65536);
+#if !KVT_TASK_STORAGE
+BPF_TABLE("lru_hash", u32, s64, block_countdown, KVT_MAX_THREADS); /* by thread id: bytes left */
+#endif
+
+static __always_inline s64 block_sample_draw(void) {
+    u32 index = bpf_get_prandom_u32() & (KVT_BLOCK_SAMPLE_DRAWS - 1);
+    u64 *draw = block_sample_draws.lookup(&index);
+    return draw ? (s64)*draw : 0;
+}
+
+/* Whether the stack of a block of `size_bytes` in process `pid` is walked; *sample_kib is the S it was
+ * subject to (0: not subject to sampling, every block walked: exact). */
+static __always_inline int block_walked(u32 pid, u64 size_bytes, u16 *sample_kib) {
+    u32 index = KVT_CONFIG_BLOCK_SAMPLE_BYTES;
+    u64 *mean = config.lookup(&index);
+    *sample_kib = 0;
+    if (!mean || *mean == 0 || size_bytes >= *mean || block_full_pids.lookup(&pid))
+        return 1;
+    u16 kib = *mean >> 10;
+#if KVT_TASK_STORAGE
+    struct kvt_thread *thread = this_thread(1);
+    if (!thread)
+        return 1; /* no storage for the countdown: walked, and exact for itself */
+    if (!thread->block_countdown_drawn) {
+        thread->block_countdown = block_sample_draw();
+        thread->block_countdown_drawn = 1;
+    }
+    s64 *left = &thread->block_countdown;
+#else
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    s64 *left = block_countdown.lookup(&tid);
+    if (!left) {
+        s64 first = block_sample_draw();
+        block_countdown.update(&tid, &first);
+        left = block_countdown.lookup(&tid);
+        if (!left)
+            return 1; /* no room for it: walked, and exact for itself */
+    }
+#endif
+    /* Only this thread changes its countdown: no atomics needed. */
+    *sample_kib = kib;
+    *left -= (s64)size_bytes;
+    if (*left >= 0)
+        return 0;
+    *left = block_sample_draw();
+    return 1;
+}
+
 /* The event of a PyTorch block the probe put into the ledger (address, size_bytes, device, stream,
  * inserted_ns of `block`), with its stack: walk_stack's end for a block also writes the stack into
  * the block's entry, if it is still the one inserted. */
@@ -130,19 +195,31 @@ int usdt_pytorch(struct pt_regs *ctx) {
         }
         if (site->arg_count >= 4)
             usdt_argument(regs, &site->args[3], &stream);
+        /* Sampling only where a stack would be walked: a block of a process that is no Python has none
+         * to sample, and stays exact. */
+        int python = python_target(pid);
+        u16 sample_kib = 0;
+        int walk = python ? block_walked(pid, size_bytes, &sample_kib) : 0;
+        if (sample_kib)
+            count(walk ? KVT_COUNTER_BLOCKS_SAMPLED : KVT_COUNTER_BLOCKS_NOT_SAMPLED);
         /* Into the ledger first, whatever follows: the walk only adds the stack (and over the rate the
          * event is not sent and the stack not walked, which is what the rate saves). */
         struct kvt_walk_request block = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
                                          .address = address, .size_bytes = size_bytes, .stream = stream,
                                          .device = (s32)device};
-        block.inserted_ns = ledger_insert(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                                          KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0, stream, 0, 0);
+        block.inserted_ns = ledger_insert_sampled(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+                                                  KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0,
+                                                  stream, 0, 0, sample_kib, sample_kib && walk);
         if (over_block_rate(pid, block.inserted_ns)) {
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;
         }
-        if (!python_target(pid)) {
+        if (!python) {
             block_event(&block, 0, KVT_STACK_NOT_PYTHON);
+            return 0;
+        }
+        if (!walk) {
+            block_event(&block, 0, KVT_STACK_NOT_SAMPLED);
             return 0;
         }
         tail_call_walker(ctx, &block); /* returns only without the walker: no stack */

@@ -6,6 +6,7 @@ probes pytorch:malloc(pointer, device, size, stream) and pytorch:free(pointer) b
 WHEN the agent traces it, THEN every block event arrives exactly, the blocks are exact in the ledger
 (kernel and user space), each lies in its segment, and fragmentation is what the manifest implies;
 and nothing tracing leaves the semaphores at 0 (the probes cost nothing then)."""
+import math
 import os
 from collections import Counter
 
@@ -15,6 +16,7 @@ from cuda_stubs import Workload
 from harness import TracingHarness, require_tracing_here
 from kvtrace.model.blocks import fragmentation, segments_of
 from kvtrace.model.events import Api, Kind, Layer, ObjectKind
+from kvtrace.model.ledger import TotalsKey
 from kvtrace.sources.discovery import FileId
 from torch_stubs import (
     BLOCKS_DEVICE0_FREES,
@@ -272,5 +274,111 @@ def test_blocks_made_from_python_carry_their_stack_in_the_event_and_the_kernel_e
             assert segments == 1
             assert after["stack_walks"] - before["stack_walks"] == 20 + segments
             assert after["stack_walks_preempted"] == before["stack_walks_preempted"]
+        finally:
+            harness.close()
+
+
+SAMPLE_BYTES = 256 << 10  # S
+SMALL_BLOCKS, SMALL_BYTES = 4000, 16 << 10  # under S: walked with probability 1 - exp(-1/16), about 6 %
+LARGE_BLOCKS = {256 << 10: 5, 1 << 20: 3, 3 << 20: 2}  # at least S: always walked
+SAMPLED_SPEC = ",".join([f"{SMALL_BLOCKS}x{SMALL_BYTES}"] + [f"{count}x{size}" for size, count in LARGE_BLOCKS.items()])
+
+
+@pytest.mark.parametrize("task_storage", [True, False], ids=["task-storage", "lru-hashes"])
+def test_sampled_block_stacks_keep_the_ledger_exact_and_estimate_the_bytes_of_a_stack(task_storage, stub_build,
+                                                                                       torch_stub_build):
+    """GIVEN two CPython 3.12 processes each making 4 000 blocks of 16 KiB and 10 of 256 KiB to 3 MiB (shuffled)
+    from one line, traced with stack sampling at S = 256 KiB (each thread's countdown in task storage, and in an
+    LRU hash), the second process in block_full_pids,
+    WHEN both run,
+    THEN the kernel's ledger and totals hold every block of both exactly (count and bytes); in the sampled
+    process every block of at least S has its stack (the process's own), each block under S was either walked
+    (OK, the entry marked sampled) or not (NOT_SAMPLED, no walk: the stack walks counted are exactly the stacks
+    sent), the counters say how many of each, and the sum of the blocks' estimated bytes lies within 4 sigma of
+    the true 62.5 MiB; in the full process every block has its stack and its entry is exact (S 0)."""
+    from kvtrace.analysis.leaks import survey_sites
+    from kvtrace.model.blocks import estimated_bytes
+    from kvtrace.model.events import Memory, StackStatus
+    from kvtrace.sources.bpf.decode import decode_totals
+    from kvtrace.sources.bpf.loader import ProbeSettings
+    from test_python_stacks import TARGET as ALLOC_TARGET
+    from test_python_stacks import as_lists, pyenv_python
+
+    python = pyenv_python("3.12")
+    target = ALLOC_TARGET.parent / "block_target.py"
+    count = SMALL_BLOCKS + sum(LARGE_BLOCKS.values())
+    true_bytes = SMALL_BLOCKS * SMALL_BYTES + sum(size * n for size, n in LARGE_BLOCKS.items())
+    with Workload([python, target, torch_stub_build.libc10_cuda, SAMPLED_SPEC]) as sampled_run, \
+            Workload([python, target, torch_stub_build.libc10_cuda, SAMPLED_SPEC]) as full_run:
+        sampled, full = sampled_run.wait_ready(), full_run.wait_ready()
+        harness = TracingHarness([sampled, full], block_sample_bytes=SAMPLE_BYTES,
+                                 settings=ProbeSettings(task_storage=task_storage),
+                                 preattach_globs=(str(torch_stub_build.lib_dir / "*.so"),
+                                                  str(stub_build.lib_dir / "*.so.*")))
+        try:
+            probes = harness.source.probes
+            probes.set_block_full(full, True)
+            before = harness.source.counters()
+            sampled_run.go()
+            full_run.go()
+            made = {sampled: sampled_run.read_calls(), full: full_run.read_calls()}
+            assert all(len(blocks) == count for blocks in made.values())
+            assert harness.pump_until(lambda: all(len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) == count
+                                                  for pid in made), 20)
+            harness.pump(0.3)
+            after = harness.source.counters()
+            totals = decode_totals(probes.read_totals(), set(made))
+            kernel = [e for e in harness.source.kernel_ledger() if e.key.object is ObjectKind.BLOCK]
+            kernel_stacks = {(key.pid, key.address): value.stack_id for key, value in probes.ledger_items()
+                             if key.layer == Layer.TORCH}  # raw: the kernel's stack ids
+            for pid, blocks in made.items():
+                # Exact whatever is sampled: every block in the kernel's ledger, and in its totals.
+                entries = {e.key.address: e for e in kernel if e.key.pid == pid}
+                assert sorted((a, e.size_bytes) for a, e in entries.items()) == \
+                    sorted((b["address"], b["size_bytes"]) for b in blocks)
+                assert totals[TotalsKey(pid, 0, Layer.TORCH, Memory.DEVICE)] == (true_bytes, count)
+                events = {e.address: e for e in harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)}
+                assert sorted(events) == sorted(entries)
+                for block in blocks:
+                    event, entry = events[block["address"]], entries[block["address"]]
+                    subject = pid == sampled and block["size_bytes"] < SAMPLE_BYTES
+                    assert entry.sample_bytes == (SAMPLE_BYTES if subject else 0), entry
+                    kernel_stack = kernel_stacks[(pid, block["address"])]
+                    if event.stack_status is StackStatus.NOT_SAMPLED:
+                        assert subject and not entry.sampled and kernel_stack == 0 and event.stack_id == 0
+                    else:
+                        assert event.stack_status is StackStatus.OK, event
+                        assert entry.sampled == subject and kernel_stack != 0
+                        assert as_lists(harness.session.stacks.get(event.stack_id)) == block["expected"]
+            # The sampled process: how many of its small blocks were walked, told by the counters too.
+            statuses = Counter((e.size_bytes < SAMPLE_BYTES, e.stack_status)
+                               for e in harness.of(sampled, Kind.ALLOC, Api.pytorch_malloc))
+            walked, passed = statuses[(True, StackStatus.OK)], statuses[(True, StackStatus.NOT_SAMPLED)]
+            assert walked + passed == SMALL_BLOCKS and statuses[(False, StackStatus.OK)] == sum(LARGE_BLOCKS.values())
+            assert (after["blocks_sampled"] - before["blocks_sampled"],
+                    after["blocks_not_sampled"] - before["blocks_not_sampled"]) == (walked, passed)
+            # Independent choices of p = 1 - exp(-s/S) (the countdown's exponential draws): 242 +- 15 walked.
+            p = -math.expm1(-SMALL_BYTES / SAMPLE_BYTES)
+            assert abs(walked - SMALL_BLOCKS * p) <= 4 * math.sqrt(SMALL_BLOCKS * p * (1 - p)), walked
+            # No walk for a block passed over: walks are the stacks sent, of blocks and of the allocator's segments.
+            stacks_sent = sum(1 for pid in made for e in harness.of(pid, Kind.ALLOC)
+                              if e.stack_status is StackStatus.OK and e.api in (Api.pytorch_malloc, Api.cudaMalloc))
+            assert after["stack_walks"] - before["stack_walks"] == stacks_sent
+            assert after["stack_walks_preempted"] == before["stack_walks_preempted"]
+            # The estimate: sum s / (1 - exp(-s/S)) over the walked small blocks, unbiased with variance
+            # n s^2 (1 - p) / p (sigma 6.2 % of 62.5 MiB); the large blocks count exactly.
+            small = [e for e in kernel if e.key.pid == sampled and e.size_bytes < SAMPLE_BYTES]
+            estimate = sum(estimated_bytes(e) for e in small)
+            sigma = math.sqrt(SMALL_BLOCKS * SMALL_BYTES ** 2 * (1 - p) / p)
+            assert abs(estimate - SMALL_BLOCKS * SMALL_BYTES) <= 4 * sigma, (estimate, sigma)
+            assert sum(estimated_bytes(e) for e in kernel if e.key.pid == sampled) == \
+                pytest.approx(estimate + sum(size * n for size, n in LARGE_BLOCKS.items()))
+            assert sum(estimated_bytes(e) for e in kernel if e.key.pid == full) == true_bytes
+            # The leak survey: one site (the allocating line), no stackless one of the blocks passed over.
+            survey = survey_sites(harness.session.ledger, 0, 0, pids=[sampled])
+            assert survey.allocations_considered == count
+            assert [site.stack_id != 0 for site in survey.site_bytes] == [True]
+            assert sum(survey.site_bytes.values()) == pytest.approx(
+                estimate + sum(size * n for size, n in LARGE_BLOCKS.items()))
         finally:
             harness.close()

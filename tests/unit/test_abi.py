@@ -79,10 +79,17 @@ def test_usdt_site_matches_header():
 
 def test_config_indexes_match_header():
     config = defines("KVT_CONFIG_")
-    assert config.pop("COUNT") == 3
+    assert config.pop("COUNT") == 4
     assert config == {"FILTER_ENABLED": abi.CONFIG_FILTER_ENABLED,
                       "BLOCK_EVENTS_PER_SECOND": abi.CONFIG_BLOCK_EVENTS_PER_SECOND,
-                      "PROCESS_GENERATION": abi.CONFIG_PROCESS_GENERATION}
+                      "PROCESS_GENERATION": abi.CONFIG_PROCESS_GENERATION,
+                      "BLOCK_SAMPLE_BYTES": abi.CONFIG_BLOCK_SAMPLE_BYTES}
+
+
+def test_block_sample_draws_match_probes():
+    usdt = (abi.probes_dir() / "usdt.h").read_text()
+    draws = int(re.search(r"#define KVT_BLOCK_SAMPLE_DRAWS (\d+)", usdt).group(1))
+    assert draws == abi.BLOCK_SAMPLE_DRAWS and draws & (draws - 1) == 0  # the probe masks a random number
 
 
 def test_every_attached_symbol_has_entry_and_return_probe():

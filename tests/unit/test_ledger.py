@@ -194,4 +194,4 @@ def test_outstanding_fields_are_in_the_order_the_ledger_builds_them():
 
     assert [field.name for field in dataclasses.fields(Outstanding)] == [
         "key", "size_bytes", "timestamp_ns", "device", "api", "memory", "tid", "caller_address", "mapped_count",
-        "released", "handle", "stack_id", "stream"]
+        "released", "handle", "stack_id", "stream", "sample_bytes", "sampled"]

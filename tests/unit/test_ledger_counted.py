@@ -305,11 +305,18 @@ def test_the_kernels_entries_decoded_in_bulk_are_those_decoded_one_by_one():
 
     assert _LEDGER_KEY.size == ctypes.sizeof(abi.RawLedgerKey)
     assert _LEDGER_VALUE.size == ctypes.sizeof(abi.RawLedgerValue)
+    # value: size, time, caller, aux, tid, device, api, memory, released, sample_kib, sampled, reserved, stack
     rows = [((7, Layer.DRIVER, ObjectKind.ALLOCATION, 0, 0xA000),
-             (MiB, 5, 0xC0, 0, 8, 1, Api.cuMemAlloc_v2, 1, 0, 0, 99)),
-            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA100), (512, 6, 0, 3, 8, 1, Api.pytorch_malloc, 1, 0, 0, 0)),
-            ((8, Layer.VMM, ObjectKind.VMM_HANDLE, 0, 0x55), (2 * MiB, 7, 0xC1, 2, 9, 0, Api.cuMemCreate, 1, 1, 0, 4)),
-            ((8, Layer.VMM, ObjectKind.VMM_MAPPING, 0, 0xB000), (2 * MiB, 8, 0, 0x55, 9, 0, Api.cuMemMap, 4, 0, 0, 0))]
+             (MiB, 5, 0xC0, 0, 8, 1, Api.cuMemAlloc_v2, 1, 0, 0, 0, 0, 99)),
+            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA100), (512, 6, 0, 3, 8, 1, Api.pytorch_malloc, 1, 0, 0, 0, 0, 0)),
+            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA200),  # stack sampling at 256 KiB: chosen, and passed over
+             (4096, 6, 0, 3, 8, 1, Api.pytorch_malloc, 1, 0, 256, 1, 0, 5)),
+            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA300),
+             (4096, 6, 0, 3, 8, 1, Api.pytorch_malloc, 1, 0, 256, 0, 0, 0)),
+            ((8, Layer.VMM, ObjectKind.VMM_HANDLE, 0, 0x55),
+             (2 * MiB, 7, 0xC1, 2, 9, 0, Api.cuMemCreate, 1, 1, 0, 0, 0, 4)),
+            ((8, Layer.VMM, ObjectKind.VMM_MAPPING, 0, 0xB000),
+             (2 * MiB, 8, 0, 0x55, 9, 0, Api.cuMemMap, 4, 0, 0, 0, 0, 0))]
     keys = b"".join(_LEDGER_KEY.pack(*key) for key, _ in rows)
     values = b"".join(_LEDGER_VALUE.pack(*value) for _, value in rows)
     clock = Clock(1000)
@@ -317,9 +324,12 @@ def test_the_kernels_entries_decoded_in_bulk_are_those_decoded_one_by_one():
                                       abi.RawLedgerValue.from_buffer_copy(_LEDGER_VALUE.pack(*value)), clock)
                   for key, value in rows]
     assert [entry for entry, _ in decode_ledger_chunk(keys, values, clock)] == one_by_one
-    assert [stack for _, stack in decode_ledger_chunk(keys, values, clock)] == [99, 0, 4, 0]
+    assert [stack for _, stack in decode_ledger_chunk(keys, values, clock)] == [99, 0, 5, 0, 4, 0]
+    assert [(entry.sample_bytes, entry.sampled) for entry in one_by_one] == \
+        [(0, False), (0, False), (256 * 1024, True), (256 * 1024, False), (0, False), (0, False)]
     counted = frozenset(kind.value for kind in COUNTED_OBJECTS)
-    assert [entry.key.address for entry, _ in decode_ledger_chunk(keys, values, clock, counted)] == [0xA000, 0xA100]
+    assert [entry.key.address for entry, _ in decode_ledger_chunk(keys, values, clock, counted)] == \
+        [0xA000, 0xA100, 0xA200, 0xA300]
     assert [entry.key.address for entry, _ in decode_ledger_chunk(keys, values, clock, None, {8})] == [0x55, 0xB000]
 
 
@@ -329,9 +339,9 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
     from kvtrace.sources.bpf import abi
     from kvtrace.sources.bpf.decode import _LEDGER_KEY, _LEDGER_VALUE, decode_totals, doomed_in_chunk, stacks_in_chunk
 
-    raw = [((7, 2, 1, 0, 0xA000 + i), (MiB, 5 + i, 0, 0, 8, i % 2, 20, 1, 0, 0, 30 + i)) for i in range(5)]
-    raw.append(((7, 3, 2, 0, 0x55), (MiB, 5, 0, 0, 8, 0, 40, 1, 0, 0, 0)))  # a VMM handle: not counted
-    raw.append(((8, 2, 1, 0, 0xB000), (MiB, 5, 0, 0, 9, 0, 20, 1, 0, 0, 0)))  # another process
+    raw = [((7, 2, 1, 0, 0xA000 + i), (MiB, 5 + i, 0, 0, 8, i % 2, 20, 1, 0, 0, 0, 0, 30 + i)) for i in range(5)]
+    raw.append(((7, 3, 2, 0, 0x55), (MiB, 5, 0, 0, 8, 0, 40, 1, 0, 0, 0, 0, 0)))  # a VMM handle: not counted
+    raw.append(((8, 2, 1, 0, 0xB000), (MiB, 5, 0, 0, 9, 0, 20, 1, 0, 0, 0, 0, 0)))  # another process
     keys = b"".join(_LEDGER_KEY.pack(*k) for k, _ in raw)
     values = b"".join(_LEDGER_VALUE.pack(*v) for _, v in raw)
     counted_values = frozenset(kind.value for kind in COUNTED_OBJECTS)

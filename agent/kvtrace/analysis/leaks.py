@@ -14,6 +14,13 @@ Python, or the walk failed), the native code that called CUDA. What counts: in a
 PyTorch blocks are traced, its blocks (the tensors that hold memory); elsewhere physical device
 memory, the driver and VMM layers as in the ledger's totals, so that a cudaMalloc and the
 cuMemAlloc_v2 inside it are one allocation.
+
+Under stack sampling of blocks (--block-sample-bytes S: only some blocks' stacks are walked), a site's
+bytes and count are estimates (model/blocks.py estimated_bytes: each chosen block weighed by the inverse
+of its chance to be chosen), and its oldest age is its oldest chosen block's; a block passed over has no
+stack and stands for nothing of its own (the chosen ones stand for it), so it never makes a site of
+unknown stack. Such a suspect says so (LeakSuspect.estimated). How many blocks were considered and how
+many are old enough stay exact counts.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvtrace.model.blocks import estimated_bytes
 from kvtrace.model.events import Layer, ObjectKind
 from kvtrace.model.findings import LeakReport, LeakSuspect
 from kvtrace.model.ledger import LedgerKey, Outstanding, holds_device_memory
@@ -86,8 +94,11 @@ class SiteSurvey:
 
     timestamp_ns: int
     min_age_seconds: float
-    site_bytes: dict[SiteKey, int]  # all ages: the series whose growth ranks suspects
-    old: dict[SiteKey, list]  # site -> [bytes, count, oldest timestamp_ns, that entry's caller]
+    # all ages: the series whose growth ranks suspects (estimates, rounded, where blocks' stacks are sampled)
+    site_bytes: dict[SiteKey, int]
+    # site -> [bytes, count, oldest timestamp_ns, that entry's caller, estimated]: bytes and count are
+    # estimates where `estimated` (stack sampling), else exact
+    old: dict[SiteKey, list]
     allocations_considered: int
     suspect_allocations: int
 
@@ -109,7 +120,7 @@ def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: f
         with_blocks = {entry.key.pid for entry in entries if entry.key.object is _BLOCK} \
             if with_blocks is None else with_blocks
     min_age_ns = int(min_age_seconds * NS_PER_SECOND)
-    totals: dict[SiteKey, int] = {}
+    totals: dict[SiteKey, float] = {}
     old: dict[SiteKey, list] = {}
     considered = old_count = 0
     for entry in entries:
@@ -119,28 +130,40 @@ def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: f
         if not (entry.key.object is _BLOCK if pid in with_blocks else holds_device_memory(entry)):
             continue
         considered += 1
+        is_old = now_ns - entry.timestamp_ns >= min_age_ns
+        old_count += is_old
+        size_bytes: float = entry.size_bytes
+        weight, estimated = 1.0, False
+        if entry.sample_bytes:  # a block under stack sampling: its weight, or none if passed over
+            if not entry.sampled:
+                continue
+            size_bytes = estimated_bytes(entry)
+            if entry.size_bytes:
+                weight = size_bytes / entry.size_bytes
+            estimated = entry.size_bytes < entry.sample_bytes
         if entry.stack_id or entry.key.layer is not _DRIVER:
             site = SiteKey(pid, entry.device, entry.stack_id, 0 if entry.stack_id else entry.caller_address)
             caller = -1  # the caller shown is looked up once per site, for its oldest entry only (below)
         else:  # no stack: the runtime call above names the site
             site, caller = site_of(entry, find)
-        totals[site] = totals.get(site, 0) + entry.size_bytes
-        if now_ns - entry.timestamp_ns < min_age_ns:
+        totals[site] = totals.get(site, 0) + size_bytes
+        if not is_old:
             continue
-        old_count += 1
         group = old.get(site)
         if group is None:
-            old[site] = [entry.size_bytes, 1, entry.timestamp_ns, caller, entry]
+            old[site] = [size_bytes, weight, entry.timestamp_ns, caller, estimated, entry]
         else:
-            group[0] += entry.size_bytes
-            group[1] += 1
+            group[0] += size_bytes
+            group[1] += weight
+            group[4] = group[4] or estimated
             if entry.timestamp_ns < group[2]:
-                group[2], group[3], group[4] = entry.timestamp_ns, caller, entry
+                group[2], group[3], group[5] = entry.timestamp_ns, caller, entry
     for group in old.values():
         oldest = group.pop()
         if group[3] == -1:
             group[3] = site_of(oldest, find)[1]
-    return SiteSurvey(now_ns, min_age_seconds, totals, old, considered, old_count)
+    site_bytes = {site: round(size_bytes) for site, size_bytes in totals.items()}
+    return SiteSurvey(now_ns, min_age_seconds, site_bytes, old, considered, old_count)
 
 
 def rank_suspects(survey: SiteSurvey, growth: Mapping[SiteKey, float], titles: Mapping[int, str],
@@ -148,17 +171,17 @@ def rank_suspects(survey: SiteSurvey, growth: Mapping[SiteKey, float], titles: M
     """The survey's old groups as ranked suspects (see the module docstring for the order);
     `growth`: bytes per second of each site's outstanding bytes over 15 min."""
     def rank_key(item):
-        site, (size_bytes, count, oldest_ns, _) = item
-        return (-growth.get(site, 0.0), -size_bytes, -count, oldest_ns, site)
+        site, (size_bytes, count, oldest_ns, _, _) = item
+        return (-growth.get(site, 0.0), -round(size_bytes), -round(count), oldest_ns, site)
 
     now_ns = survey.timestamp_ns
     suspects = tuple(
         LeakSuspect(rank=rank, pid=site.pid, title=titles.get(site.pid, ""), device=site.device,
                     stack_id=site.stack_id, stack=stack_of(site.stack_id) if site.stack_id else None,
-                    native_caller_address=caller, outstanding_bytes=size_bytes, count=count,
+                    native_caller_address=caller, outstanding_bytes=round(size_bytes), count=round(count),
                     oldest_age_seconds=(now_ns - oldest_ns) / NS_PER_SECOND,
-                    growth_bytes_per_second=growth.get(site, 0.0))
-        for rank, (site, (size_bytes, count, oldest_ns, caller))
+                    growth_bytes_per_second=growth.get(site, 0.0), estimated=estimated)
+        for rank, (site, (size_bytes, count, oldest_ns, caller, estimated))
         in enumerate(sorted(survey.old.items(), key=rank_key), start=1))
     return LeakReport(now_ns, survey.min_age_seconds, survey.allocations_considered,
                       survey.suspect_allocations, suspects, len(suspects))

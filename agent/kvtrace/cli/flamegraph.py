@@ -11,7 +11,7 @@ from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import PHYSICAL_LAYERS, Layer
-from kvtrace.reports.flamegraph import folded_stacks, speedscope_document
+from kvtrace.reports.flamegraph import estimated, folded_stacks, speedscope_document
 from kvtrace.reports.output import write_whole
 
 EPILOG = """examples:
@@ -65,6 +65,9 @@ class FlamegraphCommand:
             what = "PyTorch blocks" if args.blocks else "device memory"
             print(f"kvtrace: no {what} is held{' by pid ' + ','.join(map(str, args.pid)) if args.pid else ''}: "
                   "the flame graph is empty", file=sys.stderr)
+        elif estimated(entries, layers):
+            print("kvtrace: PyTorch blocks' stacks are sampled (--block-sample-bytes): bytes per stack are "
+                  "estimates; the totals held stay exact", file=sys.stderr)
         if args.output is None:
             sys.stdout.write(text)
             return ExitCode.OK

@@ -10,6 +10,7 @@ asked for (pytorch:malloc reports the requested size; the allocator rounds it up
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -83,6 +84,30 @@ class Fragmentation:
 
 def is_block(entry: Outstanding) -> bool:
     return entry.key.object is ObjectKind.BLOCK
+
+
+def estimated_bytes(entry: Outstanding) -> float:
+    """The bytes an entry stands for in sums per stack: under stack sampling of blocks (probes/usdt.h), a
+    block of s bytes was chosen for a stack with probability 1 - exp(-s/S), so a chosen one weighs its
+    bytes by the inverse of that and one passed over weighs nothing (the chosen ones stand for it): per
+    stack, the sum is an unbiased estimate of the bytes held. A block of at least S bytes is always
+    chosen (weight 1), and an entry not sampled (sample_bytes 0: every other object, and every block
+    where S is 0 or its process is walked in full) is its own size, exactly."""
+    sample_bytes = entry.sample_bytes
+    if not sample_bytes:
+        return entry.size_bytes
+    if not entry.sampled:
+        return 0.0
+    size_bytes = entry.size_bytes
+    if size_bytes >= sample_bytes or size_bytes <= 0:
+        return size_bytes
+    return size_bytes / -math.expm1(-size_bytes / sample_bytes)
+
+
+def is_estimated(entry: Outstanding) -> bool:
+    """Whether estimated_bytes of the entry is an estimate, not its size: a block subject to stack sampling
+    and smaller than the sampling's mean."""
+    return bool(entry.sample_bytes) and entry.size_bytes < entry.sample_bytes
 
 
 def segments_of(entries: Iterable[Outstanding], with_blocks: Collection[int] | None = None,

@@ -116,6 +116,7 @@ class StackStatus(enum.IntEnum):
     READ_ERROR = 4  # the target's memory could not be read
     EMPTY = 5  # a thread state with no Python frame
     UNRESOLVED = 6  # walked, but its frames were gone before user space could read them
+    NOT_SAMPLED = 7  # a PyTorch block that stack sampling passed over (its bytes are estimated from others')
 
 
 # Physical memory is held at the driver and VMM layers. The runtime layer shows the same bytes from

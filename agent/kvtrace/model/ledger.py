@@ -59,6 +59,10 @@ class Outstanding:
     handle: int = 0  # VMM mapping: the handle it maps
     stack_id: int = 0
     stream: int = 0  # PyTorch block: the CUDA stream it was allocated on
+    # PyTorch block under stack sampling: the mean S in bytes it was sampled at (0: every block's stack
+    # walked, exact: weight 1), and whether sampling chose it (model/blocks.py estimated_bytes)
+    sample_bytes: int = 0
+    sampled: bool = False
 
 
 # tuple.__new__(LedgerKey, (...)) makes the same key as LedgerKey(...) at half the cost (no Python-level

@@ -15,6 +15,11 @@ own. Feed the folded lines to flamegraph.pl or inferno-flamegraph for an SVG.
 Only memory held on the device counts (by default the driver and VMM layers, where the physical
 bytes are; the runtime layer is the same bytes seen from cudaMalloc's side). The bytes are
 outstanding, not leaked: they are what each stack holds now.
+
+PyTorch blocks under stack sampling (only some blocks' stacks walked) weigh their estimated bytes
+(model/blocks.py estimated_bytes), rounded: a chosen block stands for those passed over, which add
+nothing of their own (no "[no Python stack]" path for them). `estimated` says whether a graph of
+those entries holds such estimates; the speedscope document says so in its name.
 """
 from __future__ import annotations
 
@@ -22,12 +27,15 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvtrace import __version__
+from kvtrace.model.blocks import estimated_bytes, is_estimated
 from kvtrace.model.events import DEVICE_UNKNOWN, MEMORY_OBJECTS, PHYSICAL_LAYERS, Layer, Memory
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import CONTROL_CHARACTERS
 from kvtrace.model.stacks import Stack
 
 SPEEDSCOPE_SCHEMA_URL = "https://www.speedscope.app/file-format-schema.json"
+# Added to a speedscope document's name when some of its bytes are estimates from sampled stacks.
+ESTIMATED_NOTE = " (bytes estimated from sampled block stacks)"
 NO_STACK_FRAME = "[no Python stack]"
 # The walk stopped at its frame limit: the outermost frames are missing above this one.
 TRUNCATED_FRAME = "[truncated]"
@@ -58,7 +66,7 @@ def folded_stacks(entries: Iterable[Outstanding], stack_of: Callable[[int], Stac
     become colons and control and bidi characters spaces, so every line parses as the format says.
     """
     lines = []
-    for (pid, device), paths in _bytes_by_path(entries, stack_of, layers).items():
+    for (pid, device), paths in _bytes_by_path(entries, stack_of, layers)[0].items():
         root = f"{_folded_text(_process_name(pid, titles))};{_gpu_name(device)}"
         for path, size_bytes in paths.items():
             lines.append(";".join([root, *(_folded_text(_label(frame)) for frame in path)]) + f" {size_bytes}")
@@ -78,7 +86,8 @@ def speedscope_document(entries: Iterable[Outstanding], stack_of: Callable[[int]
     frames: list[dict[str, Any]] = []
     frame_index: dict[_Frame, int] = {}
     profiles = []
-    for (pid, device), paths in sorted(_bytes_by_path(entries, stack_of, layers).items()):
+    by_path, estimates = _bytes_by_path(entries, stack_of, layers)
+    for (pid, device), paths in sorted(by_path.items()):
         samples, weights = [], []
         for path, size_bytes in sorted(paths.items()):
             sample = []
@@ -101,7 +110,7 @@ def speedscope_document(entries: Iterable[Outstanding], stack_of: Callable[[int]
         })
     document: dict[str, Any] = {
         "$schema": SPEEDSCOPE_SCHEMA_URL,
-        "name": name,
+        "name": name + ESTIMATED_NOTE if estimates else name,
         "exporter": f"kvtrace {__version__}",
         "shared": {"frames": frames},
         "profiles": profiles,
@@ -111,24 +120,41 @@ def speedscope_document(entries: Iterable[Outstanding], stack_of: Callable[[int]
     return document
 
 
-def _bytes_by_path(entries: Iterable[Outstanding], stack_of: Callable[[int], Stack | None],
-                   layers: Iterable[Layer]) -> dict[tuple[int, int], dict[_Path, int]]:
-    """Bytes per (pid, device) and path, summed over the entries that hold device memory."""
+def estimated(entries: Iterable[Outstanding], layers: Iterable[Layer] = PHYSICAL_LAYERS) -> bool:
+    """Whether a flame graph of these entries (in `layers`) weighs some bytes by estimates from sampled
+    block stacks, not exactly."""
     wanted = frozenset(layers)
-    totals: dict[tuple[int, int], dict[_Path, int]] = {}
+    return any(entry.sample_bytes and entry.key.layer in wanted and is_estimated(entry) for entry in entries)
+
+
+def _bytes_by_path(entries: Iterable[Outstanding], stack_of: Callable[[int], Stack | None],
+                   layers: Iterable[Layer]) -> tuple[dict[tuple[int, int], dict[_Path, int]], bool]:
+    """Bytes per (pid, device) and path, summed over the entries that hold device memory (blocks under
+    stack sampling: estimated, rounded per path), and whether any are estimates."""
+    wanted = frozenset(layers)
+    totals: dict[tuple[int, int], dict[_Path, float]] = {}
     stacks: dict[int, tuple[_Frame, ...]] = {}  # many entries share a stack: convert each once
+    estimates = False
     for entry in entries:
         # holds_device_memory (model/ledger.py), with the layers the caller chose.
         key = entry.key
         if key.layer not in wanted or key.object not in MEMORY_OBJECTS or entry.memory is not Memory.DEVICE:
             continue
+        size_bytes: float = entry.size_bytes
+        if entry.sample_bytes:
+            estimates = estimates or is_estimated(entry)
+            if not entry.sampled:
+                continue  # no stack of its own: the chosen blocks' estimates stand for it
+            size_bytes = estimated_bytes(entry)
         python_frames = stacks.get(entry.stack_id)
         if python_frames is None:
             python_frames = stacks[entry.stack_id] = _python_frames(entry.stack_id, stack_of)
         path = (*python_frames, _Frame(f"[{entry.api.name}]"))
         by_path = totals.setdefault((key.pid, entry.device), {})
-        by_path[path] = by_path.get(path, 0) + entry.size_bytes
-    return totals
+        by_path[path] = by_path.get(path, 0) + size_bytes
+    rounded = {place: {path: round(size_bytes) for path, size_bytes in paths.items()}
+               for place, paths in totals.items()}
+    return rounded, estimates
 
 
 def _python_frames(stack_id: int, stack_of: Callable[[int], Stack | None]) -> tuple[_Frame, ...]:

@@ -1,11 +1,14 @@
 """A CPython target for the block walk: loads the stub libc10_cuda.so (argv[1]) with ctypes and makes
-BLOCKS PyTorch blocks from one line, several frames deep, keeping them.
+BLOCKS PyTorch blocks from one line, several frames deep, keeping them. With argv[2], a list such as
+"4000x16384,5x262144", it makes those blocks instead (COUNT of SIZE bytes each, in an order shuffled
+with a fixed seed), from the same line.
 
 Protocol (tests/integration/stubs/manifest.h): `ready <pid>`, waits for a line, then one JSON line per
 block ({"address", "size_bytes", "expected": [[function, file, line], ...] innermost first}), `done`,
 and waits for a line (or EOF) before it exits."""
 import ctypes
 import json
+import random
 import sys
 
 BLOCKS = 20
@@ -21,16 +24,27 @@ def stack_here(frame):
     return stack
 
 
-def allocate(lib, count):
+def allocate(lib, sizes):
     made = []
-    for _ in range(count):
-        expected = stack_here(sys._getframe()); address = lib.c10_stub_malloc(SIZE_BYTES, 0, 0)  # noqa: E702
-        made.append({"address": address, "size_bytes": SIZE_BYTES, "expected": expected})
+    for size in sizes:
+        expected = stack_here(sys._getframe()); address = lib.c10_stub_malloc(size, 0, 0)  # noqa: E702
+        made.append({"address": address, "size_bytes": size, "expected": expected})
     return made
 
 
-def middle(lib, count):
-    return allocate(lib, count)
+def middle(lib, sizes):
+    return allocate(lib, sizes)
+
+
+def sizes_wanted():
+    if len(sys.argv) < 3:
+        return [SIZE_BYTES] * BLOCKS
+    sizes = []
+    for part in sys.argv[2].split(","):
+        count, size = part.split("x")
+        sizes += [int(size)] * int(count)
+    random.Random(7).shuffle(sizes)
+    return sizes
 
 
 def main():
@@ -39,7 +53,8 @@ def main():
     lib.c10_stub_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_long]
     print(f"ready {__import__('os').getpid()}", flush=True)
     sys.stdin.readline()
-    for block in middle(lib, BLOCKS):
+    sizes = sizes_wanted()
+    for block in middle(lib, sizes):
         print(json.dumps(block))
     print("done", flush=True)
     sys.stdin.readline()

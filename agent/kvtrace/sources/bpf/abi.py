@@ -64,7 +64,9 @@ class RawLedgerValue(ctypes.Structure):
         ("api", ctypes.c_uint16),
         ("memory", ctypes.c_uint8),
         ("released", ctypes.c_uint8),
-        ("reserved", ctypes.c_uint32),
+        ("sample_kib", ctypes.c_uint16),
+        ("sampled", ctypes.c_uint8),
+        ("reserved", ctypes.c_uint8),
         ("stack_id", ctypes.c_uint64),
     ]
 
@@ -123,10 +125,13 @@ class RawStack(ctypes.Structure):
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
             "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced", "stack_walks",
             "stack_windows", "stack_frame_reads", "stack_walker_missing", "stack_walks_preempted",
-            "totals_full")
+            "totals_full", "blocks_sampled", "blocks_not_sampled")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
 CONFIG_PROCESS_GENERATION = 2
+CONFIG_BLOCK_SAMPLE_BYTES = 3
+
+BLOCK_SAMPLE_DRAWS = 1024  # KVT_BLOCK_SAMPLE_DRAWS (probes/usdt.h): quantiles of the exponential
 
 DEFAULT_MAX_TOTALS = 16384  # keys of ledger_totals (KVT_MAX_TOTALS); kvtrace agent --max-totals
 

@@ -98,6 +98,7 @@ class StackStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STACK_STATUS_READ_ERROR: _ClassVar[StackStatus]
     STACK_STATUS_EMPTY: _ClassVar[StackStatus]
     STACK_STATUS_UNRESOLVED: _ClassVar[StackStatus]
+    STACK_STATUS_NOT_SAMPLED: _ClassVar[StackStatus]
 LAYER_UNSPECIFIED: Layer
 LAYER_RUNTIME: Layer
 LAYER_DRIVER: Layer
@@ -169,6 +170,7 @@ STACK_STATUS_NO_THREAD_STATE: StackStatus
 STACK_STATUS_READ_ERROR: StackStatus
 STACK_STATUS_EMPTY: StackStatus
 STACK_STATUS_UNRESOLVED: StackStatus
+STACK_STATUS_NOT_SAMPLED: StackStatus
 
 class Event(_message.Message):
     __slots__ = ("timestamp_ns", "pid", "tid", "comm", "title", "container", "source", "allocation", "device_change", "context_destroy", "process_exit", "events_lost", "stack_definition")
