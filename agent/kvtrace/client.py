@@ -28,10 +28,11 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ApiConfig, ConfigError, config_from_args
 from kvtrace.errors import CommandError, ExitCode
+from kvtrace.model.depth import Depth
 from kvtrace.model.events import Kind, Layer
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.stacks import Stack
-from kvtrace.wire import outstanding_from_proto, stack_from_proto, wire_numbers
+from kvtrace.wire import outstanding_from_proto, stack_from_proto, wire_number, wire_numbers
 
 DEFAULT_TARGET = f"unix://{DEFAULT_SOCKET}"
 # A snapshot page of 10000 entries with long process titles can pass gRPC's default 4 MiB.
@@ -268,6 +269,15 @@ class AgentClient:
     def flight_dumps(self) -> service_pb2.ListFlightDumpsResponse:
         return self._call(self._stub.ListFlightDumps, service_pb2.ListFlightDumpsRequest())
 
+    def set_process_depth(self, pid: int, depth: Depth,
+                          duration_seconds: float = 0.0) -> service_pb2.SetProcessDepthResponse:
+        """Asks the agent to trace `pid` at `depth` for `duration_seconds` (0: the agent's default, 10 min);
+        Depth.SEGMENTS withdraws an earlier request. The agent applies it at its next analysis tick.
+        Admin socket only."""
+        request = service_pb2.SetProcessDepthRequest(pid=pid, depth=wire_number(depth),
+                                                     duration_seconds=duration_seconds)
+        return self._call(self._stub.SetProcessDepth, request)
+
     def _call(self, method, request, timeout_seconds: float | None = None):
         self._check_socket()
         try:
@@ -294,6 +304,8 @@ class AgentClient:
             return CommandError(f"the agent refused the request: {details}", ExitCode.USAGE)
         if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
             return CommandError(f"the agent at {self.target} refused: {details}")
+        if code is grpc.StatusCode.NOT_FOUND:
+            return CommandError(f"the agent at {self.target} found nothing to act on: {details}")
         if code is grpc.StatusCode.UNIMPLEMENTED:
             return CommandError(f"the agent at {self.target} is older than this kvtrace and lacks this call "
                                 f"({details or code.name}); upgrade the agent")

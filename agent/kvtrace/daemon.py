@@ -23,11 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+import psutil
+
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
+from kvtrace.analysis.depth import DepthOptions, DepthPolicy
 from kvtrace.config import ApiConfig
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_bytes
+from kvtrace.model.depth import Depth
 from kvtrace.model.events import PHYSICAL_LAYERS, Event, Layer, Memory
+from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerResynced
 from kvtrace.model.processes import ProcessTable
@@ -68,6 +73,7 @@ class DaemonOptions:
     json_events: bool = False
     nvml: bool = True
     analysis: AnalysisOptions = field(default_factory=AnalysisOptions)
+    depth: DepthOptions = field(default_factory=DepthOptions)  # which processes have their blocks traced
     metrics_listen: str = ""  # "" : no /metrics
     metrics_allow_remote: bool = False
     otlp_endpoint: str = ""  # "": no OTLP push
@@ -120,6 +126,7 @@ class Daemon:
         self.out, self.err = out, err
         self.session = Session(ProcessTable(procfs.read_process), NativeSymbolizer())
         self.analyzer = Analyzer(self.session, options.analysis, visible_devices=read_cuda_visible_devices)
+        self.depth = DepthPolicy(options.depth)
         self.source: BpfSource | None = None
         self.nvml: NvmlSampler | None = None
         self.server: AgentServer | None = None
@@ -134,6 +141,7 @@ class Daemon:
         self._stopping = threading.Event()
         self._tracing_impossible = False  # the probes could not load at start ("auto"): not tried again
         self._retry_at = 0.0  # monotonic: when to try again after the switch's re-enable failed
+        self._depths_logged: dict[int, Depth] = {}  # each process's depth as last logged
 
     def start(self) -> None:
         """Loads the probes and starts every part; raises CommandError with one line on failure."""
@@ -328,6 +336,8 @@ class Daemon:
                 self._check_off_switch()
             latest = self.analyzer.latest
             self.analyzer.tick()
+            if self.analyzer.latest is not latest and self.analyzer.latest is not None:
+                self._decide_depths(self.analyzer.latest)
             if self.flight is not None and self.analyzer.latest is not latest:
                 self.flight.check(self.analyzer.latest)
                 self.flight.expire()
@@ -338,6 +348,27 @@ class Daemon:
             if not self.options.json_events and time.monotonic() >= next_summary:
                 next_summary += SUMMARY_INTERVAL_SECONDS
                 self._summary()
+
+    def _decide_depths(self, snapshot: AnalysisSnapshot) -> None:
+        """Each process's depth after an analysis (analysis/depth.py), applied to the probes at once and
+        published for reports; ended operator requests are forgotten."""
+        requests = self.session.depth_requests()
+        alive = {pid for pid in requests if psutil.pid_exists(pid)}
+        alive |= {row.pid for row in snapshot.processes}
+        started = {pid: int(info.start_time * 1e9) for pid, info in self.session.known_processes().items()
+                   if info.start_time > 0}
+        depths, ended = self.depth.decide(snapshot, requests, alive, started)
+        for pid in ended:
+            self.session.forget_depth_request(pid)
+        for pid, depth in depths.items():
+            old = self._depths_logged.get(pid)
+            if old is not None and old is not depth.depth or old is None and depth.depth is not Depth.SEGMENTS:
+                log.warning("pid %d: depth %s (%s%s)", pid, depth.depth.label, depth.cause.name.lower(),
+                            f": {depth.detail}" if depth.detail else "")
+        self._depths_logged = {pid: depth.depth for pid, depth in depths.items()}
+        self.session.set_process_depths(depths)
+        if self.source is not None:
+            self.source.set_block_depths({pid: depth.depth for pid, depth in depths.items()})
 
     def _dump_on_signal(self) -> None:
         from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2

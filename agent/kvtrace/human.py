@@ -39,6 +39,15 @@ def human_duration(seconds: float) -> str:
     return f"{days}d{hours:02d}h"
 
 
+def coarse_age(seconds: float) -> str:
+    """45s, 3m, 2h, 1d: one unit, rounded down, for a column that must stay narrow."""
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
 def signed_bytes(value: float) -> str:
     """+1.2 MiB, -512 B, 0 B: a change, rounded to whole bytes."""
     value = round(value)

@@ -36,6 +36,7 @@ from kvtrace.model.agent import (
     TrackedProcess,
 )
 from kvtrace.model.crosscheck import CrossCheck, ProcessCrossCheck, Side, TracerStatus
+from kvtrace.model.depth import Depth, DepthRequest, ProcessDepth
 from kvtrace.model.events import Api, Event, EventRun, EventsLost, Kind, Source
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import (
@@ -179,6 +180,10 @@ class Session:
         self._crosscheck = CrossCheck()
         self._crosscheck_settled_ns = 0
         self.witnessed_total = 0
+        # Depth per process (model/depth.py): what the agent's depth policy decided, replaced whole at each
+        # decision; and operators' requests (`kvtrace deep`), which the policy reads at its next turn.
+        self._depths: dict[int, ProcessDepth] = {}
+        self._depth_requests: dict[int, DepthRequest] = {}
 
     # ---- writing: sources ----
 
@@ -441,6 +446,34 @@ class Session:
         with self.lock:
             self._components[name] = _Component(ComponentStatus(name, up, reason), time.monotonic(),
                                                 stale_after_seconds, stale_reason or f"{name} stopped reporting")
+
+    def request_depth(self, request: DepthRequest) -> None:
+        """An operator's request for one process (`kvtrace deep`): the depth policy applies it at its next
+        turn and until `request.until_ns`. A request for SEGMENTS withdraws any earlier one (the policy
+        decides again on its evidence)."""
+        with self.lock:
+            if request.depth is Depth.SEGMENTS:
+                self._depth_requests.pop(request.pid, None)
+            else:
+                self._depth_requests[request.pid] = request
+
+    def depth_requests(self) -> dict[int, DepthRequest]:
+        with self.lock:
+            return dict(self._depth_requests)
+
+    def forget_depth_request(self, pid: int) -> None:
+        """The request ended (its time ran out, or its process exited)."""
+        with self.lock:
+            self._depth_requests.pop(pid, None)
+
+    def set_process_depths(self, depths: Mapping[int, ProcessDepth]) -> None:
+        """The depth of every process the policy follows, replaced whole (what reports show)."""
+        with self.lock:
+            self._depths = dict(depths)
+
+    def process_depths(self) -> dict[int, ProcessDepth]:
+        with self.lock:
+            return dict(self._depths)
 
     def report_counters(self, counters: dict[str, int]) -> None:
         """A source's counters (the probes' events_submitted, events_lost, ...), merged by name."""

@@ -20,6 +20,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.agent import AgentInfo, TrackedProcess
 from kvtrace.model.crosscheck import ProcessCrossCheck, Side
+from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
 from kvtrace.model.events import (
     AUX_FIELDS,
     COMM_BYTES,
@@ -365,12 +366,68 @@ def outstanding_to_proto(entry: Outstanding, process: ProcessInfo | None) -> ser
         handle=entry.handle, stream=entry.stream)
 
 
-def process_to_proto(process: TrackedProcess) -> service_pb2.Process:
-    return service_pb2.Process(
+def process_to_proto(process: TrackedProcess, depth: ProcessDepth | None = None) -> service_pb2.Process:
+    message = service_pb2.Process(
         pid=process.pid, title=process.title, comm=process.comm, container=process.container,
         totals=[service_pb2.OutstandingTotal(device=t.device, layer=wire_number(t.layer), memory=wire_number(t.memory),
                                              size_bytes=t.size_bytes, object_count=t.object_count)
                 for t in process.totals])
+    if depth is not None:
+        message.depth.CopyFrom(depth_to_proto(depth))
+    return message
+
+
+# ---- depth (kvtrace.model.depth) ----
+
+def depth_to_proto(depth: ProcessDepth) -> service_pb2.ProcessDepthState:
+    cause: Any = depth.cause.value  # DepthCause is a plain Enum of the wire's numbers
+    return service_pb2.ProcessDepthState(
+        pid=depth.pid, depth=wire_number(depth.depth), since_ns=depth.since_ns, cause=cause,
+        detail=valid_text(depth.detail), until_ns=depth.until_ns, sample_bytes=depth.sample_bytes)
+
+
+def depths_to_proto(depths: dict[int, ProcessDepth], pids: Iterable[int]) -> list[service_pb2.ProcessDepthState]:
+    """The depths of `pids` the agent follows, by pid (each once)."""
+    return [depth_to_proto(depths[pid]) for pid in sorted(set(pids)) if pid in depths]
+
+
+def depth_from_proto(message: service_pb2.ProcessDepthState) -> ProcessDepth | None:
+    """The model's depth; None when the message says none (an older agent) or one this client does not
+    know (a newer agent's). A cause this client does not know is DEFAULT."""
+    try:
+        depth = Depth(message.depth)
+    except ValueError:
+        return None
+    try:
+        cause = DepthCause(message.cause)
+    except ValueError:
+        cause = DepthCause.DEFAULT
+    return ProcessDepth(pid=message.pid, depth=depth, since_ns=message.since_ns, cause=cause, detail=message.detail,
+                        until_ns=message.until_ns, sample_bytes=message.sample_bytes)
+
+
+def depth_to_json(depth: ProcessDepth | None) -> dict[str, Any] | None:
+    """{"depth": "blocks", "since_ns", "cause": "growth", "detail", "until_ns", "sample_bytes"}; None when
+    not known."""
+    if depth is None:
+        return None
+    return {"pid": depth.pid, "depth": depth.depth.label, "since_ns": depth.since_ns,
+            "cause": depth.cause.name.lower(), "detail": depth.detail, "until_ns": depth.until_ns,
+            "sample_bytes": depth.sample_bytes}
+
+
+def depth_message_to_json(message: service_pb2.ProcessDepthState) -> dict[str, Any] | None:
+    return depth_to_json(depth_from_proto(message))
+
+
+def depths_by_pid(messages: Iterable[service_pb2.ProcessDepthState]) -> dict[int, ProcessDepth]:
+    """A response's depth list as pid -> the model's depth (those this client can read)."""
+    depths = {}
+    for message in messages:
+        depth = depth_from_proto(message)
+        if depth is not None:
+            depths[depth.pid] = depth
+    return depths
 
 
 def info_to_proto(info: AgentInfo) -> service_pb2.GetAgentInfoResponse:
@@ -400,12 +457,15 @@ def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
     return message
 
 
-def leak_report_to_proto(report: LeakReport) -> service_pb2.ListLeakSuspectsResponse:
+def leak_report_to_proto(report: LeakReport, depths: dict[int, ProcessDepth] | None = None,
+                         pids: Iterable[int] = ()) -> service_pb2.ListLeakSuspectsResponse:
+    """The report, with the depth of each process that has a suspect or is among `pids` (the request's)."""
     return service_pb2.ListLeakSuspectsResponse(
         suspects=[suspect_to_proto(suspect) for suspect in report.suspects],
         suspect_count=report.suspect_count, allocations_considered=report.allocations_considered,
         suspect_allocations=report.suspect_allocations, min_age_seconds=report.min_age_seconds,
-        timestamp_ns=report.timestamp_ns)
+        timestamp_ns=report.timestamp_ns,
+        depths=depths_to_proto(depths or {}, [*pids, *(suspect.pid for suspect in report.suspects)]))
 
 
 def gpu_to_proto(gpu: GpuMemory) -> service_pb2.GpuMemory:
@@ -414,7 +474,7 @@ def gpu_to_proto(gpu: GpuMemory) -> service_pb2.GpuMemory:
                                  reserved_bytes=gpu.reserved_bytes)
 
 
-def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
+def process_growth_to_proto(row: ProcessGpu, depth: ProcessDepth | None = None) -> service_pb2.ProcessGrowth:
     message = service_pb2.ProcessGrowth(
         pid=row.pid, title=row.title, device=row.device, outstanding_bytes=row.outstanding_bytes,
         growth_bytes_per_second_1m=row.growth_bytes_per_second_1m,
@@ -428,6 +488,8 @@ def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
             segments=row_fragmentation.segments, blocks=row_fragmentation.blocks,
             blocks_outside_segments=row_fragmentation.blocks_outside_segments))
     message.role_bytes.extend(role_bytes_to_proto(row.role_bytes))
+    if depth is not None:
+        message.depth.CopyFrom(depth_to_proto(depth))
     # None leaves an optional field unset: "not known" stays apart from 0.
     for name, value in (("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
                         ("unattributed_bytes", row.unattributed_bytes),
@@ -437,13 +499,16 @@ def process_growth_to_proto(row: ProcessGpu) -> service_pb2.ProcessGrowth:
     return message
 
 
-def growth_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int]) -> service_pb2.GetGrowthResponse:
+def growth_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int],
+                    depths: dict[int, ProcessDepth] | None = None) -> service_pb2.GetGrowthResponse:
     if snapshot is None:
         return service_pb2.GetGrowthResponse()
+    depths = depths or {}
     return service_pb2.GetGrowthResponse(
         timestamp_ns=snapshot.timestamp_ns, nvml_timestamp_ns=snapshot.nvml_timestamp_ns,
         gpus=[gpu_to_proto(gpu) for gpu in snapshot.gpus],
-        processes=[process_growth_to_proto(row) for row in snapshot.processes if not pids or row.pid in pids])
+        processes=[process_growth_to_proto(row, depths.get(row.pid)) for row in snapshot.processes
+                   if not pids or row.pid in pids])
 
 
 def role_bytes_to_proto(role_bytes: dict[Role, int]) -> list[service_pb2.RoleBytes]:
@@ -460,7 +525,7 @@ def kv_request_to_proto(request: KvRequest) -> service_pb2.VllmRequest:
     return message
 
 
-def vllm_engine_to_proto(engine: VllmEngine) -> service_pb2.VllmEngine:
+def vllm_engine_to_proto(engine: VllmEngine, depths: dict[int, ProcessDepth] | None = None) -> service_pb2.VllmEngine:
     message = service_pb2.VllmEngine(
         engine_pid=engine.engine_pid, title=engine.title, worker_pids=list(engine.worker_pids),
         api_server_pid=engine.api_server_pid, traced_bytes=engine.traced_bytes,
@@ -472,7 +537,8 @@ def vllm_engine_to_proto(engine: VllmEngine) -> service_pb2.VllmEngine:
         metrics_url=engine.metrics_url, metrics_error=engine.metrics_error,
         idle_growth_bytes_per_second=engine.idle_growth_bytes_per_second,
         blocks_held_after_finish=engine.blocks_held_after_finish,
-        sleep_held_by_tag=_tag_bytes_to_proto(engine.sleep_held_by_tag))
+        sleep_held_by_tag=_tag_bytes_to_proto(engine.sleep_held_by_tag),
+        depths=depths_to_proto(depths or {}, (engine.engine_pid, *engine.worker_pids)))
     # None leaves an optional field unset: "not known" stays apart from 0.
     for name in _ENGINE_OPTIONAL_FIELDS:
         value = getattr(engine, name)
@@ -533,8 +599,8 @@ def cross_checks_to_proto(checks: Iterable[ProcessCrossCheck],
     return response
 
 
-def vllm_engines_to_proto(snapshot: AnalysisSnapshot | None,
-                          pids: frozenset[int] = frozenset()) -> service_pb2.GetVllmEnginesResponse:
+def vllm_engines_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int] = frozenset(),
+                          depths: dict[int, ProcessDepth] | None = None) -> service_pb2.GetVllmEnginesResponse:
     """GetVllmEngines' answer: the selected engines by engine pid, and the findings about them."""
     if snapshot is None:
         return service_pb2.GetVllmEnginesResponse()
@@ -542,7 +608,7 @@ def vllm_engines_to_proto(snapshot: AnalysisSnapshot | None,
                      key=lambda engine: engine.engine_pid)
     selected = {engine.engine_pid for engine in engines}
     return service_pb2.GetVllmEnginesResponse(
-        timestamp_ns=snapshot.timestamp_ns, engines=[vllm_engine_to_proto(engine) for engine in engines],
+        timestamp_ns=snapshot.timestamp_ns, engines=[vllm_engine_to_proto(engine, depths) for engine in engines],
         findings=[vllm_finding_to_proto(finding) for finding in snapshot.vllm_findings
                   if not pids or finding.engine_pid in selected])
 
@@ -760,6 +826,7 @@ def process_to_json_dict(process: service_pb2.Process) -> dict:
         "totals": [{"device": total.device, "layer": wire_enum_name(Layer, total.layer),
                     "memory": wire_enum_name(Memory, total.memory), "size_bytes": total.size_bytes,
                     "object_count": total.object_count} for total in process.totals],
+        "depth": depth_message_to_json(process.depth) if process.HasField("depth") else None,
     }
 
 
@@ -786,6 +853,7 @@ def leak_report_to_json_dict(response: service_pb2.ListLeakSuspectsResponse) -> 
             "native_caller": native_frame_to_json(suspect.native_caller)
             if suspect.HasField("native_caller") else None,
         } for suspect in response.suspects],
+        "depths": [depth_message_to_json(depth) for depth in response.depths],
     }
 
 
@@ -838,7 +906,9 @@ def vllm_engines_to_json_dict(response: service_pb2.GetVllmEnginesResponse) -> d
     """The answer of `kvtrace vllm --json`: one object, engines by pid, then the findings."""
     return {
         "timestamp_ns": response.timestamp_ns,
-        "engines": [vllm_engine_to_json(vllm_engine_from_proto(engine)) for engine in response.engines],
+        "engines": [{**vllm_engine_to_json(vllm_engine_from_proto(engine)),
+                     "depths": [depth_message_to_json(depth) for depth in engine.depths]}
+                    for engine in response.engines],
         "findings": [vllm_finding_to_json(vllm_finding_from_proto(finding)) for finding in response.findings],
     }
 
@@ -864,9 +934,12 @@ def nvml_from_proto(message: service_pb2.NvmlRound) -> NvmlSample:
                         for process in message.processes))
 
 
-def recorded_process_to_proto(info: ProcessInfo) -> service_pb2.RecordedProcess:
-    return service_pb2.RecordedProcess(pid=info.pid, title=info.title, comm=info.comm, container=info.container,
-                                       start_time_ns=int(info.start_time * 1e9), parent_pid=info.parent_pid)
+def recorded_process_to_proto(info: ProcessInfo, depth: ProcessDepth | None = None) -> service_pb2.RecordedProcess:
+    message = service_pb2.RecordedProcess(pid=info.pid, title=info.title, comm=info.comm, container=info.container,
+                                          start_time_ns=int(info.start_time * 1e9), parent_pid=info.parent_pid)
+    if depth is not None:
+        message.depth.CopyFrom(depth_to_proto(depth))
+    return message
 
 
 def recorded_process_from_proto(message: service_pb2.RecordedProcess) -> ProcessInfo:

@@ -4,6 +4,7 @@
 #   bash tests/gpu/run.sh blocks [pytest args]         # tests/gpu/test_torch_blocks.py only
 #   bash tests/gpu/run.sh bench [bench args]           # bench/gpu_overhead.py: overhead, side by side
 #   bash tests/gpu/run.sh blocks-bench [bench args]    # bench/torch_blocks_overhead.py: block tracing's cost
+#   bash tests/gpu/run.sh depth-bench [bench args]     # bench/depth_overhead.py: each depth's cost, one process
 #   bash tests/gpu/run.sh flight [pytest args]         # tests/gpu/test_flight_recorder.py: a real OOM's dump
 #   bash tests/gpu/run.sh cupti [pytest args]          # tests/gpu/test_cupti.py: kvtrace run (CUPTI) vs the uprobes
 #   bash tests/gpu/run.sh cupti-bench [bench args]     # bench/cupti_overhead.py: CUPTI's cost, side by side
@@ -20,7 +21,7 @@
 # -d .whl cupti-python==13.0.1). Both are used only when bcc or a package is not importable already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|throughput|idle|vllm|vllm-bench [args]}; shift
+what=${1:?usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|cupti-bench|throughput|idle|vllm|vllm-bench [args]}; shift
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
@@ -50,6 +51,8 @@ case $what in
   throughput) exec $python bench/api_throughput.py "$@" ;;
   idle) exec $python bench/agent_idle.py "$@" ;;
   blocks-bench) exec $python bench/torch_blocks_overhead.py "$@" ;;
+  depth-bench) exec $python bench/depth_overhead.py "$@" ;;
+  depth) exec $python -m pytest tests/gpu/test_depth.py -s -q -p no:cacheprovider "$@" ;;
   vllm|vllm-bench)
     [ -f /tmp/vsite/.vllm_bundle_ok ] || { echo "vLLM is not installed in /tmp/vsite: bash .vllm/install.sh (twice)" >&2; exit 1; }
     export PYTHONPATH=$PYTHONPATH:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0
@@ -57,5 +60,5 @@ case $what in
       exec $python -m pytest tests/gpu/test_vllm.py tests/gpu/test_vllm_placement.py -s -q -p no:cacheprovider "$@"
     fi
     exec $python bench/vllm_overhead.py "$@" ;;
-  *) echo "usage: run.sh tests|blocks|flight|cupti|bench|blocks-bench|cupti-bench|throughput|idle|vllm|vllm-bench [args]" >&2; exit 2 ;;
+  *) echo "usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|cupti-bench|throughput|idle|vllm|vllm-bench [args]" >&2; exit 2 ;;
 esac

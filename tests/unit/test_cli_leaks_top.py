@@ -195,13 +195,14 @@ def test_top_once_prints_health_gpus_and_rows_sorted(capsys):
     assert by_growth[1] == "lost events 0, resyncs 0 | bpf, nvml, analysis"
     assert by_growth[2] == "GPU 0 NVIDIA H200: used 20.0 GiB of 140.0 GiB, free 119.0 GiB"
     assert by_growth[4].split() == ["PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s", "1m", "GROW/s", "15m",
-                                    "OOM", "IN", "FRAG", "TITLE"]
-    # Growing first (pid breaks ties); pid 300 is NVML's only, all unattributed
+                                    "OOM", "IN", "FRAG", "DEPTH", "TITLE"]
+    # Growing first (pid breaks ties); pid 300 is NVML's only, all unattributed. No depth policy runs in the
+    # fake agent: DEPTH is "-" (tests/unit/test_depth_reports.py has depths)
     assert [line.split() for line in by_growth[5:]] == [
-        ["200", "0", "4.1", "GiB", "6.0", "GiB", "1.9", "GiB", "+1.0", "MiB", "+1.0", "MiB", "-", "-",
+        ["200", "0", "4.1", "GiB", "6.0", "GiB", "1.9", "GiB", "+1.0", "MiB", "+1.0", "MiB", "-", "-", "-",
          "VLLM::Worker_TP0"],
-        ["100", "0", "1.0", "GiB", "-", "-", "0", "B", "0", "B", "-", "-", "VLLM::EngineCore"],
-        ["300", "0", "0", "B", "2.0", "GiB", "2.0", "GiB", "0", "B", "0", "B", "-", "-", "python", "train.py"]]
+        ["100", "0", "1.0", "GiB", "-", "-", "0", "B", "0", "B", "-", "-", "-", "VLLM::EngineCore"],
+        ["300", "0", "0", "B", "2.0", "GiB", "2.0", "GiB", "0", "B", "0", "B", "-", "-", "-", "python", "train.py"]]
     assert [line.split()[0] for line in by_size[5:]] == ["200", "100", "300"]
 
 
@@ -254,10 +255,12 @@ def test_top_keeps_every_column_in_80_columns_and_cuts_the_title():
     console = Console(width=80, file=io.StringIO())
     console.print(render_frame(service_pb2.GetAgentInfoResponse(version="0.1.0"), growth, "growth", T0_NS, 80))
     header, row = console.file.getvalue().splitlines()[4:6]
-    assert header.split()[:3] == ["PID", "GPU", "TRACED"] and header.split()[-1] == "TITLE"
+    # The widest figures leave the title a character or two: every figure stays whole.
+    assert header.split()[:3] == ["PID", "GPU", "TRACED"] and header.split()[-2] == "DEPTH"
+    assert "TITLE".startswith(header.split()[-1])
     assert row.split()[:9] == ["1234567", "cuda1", "123.0", "GiB", "-", "-512.0", "MiB", "-1.5", "MiB"]
-    assert row.split()[-3:-1] == ["2d00h", "-"] and row.split()[-1].startswith("/usr/b")
-    assert row.rstrip().endswith("\u2026") and len(row.rstrip()) <= 80
+    assert row.split()[-4:-1] == ["2d00h", "-", "-"] and long_title.startswith(row.split()[-1])
+    assert len(header.rstrip()) <= 80 and len(row.rstrip()) <= 80
 
 
 def test_top_prints_a_title_with_brackets_as_it_is():

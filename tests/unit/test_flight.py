@@ -17,6 +17,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace.cli.main import main
 from kvtrace.config import ApiConfig
+from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, ProcessGpu
 from kvtrace.model.stacks import Frame, Stack
@@ -499,3 +500,17 @@ def test_an_idle_agent_lets_go_of_a_past_burst_when_its_window_has_passed(tmp_pa
     assert allocation_events(path) == []
     first, _ = checkpoints_of(path)
     assert len(first.allocations) == 31
+
+
+def test_a_dump_keeps_each_process_depth_as_it_stood_at_the_dump(tmp_path, recorders):
+    # GIVEN pid 200 raised to blocks before the window (the ring keeps no history of depths)
+    agent = FakeAgent()
+    recorder = recorders(agent, tmp_path)
+    start = time.time_ns() - 60 * NS
+    depth = ProcessDepth(200, Depth.BLOCKS, start - 10 * NS, DepthCause.GROWTH, "traced bytes +96 MiB in 60 s")
+    agent.session.set_process_depths({200: depth})
+    leaky(agent, start)
+    agent.apply(out_of_memory(start + 23 * NS))
+    (path,) = written(recorder)
+    # THEN its replay at the trigger says so, for `kvtrace leaks --input DUMP` to tell
+    assert replay(path).session.process_depths() == {200: depth}

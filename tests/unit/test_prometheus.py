@@ -21,6 +21,7 @@ from kvtrace import __version__
 from kvtrace.model.agent import ComponentStatus
 from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.crosscheck import ProcessCrossCheck, TracerStatus
+from kvtrace.model.depth import Depth, DepthCause, ProcessDepth, segments_only
 from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakSuspect, ProcessGpu
 from kvtrace.model.ledger import LedgerCounts, TotalsKey
@@ -45,6 +46,7 @@ from kvtrace.session import Session
 GiB = 1 << 30
 MiB = 1 << 20
 NOW_NS = 1_800_000_000_000_000_000
+NS = 1_000_000_000
 WORKER, ENGINE, TRAIN, EXITED = 4242, 4243, 5151, 6161
 ADDRESS = 0x7F3A_1C00_0000  # an allocation address: must never reach a label
 CALLER = 0x7F3B_0000_1234
@@ -111,7 +113,8 @@ def synthetic_ledger() -> LedgerCounts:
 
 
 TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full": 0, "totals_full": 0,
-                   "blocks_unsent": 5, "ledger_entries_in_kernel": 4_000, "ledger_reads_refused": 2,
+                   "blocks_unsent": 5, "blocks_sampled": 240, "blocks_not_sampled": 3_760,
+                   "ledger_entries_in_kernel": 4_000, "ledger_reads_refused": 2,
                    "unknown_frees": 11, "vllm_messages_received": 40, "vllm_messages_rejected": 2,
                    "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
                    "events_undecodable": 2, "libraries_attached": 3, "libraries_refused": 29, "libraries_detached": 26,
@@ -160,6 +163,11 @@ class FakeSource:
     def cross_check_totals(self):
         return {(Api.cuMemAlloc_v2, "matched"): 23, (Api.cuMemFree_v2, "uprobe_only"): 1}
 
+    def process_depths(self):
+        self._check("depths")
+        return {WORKER: ProcessDepth(WORKER, Depth.BLOCKS, NOW_NS - 90 * NS, DepthCause.GROWTH, "+96 MiB in 60 s"),
+                ENGINE: segments_only(ENGINE, NOW_NS - 3600 * NS), EXITED: segments_only(EXITED, NOW_NS)}
+
 
 @contextmanager
 def served(source):
@@ -198,6 +206,9 @@ class ProxySource:
 
     def cross_check_totals(self):
         return self.target.cross_check_totals()
+
+    def process_depths(self):
+        return self.target.process_depths()
 
 
 _PROXY = ProxySource()
@@ -311,6 +322,10 @@ def test_exact_values_for_a_synthetic_snapshot():
         labels(component="analysis"): 1, labels(component="bpf"): 1, labels(component="exporter"): 1,
         labels(component="nvml"): 1, labels(component="python_stacks"): 1}
     assert samples(families, "kvtrace_build_info") == {labels(version=__version__): 1}
+    # Depth per live process (the exited one's series goes): 1 segments, 2 blocks, 3 full
+    assert samples(families, "kvtrace_process_depth") == {labels(**w): 2, labels(**e): 1}
+    assert samples(families, "kvtrace_process_depth_start_time_seconds") == {
+        labels(**w): (NOW_NS - 90 * NS) / 1e9, labels(**e): (NOW_NS - 3600 * NS) / 1e9}
 
 
 def test_every_declared_metric_is_exported_with_its_type_help_and_labels():
@@ -392,7 +407,7 @@ def _up(collector) -> dict[str, float]:
     return {sample.labels["component"]: sample.value for sample in family.samples}
 
 
-@pytest.mark.parametrize("part", ["snapshot", "ledger", "counters", "titles", "components"])
+@pytest.mark.parametrize("part", ["snapshot", "ledger", "counters", "titles", "components", "depths"])
 def test_a_failing_part_of_the_source_still_gives_a_scrape(part, caplog):
     families = scrape(FakeSource(broken={part}))
     assert samples(families, "kvtrace_component_up")[labels(component="exporter")] == 0

@@ -58,6 +58,9 @@ def test_the_table_is_exactly_what_a_scrape_shows():
         def cross_check_totals(self):
             return {}
 
+        def process_depths(self):
+            return {}
+
     registry = CollectorRegistry()
     registry.register(KvtraceCollector(Empty(), Empty()))
     scraped = {}
@@ -71,7 +74,8 @@ def test_the_documented_names_follow_prometheus_naming():
     base_units = {"bytes", "seconds", "total", "info", "up", "suspects", "objects", "second", "ratio", "libraries",
                   # vLLM's own nouns (the names the issue fixed): blocks, requests, a level, a finding
                   "blocks", "requests", "finish", "allocation", "level", "finding",
-                  "processes"}
+                  "processes",
+                  "depth"}  # kvtrace_process_depth: a level, 1 to 3
     for name, (kind, unit, labels, _) in documented().items():
         assert re.fullmatch(r"kvtrace_[a-z0-9_]+", name), name
         assert (kind == "counter") == name.endswith("_total"), name

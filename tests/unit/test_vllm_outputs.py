@@ -8,6 +8,7 @@ printed, THEN every figure arrives exactly, and the group socket tells no reques
 import dataclasses
 import io
 import json
+import time
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from kvtrace.cli.ps import compact_bytes, compact_roles
 from kvtrace.cli.top import render_frame
 from kvtrace.client import AgentClient
 from kvtrace.errors import CommandError
+from kvtrace.model.depth import Depth, DepthCause, ProcessDepth, segments_only
 from kvtrace.model.findings import AnalysisSnapshot, ProcessGpu
 from kvtrace.model.ledger import LedgerCounts
 from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
@@ -121,8 +123,9 @@ def test_every_engine_field_survives_the_wire():
              and f.name not in ("engine_pid", "title", "worker_pids")]
     assert unset == [], "give the new field a value here, and a wire field"
     message = service_pb2.VllmEngine.FromString(vllm_engine_to_proto(engine).SerializeToString())
-    # Every wire field is set: the model has no field the wire forgot, nor the other way round.
-    wire_fields = {f.name for f in service_pb2.VllmEngine.DESCRIPTOR.fields}
+    # Every wire field is set: the model has no field the wire forgot, nor the other way round. The depths
+    # of its processes are the Session's (the depth policy's), not the engine's: they join it on the wire.
+    wire_fields = {f.name for f in service_pb2.VllmEngine.DESCRIPTOR.fields} - {"depths"}
     assert {f.name for f, _ in message.ListFields()} == wire_fields
     assert {f.name for f in dataclasses.fields(VllmEngine)} == wire_fields
     # A role with no bytes travels too (analysis decides what is listed).
@@ -186,7 +189,8 @@ def test_json_is_built_from_the_model():
     assert data["engines"][1]["blocks_total"] is None and data["engines"][1]["plugin"] is False
     assert [f["kind"] for f in data["findings"]] == ["blocks_held_after_finish", "sleep_residue", "idle_growth"]
     assert data["findings"][1]["held_by_tag"] == {"kv_cache": 0, "weights": GiB}
-    assert set(engine) == {f.name for f in dataclasses.fields(VllmEngine)}
+    assert set(engine) - {"depths"} == {f.name for f in dataclasses.fields(VllmEngine)}
+    assert engine["depths"] == []  # its processes' depths, from the Session
     json.dumps(data)  # plain JSON types only
 
 
@@ -393,6 +397,25 @@ def test_vllm_for_people(capsys):
         "  findings:",
         "    idle_growth: growing 6.0 MB/s with no request",
     ]
+
+
+def test_vllm_says_how_closely_each_process_of_an_engine_is_traced(capsys):
+    # GIVEN the engine's worker raised to blocks by a vLLM detector, the EngineCore at segments
+    backend = FakeAgent()
+    backend.analyzer.latest = snapshot()
+    raised = ProcessDepth(WORKER, Depth.BLOCKS, T0_NS, DepthCause.VLLM, "blocks_held_after_finish")
+    backend.session.set_process_depths({WORKER: raised, ENGINE: segments_only(ENGINE, T0_NS)})
+    with served(backend) as (server, _):
+        with AgentClient.for_socket(server.config.socket) as agent:
+            response = agent.vllm_engines()
+        assert main(["vllm", "--socket", str(server.config.socket)]) == 0
+    # THEN the wire has them per engine, and the report a line after what it holds
+    assert [(state.pid, state.depth) for state in response.engines[0].depths] == [
+        (ENGINE, service_pb2.PROCESS_DEPTH_SEGMENTS), (WORKER, service_pb2.PROCESS_DEPTH_BLOCKS)]
+    assert list(response.engines[1].depths) == []
+    since = time.strftime("%H:%M:%S", time.localtime(T0_NS / 1e9))
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line == f"  depth: {ENGINE} segments, {WORKER} blocks since {since} (vllm)"
 
 
 def test_vllm_json_is_the_wire_json(capsys):

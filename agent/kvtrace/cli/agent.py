@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 from kvtrace.analysis.analyzer import AnalysisOptions
+from kvtrace.analysis.depth import DEFAULT_BLOCK_SAMPLE_BYTES, DepthOptions
 from kvtrace.analysis.vllm import VllmOptions
 from kvtrace.cli.flags import parse_size
 from kvtrace.config import ApiConfig, ConfigError, add_api_flags, check_served_paths, config_from_args
 from kvtrace.daemon import DEFAULT_OFF_SWITCH, DaemonOptions
 from kvtrace.errors import CommandError, ExitCode
+from kvtrace.model.depth import BlocksMode
 from kvtrace.model.ledger import DEFAULT_MAX_READ_ENTRIES
 from kvtrace.reports.flight import FlightOptions
 from kvtrace.sources.bpf import abi
@@ -84,9 +86,29 @@ class AgentCommand:
         parser.add_argument("--no-task-storage", action="store_true",
                             help="keep the probes' per-thread state (a call's arguments, its thread's device) in "
                                  "LRU hashes, as before Linux 6.2, instead of task storage")
-        parser.add_argument("--no-torch-blocks", action="store_true",
-                            help="do not trace PyTorch's caching allocator (its USDT probes pytorch:malloc/free: "
-                                 "the blocks tensors hold inside the segments, and their stacks)")
+        depth = DepthOptions()
+        parser.add_argument("--blocks", choices=[mode.value for mode in BlocksMode], default=BlocksMode.AUTO.value,
+                            help="PyTorch's caching allocator (its USDT probes pytorch:malloc/free: the blocks "
+                                 "tensors hold inside the segments, and the stacks that hold them). auto "
+                                 "(default): only in processes whose memory grows, is about to run out, or that "
+                                 "an operator names (`kvtrace deep`), lowered after a quiet window; every other "
+                                 "process pays nothing for them. always: in every process. never: nowhere")
+        parser.add_argument("--no-torch-blocks", action="store_true", help="the same as --blocks never")
+        parser.add_argument("--block-sample-bytes", metavar="SIZE", type=parse_size,
+                            default=DEFAULT_BLOCK_SAMPLE_BYTES,
+                            help="at depth blocks, one block stack per this many bytes of blocks on average (a "
+                                 "block this large or larger always has its stack): bytes per stack are then "
+                                 "estimates, the ledger stays exact. 0: every block's stack (default: 512KiB)")
+        parser.add_argument("--deepen-growth", metavar="SIZE", type=parse_size, default=depth.growth_bytes,
+                            help="--blocks auto: a process whose traced bytes gain this much within a minute "
+                                 "(after its first two minutes) has its blocks traced (default: 64MiB)")
+        parser.add_argument("--deepen-grace-seconds", metavar="SECONDS", type=float,
+                            default=depth.startup_grace_seconds,
+                            help="--blocks auto: a process's growth counts only after it ran this long (loading "
+                                 "weights and the KV cache is growth too; default: %(default)g)")
+        parser.add_argument("--deepen-quiet-seconds", metavar="SECONDS", type=float, default=depth.quiet_seconds,
+                            help="--blocks auto: a process raised on evidence goes back to segments after this "
+                                 "long without any (default: %(default)g)")
         parser.add_argument("--max-block-events-per-second", metavar="N", type=int, default=100_000,
                             help="PyTorch block events one process may send per second (default: %(default)s; "
                                  "0: no limit); beyond, blocks stay exact in the ledger, their events are "
@@ -213,6 +235,14 @@ class AgentCommand:
             raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None
         if not 0 <= args.max_block_events_per_second <= 100_000_000:
             raise CommandError("--max-block-events-per-second takes 0 (no limit) to 100000000", ExitCode.USAGE)
+        if args.block_sample_bytes != 0 and not 4 << 10 <= args.block_sample_bytes <= 64 << 20:
+            raise CommandError("--block-sample-bytes takes 0 (every block) or 4KiB to 64MiB", ExitCode.USAGE)
+        if not 1 << 20 <= args.deepen_growth <= 1 << 40:
+            raise CommandError("--deepen-growth takes 1MiB to 1TiB", ExitCode.USAGE)
+        if not 0 <= args.deepen_grace_seconds <= 24 * 3600:
+            raise CommandError("--deepen-grace-seconds takes 0 to 86400 seconds", ExitCode.USAGE)
+        if not 10 <= args.deepen_quiet_seconds <= 7 * 24 * 3600:
+            raise CommandError("--deepen-quiet-seconds takes 10 to 604800 seconds", ExitCode.USAGE)
         if not 1 <= args.max_libraries <= 4096:
             raise CommandError("--max-libraries takes 1 to 4096", ExitCode.USAGE)
         if not 1 <= args.wakeup_events <= 65536:
@@ -276,6 +306,8 @@ class AgentCommand:
         from kvtrace.sources.bpf.loader import ProbeSettings
         from kvtrace.sources.bpf.source import BpfOptions
 
+        blocks = BlocksMode.NEVER if args.no_torch_blocks else BlocksMode(args.blocks)
+
         return DaemonOptions(
             bpf=BpfOptions(pids=set(args.pid), cmdline=cmdline,
                            settings=ProbeSettings(max_ledger_entries=args.max_ledger_entries,
@@ -283,11 +315,15 @@ class AgentCommand:
                                                   wakeup_events=args.wakeup_events,
                                                   block_events_per_second=args.max_block_events_per_second,
                                                   task_storage=False if args.no_task_storage else None),
-                           python_stacks=not args.no_python_stacks, torch_blocks=not args.no_torch_blocks,
+                           python_stacks=not args.no_python_stacks, torch_blocks=blocks is not BlocksMode.NEVER,
+                           blocks=blocks, block_sample_bytes=args.block_sample_bytes,
                            max_libraries=args.max_libraries, max_read_entries=args.max_read_entries,
                            ledger_in_kernel=args.ledger_in_kernel,
                            per_process_probes_max=args.per_process_probes_max),
             api=api, json_events=args.json_events, nvml=args.nvml,
+            depth=DepthOptions(mode=blocks, sample_bytes=args.block_sample_bytes, growth_bytes=args.deepen_growth,
+                               quiet_seconds=args.deepen_quiet_seconds,
+                               startup_grace_seconds=args.deepen_grace_seconds),
             analysis=AnalysisOptions(leak_min_age_seconds=args.leak_min_age,
                                      site_sample_seconds=args.site_sample_interval,
                                      forecast_min_history_seconds=args.forecast_min_history,

@@ -72,6 +72,19 @@ _DURATION = re.compile(r"^\+(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
+_SPAN = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
+
+
+def parse_duration(text: str, low_seconds: float = 1.0, high_seconds: float = 24 * 3600.0) -> float:
+    """Seconds from "90s", "10m", "2h", "1.5h" or "600" (seconds), from `low_seconds` to `high_seconds`."""
+    match = _SPAN.match(text.strip())
+    seconds = float(match.group(1)) * _DURATION_SECONDS[match.group(2)] if match else -1.0
+    if not low_seconds <= seconds <= high_seconds:
+        raise argparse.ArgumentTypeError(
+            f"not a duration from {low_seconds:g}s to {high_seconds / 3600:g}h: {text!r} (examples: 90s, 10m, 2h)")
+    return seconds
+
+
 def parse_at(text: str) -> AtTime:
     """`--at`: "end", "+90s" / "+2m" (after the recording starts), "@1764660000.5" (Unix seconds), or an
     ISO 8601 time ("2026-12-02T07:30:00", local unless it says its zone)."""

@@ -5,12 +5,13 @@ import argparse
 import json
 import sys
 
+from kvtrace.cli.deep import holder_notes
 from kvtrace.cli.flags import add_input_flags, add_pid_flag, non_negative_seconds, positive_count
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, human_duration, human_rate, printable
-from kvtrace.wire import leak_report_to_json_dict
+from kvtrace.wire import depths_by_pid, leak_report_to_json_dict
 
 EPILOG = """examples:
   kvtrace leaks                         # suspects of every process, 60 s and older
@@ -28,13 +29,26 @@ def format_report(response) -> str:
              f"{response.suspect_allocations} at least {age} old, in {response.suspect_count} sites."]
     if len(response.suspects) < response.suspect_count:
         lines[-1] += f" The first {len(response.suspects)}:"
+    depths = depths_by_pid(response.depths)
+    # Before any stack: where a process's blocks are not (all) traced, its stacks do not name holders.
+    oldest_ns = {depth.pid: response.timestamp_ns for depth in depths.values()}
+    titles: dict[int, str] = {}
+    for suspect in response.suspects:
+        allocated_ns = response.timestamp_ns - int(suspect.oldest_age_seconds * 1e9)
+        oldest_ns[suspect.pid] = min(oldest_ns.get(suspect.pid, allocated_ns), allocated_ns)
+        titles.setdefault(suspect.pid, suspect.title)
+    notes = holder_notes(depths, oldest_ns, titles)
+    if notes:
+        lines += ["", *notes]
     for suspect in response.suspects:
         growth = f"growth {human_rate(suspect.growth_bytes_per_second)} (15 min)"
         device = "GPU ?" if suspect.device < 0 else f"GPU {suspect.device}"
         count = f"{suspect.allocation_count} allocation{'s' if suspect.allocation_count != 1 else ''}"
+        depth = depths.get(suspect.pid)
         lines += ["", f"[{suspect.rank}] {human_bytes(suspect.outstanding_bytes)} in {count}, {growth}, "
                       f"oldest {human_duration(suspect.oldest_age_seconds)}",
-                  f"    pid {suspect.pid} {printable(suspect.title) or '?'}, {device}"]
+                  f"    pid {suspect.pid} {printable(suspect.title) or '?'}, {device}"
+                  + (f", depth {depth.depth.label}" if depth is not None else "")]
         if suspect.HasField("stack"):
             lines += [f"        {printable(frame.function)} ({printable(frame.file)}:{frame.line})"
                       for frame in suspect.stack.frames]
@@ -58,6 +72,9 @@ class LeaksCommand:
     Python stack that allocated them (by the native caller where there is no Python stack), and
     ranked: the site whose memory grew most over the last 15 min first, then the largest. Old is
     not leaked: model weights and the KV cache are old too; growth is what a leak adds.
+    A process traced at depth segments has no traced blocks: under PyTorch's caching allocator its
+    stacks name who made the cache grow, not who holds the memory; the report says so, and how to
+    raise the depth (`kvtrace deep`).
     """
 
     EPILOG = EPILOG

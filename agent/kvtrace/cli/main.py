@@ -11,7 +11,7 @@ from kvtrace import __version__
 from kvtrace.errors import CommandError, ExitCode
 
 # name -> module under kvtrace.cli; the module defines <Name>Command.
-COMMANDS = ("agent", "doctor", "tail", "snapshot", "ps", "top", "leaks", "vllm", "record", "run", "flight",
+COMMANDS = ("agent", "doctor", "tail", "snapshot", "ps", "top", "leaks", "deep", "vllm", "record", "run", "flight",
             "flamegraph", "perfetto")
 
 

@@ -6,6 +6,7 @@ import json
 import sys
 from collections import defaultdict
 
+from kvtrace.cli.deep import depth_cell
 from kvtrace.cli.flags import add_input_flags
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
@@ -16,7 +17,7 @@ from kvtrace.model.vllm import Role
 from kvtrace.wire import process_to_json_dict, role_bytes_from_proto
 
 HEADER = (f"{'PID':>7} {'GPU':>3} {'DEVICE':>10} {'MANAGED':>10} {'PINNED':>10} {'TENSORS':>10} {'FRAG':>5} "
-          f"{'OBJECTS':>8}")
+          f"{'OBJECTS':>8} {'DEPTH':<10}")
 
 _COLUMNS = {Memory.DEVICE: "device", Memory.MANAGED: "managed", Memory.HOST: "pinned"}
 
@@ -54,6 +55,9 @@ class PsCommand:
     the agent's last site sample. ROLES splits the device memory by what it is for, largest first:
     kv (vLLM's KV cache), w (weights), graph (CUDA graph pools), act (activations and workspace),
     other (a Python stack no rule knows), ? (no Python stack); `kvtrace vllm` has the engines.
+    DEPTH is how closely the agent traces the process and for how long: segments (CUDA calls
+    only: a stack there says who grew PyTorch's cache, not who holds it), blocks (PyTorch's blocks
+    too, stacks sampled) or full (every block's stack); `kvtrace deep` raises it, --json has why.
     """
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -65,6 +69,7 @@ class PsCommand:
         with connect(args) as agent:
             processes = agent.processes()
             growth = agent.growth() if not args.json else None
+            now_ns = agent.now_ns()
         out = sys.stdout
         if args.json:
             for process in processes:
@@ -86,6 +91,7 @@ class PsCommand:
                     row["objects"] += total.object_count
             if not per_device:  # only address space or runtime-layer entries: still list the process
                 per_device[-1]["objects"] = 0
+            depth = depth_cell(process.depth if process.HasField("depth") else None, now_ns)
             for device, row in sorted(per_device.items()):
                 gpu = "-" if device < 0 else str(device)
                 blocks = allocator.get((process.pid, device))
@@ -93,7 +99,7 @@ class PsCommand:
                 frag = f"{blocks.ratio * 100:.0f}%" if blocks is not None else "-"
                 lines.append((f"{process.pid:>7} {gpu:>3} {human_bytes(row['device']):>10} "
                               f"{human_bytes(row['managed']):>10} {human_bytes(row['pinned']):>10} {tensors:>10} "
-                              f"{frag:>5} {row['objects']:>8}", roles.get((process.pid, device), "-"),
+                              f"{frag:>5} {row['objects']:>8} {depth:<10}", roles.get((process.pid, device), "-"),
                               printable(process.title or process.comm)))
         width = max([len("ROLES"), *(len(line[1]) for line in lines)])
         print(f"{HEADER} {'ROLES':<{width}} TITLE", file=out)

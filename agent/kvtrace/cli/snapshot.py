@@ -8,15 +8,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TextIO
 
+from kvtrace.cli.deep import clock_time
 from kvtrace.cli.flags import add_input_flags, add_pid_flag
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_age, human_bytes, printable
 from kvtrace.model.blocks import Segment, segments_of
+from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Layer
 from kvtrace.model.ledger import Outstanding, holds_device_memory
-from kvtrace.wire import outstanding_from_proto, outstanding_to_json_dict
+from kvtrace.wire import depths_by_pid, outstanding_from_proto, outstanding_to_json_dict
 
 EPILOG = """examples:
   kvtrace snapshot               # every process, largest objects first; blocks inside their segments
@@ -69,11 +71,14 @@ class SnapshotCommand:
                 return ExitCode.OK
             by_pid = defaultdict(list)
             titles: dict[int, tuple[str, str]] = {}
-            for message in agent.snapshot(pids=args.pid):
-                by_pid[message.pid].append(outstanding_from_proto(message))
-                titles.setdefault(message.pid, (message.title, message.container))
+            depths: dict[int, ProcessDepth] = {}
+            for page in agent.snapshot_pages(pids=args.pid):
+                for message in page.allocations:
+                    by_pid[message.pid].append(outstanding_from_proto(message))
+                    titles.setdefault(message.pid, (message.title, message.container))
+                depths.update(depths_by_pid(page.depths))
             now_ns = agent.now_ns()
-        print_table(out, by_pid, titles, now_ns)
+        print_table(out, by_pid, titles, now_ns, depths)
         return ExitCode.OK
 
     def _memory_viz(self, args: argparse.Namespace) -> int:
@@ -123,15 +128,23 @@ def _segment_line(segment: Segment) -> str:
             f"largest free {human_bytes(segment.largest_free_bytes)}")
 
 
+def _depth_text(depth: ProcessDepth | None) -> str:
+    """`  depth blocks since 14:20:01`: from then on its blocks are listed (before, its segments only)."""
+    if depth is None:
+        return ""
+    return f"  depth {depth.depth.label}" + (f" since {clock_time(depth.since_ns)}" if depth.knows_holders else "")
+
+
 def print_table(out: TextIO, by_pid: dict[int, list[Outstanding]], titles: dict[int, tuple[str, str]],
-                now_ns: int) -> None:
-    """Per process its objects, largest first; a segment holding PyTorch blocks is followed by a
-    line that sums it up and by its blocks, indented."""
+                now_ns: int, depths: dict[int, ProcessDepth] | None = None) -> None:
+    """Per process (with its depth, where known) its objects, largest first; a segment holding PyTorch
+    blocks is followed by a line that sums it up and by its blocks, indented."""
     physical_bytes = 0
     for pid in sorted(by_pid):
         title, container = titles.get(pid, ("", ""))
         suffix = f"  container {container[:12]}" if container else ""
-        print(f"pid {pid}  {printable(title) or '(exited)'}{suffix}", file=out)
+        print(f"pid {pid}  {printable(title) or '(exited)'}{suffix}{_depth_text((depths or {}).get(pid))}",
+              file=out)
         print(HEADER, file=out)
         segments, outside = segments_of(by_pid[pid])
         holding = {segment.address: segment for segment in segments if segment.blocks}

@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from kvtrace.cli.deep import DEPTH_LEGEND, depth_code, raised_line
 from kvtrace.cli.flags import add_input_flags, add_pid_flag, positive_seconds
 from kvtrace.cli.ps import ROLES_LEGEND, compact_roles
 from kvtrace.cli.recorded import connect
@@ -21,7 +22,7 @@ from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, human_duration, printable, signed_bytes
-from kvtrace.wire import optional_field, role_bytes_from_proto
+from kvtrace.wire import depth_from_proto, optional_field, role_bytes_from_proto
 
 EPILOG = """examples:
   kvtrace top                           # every process on every GPU, fastest growing first
@@ -88,23 +89,31 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
             _unattributed(optional_field(row, "unattributed_bytes")) + ("*" if row.predates_agent else ""),
             signed_bytes(row.growth_bytes_per_second_1m), signed_bytes(row.growth_bytes_per_second_15m),
             human_duration(ttoom) if ttoom is not None else "-", frag,
+            depth_code(row.depth if row.HasField("depth") else None),
             *([compact_roles(role_bytes_from_proto(row.role_bytes))] if roles else []), printable(row.title)))
     # Growth columns are per second; "OOM IN" is the time until the GPU's free memory is gone; FRAG
     # how scattered the free part of PyTorch's segments is, where its blocks are traced.
     # The numbers keep their width and the title gets the rest: given more than fits, rich would
     # drop whole columns, the PID among them.
-    columns = ("PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s 1m", "GROW/s 15m", "OOM IN", "FRAG",
+    columns = ("PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s 1m", "GROW/s 15m", "OOM IN", "FRAG", "DEPTH",
                *(("ROLES",) if roles else ()))
     widths = [max(len(name), *(len(cells[i]) for cells in rows)) for i, name in enumerate(columns)]
     table = Table(box=None, pad_edge=False, padding=(0, 0, 0, 1), header_style="bold")
     for name, column_width in zip(columns, widths, strict=True):
-        table.add_column(name, justify="left" if name == "ROLES" else "right", no_wrap=True, min_width=column_width)
+        table.add_column(name, justify="left" if name in ("ROLES", "DEPTH") else "right", no_wrap=True,
+                         min_width=column_width)
     table.add_column("TITLE", no_wrap=True, overflow="ellipsis",
                      max_width=max(8, width - sum(widths) - len(columns) - 1))
     for cells in rows:
         table.add_row(*(Text(cell) for cell in cells))  # a title like "[bold]x" is text, not markup
     notes = [Text("* started before the agent: what it allocated before is in NVML only")] \
         if any(row.predates_agent for row in growth.processes) else []
+    # Raised processes, each once: since when and why (few: the agent raises a bounded number).
+    raised = {depth.pid: depth for depth in (depth_from_proto(row.depth) for row in growth.processes
+                                             if row.HasField("depth")) if depth is not None and depth.knows_holders}
+    if raised:
+        notes.append(Text(DEPTH_LEGEND))
+        notes.extend(Text(raised_line(raised[pid])) for pid in sorted(raised))
     if roles:
         notes.append(Text(ROLES_LEGEND))
     return Group(Text("\n".join(header)), Text(""), table, *notes)

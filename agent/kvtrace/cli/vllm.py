@@ -6,15 +6,17 @@ import argparse
 import json
 import sys
 
+from kvtrace.cli.deep import clock_time
 from kvtrace.cli.flags import add_pid_flag
 from kvtrace.cli.ps import compact_roles
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, human_duration, printable, signed_bytes
+from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.vllm import KvRequest, VllmEngine, VllmFinding
 from kvtrace.sources.vllm.protocol import ENABLE_ENV
-from kvtrace.wire import vllm_engine_from_proto, vllm_engines_to_json_dict, vllm_finding_from_proto
+from kvtrace.wire import depths_by_pid, vllm_engine_from_proto, vllm_engines_to_json_dict, vllm_finding_from_proto
 
 EPILOG = f"""examples:
   kvtrace vllm                          # every vLLM engine on the host
@@ -123,15 +125,31 @@ def _holder_lines(holders: tuple[KvRequest, ...]) -> list[str]:
     return lines
 
 
-def format_engines(engines: list[VllmEngine], findings: list[VllmFinding]) -> str:
-    """Per engine: what it is and holds, its findings (one line each), then the requests holding
-    blocks. Findings about an engine not listed come last."""
+def _depth_line(depths: dict[int, ProcessDepth]) -> list[str]:
+    """`  depth: 4242 segments, 4243 blocks since 14:20:01 (vllm)`: its processes' depths, where known."""
+    if not depths:
+        return []
+    parts = []
+    for pid, depth in sorted(depths.items()):
+        text = f"{pid} {depth.depth.label}"
+        if depth.knows_holders:
+            text += f" since {clock_time(depth.since_ns)} ({depth.cause.name.lower().replace('_', '-')})"
+        parts.append(text)
+    return ["  depth: " + ", ".join(parts)]
+
+
+def format_engines(engines: list[VllmEngine], findings: list[VllmFinding],
+                   depths: dict[int, dict[int, ProcessDepth]] | None = None) -> str:
+    """Per engine: what it is and holds, its processes' depths, its findings (one line each), then the
+    requests holding blocks. Findings about an engine not listed come last. `depths`: engine pid -> its
+    processes' depths."""
     by_engine: dict[int, list[VllmFinding]] = {}
     for finding in findings:
         by_engine.setdefault(finding.engine_pid, []).append(finding)
     sections = []
     for engine in engines:
         lines = _engine_lines(engine)
+        lines[2:2] = _depth_line((depths or {}).get(engine.engine_pid, {}))
         engine_findings = by_engine.pop(engine.engine_pid, [])
         lines.append(f"  findings: {'none' if not engine_findings else ''}".rstrip())
         lines += [f"    {finding.kind.label}: {printable(finding.message)}" for finding in engine_findings]
@@ -150,7 +168,8 @@ class VllmCommand:
     graph CUDA graphs, act activations, other, ? no Python stack), KV-cache blocks used and free
     with the usage beside vLLM's own /metrics figure, requests running and waiting, blocks
     allocated and freed per second, sleep mode, and whether it is still warming up; then what the
-    vLLM detectors found, and the requests holding blocks (done ones first).
+    vLLM detectors found, and the requests holding blocks (done ones first). The depth line says how
+    closely each of its processes is traced (`kvtrace ps` explains depths).
     """
 
     EPILOG = EPILOG
@@ -173,6 +192,7 @@ class VllmCommand:
             print(no_engine_line(args.pid), file=sys.stdout)
         else:
             print(format_engines([vllm_engine_from_proto(engine) for engine in response.engines],
-                                 [vllm_finding_from_proto(finding) for finding in response.findings]),
+                                 [vllm_finding_from_proto(finding) for finding in response.findings],
+                                 {engine.engine_pid: depths_by_pid(engine.depths) for engine in response.engines}),
                   file=sys.stdout)
         return ExitCode.OK

@@ -60,6 +60,8 @@ class LeakSuspect:
     oldest_age_seconds: float
     growth_bytes_per_second: float  # of this site's outstanding bytes over the last 15 min
     native_caller: NativeFrame | None = None  # the caller's module+symbol; set by ListLeakSuspects
+    # outstanding_bytes and count are estimates from sampled blocks' stacks (analysis/leaks.py), not exact
+    estimated: bool = False
 
 
 @dataclass(frozen=True)

@@ -359,7 +359,9 @@ class FlightRecorder:
         # Written under a hidden name, renamed whole: what lists or watches the directory never sees half.
         partial = path.with_name(f".{path.name}.partial")
         writer = RecordingWriter.create(partial, header, exclusive=True)
-        encoder = FrameEncoder(self.session.stack, lambda pid: pending.end.processes.get(pid))
+        # Depths as they stand at the dump (the ring keeps no history of them): what reports read it at.
+        encoder = FrameEncoder(self.session.stack, lambda pid: pending.end.processes.get(pid),
+                               depths_of=self.session.process_depths)
         try:
             for frame in encoder.checkpoint(pending.start):
                 writer.write(frame)

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +26,7 @@ from typing import Protocol
 from kvtrace import __version__
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
+from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Event, EventsLost
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerReadRefused, LedgerResynced, Outstanding
@@ -50,6 +51,9 @@ DEFAULT_MAX_QUEUED_RECORDS = 262144  # per recording; past it records are droppe
 FLUSH_SECONDS = 1.0  # a crash loses at most this much of a recording
 
 CHECKPOINT_AFTER_DROPS_SECONDS = 1.0
+# How often (in the events' time) a recording looks for processes whose depth changed: the depth policy
+# decides once per analysis tick (a second).
+DEPTH_CHECK_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -100,14 +104,21 @@ def recording_header(agent_started_wall_seconds: float, leak_min_age_seconds: fl
 
 class FrameEncoder:
     """Model records -> frames of one recording: each stack is defined once, before the first
-    allocation that uses it; each process is written before its first event."""
+    allocation that uses it; each process is written before its first event, with its depth, and
+    again whenever its depth changes (looked at once per second of the events' time, from `depths_of`:
+    the Session's process_depths)."""
 
     def __init__(self, stack_of: Callable[[int], Stack | None], process_of: Callable[[int], ProcessInfo | None],
-                 wanted: ProcessFilter | None = None) -> None:
+                 wanted: ProcessFilter | None = None,
+                 depths_of: Callable[[], Mapping[int, ProcessDepth]] | None = None) -> None:
         self._stack_of = stack_of
         self._process_of = process_of
+        self._depths_of = depths_of
+        self._depths: Mapping[int, ProcessDepth] = {}
+        self._next_depth_check_ns = 0
         self._sent_stacks: set[int] = set()
         self._sent_processes: dict[int, str] = {}  # pid -> title written
+        self._sent_depths: dict[int, ProcessDepth] = {}  # pid -> depth written with it
         self.events_encoded = 0
         self._wanted = wanted if wanted is not None else EVERYTHING  # what its checkpoints keep
 
@@ -115,9 +126,12 @@ class FrameEncoder:
         """A new file starts: it defines its stacks and processes again."""
         self._sent_stacks.clear()
         self._sent_processes.clear()
+        self._sent_depths.clear()
 
     def checkpoint(self, checkpoint: SessionCheckpoint) -> Iterator[service_pb2.RecordingFrame]:
         wanted = self._wanted
+        if self._depths_of is not None:  # the processes it writes carry their depth
+            self._depths = self._depths_of()
         entries = [entry for entry in checkpoint.entries
                    if wanted.everything or wanted.wants(entry.key.pid, _title(checkpoint.processes, entry))]
         for entry in entries:
@@ -133,6 +147,9 @@ class FrameEncoder:
 
     def record(self, record: QueuedRecord) -> Iterator[service_pb2.RecordingFrame]:
         if type(record) is Event:
+            if self._depths_of is not None and record.timestamp_ns >= self._next_depth_check_ns:
+                self._next_depth_check_ns = record.timestamp_ns + DEPTH_CHECK_NS
+                yield from self._depth_changes()
             yield from self._process(record.pid, None, record)
             yield from self._stack(record.stack_id)
             self.events_encoded += 1
@@ -161,7 +178,22 @@ class FrameEncoder:
         if info is None and event is not None:
             info = ProcessInfo(pid, event.title, event.comm, event.container, "", 0.0, 0.0)
         if info is not None:
-            yield service_pb2.RecordingFrame(process=recorded_process_to_proto(info))
+            depth = self._depths.get(pid)
+            if depth is not None:
+                self._sent_depths[pid] = depth
+            yield service_pb2.RecordingFrame(process=recorded_process_to_proto(info, depth))
+
+    def _depth_changes(self) -> Iterator[service_pb2.RecordingFrame]:
+        """Processes already written whose depth changed since: written again, with the new depth."""
+        assert self._depths_of is not None
+        self._depths = depths = self._depths_of()
+        for pid, title in self._sent_processes.items():
+            depth = depths.get(pid)
+            if depth is None or self._sent_depths.get(pid) == depth:
+                continue
+            self._sent_depths[pid] = depth
+            info = self._process_of(pid) or ProcessInfo(pid, title, "", "", "", 0.0, 0.0)
+            yield service_pb2.RecordingFrame(process=recorded_process_to_proto(info, depth))
 
     def _stack(self, stack_id: int) -> Iterator[service_pb2.RecordingFrame]:
         if not stack_id or stack_id in self._sent_stacks:
@@ -308,7 +340,7 @@ class FileRecorder:
         self.keep = keep
         self._leak_min_age_seconds = leak_min_age_seconds
         self._queue = RecordQueue(session)
-        self._encoder = FrameEncoder(session.stack, session.process)
+        self._encoder = FrameEncoder(session.stack, session.process, depths_of=session.process_depths)
         self._writer: RecordingWriter | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
+from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Event, EventsLost
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import Outstanding
@@ -28,6 +29,7 @@ from kvtrace.model.stacks import Stack
 from kvtrace.reports.recording import AtTime, RecordedCheckpoint, RecordingReader
 from kvtrace.session import Session
 from kvtrace.wire import (
+    depth_from_proto,
     event_from_proto,
     nvml_from_proto,
     outstanding_from_proto,
@@ -48,14 +50,15 @@ class StackDefinition:
     stack: Stack
 
 
-Recorded = Event | EventsLost | NvmlSample | RecordedCheckpoint | StackDefinition | ProcessInfo
+Recorded = Event | EventsLost | NvmlSample | RecordedCheckpoint | StackDefinition | ProcessInfo | ProcessDepth
 TimedRecord = Event | EventsLost | NvmlSample | RecordedCheckpoint
 
 
 def decode_records(reader: RecordingReader,
                    on_progress: Callable[[int, int], None] | None = None) -> Iterator[Recorded]:
     """The file's records as the model's, in order. A checkpoint spread over several frames comes as
-    one RecordedCheckpoint; its processes (titles) come before it as ProcessInfo. Records a newer
+    one RecordedCheckpoint; its processes (titles) come before it as ProcessInfo. A process written
+    with its depth is followed by that ProcessDepth (from there on, until the next). Records a newer
     kvtrace wrote in a way this one cannot represent are skipped."""
     entries: list[Outstanding] = []
     titled: set[int] = set()
@@ -94,6 +97,10 @@ def decode_records(reader: RecordingReader,
             yield nvml_from_proto(frame.nvml)
         elif record == "process":
             yield recorded_process_from_proto(frame.process)
+            if frame.process.HasField("depth"):
+                depth = depth_from_proto(frame.process.depth)
+                if depth is not None:
+                    yield depth
 
 
 class RecordedClock:
@@ -149,6 +156,8 @@ def replay(path: Path, at_ns: int | None = None,
         feeder = _Feeder(session, analyzer, clock)
         stopped = False
         for record in decode_records(reader, on_progress):
+            if type(record) is ProcessDepth and at_ns is not None and record.since_ns > at_ns:
+                continue  # written at the first event after the change: not yet at the time asked
             timestamp_ns = record.timestamp_ns if isinstance(record, TimedRecord) else 0
             # The file's first checkpoint is where it starts: it applies whatever the time asked.
             if at_ns is not None and timestamp_ns > at_ns and feeder.started:
@@ -184,6 +193,7 @@ class _Feeder:
         self.last_ns = clock.now_ns
         self._next_analysis_ns = 0
         self.started = False  # the file's first checkpoint (or, without one, its first event) is in
+        self._depths: dict[int, ProcessDepth] = {}  # as the recording says, up to where it is read
 
     def feed(self, record: Recorded, timestamp_ns: int) -> None:
         if timestamp_ns:
@@ -199,6 +209,9 @@ class _Feeder:
             with session.lock:
                 if record.start_time or session.processes.cached(record.pid) is None:
                     session.processes.remember(record)
+        elif type(record) is ProcessDepth:
+            self._depths[record.pid] = record
+            session.set_process_depths(self._depths)
         elif type(record) is Event or type(record) is EventsLost or type(record) is NvmlSample:
             self.started = True  # a recording without a checkpoint starts from nothing
             session.ingest(record)
@@ -262,6 +275,8 @@ def _define(record: Recorded, stream: RecordedStream) -> bool:
         stream.stacks[record.stack_id] = record.stack
     elif type(record) is ProcessInfo:
         stream.titles[record.pid] = record.title or record.comm
+    elif type(record) is ProcessDepth:
+        pass  # an export draws memory, not how closely it was traced
     else:
         return False
     return True

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -58,6 +59,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import ApiConfig
+from kvtrace.model.depth import Depth, DepthCause, DepthRequest, ProcessDepth
 from kvtrace.model.events import Event, EventRun, Kind, Layer
 from kvtrace.model.ledger import LedgerReadRefused, Outstanding
 from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo, TitlePattern, redact_title
@@ -68,6 +70,8 @@ from kvtrace.servers.hub import EventFilter, EventHub, Lost, QueueItem, Subscrip
 from kvtrace.wire import (
     FixedColumnsBatch,
     cross_checks_to_proto,
+    depth_to_proto,
+    depths_to_proto,
     event_to_proto,
     events_to_columns,
     growth_to_proto,
@@ -102,6 +106,11 @@ MAX_PAGE_TOKEN_CHARS = 256
 DEFAULT_SUSPECTS = 100
 MAX_SUSPECTS = 10000
 MAX_MIN_AGE_SECONDS = 365 * 24 * 3600.0
+# SetProcessDepth: how long an operator's request holds (`kvtrace deep --for`).
+DEFAULT_DEPTH_SECONDS = 600.0
+MIN_DEPTH_SECONDS = 1.0
+MAX_DEPTH_SECONDS = 24 * 3600.0
+MAX_PID = 1 << 22  # the kernel's largest pid_max (64-bit)
 SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
 SOCKET_MODE = 0o660
 ADMIN_SOCKET_MODE = 0o600  # root only, unless an admin group is given (then SOCKET_MODE)
@@ -286,9 +295,17 @@ def redact_outstanding(message: service_pb2.OutstandingAllocation) -> service_pb
     return message
 
 
+def redact_depths(states) -> None:
+    """A depth's detail is the policy's words, which may quote a title or a vLLM finding: secrets go."""
+    for state in states:
+        if state.detail:
+            state.detail = redact_title(state.detail)
+
+
 def redact_processes(message: service_pb2.ListProcessesResponse) -> service_pb2.ListProcessesResponse:
     for process in message.processes:
         process.title = redact_title(process.title)
+    redact_depths(process.depth for process in message.processes)
     message.view = VIEW_REDACTED
     return message
 
@@ -299,6 +316,7 @@ def redact_leak_report(message: service_pb2.ListLeakSuspectsResponse) -> service
         suspect.stack_id = suspect.caller_address = 0
         suspect.ClearField("stack")
         suspect.ClearField("native_caller")
+    redact_depths(message.depths)
     message.view = VIEW_REDACTED
     return message
 
@@ -328,6 +346,7 @@ _REASONS_WITH_PATHS = frozenset({"libraries"})
 def redact_growth(message: service_pb2.GetGrowthResponse) -> service_pb2.GetGrowthResponse:
     for row in message.processes:
         row.title = redact_title(row.title)
+    redact_depths(row.depth for row in message.processes)
     message.view = VIEW_REDACTED
     return message
 
@@ -341,6 +360,7 @@ def redact_vllm_engines(message: service_pb2.GetVllmEnginesResponse) -> service_
     request_ids: set[str] = set()
     for engine in message.engines:
         engine.title = redact_title(engine.title)
+        redact_depths(engine.depths)
         for request in engine.holders:
             request_ids.add(request.request_id)
             request.request_id = ""
@@ -573,7 +593,8 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                 checkpoint = self._state.subscribe(queue)
             except LedgerReadRefused as refused:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the recording cannot start: {refused}")
-            encoder = FrameEncoder(self._state.stack, self._state.process, wanted)
+            encoder = FrameEncoder(self._state.stack, self._state.process, wanted,
+                                   depths_of=self._state.process_depths)
             header = recording_header(self._state.started_wall_seconds,
                                       self._analysis.options.leak_min_age_seconds, checkpoint.timestamp_ns,
                                       wanted.describe(request.title_regex))
@@ -645,23 +666,27 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             if pid not in processes:
                 processes[pid] = self._state.process(pid)
             allocations.append(outstanding_to_proto(entry, processes[pid]))
+        depths = depths_to_proto(self._state.process_depths(), processes)
         if self._redacted:
+            redact_depths(depths)
             return service_pb2.GetSnapshotResponse(
                 allocations=[redact_outstanding(allocation) for allocation in allocations],
                 next_page_token=self._seal.seal(next_token) if next_token else "",
-                timestamp_ns=timestamp_ns, view=VIEW_REDACTED)
+                timestamp_ns=timestamp_ns, view=VIEW_REDACTED, depths=depths)
         stacks = []
         for stack_id in sorted({entry.stack_id for entry in page[:page_size] if entry.stack_id}):
             stack = self._state.stack(stack_id)
             if stack is not None:
                 stacks.append(stack_message(stack_id, stack))
         return service_pb2.GetSnapshotResponse(allocations=allocations, next_page_token=next_token,
-                                               timestamp_ns=timestamp_ns, stacks=stacks, view=VIEW_FULL)
+                                               timestamp_ns=timestamp_ns, stacks=stacks, view=VIEW_FULL,
+                                               depths=depths)
 
     def ListProcesses(self, request, context):
         processes = sorted(self._state.processes_holding_memory(), key=lambda process: process.pid)
-        response = service_pb2.ListProcessesResponse(processes=[process_to_proto(p) for p in processes],
-                                                     view=VIEW_FULL)
+        depths = self._state.process_depths()
+        response = service_pb2.ListProcessesResponse(
+            processes=[process_to_proto(p, depths.get(p.pid)) for p in processes], view=VIEW_FULL)
         return redact_processes(response) if self._redacted else response
 
     def GetAgentInfo(self, request, context):
@@ -686,7 +711,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         report = self._analysis.leak_report(pids, min_age_seconds, request.limit or DEFAULT_SUSPECTS)
-        response = leak_report_to_proto(report)
+        response = leak_report_to_proto(report, self._state.process_depths(), pids)
         response.view = VIEW_FULL
         return redact_leak_report(response) if self._redacted else response
 
@@ -695,7 +720,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             pids = _pids("pids", request.pids)
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        response = growth_to_proto(self._analysis.latest, pids)
+        response = growth_to_proto(self._analysis.latest, pids, self._state.process_depths())
         response.view = VIEW_FULL
         return redact_growth(response) if self._redacted else response
 
@@ -713,9 +738,46 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             pids = _pids("pids", request.pids)
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        response = vllm_engines_to_proto(self._analysis.latest, pids)
+        response = vllm_engines_to_proto(self._analysis.latest, pids, self._state.process_depths())
         response.view = VIEW_FULL
         return redact_vllm_engines(response) if self._redacted else response
+
+    def SetProcessDepth(self, request, context):
+        self._admin_only(context, "a depth changes what the agent traces in a process, and what that costs")
+        try:
+            if not 0 < request.pid <= MAX_PID:
+                raise InvalidArgument("pid", f"{request.pid} is not a process id (1 to {MAX_PID})")
+            if request.depth not in Depth._value2member_map_:
+                raise InvalidArgument("depth", f"unknown or unspecified value {request.depth}: PROCESS_DEPTH_BLOCKS, "
+                                      "PROCESS_DEPTH_FULL, or PROCESS_DEPTH_SEGMENTS to withdraw a request")
+            seconds = request.duration_seconds or DEFAULT_DEPTH_SECONDS
+            if not MIN_DEPTH_SECONDS <= seconds <= MAX_DEPTH_SECONDS:  # NaN too
+                raise InvalidArgument("duration_seconds", f"{request.duration_seconds:g} is not in "
+                                      f"{MIN_DEPTH_SECONDS:g}..{MAX_DEPTH_SECONDS:g} seconds (1 s to 24 h; "
+                                      f"0: the default, {DEFAULT_DEPTH_SECONDS:g})")
+        except InvalidArgument as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        pid, depth = request.pid, Depth(request.depth)
+        if not psutil.pid_exists(pid):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no process {pid} runs on the agent's host (pids are the "
+                          "host's: inside a container, look the pid up with `kvtrace ps`)")
+        now_ns = self._state.wall_clock_ns()
+        current = self._state.process_depths().get(pid)
+        if depth is Depth.SEGMENTS:
+            self._state.request_depth(DepthRequest(pid, depth, now_ns, now_ns))
+            requested = ProcessDepth(pid, depth, now_ns, DepthCause.OPERATOR,
+                                     "request withdrawn: the agent decides on its own evidence again")
+            log.info("SetProcessDepth: the request for pid %d withdrawn", pid)
+        else:
+            until_ns = now_ns + int(seconds * 1e9)
+            self._state.request_depth(DepthRequest(pid, depth, now_ns, until_ns))
+            requested = ProcessDepth(pid, depth, now_ns, DepthCause.OPERATOR, f"asked for {seconds:g} s",
+                                     until_ns=until_ns)
+            log.info("SetProcessDepth: pid %d asked at depth %s for %g s", pid, depth.label, seconds)
+        response = service_pb2.SetProcessDepthResponse(requested=depth_to_proto(requested))
+        if current is not None:
+            response.current.CopyFrom(depth_to_proto(current))
+        return response
 
 
 # ---- the Unix socket ----

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.model.agent import AgentInfo, ComponentStatus, TrackedProcess
 from kvtrace.model.crosscheck import ProcessCrossCheck
+from kvtrace.model.depth import DepthRequest, ProcessDepth
 from kvtrace.model.events import Api
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport
 from kvtrace.model.ledger import LedgerCounts, Outstanding
@@ -90,6 +91,14 @@ class AgentState(Protocol):
 
     def cross_check_totals(self) -> dict[tuple[Api, str], int]:
         """(api, matched|uprobe_only|cupti_only|mismatched) -> calls compared so far, all processes."""
+        ...
+
+    def process_depths(self) -> dict[int, ProcessDepth]:
+        """pid -> how closely each process the depth policy follows is traced, since when and why (a copy)."""
+        ...
+
+    def request_depth(self, request: DepthRequest) -> None:
+        """An operator's request (SetProcessDepth), for the depth policy's next turn; SEGMENTS withdraws one."""
         ...
 
 

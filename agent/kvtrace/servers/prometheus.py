@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_wsgi_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtrace import __version__
+from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.ledger import LedgerCounts
@@ -118,6 +119,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "weights, cuda_graph, activations, other (a Python stack no rule matches) or unknown (no Python "
                "stack), from each allocation's stack and the KV tensors the vLLM plugin reported; as of the "
                "agent's last site sample."),
+    MetricSpec("kvtrace_process_depth", "gauge", "depth", _PROCESS,
+               "How closely the agent traces the process: 1 segments (CUDA runtime, driver and VMM calls; a "
+               "stack names who grew PyTorch's cache, not who holds it), 2 blocks (PyTorch's blocks too, their "
+               "stacks sampled), 3 full (every block's stack). The agent raises a process on evidence or when "
+               "asked (kvtrace deep) and lowers it after a quiet window; kvtrace ps says why."),
+    MetricSpec("kvtrace_process_depth_start_time_seconds", "gauge", "seconds", _PROCESS,
+               "Unix time the process reached its current depth (kvtrace_process_depth): its blocks are traced "
+               "from then on, not before."),
     MetricSpec("kvtrace_vllm_kv_blocks", "gauge", "blocks", _ENGINE + ("state",),
                "KV-cache blocks of the vLLM engine in use (state used) and free (state free; cached blocks "
                "that may be evicted count as free), from kvtrace's plugin in the engine."),
@@ -180,6 +189,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_block_events_unsent_total", "counter", "events", (),
                "PyTorch block events not sent because a process went over --max-block-events-per-second: "
                "the blocks stay exact in the ledger (resynced from the kernel), their stacks are missing."),
+    MetricSpec("kvtrace_block_stacks_sampled_total", "counter", "blocks", (),
+               "PyTorch blocks under stack sampling (--block-sample-bytes) whose Python stack was walked: one "
+               "every S bytes of a thread's blocks on average, and every block of at least S bytes."),
+    MetricSpec("kvtrace_block_stacks_not_sampled_total", "counter", "blocks", (),
+               "PyTorch blocks under stack sampling whose stack was not walked (stack_status not_sampled): they "
+               "stay exact in the ledger and its totals; bytes per stack (leak suspects, flame graphs) are "
+               "estimated from the sampled ones."),
     MetricSpec("kvtrace_events_undecodable_total", "counter", "events", (),
                "Events the agent could not decode (probes and agent of different builds?): they are "
                "told to subscribers as lost and the ledger resyncs from the kernel's (at most once a "
@@ -233,6 +249,8 @@ _SESSION_COUNTERS = {
     "kvtrace_vllm_messages_received_total": "vllm_messages_received",
     "kvtrace_vllm_messages_rejected_total": "vllm_messages_rejected",
     "kvtrace_block_events_unsent_total": "blocks_unsent",
+    "kvtrace_block_stacks_sampled_total": "blocks_sampled",
+    "kvtrace_block_stacks_not_sampled_total": "blocks_not_sampled",
     "kvtrace_ledger_kernel_objects": "ledger_entries_in_kernel",
     "kvtrace_ledger_reads_refused_total": "ledger_reads_refused",
     "kvtrace_events_undecodable_total": "events_undecodable",
@@ -302,6 +320,7 @@ class KvtraceCollector:
         counters: Mapping[str, int] = read("counters", self.state.counters, {})
         raw_titles: Mapping[int, str] = read("process titles", self.state.process_titles, {})
         components = {c.name: c.up for c in read("components", self.state.components, [])}
+        depths: Mapping[int, ProcessDepth] = read("depths", lambda: self.state.process_depths(), {})
 
         live = set(raw_titles)
         if ledger is not None:
@@ -327,6 +346,12 @@ class KvtraceCollector:
         if snapshot is not None:
             self._snapshot(families, snapshot, title)
             self._vllm(families, snapshot, title)
+        for pid in sorted(depths):
+            if pid in live:
+                depth = depths[pid]
+                families["kvtrace_process_depth"].add_metric([str(pid), title(pid)], int(depth.depth))
+                families["kvtrace_process_depth_start_time_seconds"].add_metric(
+                    [str(pid), title(pid)], depth.since_ns / 1e9)
         for name, key in _SESSION_COUNTERS.items():
             if key in counters:
                 families[name].add_metric([], counters[key])

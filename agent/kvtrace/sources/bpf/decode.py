@@ -245,11 +245,13 @@ def decode_ledger_entry(key: abi.RawLedgerKey, value: abi.RawLedgerValue, clock:
         released=bool(value.released),
         handle=value.aux if object_kind is ObjectKind.VMM_MAPPING else 0,
         stream=value.aux if object_kind is ObjectKind.BLOCK else 0,
+        sample_bytes=value.sample_kib * 1024,
+        sampled=bool(value.sampled) and value.sample_kib != 0,
     )
 
 
 _LEDGER_KEY = struct.Struct("<IBBHQ")  # struct kvt_ledger_key (abi.RawLedgerKey)
-_LEDGER_VALUE = struct.Struct("<QQQQIiHBBIQ")  # struct kvt_ledger_value (abi.RawLedgerValue)
+_LEDGER_VALUE = struct.Struct("<QQQQIiHBBHBBQ")  # struct kvt_ledger_value (abi.RawLedgerValue)
 _OBJECT_KINDS, _LAYER_VALUES = _lookup(ObjectKind, zero=False), _lookup(Layer, zero=False)
 _MEMORY_VALUES = _lookup(Memory, zero=False)
 _VMM_HANDLE, _VMM_MAPPING, _BLOCK = ObjectKind.VMM_HANDLE, ObjectKind.VMM_MAPPING, ObjectKind.BLOCK
@@ -268,7 +270,8 @@ def decode_ledger_chunk(keys: bytes, values: bytes, clock: Clock, objects: froze
     build cannot read are left out (a resync reads them one at a time and says why)."""
     offset_ns = clock.offset_ns
     for (pid, layer, object_kind, _, address), (size_bytes, timestamp_ns, caller, aux, tid, device, api, memory,
-                                                 released, _, stack_id) in _raw_entries(keys, values):
+                                                 released, sample_kib, sampled, _, stack_id) in _raw_entries(keys,
+                                                                                                          values):
         if (objects is not None and object_kind not in objects) or (pids and pid not in pids):
             continue
         try:
@@ -276,7 +279,8 @@ def decode_ledger_chunk(keys: bytes, values: bytes, clock: Clock, objects: froze
             entry = Outstanding(  # positional, in Outstanding's field order: a keyword call costs twice as much
                 LedgerKey(pid, _LAYER_VALUES[layer], kind, address), size_bytes, timestamp_ns + offset_ns, device,
                 _APIS[api], _MEMORY_VALUES[memory], tid, caller, aux if kind is _VMM_HANDLE else 0, bool(released),
-                aux if kind is _VMM_MAPPING else 0, 0, aux if kind is _BLOCK else 0)
+                aux if kind is _VMM_MAPPING else 0, 0, aux if kind is _BLOCK else 0, sample_kib * 1024,
+                sampled != 0 and sample_kib != 0)
         except KeyError:
             continue
         yield entry, stack_id
@@ -312,15 +316,18 @@ def _totals_key(pid: int, device: int, layer: int, memory: int) -> TotalsKey | N
 
 
 def doomed_in_chunk(keys: bytes, values: bytes, pid: int, before_ns: int, device: int | None,
-                    counted: frozenset[int]) -> list[tuple[bytes, TotalsKey | None, int]]:
+                    counted: frozenset[int], objects: frozenset[int] | None = None,
+                    ) -> list[tuple[bytes, TotalsKey | None, int]]:
     """(raw key, totals key, size) of `pid`'s entries at most `before_ns` old (kernel clock; on `device` if
-    given): what a process exit or context destroy drops. The totals key is None but for `counted` objects
-    (raw values), whose totals the kernel keeps: the Session stops counting those the agent deletes."""
+    given; of `objects` only, raw values, if given): what a process exit, a context destroy or a process
+    lowered to depth SEGMENTS drops. The totals key is None but for `counted` objects (raw values), whose
+    totals the kernel keeps: the Session stops counting those the agent deletes."""
     doomed: list[tuple[bytes, TotalsKey | None, int]] = []
     key_size = _LEDGER_KEY.size
     for index, ((entry_pid, layer, object_kind, _, _), (size_bytes, timestamp_ns, _, _, _, entry_device, _, memory,
-                                                        _, _, _)) in enumerate(_raw_entries(keys, values)):
-        if entry_pid != pid or timestamp_ns > before_ns or (device is not None and entry_device != device):
+                                                        *_)) in enumerate(_raw_entries(keys, values)):
+        if entry_pid != pid or timestamp_ns > before_ns or (device is not None and entry_device != device) or (
+                objects is not None and object_kind not in objects):
             continue
         totals = _totals_key(entry_pid, entry_device, layer, memory) if object_kind in counted else None
         doomed.append((keys[index * key_size:(index + 1) * key_size], totals, size_bytes))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import mmap
 import os
 import platform
@@ -114,6 +115,18 @@ def exit_reports_group_dead(formats: Iterable[Path] = EXIT_TRACEPOINT_FORMATS) -
 
 # The program the allocation probes tail-call for the Python stack walk (probes/pystack.h).
 STACK_WALKER = "walk_stack"
+
+# Mean bytes between sampled PyTorch block stacks (BpfProbes.set_block_sample_bytes): a ledger entry
+# keeps it in KiB in 16 bits (struct kvt_ledger_value.sample_kib).
+BLOCK_SAMPLE_BYTES_MIN = 4 << 10
+BLOCK_SAMPLE_BYTES_MAX = 0xFFFF << 10
+
+
+def exponential_quantiles(mean: int, count: int = abi.BLOCK_SAMPLE_DRAWS) -> list[int]:
+    """The exponential distribution of `mean` at the middle of `count` equal slices of probability, as the
+    probes draw from it (one at random: block_sample_draws): -ln((i + 0.5) / count) * mean, largest first.
+    Their mean is within 0.04 % of `mean` at 1024 (the tail beyond 7.6 means is cut)."""
+    return [round(-math.log((index + 0.5) / count) * mean) for index in range(count)]
 
 # Events handled by one poll before it returns (about 0.2 s of work at the measured pace).
 POLL_BUDGET_EVENTS = 16384
@@ -224,6 +237,7 @@ class BpfProbes:
         self._links: dict[Hashable, list[links.Link]] = {}  # key -> its links (uprobe_multi mode)
         self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
         self._torch_attached: dict[Hashable, dict[int, list[UsdtProbe]]] = {}  # key -> pid -> probes
+        self._torch_links: dict[Hashable, dict[int, links.Link]] = {}  # key -> pid -> its PyTorch link
         # key -> (its usable sites, their cookies): usdt_sites entries made once per library and
         # shared by its links (one per pid under -p)
         self._torch_sites: dict[Hashable, tuple[list[UsdtProbe], list[int]]] = {}
@@ -333,9 +347,17 @@ class BpfProbes:
                 del self._torch_sites[key]
                 self._delete_sites(cookies)
             raise TorchProbesRefused(str(error)) from error
-        self._links.setdefault(key, []).append(link)
+        self._torch_links.setdefault(key, {})[pid] = link
         self._torch_attached.setdefault(key, {})[pid] = attached
         return attached
+
+    def detach_torch(self, key: Hashable, pid: int) -> None:
+        """Takes PyTorch's allocator probes in library `key` out for one process (its depth was lowered,
+        or it exited); the library's sites stay registered for the others."""
+        link = self._torch_links.get(key, {}).pop(pid, None)
+        self._torch_attached.get(key, {}).pop(pid, None)
+        if link is not None:
+            links.close_links([link])
 
     def detach(self, key: Hashable) -> float:
         """Takes every probe of one library down (all its processes); returns the seconds it took.
@@ -345,7 +367,7 @@ class BpfProbes:
         started = time.monotonic()
         path = self._paths.pop(key, None)
         try:
-            links.close_links(self._links.pop(key, []))
+            links.close_links([*self._links.pop(key, []), *self._torch_links.pop(key, {}).values()])
         finally:
             if path is not None and not self.uprobe_links:
                 for pid, symbols in self._attached.get(key, {}).items():
@@ -448,6 +470,25 @@ class BpfProbes:
     def set_block_rate(self, events_per_second: int) -> None:
         config = self._bpf[b"config"]
         config[ctypes.c_int(abi.CONFIG_BLOCK_EVENTS_PER_SECOND)] = ctypes.c_uint64(events_per_second)
+
+    def set_block_sample_bytes(self, sample_bytes: int) -> None:
+        """Stack sampling of PyTorch blocks (probes/usdt.h block_walked): a block's stack is walked once
+        every `sample_bytes` bytes of a thread's blocks on average (exponential gaps), and always for one of
+        at least that size; 0: every block's (exact). The ledger holds every block either way."""
+        if sample_bytes != 0 and not (BLOCK_SAMPLE_BYTES_MIN <= sample_bytes <= BLOCK_SAMPLE_BYTES_MAX
+                                      and sample_bytes % 1024 == 0):
+            raise ValueError(f"block sample bytes {sample_bytes}: 0 (every block's stack) or a whole number of "
+                             f"KiB from 4 KiB to 64 MiB - 1 KiB ({BLOCK_SAMPLE_BYTES_MIN} to "
+                             f"{BLOCK_SAMPLE_BYTES_MAX} bytes)")
+        if sample_bytes:  # the draws first: a probe that sees the new mean draws from its distribution
+            draws = self._bpf[b"block_sample_draws"]
+            for index, draw in enumerate(exponential_quantiles(sample_bytes)):
+                draws[ctypes.c_int(index)] = ctypes.c_uint64(draw)
+        self._bpf[b"config"][ctypes.c_int(abi.CONFIG_BLOCK_SAMPLE_BYTES)] = ctypes.c_uint64(sample_bytes)
+
+    def set_block_full(self, pid: int, full: bool) -> None:
+        """Whether every block of the process has its stack walked whatever the sampling (its depth FULL)."""
+        self._set_for_pid(b"block_full_pids", pid, ctypes.c_uint8(1) if full else None)
 
     def select_pid(self, pid: int) -> None:
         self._bpf[b"pid_filter"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
@@ -683,7 +724,9 @@ class BpfProbes:
         probes, where perf-event uprobes take ~0.1 s each."""
         started = time.monotonic()
         all_links = [link for path_links in self._links.values() for link in path_links]
+        all_links += [link for pid_links in self._torch_links.values() for link in pid_links.values()]
         self._links.clear()
+        self._torch_links.clear()
         try:
             links.close_links(all_links)
         finally:

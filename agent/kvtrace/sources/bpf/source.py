@@ -16,12 +16,13 @@ import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import psutil
 
 from kvtrace.model.agent import AttachedLibrary
+from kvtrace.model.depth import BlocksMode, Depth
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventRun, EventsLost, Kind, ObjectKind, StackStatus
 from kvtrace.model.gpus import cuda_visible_count
 from kvtrace.model.ledger import COUNTED_OBJECTS, DEFAULT_MAX_READ_ENTRIES, LedgerKey, Outstanding, TotalsKey
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 RESCAN_DELAYS_SECONDS = (0.0, 0.25)
 _COUNTED_OBJECT_VALUES = frozenset(kind.value for kind in COUNTED_OBJECTS)
 _KEPT_OBJECT_VALUES = frozenset(kind.value for kind in ObjectKind) - _COUNTED_OBJECT_VALUES
+_BLOCK_OBJECT_VALUES = frozenset({ObjectKind.BLOCK.value})
 
 # Events the BPF source acts on as they are read (the kernel's ledger drops what they freed).
 _LIFECYCLE_KIND_NUMBERS = frozenset({int(Kind.PROCESS_EXIT), int(Kind.CONTEXT_DESTROY)})
@@ -97,7 +99,13 @@ class BpfOptions:
     cmdline: re.Pattern | None = None  # trace only processes whose title matches
     settings: ProbeSettings = field(default_factory=ProbeSettings)
     python_stacks: bool = True
-    torch_blocks: bool = True  # PyTorch's allocator probes (blocks inside segments)
+    torch_blocks: bool = True  # PyTorch's allocator probes (blocks inside segments); False: --blocks never
+    # ALWAYS: PyTorch's allocator probes in every process (one link per library); AUTO: only in the processes
+    # raised to depth BLOCKS or FULL (set_block_depths), one link per library and process, so that the
+    # others' semaphores stay at zero and torch skips its probes there. (The agent's flag defaults to auto.)
+    blocks: BlocksMode = BlocksMode.ALWAYS
+    # Mean bytes between PyTorch blocks whose stacks are walked (stack sampling, probes/usdt.h); 0: every block's.
+    block_sample_bytes: int = 0
     preattach_globs: tuple[str, ...] = DEFAULT_PREATTACH_GLOBS
     full_rescan_seconds: float = 10.0
     sweep_seconds: float = 1.0
@@ -182,6 +190,8 @@ class BpfSource:
         self._partly_blind: set[str] = set()  # libraries some of whose functions the kernel refused
         self._events_since_report = False
         self._next_resync_allowed = 0.0
+        # --blocks auto: the processes raised to BLOCKS or FULL, whose PyTorch probes are in (set_block_depths).
+        self._deep: dict[int, Depth] = {}
 
     @property
     def filtering(self) -> bool:
@@ -227,8 +237,14 @@ class BpfSource:
             self.torch_blocks_down = "PyTorch blocks disabled by configuration (--no-torch-blocks)"
         elif not probes.uprobe_links:
             self.torch_blocks_down = "PyTorch's allocator probes need uprobe_multi links (Linux 6.6+)"
+        if self.options.blocks is BlocksMode.AUTO and not self.options.ledger_in_kernel:
+            # Lowering a process's depth drops its blocks from the kernel's ledger and totals; a kept ledger has
+            # no such drop, so every process has its blocks traced.
+            log.warning("--blocks auto needs the ledger in the kernel: PyTorch blocks traced in every process")
+            self.options.blocks = BlocksMode.ALWAYS
         self.session.report_component("torch_blocks", not self.torch_blocks_down, self.torch_blocks_down)
         probes.set_filter(self.filtering)
+        probes.set_block_sample_bytes(self.options.block_sample_bytes)
         # A few chosen processes get probes of their own (every other process pays nothing); more share
         # one set per library, filtered in the kernel: attaching and detaching then cost per library, not
         # per library and process (a link per process and library, each a grace period to take down).
@@ -633,15 +649,85 @@ class BpfSource:
             elif target.path in self._partly_blind:  # attached whole since (another pid, or again)
                 self._partly_blind.discard(target.path)
                 self.session.report_component(f"attach:{target.path}", True)
-        if target.torch_probes and not self.torch_blocks_down and pid not in probes.torch_attached_pids(target.file_id):
-            try:
-                sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
-            except TorchProbesRefused as error:
-                self.refused[target.path] = str(error)
-                log.warning("not tracing PyTorch's allocator in %s: %s", target.path, error)
-                self.session.report_component(f"attach:{target.path}", False, str(error))
+        if self.options.blocks is BlocksMode.AUTO:
+            for deep_pid in sorted(self._deep.keys() & target.pids if pid == -1 else self._deep.keys() & {pid}):
+                self._attach_torch(target, deep_pid)
+        else:
+            self._attach_torch(target, pid)
+
+    def _attach_torch(self, target: Target, pid: int) -> None:
+        """PyTorch's allocator probes on `target` for one process (pid) or all (-1), once."""
+        probes = self._probes()
+        if not target.torch_probes or self.torch_blocks_down or pid in probes.torch_attached_pids(target.file_id):
+            return
+        whom = "every process" if pid == -1 else f"pid {pid}"
+        try:
+            sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
+        except TorchProbesRefused as error:
+            self.refused[target.path] = str(error)
+            log.warning("not tracing PyTorch's allocator in %s: %s", target.path, error)
+            self.session.report_component(f"attach:{target.path}", False, str(error))
+            return
+        log.info("attached PyTorch's allocator probes (%d sites) in %s for %s", len(sites), target.path, whom)
+
+    # ---- depth per process (--blocks auto) ----
+
+    def set_block_depths(self, depths: Mapping[int, Depth]) -> None:
+        """Makes the processes at BLOCKS or FULL in `depths` exactly the ones whose PyTorch probes are in
+        (--blocks auto; elsewhere only FULL is applied). A process raised gets its own link on each PyTorch
+        library it maps (its semaphores only: no other process pays); its blocks are known from now. A process
+        lowered loses its links, and its blocks leave the kernel's ledger and the agent's totals (no free of
+        theirs will be seen again): its memory is its segments again. Idempotent: called at every analysis,
+        it also attaches libraries a raised process mapped since."""
+        with self._lock:
+            probes = self._probes()
+            wanted = {pid: depth for pid, depth in depths.items() if depth >= Depth.BLOCKS}
+            for pid in sorted(self._deep.keys() - wanted.keys()):
+                self._lower(pid)
+            for pid, depth in sorted(wanted.items()):
+                if self._deep.get(pid) is not depth:
+                    probes.set_block_full(pid, depth is Depth.FULL)
+                self._deep[pid] = depth
+            if self.options.blocks is not BlocksMode.AUTO or self.torch_blocks_down:
                 return
-            log.info("attached PyTorch's allocator probes (%d sites) in %s for %s", len(sites), target.path, whom)
+            for target in list(self._attached_targets.values()):
+                if target.torch_probes:
+                    for pid in sorted(wanted.keys() & target.pids):
+                        self._attach_torch(target, pid)
+
+    def _lower(self, pid: int) -> None:
+        """Back to SEGMENTS: its PyTorch links out first (no block of its can enter the ledger after), then
+        every block of its out of the kernel's ledger, uncounted from the totals the agent reports."""
+        del self._deep[pid]
+        self._detach_torch_of(pid)
+        if self.options.blocks is BlocksMode.AUTO:
+            self._drop_blocks_in_kernel(pid)
+
+    def _detach_torch_of(self, pid: int) -> None:
+        """No FULL mark, and (--blocks auto) no PyTorch link of `pid`'s own left. --blocks always keeps its
+        links: one for every process, or with -p one per chosen process, for as long as it is chosen."""
+        probes = self._probes()
+        probes.set_block_full(pid, False)
+        if self.options.blocks is not BlocksMode.AUTO:
+            return
+        for file_id in [file_id for file_id in self._attached_targets if pid in probes.torch_attached_pids(file_id)]:
+            probes.detach_torch(file_id, pid)
+
+    def _drop_blocks_in_kernel(self, pid: int) -> None:
+        """Deletes `pid`'s PyTorch blocks from the kernel's ledger; the agent stops counting them."""
+        probes = self._probes()
+        doomed = [found for keys, values in probes.iter_ledger_chunks()
+                  for found in doomed_in_chunk(keys, values, pid, 2**64 - 1, None, _COUNTED_OBJECT_VALUES,
+                                               objects=_BLOCK_OBJECT_VALUES)]
+        deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
+        sums: dict[TotalsKey, tuple[int, int]] = {}
+        for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
+            if taken and totals is not None:
+                size, count = sums.get(totals, (0, 0))
+                sums[totals] = (size + size_bytes, count + 1)
+        self.session.uncount(sums, implicit=False)
+        log.info("pid %d back to segments: %d PyTorch blocks (%d bytes) no longer followed", pid,
+                 sum(count for _, count in sums.values()), sum(size for size, _ in sums.values()))
 
     def sweep_exited(self) -> None:
         """Drops processes that exited without us seeing the event (lost, or before we started).
@@ -698,6 +784,9 @@ class BpfSource:
             self._probes().set_python_target(pid, None)
 
     def _forget_process(self, pid: int) -> None:
+        if self._deep.pop(pid, None) is not None:
+            # Its links go with it (the kernel's breakpoints went with its memory); its blocks went with its exit.
+            self._detach_torch_of(pid)
         self._forget_python(pid)
         self.discovery.forget_pid(pid)
         if pid in self._selected and not self.options.pids:

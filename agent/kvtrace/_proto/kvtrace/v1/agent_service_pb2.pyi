@@ -57,6 +57,24 @@ class FlightTriggerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLIGHT_TRIGGER_KIND_TIME_TO_OOM: _ClassVar[FlightTriggerKind]
     FLIGHT_TRIGGER_KIND_SIGNAL: _ClassVar[FlightTriggerKind]
     FLIGHT_TRIGGER_KIND_REQUEST: _ClassVar[FlightTriggerKind]
+
+class ProcessDepth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROCESS_DEPTH_UNSPECIFIED: _ClassVar[ProcessDepth]
+    PROCESS_DEPTH_SEGMENTS: _ClassVar[ProcessDepth]
+    PROCESS_DEPTH_BLOCKS: _ClassVar[ProcessDepth]
+    PROCESS_DEPTH_FULL: _ClassVar[ProcessDepth]
+
+class DepthCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEPTH_CAUSE_UNSPECIFIED: _ClassVar[DepthCause]
+    DEPTH_CAUSE_DEFAULT: _ClassVar[DepthCause]
+    DEPTH_CAUSE_CONFIGURED: _ClassVar[DepthCause]
+    DEPTH_CAUSE_GROWTH: _ClassVar[DepthCause]
+    DEPTH_CAUSE_TIME_TO_OOM: _ClassVar[DepthCause]
+    DEPTH_CAUSE_UNEXPLAINED: _ClassVar[DepthCause]
+    DEPTH_CAUSE_VLLM: _ClassVar[DepthCause]
+    DEPTH_CAUSE_OPERATOR: _ClassVar[DepthCause]
 EVENT_ENCODING_UNSPECIFIED: EventEncoding
 EVENT_ENCODING_MESSAGES: EventEncoding
 EVENT_ENCODING_COLUMNS: EventEncoding
@@ -89,6 +107,18 @@ FLIGHT_TRIGGER_KIND_PROCESS_DIED: FlightTriggerKind
 FLIGHT_TRIGGER_KIND_TIME_TO_OOM: FlightTriggerKind
 FLIGHT_TRIGGER_KIND_SIGNAL: FlightTriggerKind
 FLIGHT_TRIGGER_KIND_REQUEST: FlightTriggerKind
+PROCESS_DEPTH_UNSPECIFIED: ProcessDepth
+PROCESS_DEPTH_SEGMENTS: ProcessDepth
+PROCESS_DEPTH_BLOCKS: ProcessDepth
+PROCESS_DEPTH_FULL: ProcessDepth
+DEPTH_CAUSE_UNSPECIFIED: DepthCause
+DEPTH_CAUSE_DEFAULT: DepthCause
+DEPTH_CAUSE_CONFIGURED: DepthCause
+DEPTH_CAUSE_GROWTH: DepthCause
+DEPTH_CAUSE_TIME_TO_OOM: DepthCause
+DEPTH_CAUSE_UNEXPLAINED: DepthCause
+DEPTH_CAUSE_VLLM: DepthCause
+DEPTH_CAUSE_OPERATOR: DepthCause
 
 class StreamEventsRequest(_message.Message):
     __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes", "encoding")
@@ -131,18 +161,20 @@ class GetSnapshotRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class GetSnapshotResponse(_message.Message):
-    __slots__ = ("allocations", "next_page_token", "timestamp_ns", "stacks", "view")
+    __slots__ = ("allocations", "next_page_token", "timestamp_ns", "stacks", "view", "depths")
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    DEPTHS_FIELD_NUMBER: _ClassVar[int]
     allocations: _containers.RepeatedCompositeFieldContainer[OutstandingAllocation]
     next_page_token: str
     timestamp_ns: int
     stacks: _containers.RepeatedCompositeFieldContainer[_events_pb2.Stack]
     view: View
-    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
+    depths: _containers.RepeatedCompositeFieldContainer[ProcessDepthState]
+    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., depths: _Optional[_Iterable[_Union[ProcessDepthState, _Mapping]]] = ...) -> None: ...
 
 class OutstandingAllocation(_message.Message):
     __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle", "stream")
@@ -201,18 +233,20 @@ class ListProcessesResponse(_message.Message):
     def __init__(self, processes: _Optional[_Iterable[_Union[Process, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
 
 class Process(_message.Message):
-    __slots__ = ("pid", "title", "comm", "container", "totals")
+    __slots__ = ("pid", "title", "comm", "container", "totals", "depth")
     PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     COMM_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     pid: int
     title: str
     comm: str
     container: str
     totals: _containers.RepeatedCompositeFieldContainer[OutstandingTotal]
-    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., comm: _Optional[str] = ..., container: _Optional[str] = ..., totals: _Optional[_Iterable[_Union[OutstandingTotal, _Mapping]]] = ...) -> None: ...
+    depth: ProcessDepthState
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., comm: _Optional[str] = ..., container: _Optional[str] = ..., totals: _Optional[_Iterable[_Union[OutstandingTotal, _Mapping]]] = ..., depth: _Optional[_Union[ProcessDepthState, _Mapping]] = ...) -> None: ...
 
 class OutstandingTotal(_message.Message):
     __slots__ = ("device", "layer", "memory", "size_bytes", "object_count")
@@ -290,7 +324,7 @@ class ListLeakSuspectsRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ..., min_age_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListLeakSuspectsResponse(_message.Message):
-    __slots__ = ("suspects", "suspect_count", "allocations_considered", "suspect_allocations", "min_age_seconds", "timestamp_ns", "view")
+    __slots__ = ("suspects", "suspect_count", "allocations_considered", "suspect_allocations", "min_age_seconds", "timestamp_ns", "view", "depths")
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_COUNT_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_CONSIDERED_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +332,7 @@ class ListLeakSuspectsResponse(_message.Message):
     MIN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    DEPTHS_FIELD_NUMBER: _ClassVar[int]
     suspects: _containers.RepeatedCompositeFieldContainer[LeakSuspect]
     suspect_count: int
     allocations_considered: int
@@ -305,7 +340,8 @@ class ListLeakSuspectsResponse(_message.Message):
     min_age_seconds: float
     timestamp_ns: int
     view: View
-    def __init__(self, suspects: _Optional[_Iterable[_Union[LeakSuspect, _Mapping]]] = ..., suspect_count: _Optional[int] = ..., allocations_considered: _Optional[int] = ..., suspect_allocations: _Optional[int] = ..., min_age_seconds: _Optional[float] = ..., timestamp_ns: _Optional[int] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
+    depths: _containers.RepeatedCompositeFieldContainer[ProcessDepthState]
+    def __init__(self, suspects: _Optional[_Iterable[_Union[LeakSuspect, _Mapping]]] = ..., suspect_count: _Optional[int] = ..., allocations_considered: _Optional[int] = ..., suspect_allocations: _Optional[int] = ..., min_age_seconds: _Optional[float] = ..., timestamp_ns: _Optional[int] = ..., view: _Optional[_Union[View, str]] = ..., depths: _Optional[_Iterable[_Union[ProcessDepthState, _Mapping]]] = ...) -> None: ...
 
 class LeakSuspect(_message.Message):
     __slots__ = ("rank", "pid", "title", "device", "stack_id", "stack", "caller_address", "native_caller", "outstanding_bytes", "allocation_count", "oldest_age_seconds", "growth_bytes_per_second")
@@ -384,7 +420,7 @@ class GpuMemory(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class ProcessGrowth(_message.Message):
-    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m", "fragmentation", "predates_agent", "role_bytes")
+    __slots__ = ("pid", "title", "device", "nvml_index", "outstanding_bytes", "nvml_used_bytes", "unattributed_bytes", "growth_bytes_per_second_1m", "growth_bytes_per_second_15m", "history_seconds", "time_to_oom_seconds", "allocations_1m", "frees_1m", "free_ratio_1m", "fragmentation", "predates_agent", "role_bytes", "depth")
     PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +438,7 @@ class ProcessGrowth(_message.Message):
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     PREDATES_AGENT_FIELD_NUMBER: _ClassVar[int]
     ROLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     pid: int
     title: str
     device: int
@@ -419,7 +456,8 @@ class ProcessGrowth(_message.Message):
     fragmentation: Fragmentation
     predates_agent: bool
     role_bytes: _containers.RepeatedCompositeFieldContainer[RoleBytes]
-    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ..., fragmentation: _Optional[_Union[Fragmentation, _Mapping]] = ..., predates_agent: bool = ..., role_bytes: _Optional[_Iterable[_Union[RoleBytes, _Mapping]]] = ...) -> None: ...
+    depth: ProcessDepthState
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., nvml_index: _Optional[int] = ..., outstanding_bytes: _Optional[int] = ..., nvml_used_bytes: _Optional[int] = ..., unattributed_bytes: _Optional[int] = ..., growth_bytes_per_second_1m: _Optional[float] = ..., growth_bytes_per_second_15m: _Optional[float] = ..., history_seconds: _Optional[float] = ..., time_to_oom_seconds: _Optional[float] = ..., allocations_1m: _Optional[int] = ..., frees_1m: _Optional[int] = ..., free_ratio_1m: _Optional[float] = ..., fragmentation: _Optional[_Union[Fragmentation, _Mapping]] = ..., predates_agent: bool = ..., role_bytes: _Optional[_Iterable[_Union[RoleBytes, _Mapping]]] = ..., depth: _Optional[_Union[ProcessDepthState, _Mapping]] = ...) -> None: ...
 
 class Fragmentation(_message.Message):
     __slots__ = ("reserved_bytes", "allocated_bytes", "largest_free_bytes", "ratio", "segments", "blocks", "blocks_outside_segments")
@@ -468,7 +506,7 @@ class VllmRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., blocks: _Optional[int] = ..., done_age_seconds: _Optional[float] = ...) -> None: ...
 
 class VllmEngine(_message.Message):
-    __slots__ = ("engine_pid", "title", "worker_pids", "api_server_pid", "traced_bytes", "role_bytes", "plugin", "blocks_total", "blocks_free", "kv_cache_usage_ratio", "metrics_kv_cache_usage_ratio", "requests_running", "requests_waiting", "kv_tensor_bytes", "page_size_bytes", "block_allocations_per_second", "block_frees_per_second", "frees_per_allocation_1m", "sleep_level", "warming_up", "holders", "metrics_url", "metrics_error", "free_blocks_ratio", "idle_growth_bytes_per_second", "blocks_held_after_finish", "sleep_residual_bytes", "sleep_held_by_tag", "previous_sleep_residual_bytes")
+    __slots__ = ("engine_pid", "title", "worker_pids", "api_server_pid", "traced_bytes", "role_bytes", "plugin", "blocks_total", "blocks_free", "kv_cache_usage_ratio", "metrics_kv_cache_usage_ratio", "requests_running", "requests_waiting", "kv_tensor_bytes", "page_size_bytes", "block_allocations_per_second", "block_frees_per_second", "frees_per_allocation_1m", "sleep_level", "warming_up", "holders", "metrics_url", "metrics_error", "free_blocks_ratio", "idle_growth_bytes_per_second", "blocks_held_after_finish", "sleep_residual_bytes", "sleep_held_by_tag", "previous_sleep_residual_bytes", "depths")
     ENGINE_PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
@@ -498,6 +536,7 @@ class VllmEngine(_message.Message):
     SLEEP_RESIDUAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLEEP_HELD_BY_TAG_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_SLEEP_RESIDUAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEPTHS_FIELD_NUMBER: _ClassVar[int]
     engine_pid: int
     title: str
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
@@ -527,7 +566,8 @@ class VllmEngine(_message.Message):
     sleep_residual_bytes: int
     sleep_held_by_tag: _containers.RepeatedCompositeFieldContainer[TagBytes]
     previous_sleep_residual_bytes: int
-    def __init__(self, engine_pid: _Optional[int] = ..., title: _Optional[str] = ..., worker_pids: _Optional[_Iterable[int]] = ..., api_server_pid: _Optional[int] = ..., traced_bytes: _Optional[int] = ..., role_bytes: _Optional[_Iterable[_Union[RoleBytes, _Mapping]]] = ..., plugin: bool = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., metrics_kv_cache_usage_ratio: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_tensor_bytes: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., block_allocations_per_second: _Optional[float] = ..., block_frees_per_second: _Optional[float] = ..., frees_per_allocation_1m: _Optional[float] = ..., sleep_level: _Optional[int] = ..., warming_up: bool = ..., holders: _Optional[_Iterable[_Union[VllmRequest, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., metrics_error: _Optional[str] = ..., free_blocks_ratio: _Optional[float] = ..., idle_growth_bytes_per_second: _Optional[float] = ..., blocks_held_after_finish: _Optional[int] = ..., sleep_residual_bytes: _Optional[int] = ..., sleep_held_by_tag: _Optional[_Iterable[_Union[TagBytes, _Mapping]]] = ..., previous_sleep_residual_bytes: _Optional[int] = ...) -> None: ...
+    depths: _containers.RepeatedCompositeFieldContainer[ProcessDepthState]
+    def __init__(self, engine_pid: _Optional[int] = ..., title: _Optional[str] = ..., worker_pids: _Optional[_Iterable[int]] = ..., api_server_pid: _Optional[int] = ..., traced_bytes: _Optional[int] = ..., role_bytes: _Optional[_Iterable[_Union[RoleBytes, _Mapping]]] = ..., plugin: bool = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., metrics_kv_cache_usage_ratio: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_tensor_bytes: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., block_allocations_per_second: _Optional[float] = ..., block_frees_per_second: _Optional[float] = ..., frees_per_allocation_1m: _Optional[float] = ..., sleep_level: _Optional[int] = ..., warming_up: bool = ..., holders: _Optional[_Iterable[_Union[VllmRequest, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., metrics_error: _Optional[str] = ..., free_blocks_ratio: _Optional[float] = ..., idle_growth_bytes_per_second: _Optional[float] = ..., blocks_held_after_finish: _Optional[int] = ..., sleep_residual_bytes: _Optional[int] = ..., sleep_held_by_tag: _Optional[_Iterable[_Union[TagBytes, _Mapping]]] = ..., previous_sleep_residual_bytes: _Optional[int] = ..., depths: _Optional[_Iterable[_Union[ProcessDepthState, _Mapping]]] = ...) -> None: ...
 
 class VllmFinding(_message.Message):
     __slots__ = ("kind", "engine_pid", "message", "value", "threshold", "since_ns", "requests", "held_by_role", "held_by_tag")
@@ -700,20 +740,22 @@ class NvmlProcessUsage(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., pid: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class RecordedProcess(_message.Message):
-    __slots__ = ("pid", "title", "comm", "container", "start_time_ns", "parent_pid")
+    __slots__ = ("pid", "title", "comm", "container", "start_time_ns", "parent_pid", "depth")
     PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     COMM_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     START_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     PARENT_PID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     pid: int
     title: str
     comm: str
     container: str
     start_time_ns: int
     parent_pid: int
-    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., comm: _Optional[str] = ..., container: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., parent_pid: _Optional[int] = ...) -> None: ...
+    depth: ProcessDepthState
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., comm: _Optional[str] = ..., container: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., parent_pid: _Optional[int] = ..., depth: _Optional[_Union[ProcessDepthState, _Mapping]] = ...) -> None: ...
 
 class GetCrossCheckRequest(_message.Message):
     __slots__ = ("pids",)
@@ -795,3 +837,39 @@ class CrossCheckDisagreement(_message.Message):
     timestamp_ns: int
     detail: str
     def __init__(self, seen_by: _Optional[_Union[_events_pb2.EventSource, str]] = ..., api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., failed: bool = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., device: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ProcessDepthState(_message.Message):
+    __slots__ = ("pid", "depth", "since_ns", "cause", "detail", "until_ns", "sample_bytes")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    depth: ProcessDepth
+    since_ns: int
+    cause: DepthCause
+    detail: str
+    until_ns: int
+    sample_bytes: int
+    def __init__(self, pid: _Optional[int] = ..., depth: _Optional[_Union[ProcessDepth, str]] = ..., since_ns: _Optional[int] = ..., cause: _Optional[_Union[DepthCause, str]] = ..., detail: _Optional[str] = ..., until_ns: _Optional[int] = ..., sample_bytes: _Optional[int] = ...) -> None: ...
+
+class SetProcessDepthRequest(_message.Message):
+    __slots__ = ("pid", "depth", "duration_seconds")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    depth: ProcessDepth
+    duration_seconds: float
+    def __init__(self, pid: _Optional[int] = ..., depth: _Optional[_Union[ProcessDepth, str]] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
+
+class SetProcessDepthResponse(_message.Message):
+    __slots__ = ("requested", "current")
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    requested: ProcessDepthState
+    current: ProcessDepthState
+    def __init__(self, requested: _Optional[_Union[ProcessDepthState, _Mapping]] = ..., current: _Optional[_Union[ProcessDepthState, _Mapping]] = ...) -> None: ...

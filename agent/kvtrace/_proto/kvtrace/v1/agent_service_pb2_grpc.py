@@ -90,6 +90,11 @@ class AgentServiceStub(object):
                 request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckRequest.SerializeToString,
                 response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckResponse.FromString,
                 _registered_method=True)
+        self.SetProcessDepth = channel.unary_unary(
+                '/kvtrace.v1.AgentService/SetProcessDepth',
+                request_serializer=kvtrace_dot_v1_dot_agent__service__pb2.SetProcessDepthRequest.SerializeToString,
+                response_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.SetProcessDepthResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer(object):
@@ -195,6 +200,18 @@ class AgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetProcessDepth(self, request, context):
+        """Asks the agent to trace one process at a depth (`kvtrace deep`) for a bounded time: BLOCKS turns on
+        PyTorch's block probes for that process alone (block stacks sampled), FULL records every block's
+        stack; SEGMENTS withdraws an earlier request (the agent then decides on its own evidence again).
+        The agent applies it at its next analysis tick (within a second). Admin view only
+        (PERMISSION_DENIED on the group socket): it changes what the agent traces and what that costs.
+        NOT_FOUND when no such process runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +269,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.GetCrossCheck,
                     request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckRequest.FromString,
                     response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckResponse.SerializeToString,
+            ),
+            'SetProcessDepth': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetProcessDepth,
+                    request_deserializer=kvtrace_dot_v1_dot_agent__service__pb2.SetProcessDepthRequest.FromString,
+                    response_serializer=kvtrace_dot_v1_dot_agent__service__pb2.SetProcessDepthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -552,6 +574,33 @@ class AgentService(object):
             '/kvtrace.v1.AgentService/GetCrossCheck',
             kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckRequest.SerializeToString,
             kvtrace_dot_v1_dot_agent__service__pb2.GetCrossCheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetProcessDepth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtrace.v1.AgentService/SetProcessDepth',
+            kvtrace_dot_v1_dot_agent__service__pb2.SetProcessDepthRequest.SerializeToString,
+            kvtrace_dot_v1_dot_agent__service__pb2.SetProcessDepthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,102 @@
+"""Depth per process (--blocks auto): PyTorch's allocator probes go into the processes raised to BLOCKS
+only, and come out again when they are lowered, on a stub provider with torch's shapes.
+
+GIVEN two processes of the stub allocator (tests/integration/stubs/torch_workload.c `blocks`: 28 blocks,
+9 freed, in 3 segments), each on a fresh copy of the library (no probes anywhere before),
+WHEN the agent raises one of them to BLOCKS and leaves the other at SEGMENTS,
+THEN the raised one's semaphores are up and every block event of its arrives exactly, while the other's
+semaphores stay at 0 (torch skips its probes: it pays nothing) and its segments are traced all the same;
+and WHEN the raised one is lowered, its blocks leave the kernel's ledger and the agent's totals at once
+and its link is gone, while its segments stay."""
+import os
+
+import pytest
+
+from cuda_stubs import Workload
+from harness import TracingHarness, require_tracing_here
+from kvtrace.model.depth import BlocksMode, Depth
+from kvtrace.model.events import Api, Kind, Layer, ObjectKind
+from kvtrace.sources.discovery import FileId
+from test_torch_blocks import FREES, MALLOCS, manifest_parts
+from torch_stubs import BLOCKS_SEGMENTS, build_torch_stub
+
+
+def torch_totals(harness, pid):
+    """(bytes, count) of `pid`'s PyTorch blocks in the agent's totals (the kernel's, less what it took out)."""
+    totals = harness.session.ledger_counts().totals
+    held = [value for key, value in totals.items() if key.pid == pid and key.layer is Layer.TORCH]
+    return sum(size for size, _ in held), sum(count for _, count in held)
+
+
+@pytest.mark.parametrize("per_process_probes_max", [8, 0], ids=["probes-per-process", "probes-per-library"])
+def test_only_the_raised_process_pays_for_its_blocks(per_process_probes_max, tmp_path, stub_build):
+    require_tracing_here()
+    torch = build_torch_stub(tmp_path, stub_build)
+    library = os.stat(torch.libc10_cuda)
+    file_id = FileId(library.st_dev, library.st_ino)
+    with Workload([torch.workload, "blocks"]) as raised, Workload([torch.workload, "blocks"]) as left:
+        deep, shallow = raised.wait_ready(), left.wait_ready()
+        harness = TracingHarness([deep, shallow], blocks=BlocksMode.AUTO,
+                                 per_process_probes_max=per_process_probes_max,
+                                 preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            probes = harness.source.probes
+            assert probes is not None
+            assert probes.torch_attached_pids(file_id) == set()  # nobody raised yet: no PyTorch link at all
+            harness.source.set_block_depths({deep: Depth.BLOCKS, shallow: Depth.SEGMENTS})
+            assert probes.torch_attached_pids(file_id) == {deep}
+            for workload in (raised, left):
+                workload.go()
+            (deep_semaphores, blocks, _), (shallow_semaphores, _, shallow_segments) = (
+                manifest_parts(raised.read_calls()), manifest_parts(left.read_calls()))
+            assert harness.pump_until(lambda: len(harness.of(deep, Kind.FREE, Api.pytorch_free)) >= FREES)
+            assert harness.pump_until(lambda: len(harness.of(shallow, Kind.ALLOC, Api.cudaMalloc)) >= BLOCKS_SEGMENTS)
+            harness.pump(0.3)
+
+            assert deep_semaphores["malloc"] >= 1 and deep_semaphores["free"] >= 1
+            assert (shallow_semaphores["malloc"], shallow_semaphores["free"]) == (0, 0)
+            assert len(harness.of(deep, Kind.ALLOC, Api.pytorch_malloc)) == MALLOCS
+            assert len(harness.of(deep, Kind.FREE, Api.pytorch_free)) == FREES
+            assert harness.of(shallow, api=Api.pytorch_malloc) == [] == harness.of(shallow, api=Api.pytorch_free)
+            # The left one's segments are traced exactly all the same.
+            assert len(harness.of(shallow, Kind.ALLOC, Api.cudaMalloc)) == len(shallow_segments) == BLOCKS_SEGMENTS
+            live = [b for b in blocks if not b["freed"]]
+            assert torch_totals(harness, deep) == (sum(b["size_bytes"] for b in live), len(live))
+            assert torch_totals(harness, shallow) == (0, 0)
+
+            harness.source.set_block_depths({deep: Depth.SEGMENTS, shallow: Depth.SEGMENTS})
+            assert probes.torch_attached_pids(file_id) == set()
+            assert torch_totals(harness, deep) == (0, 0)
+            kernel = harness.source.kernel_ledger()
+            assert [e for e in kernel if e.key.pid == deep and e.key.object is ObjectKind.BLOCK] == []
+            # Its segments are still held, exactly.
+            assert len([e for e in kernel if e.key.pid == deep and e.api is Api.cuMemAlloc_v2]) == BLOCKS_SEGMENTS
+        finally:
+            harness.close()
+
+
+def test_a_raised_process_that_exits_loses_its_link(tmp_path, stub_build):
+    """Its link holds the process (the kernel keeps the task until the link closes): the exit closes it."""
+    require_tracing_here()
+    torch = build_torch_stub(tmp_path, stub_build)
+    library = os.stat(torch.libc10_cuda)
+    file_id = FileId(library.st_dev, library.st_ino)
+    with Workload([torch.workload, "blocks"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], blocks=BlocksMode.AUTO, preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            probes = harness.source.probes
+            assert probes is not None
+            harness.source.set_block_depths({pid: Depth.FULL})
+            assert probes.torch_attached_pids(file_id) == {pid}
+            workload.go()
+            workload.read_calls()
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.FREE, Api.pytorch_free)) >= FREES)
+        finally:
+            workload.finish()
+            try:
+                assert harness.pump_until(lambda: harness.of(pid, Kind.PROCESS_EXIT) != [])
+                harness.pump(0.2)
+                assert probes.torch_attached_pids(file_id) == set()
+            finally:
+                harness.close()

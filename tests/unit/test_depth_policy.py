@@ -1,0 +1,131 @@
+"""The depth policy (analysis/depth.py): which processes have their blocks traced, on what evidence.
+
+GIVEN analysis snapshots one second apart, WHEN a process's traced bytes, forecast, unexplained memory or
+vLLM findings change (or an operator asks), THEN its depth follows as the policy promises: raised on the
+first snapshot with evidence (after the start-up grace), held while the evidence lasts, lowered after the
+quiet window, bounded in number, and FULL only when asked for."""
+import pytest
+
+from kvtrace.analysis.depth import DepthOptions, DepthPolicy
+from kvtrace.model.depth import BlocksMode, Depth, DepthCause, DepthRequest
+from kvtrace.model.findings import AnalysisSnapshot, ProcessGpu
+from kvtrace.model.vllm import FindingKind, VllmEngine, VllmFinding
+
+S = 1_000_000_000
+MIB = 1 << 20
+
+
+def row(pid, traced, ttoom=None, unattributed=None):
+    return ProcessGpu(pid=pid, title="", device=0, outstanding_bytes=traced, nvml_used_bytes=None,
+                      unattributed_bytes=unattributed, growth_bytes_per_second_1m=0.0,
+                      growth_bytes_per_second_15m=0.0, time_to_oom_seconds=ttoom, allocations_1m=0, frees_1m=0,
+                      free_ratio_1m=None)
+
+
+def snapshot(second, *rows, findings=(), engines=()):
+    return AnalysisSnapshot(timestamp_ns=second * S, processes=tuple(rows), vllm_findings=tuple(findings),
+                            vllm_engines=tuple(engines))
+
+
+OPTIONS = DepthOptions(window_seconds=60, growth_bytes=64 * MIB, startup_grace_seconds=120, quiet_seconds=600)
+
+
+def run(policy, seconds, traced_at, pids=(1,), requests=None):
+    """One snapshot a second over `seconds`; traced_at(pid, second) -> traced bytes. The last decision."""
+    decided = {}
+    for second in seconds:
+        decided, _ = policy.decide(snapshot(second, *(row(pid, traced_at(pid, second)) for pid in pids)),
+                                   requests or {})
+    return decided
+
+
+def test_growth_raises_after_the_grace_and_quiet_lowers():
+    policy = DepthPolicy(OPTIONS)
+    # Start-up: 8 GiB in the first minute (weights, KV cache) raises nothing.
+    decided = run(policy, range(0, 60), lambda pid, s: min(s, 40) * 200 * MIB)
+    assert decided[1].depth is Depth.SEGMENTS and decided[1].cause is DepthCause.DEFAULT
+    decided = run(policy, range(60, 200), lambda pid, s: 8000 * MIB)
+    assert decided[1].depth is Depth.SEGMENTS
+    # A leak of 2 MiB a second: 64 MiB gained within the window after 32 s.
+    leak = lambda pid, s: 8000 * MIB + (s - 200) * 2 * MIB  # noqa: E731
+    decided = run(policy, range(200, 232), leak)
+    assert decided[1].depth is Depth.SEGMENTS
+    decided = run(policy, range(232, 233), leak)
+    assert decided[1].depth is Depth.BLOCKS and decided[1].cause is DepthCause.GROWTH
+    assert decided[1].since_ns == 232 * S and "+64 MiB in 60 s" in decided[1].detail
+    assert decided[1].sample_bytes == OPTIONS.sample_bytes
+    # The leak stops at 300 s: the window shows 64 MiB gained until 328 s; held 600 s beyond that.
+    flat = lambda pid, s: leak(pid, min(s, 300))  # noqa: E731
+    decided = run(policy, range(233, 928), flat)
+    assert decided[1].depth is Depth.BLOCKS and decided[1].since_ns == 232 * S
+    decided = run(policy, range(928, 930), flat)
+    assert decided[1].depth is Depth.SEGMENTS and decided[1].since_ns == 928 * S
+
+
+def test_time_to_oom_unexplained_and_vllm_raise():
+    policy = DepthPolicy(OPTIONS)
+    for second in range(0, 200):
+        decided, _ = policy.decide(snapshot(second, row(1, 0), row(2, 0, ttoom=3000.0),
+                                            row(3, 0, unattributed=second * 5 * MIB), row(4, 0)), {})
+    assert decided[2].depth is Depth.BLOCKS and decided[2].cause is DepthCause.TIME_TO_OOM
+    assert decided[3].depth is Depth.BLOCKS and decided[3].cause is DepthCause.UNEXPLAINED
+    assert decided[1].depth is Depth.SEGMENTS and decided[4].depth is Depth.SEGMENTS
+    finding = VllmFinding(kind=FindingKind.IDLE_GROWTH, engine_pid=4, message="grows idle", value=1.0,
+                          threshold=0.5, since_ns=0)
+    engine = VllmEngine(engine_pid=4, title="VLLM::EngineCore", worker_pids=(4, 5))
+    decided, _ = policy.decide(snapshot(200, row(4, 0), row(5, 0), findings=[finding], engines=[engine]), {})
+    assert decided[4].cause is DepthCause.VLLM and decided[5].cause is DepthCause.VLLM
+    assert decided[4].depth is Depth.BLOCKS and "grows idle" in decided[4].detail
+
+
+def test_at_most_max_raised_on_evidence_the_strongest_first():
+    policy = DepthPolicy(DepthOptions(startup_grace_seconds=0, growth_bytes=MIB, max_raised=2))
+    decided = run(policy, range(0, 30), lambda pid, s: s * pid * MIB, pids=(1, 2, 3, 4))
+    assert {pid for pid, d in decided.items() if d.depth is Depth.BLOCKS} == {3, 4}
+
+
+def test_operator_requests_win_and_end():
+    policy = DepthPolicy(OPTIONS)
+    requests = {7: DepthRequest(7, Depth.FULL, requested_ns=0, until_ns=30 * S)}
+    decided, ended = policy.decide(snapshot(10, row(7, 0)), requests, alive={7})
+    assert decided[7].depth is Depth.FULL and decided[7].cause is DepthCause.OPERATOR
+    assert decided[7].until_ns == 30 * S and decided[7].sample_bytes == 0 and ended == []
+    # Its time is up: the request ends and the process is back to what the evidence says.
+    decided, ended = policy.decide(snapshot(30, row(7, 0)), requests, alive={7})
+    assert ended == [7] and decided[7].depth is Depth.SEGMENTS
+    # A request for a process that is gone ends at once.
+    requests = {8: DepthRequest(8, Depth.BLOCKS, requested_ns=0, until_ns=100 * S)}
+    decided, ended = policy.decide(snapshot(31), requests, alive=set())
+    assert ended == [8] and 8 not in decided
+    # A process that holds no traced memory yet can be asked for (it is alive).
+    decided, ended = policy.decide(snapshot(32), requests, alive={8})
+    assert decided[8].depth is Depth.BLOCKS and ended == []
+
+
+@pytest.mark.parametrize(("mode", "sample_bytes", "depth"), [
+    (BlocksMode.ALWAYS, 512 << 10, Depth.BLOCKS), (BlocksMode.ALWAYS, 0, Depth.FULL),
+    (BlocksMode.NEVER, 512 << 10, Depth.SEGMENTS)])
+def test_fixed_modes(mode, sample_bytes, depth):
+    policy = DepthPolicy(DepthOptions(mode=mode, sample_bytes=sample_bytes))
+    decided = run(policy, range(0, 3), lambda pid, s: s * 1000 * MIB, pids=(1, 2))
+    assert {d.depth for d in decided.values()} == {depth}
+    assert {d.cause for d in decided.values()} == {DepthCause.CONFIGURED}
+    assert {d.since_ns for d in decided.values()} == {0}
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="quiet_seconds"):
+        DepthOptions(quiet_seconds=0)
+    with pytest.raises(ValueError, match="max_raised"):
+        DepthOptions(max_raised=-1)
+
+
+def test_a_process_that_started_long_ago_has_no_grace():
+    """The agent started beside a process that runs for hours: its growth counts from the first minute."""
+    policy = DepthPolicy(OPTIONS)
+    for second in range(10_000, 10_040):
+        decided, _ = policy.decide(snapshot(second, row(1, (second - 10_000) * 2 * MIB),
+                                            row(2, (second - 10_000) * 2 * MIB)),
+                                   {}, started_ns={1: 0, 2: 9_990 * S})
+    assert decided[1].depth is Depth.BLOCKS and decided[1].cause is DepthCause.GROWTH
+    assert decided[2].depth is Depth.SEGMENTS  # 50 s old: still starting up

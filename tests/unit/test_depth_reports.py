@@ -1,0 +1,320 @@
+"""Depth on the wire and in every report: SetProcessDepth (admin only, validated, reaching the Session),
+the depth of each process in ListProcesses, GetGrowth, GetSnapshot, ListLeakSuspects and GetVllmEngines,
+`kvtrace deep`, `kvtrace ps` / `top` / `leaks` / `snapshot`, and recordings that keep it."""
+import io
+import json
+import math
+import os
+import time
+
+import grpc
+import pytest
+from rich.console import Console
+
+from fake_agent import FakeAgent, MiB, event, served
+from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
+from kvtrace.cli.main import main
+from kvtrace.cli.top import render_frame
+from kvtrace.client import AgentClient
+from kvtrace.model.depth import Depth, DepthCause, ProcessDepth, segments_only
+from kvtrace.reports.recorder import FrameEncoder, recording_header
+from kvtrace.reports.recording import RecordingWriter
+from kvtrace.reports.replay import replay
+from kvtrace.servers.api import DEFAULT_DEPTH_SECONDS
+from kvtrace.wire import depth_from_proto, depth_to_json, depth_to_proto
+
+NS = 1_000_000_000
+SECRET = "sk-kvtrace-secret-0123"
+
+
+def admin_stub(server):
+    return service_grpc.AgentServiceStub(grpc.insecure_channel(f"unix:{server.config.admin_path}"))
+
+
+def group_stub(server):
+    return service_grpc.AgentServiceStub(grpc.insecure_channel(f"unix:{server.config.socket}"))
+
+
+def raised(pid: int, since_ns: int, cause=DepthCause.GROWTH, detail="traced bytes +96 MiB in 60 s",
+           depth=Depth.BLOCKS) -> ProcessDepth:
+    return ProcessDepth(pid, depth, since_ns, cause, detail, sample_bytes=512 << 10 if depth is Depth.BLOCKS else 0)
+
+
+def backend_with_depths(now_ns: int) -> FakeAgent:
+    """pid 200 raised to blocks 200 s ago on growth; pid 100 at segments; both hold memory."""
+    backend = FakeAgent()
+    backend.apply(event(pid=200, address=0x10, size=4 * MiB, ts=now_ns - 300 * NS),
+                  event(pid=100, address=0x20, size=MiB, ts=now_ns - 300 * NS))
+    backend.analyze(now_ns, 300 * NS)
+    backend.session.set_process_depths({200: raised(200, now_ns - 200 * NS),
+                                        100: segments_only(100, now_ns - 300 * NS)})
+    return backend
+
+
+# ---- the wire mirrors the model ----
+
+@pytest.mark.parametrize("model, wire, prefix", [(Depth, service_pb2.ProcessDepth, "PROCESS_DEPTH_"),
+                                                 (DepthCause, service_pb2.DepthCause, "DEPTH_CAUSE_")])
+def test_wire_depth_enums_have_the_model_numbers(model, wire, prefix):
+    assert {prefix + member.name: member.value for member in model} == \
+        {name: number for name, number in wire.items() if number != 0}
+
+
+def test_a_depth_survives_the_wire_and_reads_as_json():
+    depth = ProcessDepth(200, Depth.FULL, 17 * NS, DepthCause.OPERATOR, "asked for 300 s", until_ns=317 * NS)
+    message = service_pb2.ProcessDepthState.FromString(depth_to_proto(depth).SerializeToString())
+    assert depth_from_proto(message) == depth
+    assert depth_to_json(depth) == {"pid": 200, "depth": "full", "since_ns": 17 * NS, "cause": "operator",
+                                    "detail": "asked for 300 s", "until_ns": 317 * NS, "sample_bytes": 0}
+    # From an older agent (unset) or a newer one (an unknown depth): not known; an unknown cause is DEFAULT.
+    assert depth_from_proto(service_pb2.ProcessDepthState()) is None
+    assert depth_from_proto(service_pb2.ProcessDepthState(pid=1, depth=9)) is None
+    newer = service_pb2.ProcessDepthState(pid=1, depth=2)
+    newer.cause = 42  # type: ignore[assignment]
+    assert depth_from_proto(newer).cause is DepthCause.DEFAULT
+
+
+# ---- SetProcessDepth ----
+
+def test_set_process_depth_reaches_the_session_with_its_end():
+    with served() as (server, backend):
+        stub = admin_stub(server)
+        before = time.time_ns()
+        response = stub.SetProcessDepth(service_pb2.SetProcessDepthRequest(
+            pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_BLOCKS), timeout=10)
+        (request,) = backend.session.depth_requests().values()
+        assert request.pid == os.getpid() and request.depth is Depth.BLOCKS
+        assert before <= request.requested_ns <= time.time_ns()
+        assert request.until_ns == request.requested_ns + int(DEFAULT_DEPTH_SECONDS * NS)  # 10 min by default
+        assert response.requested == depth_to_proto(ProcessDepth(
+            os.getpid(), Depth.BLOCKS, request.requested_ns, DepthCause.OPERATOR, "asked for 600 s",
+            until_ns=request.until_ns))
+        assert not response.HasField("current")  # the policy did not follow it yet
+
+        # FULL for 90 s replaces it; the answer says where the process is now
+        backend.session.set_process_depths({os.getpid(): raised(os.getpid(), 5 * NS)})
+        response = stub.SetProcessDepth(service_pb2.SetProcessDepthRequest(
+            pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_FULL, duration_seconds=90), timeout=10)
+        (request,) = backend.session.depth_requests().values()
+        assert request.depth is Depth.FULL and request.until_ns - request.requested_ns == 90 * NS
+        assert depth_from_proto(response.current) == raised(os.getpid(), 5 * NS)
+
+        # SEGMENTS withdraws it
+        response = stub.SetProcessDepth(service_pb2.SetProcessDepthRequest(
+            pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_SEGMENTS), timeout=10)
+        assert backend.session.depth_requests() == {}
+        assert (response.requested.depth, response.requested.until_ns) == (service_pb2.PROCESS_DEPTH_SEGMENTS, 0)
+
+
+def test_set_process_depth_is_for_the_admin_socket_only():
+    with served() as (server, backend):
+        with pytest.raises(grpc.RpcError) as error:
+            group_stub(server).SetProcessDepth(service_pb2.SetProcessDepthRequest(
+                pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_BLOCKS), timeout=10)
+        assert backend.session.depth_requests() == {}
+    assert error.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "use the admin socket" in error.value.details()
+
+
+@pytest.mark.parametrize("fields, code, says", [
+    ({"pid": 0}, grpc.StatusCode.INVALID_ARGUMENT, "pid: 0 is not a process id"),
+    ({"pid": 1 << 30}, grpc.StatusCode.INVALID_ARGUMENT, "is not a process id (1 to 4194304)"),
+    ({"depth": 0}, grpc.StatusCode.INVALID_ARGUMENT, "depth: unknown or unspecified value 0"),
+    ({"depth": 9}, grpc.StatusCode.INVALID_ARGUMENT, "depth: unknown or unspecified value 9"),
+    ({"duration_seconds": 0.5}, grpc.StatusCode.INVALID_ARGUMENT, "duration_seconds: 0.5 is not in 1..86400"),
+    ({"duration_seconds": 86401}, grpc.StatusCode.INVALID_ARGUMENT, "(1 s to 24 h; 0: the default, 600)"),
+    ({"duration_seconds": -5}, grpc.StatusCode.INVALID_ARGUMENT, "duration_seconds: -5 is not in"),
+    ({"duration_seconds": math.nan}, grpc.StatusCode.INVALID_ARGUMENT, "duration_seconds: nan is not in"),
+    ({"pid": 4194303}, grpc.StatusCode.NOT_FOUND, "no process 4194303 runs on the agent's host"),
+])
+def test_set_process_depth_refuses_bad_requests(fields, code, says):
+    request = service_pb2.SetProcessDepthRequest(**{"pid": os.getpid(), "depth": service_pb2.PROCESS_DEPTH_BLOCKS,
+                                                    **fields})
+    with served() as (server, backend):
+        with pytest.raises(grpc.RpcError) as error:
+            admin_stub(server).SetProcessDepth(request, timeout=10)
+        assert backend.session.depth_requests() == {}
+    assert error.value.code() is code and says in error.value.details(), error.value.details()
+
+
+# ---- every answer says the depth ----
+
+def test_processes_growth_snapshot_and_leaks_carry_each_process_depth():
+    now_ns = time.time_ns()
+    with served(backend_with_depths(now_ns)) as (server, _):
+        with AgentClient.for_socket(server.config.socket) as agent:  # the admin socket: full detail
+            processes = {p.pid: depth_from_proto(p.depth) for p in agent.processes()}
+            growth = {row.pid: depth_from_proto(row.depth) for row in agent.growth().processes}
+            pages = list(agent.snapshot_pages())
+            leaks = agent.leak_suspects(min_age_seconds=0)
+            asked = agent.leak_suspects(pids=[100, 300], min_age_seconds=0)
+    expected = {200: raised(200, now_ns - 200 * NS), 100: segments_only(100, now_ns - 300 * NS)}
+    assert processes == growth == expected
+    assert {state.pid: depth_from_proto(state) for page in pages for state in page.depths} == expected
+    # The suspects' processes and those asked for, each once (300 is not followed: no depth)
+    assert [depth_from_proto(state) for state in leaks.depths] == [expected[100], expected[200]]
+    assert [depth_from_proto(state) for state in asked.depths] == [expected[100]]
+
+
+def test_the_group_socket_sees_depths_with_secrets_redacted():
+    now_ns = time.time_ns()
+    backend = backend_with_depths(now_ns)
+    backend.session.set_process_depths({200: raised(200, now_ns, DepthCause.VLLM, f"engine --api-key {SECRET}")})
+    with served(backend) as (server, _):
+        response = group_stub(server).ListProcesses(service_pb2.ListProcessesRequest(), timeout=10)
+        growth = group_stub(server).GetGrowth(service_pb2.GetGrowthRequest(), timeout=10)
+    (worker,) = [process for process in response.processes if process.pid == 200]
+    assert worker.depth.depth == service_pb2.PROCESS_DEPTH_BLOCKS and worker.depth.detail == "engine --api-key ***"
+    assert SECRET not in str(response) and SECRET not in str(growth)
+
+
+# ---- kvtrace deep ----
+
+def test_deep_asks_and_says_until_when(capsys):
+    with served() as (server, backend):
+        socket = str(server.config.socket)
+        assert main(["deep", "--pid", str(os.getpid()), "--for", "90s", "--socket", socket]) == 0
+        (line,) = capsys.readouterr().out.splitlines()
+        (request,) = backend.session.depth_requests().values()
+        assert request.depth is Depth.BLOCKS and request.until_ns - request.requested_ns == 90 * NS
+        until = time.strftime("%H:%M:%S", time.localtime(request.until_ns / NS))
+        assert line == (f"pid {os.getpid()}: depth blocks (PyTorch blocks, stacks sampled) asked until {until} "
+                        "(1m30s); the agent applies it at its next analysis tick (≤ 1 s)")
+
+        backend.session.set_process_depths({os.getpid(): raised(os.getpid(), request.requested_ns)})
+        assert main(["deep", "-p", str(os.getpid()), "--full", "--socket", socket, "--json"]) == 0
+        answer = json.loads(capsys.readouterr().out)
+        assert (answer["requested"]["depth"], answer["requested"]["cause"], answer["current"]["depth"]) == \
+            ("full", "operator", "blocks")
+        assert answer["requested"]["until_ns"] - answer["requested"]["since_ns"] == 600 * NS
+
+        assert main(["deep", "--pid", str(os.getpid()), "--off", "--socket", socket]) == 0
+        assert capsys.readouterr().out.startswith(f"pid {os.getpid()}: request withdrawn (now blocks since ")
+        assert backend.session.depth_requests() == {}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--for", "0s"], "not a duration from 1s to 24h: '0s' (examples: 90s, 10m, 2h)"),
+    (["--for", "25h"], "not a duration from 1s to 24h"),
+    (["--full", "--off"], "not allowed with argument"),
+    (["--off", "--for", "10m"], "--for has no meaning with --off"),
+])
+def test_deep_refuses_bad_flags_in_one_line(argv, says, capsys):
+    with served() as (server, backend):
+        try:
+            code = main(["deep", "--pid", str(os.getpid()), *argv, "--socket", str(server.config.socket)])
+        except SystemExit as exit_info:
+            code = exit_info.code
+        assert backend.session.depth_requests() == {}
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_deep_for_a_process_that_is_not_there(capsys):
+    with served() as (server, _):
+        assert main(["deep", "--pid", "4194303", "--socket", str(server.config.socket)]) == 1
+    assert "no process 4194303 runs on the agent's host" in capsys.readouterr().err
+
+
+# ---- the reports ----
+
+def test_ps_has_a_depth_column_and_json_the_whole_state(capsys):
+    now_ns = time.time_ns()
+    with served(backend_with_depths(now_ns)) as (server, _):
+        assert main(["ps", "--socket", str(server.config.socket)]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert main(["ps", "--json", "--socket", str(server.config.socket)]) == 0
+        objects = {line["pid"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    header = table[0]
+    assert header.split()[8] == "DEPTH"
+    rows = {line.split()[0]: line for line in table[1:]}
+    start = header.index("DEPTH")
+    assert rows["200"][start:start + 10].rstrip() == "blocks 3m"
+    assert rows["100"][start:start + 10].rstrip() == "segments"
+    assert objects[200]["depth"] == depth_to_json(raised(200, now_ns - 200 * NS))
+    assert objects[100]["depth"]["depth"] == "segments"
+
+
+def test_top_shows_each_rows_depth_and_when_a_process_was_raised():
+    now_ns = time.time_ns()
+    growth = service_pb2.GetGrowthResponse(timestamp_ns=now_ns, processes=[
+        service_pb2.ProcessGrowth(pid=200, title="VLLM::Worker_TP0", outstanding_bytes=MiB,
+                                  depth=depth_to_proto(raised(200, now_ns - 200 * NS))),
+        service_pb2.ProcessGrowth(pid=100, title="VLLM::EngineCore", outstanding_bytes=MiB,
+                                  depth=depth_to_proto(segments_only(100, now_ns)))])
+    console = Console(width=120, file=io.StringIO())
+    console.print(render_frame(service_pb2.GetAgentInfoResponse(version="0.1.0"), growth, "outstanding", now_ns, 120))
+    lines = console.file.getvalue().splitlines()
+    assert lines[4].split()[-2:] == ["DEPTH", "TITLE"]
+    assert [line.split()[-2] for line in lines[5:7]] == ["seg", "blk"]  # pid order: equal sizes
+    assert lines[-2] == "DEPTH: seg CUDA calls, blk + PyTorch blocks (sampled stacks), full + every stack"
+    since = time.strftime("%H:%M:%S", time.localtime((now_ns - 200 * NS) / NS))
+    assert lines[-1] == f"pid 200: blocks since {since} (growth: traced bytes +96 MiB in 60 s)"
+
+
+def test_leaks_says_when_holders_are_not_known(capsys):
+    # GIVEN pid 100 at segments and pid 200 raised to blocks after its oldest suspect memory
+    now_ns = time.time_ns()
+    backend = backend_with_depths(now_ns)
+    with served(backend) as (server, _):
+        assert main(["leaks", "--min-age", "0", "--socket", str(server.config.socket)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    since = time.strftime("%H:%M:%S", time.localtime((now_ns - 200 * NS) / NS))
+    # THEN before any stack, a line for each: how to raise 100, since when 200's holders are known
+    assert out[4:6] == [
+        "pid 100 VLLM::EngineCore is traced at segments: its holders are not known yet. Blocks are not traced "
+        "at this depth, so a caching allocator's stack names who grew the cache, not who holds it; raise it: "
+        "kvtrace deep --pid 100",
+        f"pid 200 VLLM::Worker_TP0: depth raised to blocks at {since} (growth: traced bytes +96 MiB in 60 s), "
+        "holders appear as blocks are allocated; what it allocated before then names who grew the cache, not "
+        "who holds it"]
+    assert "    pid 200 VLLM::Worker_TP0, GPU 0, depth blocks" in out
+
+
+def test_leaks_says_nothing_of_holders_when_blocks_were_traced_all_along(capsys):
+    now_ns = time.time_ns()
+    backend = backend_with_depths(now_ns)
+    backend.session.set_process_depths({200: raised(200, now_ns - 400 * NS, DepthCause.CONFIGURED, "")})
+    with served(backend) as (server, _):
+        assert main(["leaks", "-p", "200", "--min-age", "0", "--socket", str(server.config.socket)]) == 0
+    out = capsys.readouterr().out
+    assert "holders" not in out and "depth blocks" in out
+
+
+def test_snapshot_header_says_the_depth(capsys):
+    now_ns = time.time_ns()
+    with served(backend_with_depths(now_ns)) as (server, _):
+        assert main(["snapshot", "--socket", str(server.config.socket)]) == 0
+    out = capsys.readouterr().out
+    since = time.strftime("%H:%M:%S", time.localtime((now_ns - 200 * NS) / NS))
+    assert f"pid 200  VLLM::Worker_TP0  depth blocks since {since}" in out
+    assert "pid 100  VLLM::EngineCore  depth segments\n" in out
+
+
+# ---- recordings keep the depth as it changes ----
+
+def test_a_recording_writes_a_process_again_when_its_depth_changes(tmp_path):
+    agent = FakeAgent()
+    start_ns = time.time_ns()
+    depths = {200: segments_only(200, start_ns)}
+    encoder = FrameEncoder(agent.session.stack, agent.session.process, depths_of=lambda: dict(depths))
+    with agent.session.lock:
+        checkpoint = agent.session.checkpoint_locked()
+    frames = list(encoder.checkpoint(checkpoint))
+    frames += encoder.record(event(pid=200, address=0x10, ts=start_ns))
+    frames += encoder.record(event(pid=200, address=0x20, ts=start_ns + NS // 2))  # no look within the second
+    depths[200] = raised(200, start_ns + NS)
+    frames += encoder.record(event(pid=200, address=0x30, ts=start_ns + 2 * NS))
+    processes = [frame.process for frame in frames if frame.HasField("process")]
+    assert [depth_from_proto(process.depth) for process in processes] == [segments_only(200, start_ns),
+                                                                            raised(200, start_ns + NS)]
+    writer = RecordingWriter.create(tmp_path / "r.kvtrace", recording_header(0.0, 60.0, checkpoint.timestamp_ns))
+    for frame in frames:
+        writer.write(frame)
+    writer.close()
+    # WHEN it is replayed, at its end and before the change
+    assert replay(tmp_path / "r.kvtrace").session.process_depths() == {200: raised(200, start_ns + NS)}
+    early = replay(tmp_path / "r.kvtrace", at_ns=start_ns + NS - 1)
+    assert early.session.process_depths() == {200: segments_only(200, start_ns)}
+
