@@ -20,6 +20,7 @@ from kvtrace.model.depth import BlocksMode
 from kvtrace.model.ledger import DEFAULT_MAX_READ_ENTRIES
 from kvtrace.reports.flight import FlightOptions
 from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.loader import BLOCK_SAMPLE_BYTES_MAX, BLOCK_SAMPLE_BYTES_MIN, ProbeSettings
 from kvtrace.sources.cupti import protocol as cupti_protocol
 from kvtrace.sources.vllm import protocol as vllm_protocol
 
@@ -235,8 +236,11 @@ class AgentCommand:
             raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None
         if not 0 <= args.max_block_events_per_second <= 100_000_000:
             raise CommandError("--max-block-events-per-second takes 0 (no limit) to 100000000", ExitCode.USAGE)
-        if args.block_sample_bytes != 0 and not 4 << 10 <= args.block_sample_bytes <= 64 << 20:
-            raise CommandError("--block-sample-bytes takes 0 (every block) or 4KiB to 64MiB", ExitCode.USAGE)
+        if args.block_sample_bytes != 0 and not (
+                BLOCK_SAMPLE_BYTES_MIN <= args.block_sample_bytes <= BLOCK_SAMPLE_BYTES_MAX
+                and args.block_sample_bytes % 1024 == 0):
+            raise CommandError("--block-sample-bytes takes 0 (every block) or a whole number of KiB from 4KiB to "
+                               "65535KiB", ExitCode.USAGE)
         if not 1 << 20 <= args.deepen_growth <= 1 << 40:
             raise CommandError("--deepen-growth takes 1MiB to 1TiB", ExitCode.USAGE)
         if not 0 <= args.deepen_grace_seconds <= 24 * 3600:
@@ -303,7 +307,6 @@ class AgentCommand:
             raise CommandError("--record-max-size takes 1MiB to 1TiB", ExitCode.USAGE)
         if not 0 <= args.record_keep <= 1000:
             raise CommandError("--record-keep takes 0 to 1000", ExitCode.USAGE)
-        from kvtrace.sources.bpf.loader import ProbeSettings
         from kvtrace.sources.bpf.source import BpfOptions
 
         blocks = BlocksMode.NEVER if args.no_torch_blocks else BlocksMode(args.blocks)
