@@ -39,10 +39,11 @@ static __always_inline void current_comm(char comm[KVT_COMM_LEN]) {
 }
 
 /* One event into the ring, stamped `timestamp_ns` (the ledger entry it describes carries the same
- * stamp, which is how user space keeps its stack across a resync). 0 when sent, -1 when lost. */
-static __always_inline int emit_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer, u8 object, u8 memory,
-                                   u64 address, u64 size_bytes, s32 device, s32 error_code, u64 caller,
-                                   u64 aux, u64 stack_id, u8 stack_status) {
+ * stamp, which is how user space keeps its stack across a resync). 0 when sent, -1 when lost.
+ * `sampling`: a PyTorch block's, whose stack was subject to sampling (struct kvt_event.sampling). */
+static __always_inline int emit_sampled_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer, u8 object, u8 memory,
+                                           u64 address, u64 size_bytes, s32 device, s32 error_code, u64 caller,
+                                           u64 aux, u64 stack_id, u8 stack_status, u8 sampling) {
     struct kvt_event *e = events.ringbuf_reserve(sizeof(struct kvt_event));
     if (!e) {
         count(KVT_COUNTER_EVENTS_LOST);
@@ -65,10 +66,17 @@ static __always_inline int emit_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer,
     e->memory = memory;
     e->stack_id = stack_id;
     e->stack_status = stack_status;
-    e->reserved = 0;
+    e->sampling = sampling;
     current_comm(e->comm);
     events.ringbuf_submit(e, count_submitted());
     return 0;
+}
+
+static __always_inline int emit_at(u64 timestamp_ns, u8 kind, u16 api, u8 layer, u8 object, u8 memory,
+                                   u64 address, u64 size_bytes, s32 device, s32 error_code, u64 caller,
+                                   u64 aux, u64 stack_id, u8 stack_status) {
+    return emit_sampled_at(timestamp_ns, kind, api, layer, object, memory, address, size_bytes, device, error_code,
+                           caller, aux, stack_id, stack_status, 0);
 }
 
 static __always_inline int emit_stack(u8 kind, u16 api, u8 layer, u8 object, u8 memory, u64 address,

@@ -97,7 +97,9 @@
 #define KVT_COUNTER_BLOCKS_SAMPLED   15 /* blocks subject to stack sampling that it chose: their stacks walked */
 #define KVT_COUNTER_BLOCKS_NOT_SAMPLED 16 /* blocks subject to stack sampling that it passed over: no walk,
                                            * their events say KVT_STACK_NOT_SAMPLED (ledger exact all the same) */
-#define KVT_COUNTER_COUNT            17
+#define KVT_COUNTER_BLOCKS_QUIET     17 /* block events not sent because nobody reads them whole
+                                         * (KVT_CONFIG_QUIET_BLOCKS): no loss, the ledger is exact */
+#define KVT_COUNTER_COUNT            18
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -116,7 +118,11 @@
 /* Mean bytes between the PyTorch blocks whose stacks are walked (usdt.h block_walked): S of the heap
  * profilers' sampling. 0: every block's stack is walked. */
 #define KVT_CONFIG_BLOCK_SAMPLE_BYTES 3
-#define KVT_CONFIG_COUNT          4
+/* 1: a PyTorch block's events (allocation and free) are sent only for a block whose stack was walked;
+ * the others go into the ledger and its totals only. User space sets it while no reader wants every
+ * block (no subscriber, no recording): the kernel keeps the ledger exact without the events. */
+#define KVT_CONFIG_QUIET_BLOCKS 4
+#define KVT_CONFIG_COUNT          5
 
 #define KVT_COMM_LEN 16
 
@@ -140,7 +146,10 @@ struct kvt_event {
     u8 object;
     u8 memory;
     u8 stack_status;    /* KVT_STACK_* */
-    u8 reserved;
+    u8 sampling;        /* pytorch:malloc: 1 = its stack was subject to sampling at the mean
+                         * KVT_CONFIG_BLOCK_SAMPLE_BYTES (stack_status OK or another walk's outcome:
+                         * chosen; KVT_STACK_NOT_SAMPLED: passed over), as its ledger entry's sample_kib
+                         * says; 0 = exact, and in every other event. User space knows the mean it set */
     char comm[KVT_COMM_LEN];
 };
 
@@ -243,7 +252,8 @@ struct kvt_ledger_value {
     u16 sample_kib;     /* PyTorch block whose stack was subject to sampling: the mean S (KiB) it was
                          * sampled at; 0: every block walked (exact), and for every other object */
     u8 sampled;         /* with sample_kib: 1 = sampling chose it (its stack walked), 0 = passed over */
-    u8 reserved;
+    u8 unsent;          /* PyTorch block: its allocation's event was not sent (KVT_CONFIG_QUIET_BLOCKS), so
+                         * neither is its free's */
     u64 stack_id;       /* the Python stack of the call that made it (stacks map); 0 = none. User space
                          * keeps no entry of its own: a snapshot or leak report reads it from here */
 };

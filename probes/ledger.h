@@ -67,7 +67,7 @@ static __always_inline struct kvt_ledger_value *ledger_lookup(u8 layer, u8 objec
  * `sample_kib`, `sampled`: a PyTorch block's stack sampling (usdt.h block_walked); 0 for the rest. */
 static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory, u16 api, u64 address,
                                                  u64 size_bytes, s32 device, u64 caller, u64 aux, u64 stack_id,
-                                                 u32 *tracked, u16 sample_kib, u8 sampled) {
+                                                 u32 *tracked, u16 sample_kib, u8 sampled, u8 unsent) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     struct kvt_ledger_key key = {.pid = pid_tgid >> 32, .layer = layer, .object = object, .address = address};
     struct kvt_ledger_value value = {};
@@ -82,6 +82,7 @@ static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory,
     value.stack_id = stack_id;
     value.sample_kib = sample_kib;
     value.sampled = sampled;
+    value.unsent = unsent;
     /* Inserted only where the key is new: one map operation, where a lookup first was two. The same
      * key still there means its free was never seen: the old entry goes (and leaves the totals, if
      * this delete is the one that took it) and the new one goes in. */
@@ -114,7 +115,7 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
                                          u64 size_bytes, s32 device, u64 caller, u64 aux, u64 stack_id,
                                          u32 *tracked) {
     return ledger_insert_sampled(layer, object, memory, api, address, size_bytes, device, caller, aux, stack_id,
-                                 tracked, 0, 0);
+                                 tracked, 0, 0, 0);
 }
 
 /* Deletes a looked-up entry; an allocation's or block's totals drop only where this delete is the

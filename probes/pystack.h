@@ -59,7 +59,9 @@ struct kvt_walk_request {
     u64 stream;
     u64 inserted_ns;
     s32 device;
-    u32 reserved;
+    u8 sampling;  /* a block: its stack subject to sampling (struct kvt_event.sampling) */
+    u8 reserved;
+    u16 reserved2;
 };
 
 BPF_PROG_ARRAY(stack_walker, 1); /* [0]: walk_stack, put in by user space before any probe */

@@ -165,9 +165,16 @@ static __always_inline void block_event(struct kvt_walk_request *block, u64 stac
         if (value && value->timestamp_ns == block->inserted_ns)
             value->stack_id = stack_id;
     }
-    emit_at(block->inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
-            KVT_MEMORY_DEVICE, block->address, block->size_bytes, block->device, 0, 0, block->stream,
-            stack_id, status);
+    emit_sampled_at(block->inserted_ns, KVT_KIND_ALLOC, KVT_API_pytorch_malloc, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
+                    KVT_MEMORY_DEVICE, block->address, block->size_bytes, block->device, 0, 0, block->stream,
+                    stack_id, status, block->sampling);
+}
+
+/* 1 while no reader wants every block's event (KVT_CONFIG_QUIET_BLOCKS). */
+static __always_inline int quiet_blocks(void) {
+    u32 index = KVT_CONFIG_QUIET_BLOCKS;
+    u64 *quiet = config.lookup(&index);
+    return quiet && *quiet;
 }
 
 /* Entry of every pytorch:malloc and pytorch:free site (the cookie tells which). */
@@ -202,14 +209,21 @@ int usdt_pytorch(struct pt_regs *ctx) {
         int walk = python ? block_walked(pid, size_bytes, &sample_kib) : 0;
         if (sample_kib)
             count(walk ? KVT_COUNTER_BLOCKS_SAMPLED : KVT_COUNTER_BLOCKS_NOT_SAMPLED);
+        /* Quiet: only a block whose stack is walked is told (its stack must reach user space); the others are
+         * in the ledger, exact, and their frees are not told either. */
+        u8 unsent = !(python && walk) && quiet_blocks();
         /* Into the ledger first, whatever follows: the walk only adds the stack (and over the rate the
          * event is not sent and the stack not walked, which is what the rate saves). */
         struct kvt_walk_request block = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
                                          .address = address, .size_bytes = size_bytes, .stream = stream,
-                                         .device = (s32)device};
+                                         .device = (s32)device, .sampling = sample_kib != 0};
         block.inserted_ns = ledger_insert_sampled(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
                                                   KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0,
-                                                  stream, 0, 0, sample_kib, sample_kib && walk);
+                                                  stream, 0, 0, sample_kib, sample_kib && walk, unsent);
+        if (unsent) {
+            count(KVT_COUNTER_BLOCKS_QUIET);
+            return 0;
+        }
         if (over_block_rate(pid, block.inserted_ns)) {
             count(KVT_COUNTER_BLOCKS_UNSENT);
             return 0;
@@ -239,7 +253,14 @@ int usdt_pytorch(struct pt_regs *ctx) {
     u64 size_bytes = value->size_bytes;
     s32 device = value->device;
     u64 stream = value->aux;
+    u8 unsent = value->unsent;
     ledger_delete(&key, device, KVT_MEMORY_DEVICE, size_bytes);
+    /* Its allocation was not told: its free is not either, while nobody reads every block. (A reader that came
+     * since has the block from its checkpoint, and gets the free.) */
+    if (unsent && quiet_blocks()) {
+        count(KVT_COUNTER_BLOCKS_QUIET);
+        return 0;
+    }
     if (over_block_rate(pid, now)) {
         count(KVT_COUNTER_BLOCKS_UNSENT);
         return 0;

@@ -226,6 +226,12 @@ class Session:
         with self.lock:
             self._set_sinks([existing for existing in self._sinks if existing is not sink])
 
+    def wants_every_block(self) -> bool:
+        """Whether a sink reads the event of every PyTorch block (a subscriber, a recording, --json-events);
+        while none does, the probes tell only the blocks whose stacks they walk (the kernel's ledger is exact
+        without the others). A sink says so with a `wants_every_block` attribute; one without it wants them."""
+        return any(getattr(sink, "wants_every_block", True) for sink in self._sinks)
+
     def add_exit_watcher(self, watcher: ExitWatcher) -> None:
         with self.lock:
             self._exit_watchers = [*self._exit_watchers, watcher]

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.agent import AgentInfo, TrackedProcess
+from kvtrace.model.blocks import estimated_size
 from kvtrace.model.crosscheck import ProcessCrossCheck, Side
 from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
 from kvtrace.model.events import (
@@ -97,6 +98,7 @@ def event_to_proto(event: Event) -> events_pb2.Event:
         allocation.freed_bytes = event.freed_bytes
         allocation.stack_id = event.stack_id
         allocation.stream = event.stream
+        allocation.sample_bytes = event.sample_bytes
         allocation.stack_status_code = wire_number(event.stack_status)
         allocation.stack_status = _STACK_STATUS_NAMES[event.stack_status]  # for 0.1 clients
     payload.SetInParent()
@@ -113,14 +115,14 @@ def event_to_proto(event: Event) -> events_pb2.Event:
 # fifth cheaper than one tuple of every field per event and a transposition).
 _COLUMN_FIELDS = tuple(operator.attrgetter(name) for name in (
     "kind", "timestamp_ns", "pid", "tid", "api", "layer", "object", "memory", "size_bytes", "address", "device",
-    "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stream", "source",
-    "comm", "title", "container"))
+    "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stream", "sample_bytes",
+    "source", "comm", "title", "container"))
 # Columns the redacted view leaves empty (addresses, handles, streams, contexts, callers, stacks).
 _REDACTED_COLUMNS = frozenset({"address", "caller_address", "handle", "stack_id", "stream"})
 # Event.source on the wire: the uprobes' left unset (0), as event_to_proto leaves it.
 _WIRE_SOURCES: dict[Source, Any] = {Source.UPROBE: 0, Source.CUPTI: events_pb2.EVENT_SOURCE_CUPTI}
 _NUMBER_COLUMNS = ("timestamp_ns", "pid", "tid", "size_bytes", "address", "device", "error_code", "caller_address",
-                   "handle", "freed_bytes", "stack_id", "stack_status", "stream")
+                   "handle", "freed_bytes", "stack_id", "stack_status", "stream", "sample_bytes")
 
 
 def _enum_column(values: tuple) -> tuple | list:
@@ -138,10 +140,10 @@ def events_to_columns(events: Sequence[Event], title: Callable[[str], str] | Non
     if not events:
         return columns
     (kinds, timestamps, pids, tids, apis, layers, objects, memories, sizes, addresses, devices, errors, callers,
-     handles, freed, stack_ids, statuses, streams, sources, comms, titles, containers) = \
+     handles, freed, stack_ids, statuses, streams, samples, sources, comms, titles, containers) = \
         [tuple(map(field, events)) for field in _COLUMN_FIELDS]
     numbers = dict(zip(_NUMBER_COLUMNS, (timestamps, pids, tids, sizes, addresses, devices, errors, callers,
-                                         handles, freed, stack_ids, statuses, streams), strict=True))
+                                         handles, freed, stack_ids, statuses, streams, samples), strict=True))
     columns.kind.extend(kinds)
     columns.api.extend(apis)
     for name, values in numbers.items():
@@ -180,8 +182,8 @@ def _varint(value: int) -> bytes:
 # FixedEventColumns' column fields: name -> the field's key on the wire (length-delimited: a packed
 # repeated fixed-width field or bytes), so a column's bytes become the field with two small prefixes.
 _FIXED_KEYS = {field.name: _varint(field.number << 3 | 2)
-               for field in events_pb2.FixedEventColumns.DESCRIPTOR.fields if field.name != "processes"
-               and field.name != "timestamp_offset_ns"}
+               for field in events_pb2.FixedEventColumns.DESCRIPTOR.fields
+               if field.name not in ("processes", "timestamp_offset_ns", "block_sample_bytes")}
 
 
 class FixedColumnsBatch:
@@ -205,8 +207,8 @@ class FixedColumnsBatch:
 
     def add(self, run: EventRun) -> None:
         if not self.takes(run):
-            raise ValueError("a run that cannot share this batch (another clock, a process labelled otherwise, "
-                             "or not labelled)")
+            raise ValueError("a run that cannot share this batch (another clock or sampling mean, a process "
+                             "labelled otherwise, or not labelled)")
         self.runs.append(run)
         assert run.labels is not None
         self._labels.update((pid, run.labels.get(pid)) for pid in run.pids)
@@ -222,6 +224,7 @@ class FixedColumnsBatch:
             keys[name] + _varint(len(column)) + column
             for name, column in ((name, b"".join(part[name] for part in parts)) for name in parts[0])))
         message.timestamp_offset_ns = self.runs[0].raw.timestamp_offset_ns
+        message.block_sample_bytes = self.runs[0].raw.block_sample_bytes
         add = message.processes.add
         for pid, label in self._labels.items():
             if label is not None:
@@ -261,6 +264,9 @@ def events_from_fixed_columns(columns: events_pb2.FixedEventColumns) -> list[Eve
     apis = _fixed_bytes(columns.api, "H", count, "api")
     small = [_fixed_bytes(getattr(columns, name), "B", count, name)
              for name in ("kind", "layer", "object", "memory", "stack_status")]
+    # An agent that predates stack sampling sends no `sampling`: none was.
+    sampling = _fixed_bytes(columns.sampling, "B", count, "sampling") if columns.sampling else bytes(count)
+    block_sample_bytes = columns.block_sample_bytes
     comm_bytes = columns.comm
     if len(comm_bytes) != count * COMM_BYTES:
         raise ValueError(f"FixedEventColumns.comm has {len(comm_bytes)} bytes for {count} events")
@@ -269,8 +275,8 @@ def events_from_fixed_columns(columns: events_pb2.FixedEventColumns) -> list[Eve
     names: dict[bytes, str] = {}  # each distinct name decoded once
     events: list[Event | None] = []
     for index, (timestamp_ns, pid, tid, size_bytes, address, caller_address, aux, device, error_code, api, kind,
-                layer, obj, memory, stack_status) in enumerate(zip(
-            columns.timestamp_ns, *numbers, apis, *small, strict=True)):
+                layer, obj, memory, stack_status, subject) in enumerate(zip(
+            columns.timestamp_ns, *numbers, apis, *small, sampling, strict=True)):
         raw_comm = comm_bytes[index * COMM_BYTES:(index + 1) * COMM_BYTES]
         comm = names.get(raw_comm)
         if comm is None:
@@ -285,7 +291,8 @@ def events_from_fixed_columns(columns: events_pb2.FixedEventColumns) -> list[Eve
                           error_code=error_code, caller_address=caller_address,
                           handle=aux if field == "handle" else 0, freed_bytes=aux if field == "freed_bytes" else 0,
                           stream=aux if field == "stream" else 0, comm=comm, title=title,
-                          container=container, stack_status=StackStatus(stack_status))
+                          container=container, stack_status=StackStatus(stack_status),
+                          sample_bytes=block_sample_bytes if subject else 0)
         except ValueError:  # a value this client does not know: a newer agent
             events.append(None)
             continue
@@ -311,10 +318,11 @@ def events_from_columns(columns: events_pb2.EventColumns) -> list[Event | None]:
                _column(columns.error_code, count), _column(columns.caller_address, count),
                _column(columns.handle, count), _column(columns.freed_bytes, count),
                _column(columns.stack_id, count), _column(columns.stack_status, count),
-               _column(columns.stream, count), _column(columns.source, count), strict=True)
+               _column(columns.stream, count), _column(columns.source, count), _column(columns.sample_bytes, count),
+               strict=True)
     events: list[Event | None] = []
     for (kind, timestamp_ns, pid, tid, process, api, layer, obj, memory, size_bytes, address, device, error_code,
-         caller_address, handle, freed_bytes, stack_id, stack_status, stream, source) in rows:
+         caller_address, handle, freed_bytes, stack_id, stack_status, stream, source, sample_bytes) in rows:
         try:
             comm, title, container = labels[process]
             event = Event(kind=Kind(kind), api=Api(api), pid=pid, tid=tid, timestamp_ns=timestamp_ns,
@@ -323,7 +331,8 @@ def events_from_columns(columns: events_pb2.EventColumns) -> list[Event | None]:
                           error_code=error_code, caller_address=caller_address, handle=handle,
                           freed_bytes=freed_bytes, stream=stream, comm=comm, title=title, container=container,
                           stack_id=stack_id, stack_status=StackStatus(stack_status),
-                          source=Source.CUPTI if source == events_pb2.EVENT_SOURCE_CUPTI else Source.UPROBE)
+                          source=Source.CUPTI if source == events_pb2.EVENT_SOURCE_CUPTI else Source.UPROBE,
+                          sample_bytes=sample_bytes)
         except (ValueError, IndexError):  # a value this client does not know: a newer agent
             events.append(None)
             continue
@@ -363,7 +372,8 @@ def outstanding_to_proto(entry: Outstanding, process: ProcessInfo | None) -> ser
         api_name=entry.api.name, size_bytes=entry.size_bytes, address=key.address,
         device=entry.device, timestamp_ns=entry.timestamp_ns, caller_address=entry.caller_address,
         stack_id=entry.stack_id, mapped_count=entry.mapped_count, released=entry.released,
-        handle=entry.handle, stream=entry.stream)
+        handle=entry.handle, stream=entry.stream, sample_bytes=entry.sample_bytes,
+        sampled=entry.sampled and entry.sample_bytes != 0)
 
 
 def process_to_proto(process: TrackedProcess, depth: ProcessDepth | None = None) -> service_pb2.Process:
@@ -446,7 +456,8 @@ def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
         rank=suspect.rank, pid=suspect.pid, title=suspect.title, device=suspect.device,
         stack_id=suspect.stack_id, caller_address=suspect.native_caller_address,
         outstanding_bytes=suspect.outstanding_bytes, allocation_count=suspect.count,
-        oldest_age_seconds=suspect.oldest_age_seconds, growth_bytes_per_second=suspect.growth_bytes_per_second)
+        oldest_age_seconds=suspect.oldest_age_seconds, growth_bytes_per_second=suspect.growth_bytes_per_second,
+        estimated=suspect.estimated)
     if suspect.stack is not None:
         message.stack.CopyFrom(stack_message(suspect.stack_id, suspect.stack))
     if suspect.native_caller is not None:
@@ -685,7 +696,7 @@ def event_from_proto(message: events_pb2.Event) -> Event | None:
                           memory=_member(Memory, allocation.memory), size_bytes=allocation.size_bytes,
                           address=allocation.address, handle=allocation.handle, freed_bytes=allocation.freed_bytes,
                           stack_id=allocation.stack_id, stack_status=_stack_status(allocation),
-                          stream=allocation.stream)
+                          stream=allocation.stream, sample_bytes=allocation.sample_bytes)
         elif payload == "device_change":
             call = message.device_change
             event = Event(kind=Kind.SET_DEVICE, api=Api(call.api), pid=message.pid, tid=message.tid,
@@ -774,6 +785,8 @@ def event_to_json(event: Event, stack: Stack | None = None,
         data["freed_bytes"] = event.freed_bytes
     elif event.layer is Layer.TORCH:
         data["stream"] = event.stream
+        if event.api is Api.pytorch_malloc:
+            data["sample_bytes"] = event.sample_bytes  # 0: its stack was not subject to sampling
     if stack is not None:
         data["stack"] = [frame_to_json(frame) for frame in stack.frames]
         data["stack_truncated"] = stack.truncated
@@ -804,7 +817,9 @@ def outstanding_to_json_dict(entry: service_pb2.OutstandingAllocation) -> dict:
         **({"mapped_count": entry.mapped_count, "released": entry.released}
            if entry.object == ObjectKind.VMM_HANDLE else {}),
         **({"handle": entry.handle} if entry.object == ObjectKind.VMM_MAPPING else {}),
-        **({"stream": entry.stream} if entry.object == ObjectKind.BLOCK else {}),
+        **({"stream": entry.stream, "sample_bytes": entry.sample_bytes, "sampled": entry.sampled,
+            "estimated_bytes": round(estimated_size(entry.size_bytes, entry.sample_bytes, entry.sampled))}
+           if entry.object == ObjectKind.BLOCK else {}),
     }
 
 
@@ -816,7 +831,8 @@ def outstanding_from_proto(entry: service_pb2.OutstandingAllocation) -> Outstand
         size_bytes=entry.size_bytes, timestamp_ns=entry.timestamp_ns, device=entry.device, api=Api(entry.api),
         memory=Memory(entry.memory), tid=entry.tid, caller_address=entry.caller_address,
         mapped_count=entry.mapped_count, released=entry.released, handle=entry.handle,
-        stack_id=entry.stack_id, stream=entry.stream)
+        stack_id=entry.stack_id, stream=entry.stream, sample_bytes=entry.sample_bytes,
+        sampled=entry.sampled and entry.sample_bytes != 0)
 
 
 def process_to_json_dict(process: service_pb2.Process) -> dict:
@@ -845,7 +861,8 @@ def leak_report_to_json_dict(response: service_pb2.ListLeakSuspectsResponse) -> 
             "rank": suspect.rank, "pid": suspect.pid, "title": suspect.title, "device": suspect.device,
             "outstanding_bytes": suspect.outstanding_bytes, "allocation_count": suspect.allocation_count,
             "oldest_age_seconds": suspect.oldest_age_seconds,
-            "growth_bytes_per_second": suspect.growth_bytes_per_second, "stack_id": suspect.stack_id,
+            "growth_bytes_per_second": suspect.growth_bytes_per_second, "estimated": suspect.estimated,
+            "stack_id": suspect.stack_id,
             "stack": [frame_to_json(frame) for frame in stack_from_proto(suspect.stack)[1].frames]
             if suspect.HasField("stack") else None,
             "stack_truncated": suspect.stack.truncated,

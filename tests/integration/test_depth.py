@@ -100,3 +100,77 @@ def test_a_raised_process_that_exits_loses_its_link(tmp_path, stub_build):
                 assert probes.torch_attached_pids(file_id) == set()
             finally:
                 harness.close()
+
+
+def quiet(harness):
+    """Nobody reads every block's event: the harness's sink says so (as the flight recorder does)."""
+    for sink in harness.session._sinks:
+        sink.wants_every_block = False
+
+
+def test_blocks_nobody_reads_are_not_sent_and_stay_exact(tmp_path, stub_build):
+    """GIVEN the stub allocator's 28 blocks (9 freed) in a process without Python (no stack to walk), WHEN no
+    sink wants every block, THEN none of its block events is sent (28 + 9 counted quiet, none lost) and the
+    kernel's ledger and totals hold its 19 live blocks exactly; its segments are sent as ever."""
+    require_tracing_here()
+    torch = build_torch_stub(tmp_path, stub_build)
+    with Workload([torch.workload, "blocks"]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
+        try:
+            quiet(harness)
+            harness.pump(0.1)  # a turn: the probes are told
+            before = harness.source.counters()
+            workload.go()
+            _, blocks, segments = manifest_parts(workload.read_calls())
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.cudaMalloc)) >= len(segments))
+            harness.pump(0.3)
+            after = harness.source.counters()
+            assert harness.of(pid, api=Api.pytorch_malloc) == [] == harness.of(pid, api=Api.pytorch_free)
+            assert after["blocks_quiet"] - before["blocks_quiet"] == MALLOCS + FREES
+            assert after["events_lost"] == before["events_lost"] and after["blocks_unsent"] == before["blocks_unsent"]
+            live = [b for b in blocks if not b["freed"]]
+            assert torch_totals(harness, pid) == (sum(b["size_bytes"] for b in live), len(live))
+            assert sorted((e.key.address, e.size_bytes) for e in harness.source.kernel_ledger()
+                          if e.key.pid == pid and e.key.object is ObjectKind.BLOCK) == \
+                sorted((b["address"], b["size_bytes"]) for b in live)
+        finally:
+            harness.close()
+
+
+def test_quiet_blocks_send_the_sampled_ones_only(stub_build, torch_stub_build):
+    """GIVEN a CPython 3.12 process making 4 000 blocks of 16 KiB and 10 of at least S = 256 KiB, sampled, WHEN
+    no sink wants every block, THEN exactly the blocks whose stacks were walked are sent (each with its stack),
+    the others are counted quiet, and the kernel holds all of them."""
+    from kvtrace.model.events import StackStatus
+    from test_python_stacks import TARGET as ALLOC_TARGET
+    from test_python_stacks import pyenv_python
+    from test_torch_blocks import LARGE_BLOCKS, SAMPLE_BYTES, SAMPLED_SPEC, SMALL_BLOCKS
+
+    python = pyenv_python("3.12")
+    target = ALLOC_TARGET.parent / "block_target.py"
+    count = SMALL_BLOCKS + sum(LARGE_BLOCKS.values())
+    with Workload([python, target, torch_stub_build.libc10_cuda, SAMPLED_SPEC]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], block_sample_bytes=SAMPLE_BYTES,
+                                 preattach_globs=(str(torch_stub_build.lib_dir / "*.so"),
+                                                  str(stub_build.lib_dir / "*.so.*")))
+        try:
+            quiet(harness)
+            harness.pump(0.1)
+            before = harness.source.counters()
+            workload.go()
+            assert len(workload.read_calls()) == count
+            assert harness.pump_until(lambda: len([e for e in harness.source.kernel_ledger()
+                                                   if e.key.pid == pid and e.key.object is ObjectKind.BLOCK]) == count)
+            harness.pump(0.5)
+            after = harness.source.counters()
+            sampled = after["blocks_sampled"] - before["blocks_sampled"]
+            passed_over = after["blocks_not_sampled"] - before["blocks_not_sampled"]
+            events = harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)
+            assert sampled + passed_over == SMALL_BLOCKS and 0 < sampled < SMALL_BLOCKS
+            assert len(events) == sampled + sum(LARGE_BLOCKS.values())
+            assert all(e.stack_status is StackStatus.OK and e.stack_id for e in events)
+            assert after["blocks_quiet"] - before["blocks_quiet"] == passed_over
+        finally:
+            harness.close()

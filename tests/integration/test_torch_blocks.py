@@ -16,7 +16,7 @@ from cuda_stubs import Workload
 from harness import TracingHarness, require_tracing_here
 from kvtrace.model.blocks import fragmentation, segments_of
 from kvtrace.model.events import Api, Kind, Layer, ObjectKind
-from kvtrace.model.ledger import TotalsKey
+from kvtrace.model.ledger import Ledger, TotalsKey
 from kvtrace.sources.discovery import FileId
 from torch_stubs import (
     BLOCKS_DEVICE0_FREES,
@@ -343,6 +343,7 @@ def test_sampled_block_stacks_keep_the_ledger_exact_and_estimate_the_bytes_of_a_
                     event, entry = events[block["address"]], entries[block["address"]]
                     subject = pid == sampled and block["size_bytes"] < SAMPLE_BYTES
                     assert entry.sample_bytes == (SAMPLE_BYTES if subject else 0), entry
+                    assert event.sample_bytes == entry.sample_bytes, event  # struct kvt_event.sampling
                     kernel_stack = kernel_stacks[(pid, block["address"])]
                     if event.stack_status is StackStatus.NOT_SAMPLED:
                         assert subject and not entry.sampled and kernel_stack == 0 and event.stack_id == 0
@@ -350,6 +351,11 @@ def test_sampled_block_stacks_keep_the_ledger_exact_and_estimate_the_bytes_of_a_
                         assert event.stack_status is StackStatus.OK, event
                         assert entry.sampled == subject and kernel_stack != 0
                         assert as_lists(harness.session.stacks.get(event.stack_id)) == block["expected"]
+            # A ledger built from the events (a replay, --no-ledger-in-kernel) weighs every block as the kernel's.
+            built = Ledger()
+            built.apply_many([e for pid in made for e in harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)])
+            assert sorted((e.key, e.size_bytes, e.sample_bytes, e.sampled) for e in built) == \
+                sorted((e.key, e.size_bytes, e.sample_bytes, e.sampled) for e in kernel if e.key.pid in made)
             # The sampled process: how many of its small blocks were walked, told by the counters too.
             statuses = Counter((e.size_bytes < SAMPLE_BYTES, e.stack_status)
                                for e in harness.of(sampled, Kind.ALLOC, Api.pytorch_malloc))

@@ -60,6 +60,11 @@ ALL_KINDS = [
           address=0, device=-1, error_code=9 << 8, freed_bytes=3 * MiB),
     event(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, stream=7, pid=300,
           title="python train.py", container="c0ffee", source=Source.CUPTI),
+    # blocks under stack sampling at 512 KiB: one it chose (walked), one it passed over
+    event(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, size=16 << 10, stream=7,
+          stack_id=3, stack_status=StackStatus.OK, sample_bytes=512 << 10),
+    event(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, size=16 << 10, stream=7,
+          stack_status=StackStatus.NOT_SAMPLED, sample_bytes=512 << 10),
 ]
 
 

@@ -79,11 +79,12 @@ def test_usdt_site_matches_header():
 
 def test_config_indexes_match_header():
     config = defines("KVT_CONFIG_")
-    assert config.pop("COUNT") == 4
+    assert config.pop("COUNT") == 5
     assert config == {"FILTER_ENABLED": abi.CONFIG_FILTER_ENABLED,
                       "BLOCK_EVENTS_PER_SECOND": abi.CONFIG_BLOCK_EVENTS_PER_SECOND,
                       "PROCESS_GENERATION": abi.CONFIG_PROCESS_GENERATION,
-                      "BLOCK_SAMPLE_BYTES": abi.CONFIG_BLOCK_SAMPLE_BYTES}
+                      "BLOCK_SAMPLE_BYTES": abi.CONFIG_BLOCK_SAMPLE_BYTES,
+                      "QUIET_BLOCKS": abi.CONFIG_QUIET_BLOCKS}
 
 
 def test_block_sample_draws_match_probes():

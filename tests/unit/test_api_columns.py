@@ -59,7 +59,7 @@ def test_columns_of_all_zero_values_are_left_empty_and_one_process_needs_no_inde
     columns = events_to_columns([event(address=i, caller_address=0) for i in range(1, 100)])
     assert len(columns.kind) == 99 and len(columns.address) == 99
     for name in ("handle", "freed_bytes", "stack_id", "stream", "caller_address", "error_code", "device",
-                 "stack_status", "source", "process"):
+                 "stack_status", "source", "process", "sample_bytes"):
         assert len(getattr(columns, name)) == 0, name
     assert [(label.comm, label.title) for label in columns.processes] == [("VLLM::Worker_TP", "")]
     # Far smaller than a message each.

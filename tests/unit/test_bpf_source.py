@@ -49,6 +49,9 @@ class CountingProbes:
     def tracked_pids(self) -> set[int]:
         return set()
 
+    def set_quiet_blocks(self, quiet: bool) -> None:
+        self.quiet_blocks = quiet
+
     def forget_tracked(self, pid: int) -> bool:
         return False
 
@@ -752,3 +755,37 @@ def test_a_turn_that_took_half_the_ring_is_behind_and_the_next_starts_at_once():
     small.probes = PollingProbes(small, [b"".join(RECORDS * 4)])  # 24 records: behind
     small.run_once(0)
     assert small._next_turn_monotonic == 0.0
+
+
+def test_block_events_go_quiet_only_while_no_sink_reads_every_one():
+    """The probes send only the blocks whose stacks they walk while every sink is content with that (the flight
+    recorder's window); a subscriber or a recording (any sink that does not say so) wants every one; a kept
+    ledger (--no-ledger-in-kernel) is made of the events and never goes quiet."""
+
+    class Sampled:
+        wants_every_block = False
+
+        def publish(self, event) -> None:
+            pass
+
+    class Everything(Sampled):
+        wants_every_block = True
+
+    for ledger_in_kernel, expected in ((True, [True, False, True]), (False, [False, False, False])):
+        session = Session()
+        source = BpfSource(session, BpfOptions(ledger_in_kernel=ledger_in_kernel))
+        source._next_full_scan = source._next_sweep = math.inf
+        source.probes = probes = PollingProbes(source, [])
+        probes.quiet_blocks = False
+        seen = []
+        session.add_sink(Sampled())
+        source.run_once(0)
+        seen.append(probes.quiet_blocks)
+        everything = Everything()
+        session.add_sink(everything)
+        source.run_once(0)
+        seen.append(probes.quiet_blocks)
+        session.remove_sink(everything)
+        source.run_once(0)
+        seen.append(probes.quiet_blocks)
+        assert seen == expected, ledger_in_kernel

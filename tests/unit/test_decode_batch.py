@@ -14,10 +14,11 @@ CLOCK = Clock(offset_ns=1_000)
 
 def record(timestamp_ns=5, address=0x7F00, size_bytes=4096, caller_address=0x401000, aux=0, stack_id=0,
            pid=4000, tid=4001, device=0, error_code=0, api=Api.cudaMalloc, kind=Kind.ALLOC, layer=Layer.RUNTIME,
-           object_kind=ObjectKind.ALLOCATION, memory=Memory.DEVICE, stack_status=0, comm=b"python") -> bytes:
+           object_kind=ObjectKind.ALLOCATION, memory=Memory.DEVICE, stack_status=0, comm=b"python",
+           sampling=0) -> bytes:
     return abi.EVENT_STRUCT.pack(timestamp_ns, address, size_bytes, caller_address, aux, stack_id, pid, tid, device,
                                  error_code, int(api), int(kind), int(layer), int(object_kind), int(memory),
-                                 stack_status, 0, comm)
+                                 stack_status, sampling, comm)
 
 
 RECORDS = [
@@ -45,6 +46,22 @@ def test_a_batch_decodes_as_one_record_at_a_time():
     assert events == [event for event, _ in one_by_one]
     assert stack_ids == [stack_id for _, stack_id in one_by_one]
     assert undecodable == 0
+
+
+def test_a_blocks_stack_sampling_is_the_mean_the_agent_set_on_the_records_that_say_so():
+    """struct kvt_event.sampling: 1 on a block whose stack was subject to sampling (chosen: walked, or passed over:
+    NOT_SAMPLED); the event carries the mean S the agent set in the probes, one record at a time or in a batch."""
+    S = 512 << 10
+    block = dict(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, object_kind=ObjectKind.BLOCK, aux=7)
+    batch = [record(**block, sampling=1, stack_id=9, stack_status=StackStatus.OK.value),
+             record(**block, sampling=1, stack_status=StackStatus.NOT_SAMPLED.value),
+             record(**block, stack_id=9, stack_status=StackStatus.OK.value), RECORDS[0]]  # exact: not subject
+    events, stack_ids, undecodable = decode_events(b"".join(batch), CLOCK, block_sample_bytes=S)
+    assert [(event.sample_bytes, event.stack_status) for event in events] == [
+        (S, StackStatus.OK), (S, StackStatus.NOT_SAMPLED), (0, StackStatus.OK), (0, StackStatus.NOT_WALKED)]
+    assert events == [decode_event(item, CLOCK, S)[0] for item in batch] and stack_ids == [9, 0, 9, 0]
+    # without sampling set in the probes, no record says so; and if one did, it would weigh exactly
+    assert [event.sample_bytes for event in decode_events(b"".join(batch), CLOCK)[0]] == [0, 0, 0, 0]
 
 
 def test_records_as_they_lie_in_the_ring():

@@ -27,10 +27,11 @@ STRIDE, HEADER = RingReader.STRIDE, RingReader.HEADER_BYTES
 
 def record(timestamp_ns=5, address=0x7F00, size_bytes=4096, caller_address=0x401000, aux=0, stack_id=0,
            pid=4000, tid=4001, device=0, error_code=0, api=Api.cudaMalloc, kind=Kind.ALLOC, layer=Layer.RUNTIME,
-           object_kind=ObjectKind.ALLOCATION, memory=Memory.DEVICE, stack_status=0, comm=b"python") -> bytes:
+           object_kind=ObjectKind.ALLOCATION, memory=Memory.DEVICE, stack_status=0, comm=b"python",
+           sampling=0) -> bytes:
     event = abi.EVENT_STRUCT.pack(timestamp_ns, address, size_bytes, caller_address, aux, stack_id, pid, tid, device,
                                   error_code, int(api), int(kind), int(layer), int(object_kind), int(memory),
-                                  stack_status, 0, comm)
+                                  stack_status, sampling, comm)
     return b"\xaa" * HEADER + event + b"\xbb" * (STRIDE - HEADER - len(event))  # as the ring holds it
 
 
@@ -87,6 +88,49 @@ def test_runs_join_in_one_batch_and_a_slice_keeps_its_records():
     assert events_from_fixed_columns(over_the_wire(part)) == run[2:5]
     assert events_from_fixed_columns(over_the_wire(run.sliced(4, 100), run.sliced(0, 1))) == [*run[4:], run[0]]
     assert len(run.sliced(3, 3)) == 0
+
+
+SAMPLE_BYTES = 512 << 10
+SAMPLED_BLOCKS = [  # under stack sampling: passed over (no stack: a run's), and one of at least S (exact)
+    record(timestamp_ns=20 + i, kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH,
+           object_kind=ObjectKind.BLOCK, aux=7, caller_address=0, size_bytes=16 << 10, address=0x7F00 + i * 0x4000,
+           stack_status=StackStatus.NOT_SAMPLED.value, sampling=1) for i in range(3)] + [
+    record(timestamp_ns=30, kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH,
+           object_kind=ObjectKind.BLOCK, aux=7, caller_address=0, size_bytes=1 << 20, address=0x9F00,
+           stack_status=StackStatus.NOT_PYTHON.value)]
+
+
+def sampled_run(block_sample_bytes=SAMPLE_BYTES) -> EventRun:
+    data = b"".join(SAMPLED_BLOCKS)
+    events, _, _ = decode_events(data, CLOCK, STRIDE, HEADER, block_sample_bytes)
+    run = event_run(events, data, CLOCK, STRIDE, HEADER, block_sample_bytes)
+    assert run is not None
+    run.labels = {4000: LABELS[4000]}
+    for event in run:
+        event.title, event.container = LABELS[4000]
+    return run
+
+
+def test_blocks_stack_sampling_crosses_the_wire_as_the_records_said():
+    run = sampled_run()
+    message = over_the_wire(run)
+    assert message.block_sample_bytes == SAMPLE_BYTES and message.sampling == b"\1\1\1\0"
+    got = events_from_fixed_columns(message)
+    assert got == list(run)
+    assert [(event.sample_bytes, event.stack_status) for event in got] == \
+        [(SAMPLE_BYTES, StackStatus.NOT_SAMPLED)] * 3 + [(0, StackStatus.NOT_PYTHON)]
+    # an agent that predates sampling sends no column: no block was subject to it
+    message.ClearField("sampling")
+    message.block_sample_bytes = 0
+    assert [event.sample_bytes for event in events_from_fixed_columns(message)] == [0] * 4
+    message.sampling = b"\1"
+    with pytest.raises(ValueError, match="sampling has 1 bytes for 4 events"):
+        events_from_fixed_columns(message)
+
+
+def test_runs_of_two_sampling_means_do_not_join():
+    with pytest.raises(ValueError, match="another clock or sampling mean"):
+        over_the_wire(sampled_run(), sampled_run(256 << 10))
 
 
 def test_labels_go_by_pid_and_an_unknown_process_is_titled_by_its_comm():

@@ -113,7 +113,7 @@ def synthetic_ledger() -> LedgerCounts:
 
 
 TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full": 0, "totals_full": 0,
-                   "blocks_unsent": 5, "blocks_sampled": 240, "blocks_not_sampled": 3_760,
+                   "blocks_unsent": 5, "blocks_sampled": 240, "blocks_not_sampled": 3_760, "blocks_quiet": 3_700,
                    "ledger_entries_in_kernel": 4_000, "ledger_reads_refused": 2,
                    "unknown_frees": 11, "vllm_messages_received": 40, "vllm_messages_rejected": 2,
                    "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,

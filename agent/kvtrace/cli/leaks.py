@@ -18,6 +18,8 @@ EPILOG = """examples:
   kvtrace leaks -p 1234 --min-age 600   # one process, 10 min and older
   kvtrace leaks --json | jq '.suspects[0].stack'
 """
+# Before a suspect's bytes, count and growth that are estimates from sampled block stacks (LeakSuspect.estimated).
+ESTIMATE_MARK = "~"
 
 
 def format_report(response) -> str:
@@ -29,6 +31,9 @@ def format_report(response) -> str:
              f"{response.suspect_allocations} at least {age} old, in {response.suspect_count} sites."]
     if len(response.suspects) < response.suspect_count:
         lines[-1] += f" The first {len(response.suspects)}:"
+    if any(suspect.estimated for suspect in response.suspects):
+        lines.append(f"{ESTIMATE_MARK} an estimate: the site's PyTorch blocks have their stacks sampled "
+                     "(--block-sample-bytes); what the process holds in all stays exact.")
     depths = depths_by_pid(response.depths)
     # Before any stack: where a process's blocks are not (all) traced, its stacks do not name holders.
     oldest_ns = {depth.pid: response.timestamp_ns for depth in depths.values()}
@@ -41,11 +46,12 @@ def format_report(response) -> str:
     if notes:
         lines += ["", *notes]
     for suspect in response.suspects:
-        growth = f"growth {human_rate(suspect.growth_bytes_per_second)} (15 min)"
+        about = ESTIMATE_MARK if suspect.estimated else ""
+        growth = f"growth {about}{human_rate(suspect.growth_bytes_per_second)} (15 min)"
         device = "GPU ?" if suspect.device < 0 else f"GPU {suspect.device}"
-        count = f"{suspect.allocation_count} allocation{'s' if suspect.allocation_count != 1 else ''}"
+        count = f"{about}{suspect.allocation_count} allocation{'s' if suspect.allocation_count != 1 else ''}"
         depth = depths.get(suspect.pid)
-        lines += ["", f"[{suspect.rank}] {human_bytes(suspect.outstanding_bytes)} in {count}, {growth}, "
+        lines += ["", f"[{suspect.rank}] {about}{human_bytes(suspect.outstanding_bytes)} in {count}, {growth}, "
                       f"oldest {human_duration(suspect.oldest_age_seconds)}",
                   f"    pid {suspect.pid} {printable(suspect.title) or '?'}, {device}"
                   + (f", depth {depth.depth.label}" if depth is not None else "")]
@@ -74,7 +80,8 @@ class LeaksCommand:
     not leaked: model weights and the KV cache are old too; growth is what a leak adds.
     A process traced at depth segments has no traced blocks: under PyTorch's caching allocator its
     stacks name who made the cache grow, not who holds the memory; the report says so, and how to
-    raise the depth (`kvtrace deep`).
+    raise the depth (`kvtrace deep`). Where PyTorch blocks' stacks are sampled (--block-sample-bytes),
+    a site's bytes, count and growth are estimates, marked "~" ("estimated" in --json).
     """
 
     EPILOG = EPILOG

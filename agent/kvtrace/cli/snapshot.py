@@ -82,7 +82,7 @@ class SnapshotCommand:
         return ExitCode.OK
 
     def _memory_viz(self, args: argparse.Namespace) -> int:
-        from kvtrace.reports.memory_viz import snapshot_dict, viz_segments, write_pickle
+        from kvtrace.reports.memory_viz import NOT_SAMPLED_FRAME, snapshot_dict, viz_segments, write_pickle
 
         if len(args.pid) != 1 or args.output is None:
             raise CommandError("--format memory-viz takes one process and a file: -p PID -o FILE.pickle",
@@ -110,6 +110,11 @@ class SnapshotCommand:
         print(f"wrote {args.output}: {len(segments)} segments, {blocks} blocks{note}. "
               f"View it: python -m torch.cuda._memory_viz trace_plot {args.output} -o {args.output.stem}.html, "
               "or at https://pytorch.org/memory_viz", file=sys.stderr)
+        passed = sum(1 for segment in segments for block in segment.blocks if block.sample_bytes and not block.sampled)
+        if passed:
+            print(f"kvtrace: block stacks are sampled (--block-sample-bytes): {passed} blocks' stacks were passed over "
+                  f"and show as {NOT_SAMPLED_FRAME}, so the viewer's bytes per stack are the sampled blocks' only; "
+                  f"`kvtrace flamegraph --blocks -p {args.pid[0]}` estimates each stack's", file=sys.stderr)
         return ExitCode.OK
 
 

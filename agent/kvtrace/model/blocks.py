@@ -93,12 +93,15 @@ def estimated_bytes(entry: Outstanding) -> float:
     stack, the sum is an unbiased estimate of the bytes held. A block of at least S bytes is always
     chosen (weight 1), and an entry not sampled (sample_bytes 0: every other object, and every block
     where S is 0 or its process is walked in full) is its own size, exactly."""
-    sample_bytes = entry.sample_bytes
+    return estimated_size(entry.size_bytes, entry.sample_bytes, entry.sampled)
+
+
+def estimated_size(size_bytes: int, sample_bytes: int, sampled: bool) -> float:
+    """estimated_bytes of an entry of these fields (wherever they are: a wire entry, a JSON object)."""
     if not sample_bytes:
-        return entry.size_bytes
-    if not entry.sampled:
+        return size_bytes
+    if not sampled:
         return 0.0
-    size_bytes = entry.size_bytes
     if size_bytes >= sample_bytes or size_bytes <= 0:
         return size_bytes
     return size_bytes / -math.expm1(-size_bytes / sample_bytes)

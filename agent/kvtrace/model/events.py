@@ -174,6 +174,10 @@ class Event:
     stack_id: int = 0  # interned Python stack (model/stacks.py); 0 = none
     stack_status: StackStatus = StackStatus.NOT_WALKED
     source: Source = Source.UPROBE
+    # pytorch_malloc: the mean S in bytes of the stack sampling its block was subject to (0: not subject,
+    # exact): a stack_status of NOT_SAMPLED says sampling passed it over, any other that it chose it. Its
+    # ledger entry says the same (Outstanding.sample_bytes, .sampled), whichever ledger it is built in.
+    sample_bytes: int = 0
 
 
 class RawRecords(Protocol):
@@ -189,10 +193,15 @@ class RawRecords(Protocol):
     @property
     def timestamp_offset_ns(self) -> int: ...
 
+    @property
+    def block_sample_bytes(self) -> int:
+        """The mean of the block stack sampling that the `sampling` column's 1s refer to (Event.sample_bytes)."""
+        ...
+
     def sliced(self, start: int, stop: int) -> RawRecords: ...
 
     def joins(self, other: RawRecords) -> bool:
-        """Whether `other`'s columns may follow these in one batch (one timestamp offset)."""
+        """Whether `other`'s columns may follow these in one batch (one timestamp offset, one sampling mean)."""
         ...
 
 

@@ -11,6 +11,8 @@ Rules:
 - a context destroy frees what that process held on the context's device; a process exit frees all
   it held (only entries older than the event: a reused pid or a new context keeps its own)
 - a free of an address never seen is counted, not an error: the memory predates the agent
+- a PyTorch block's stack sampling goes from its event into its entry (Event.sample_bytes and its
+  stack status), so a ledger built from events weighs blocks as the kernel's does (model/blocks.py)
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from kvtrace.model.events import (
     Layer,
     Memory,
     ObjectKind,
+    StackStatus,
 )
 
 _MEMORY_OBJECTS = MEMORY_OBJECTS  # a local name: these run per ledger entry
@@ -237,11 +240,14 @@ class Ledger:
             self._counted_read_ns = None
             return
         # Positional, in Outstanding's field order (keywords cost twice as much, on every allocation):
-        # key, size, time, device, api, memory, tid, caller, mapped_count, released, handle, stack, stream.
+        # key, size, time, device, api, memory, tid, caller, mapped_count, released, handle, stack, stream,
+        # and a block's stack sampling as the kernel's entry has it: chosen unless its event says passed over.
+        sample_bytes = event.sample_bytes
         self._insert(Outstanding(
             _new_tuple(LedgerKey, (event.pid, layer, object_kind, event.address)), event.size_bytes,
             event.timestamp_ns, event.device, event.api, memory, event.tid, event.caller_address, 0, False, 0,
-            event.stack_id, event.stream))
+            event.stack_id, event.stream, sample_bytes,
+            sample_bytes != 0 and event.stack_status is not StackStatus.NOT_SAMPLED))
 
     def _on_free(self, event: Event) -> None:
         key = self._key(event)

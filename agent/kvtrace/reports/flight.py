@@ -108,6 +108,11 @@ class FlightDumpError(Exception):
 class FlightRecorder:
     """A Session sink keeping the last `window_seconds` of records, and the dumps it writes."""
 
+    # Its window needs no event of a PyTorch block whose stack was not walked (Session.wants_every_block): a
+    # dump's checkpoint holds every block, exact, from the kernel's ledger; the window then has the sampled
+    # blocks' allocations and frees, a consistent sample, beside every segment's.
+    wants_every_block = False
+
     def __init__(self, session: Session, options: FlightOptions, leak_min_age_seconds: float) -> None:
         self.session = session
         self.options = options

@@ -25,6 +25,11 @@ What differs from a snapshot PyTorch takes of itself:
   no ``allocator_settings`` (kvtrace cannot read PYTORCH_CUDA_ALLOC_CONF as the allocator parsed
   it), and every segment is said to belong to the default pool (0, 0): private pools (CUDA graphs)
   are not seen from outside.
+- Under stack sampling of blocks (`kvtrace agent --block-sample-bytes`), a block whose stack sampling
+  passed over has one frame, ``[stack not sampled]``, instead of none: every block keeps its exact
+  size and place (a weighed size would not fit its segment), so the viewer's sums per stack are the
+  sampled blocks' exact bytes, and the rest sit under that frame. `kvtrace flamegraph --blocks`
+  weighs the sampled ones to estimate what each stack holds.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ BLOCK_GRANULARITY_BYTES = 512  # kMinBlockSize: every block size is a multiple o
 SMALL_BLOCK_MAX_BYTES = 1024 * 1024  # kSmallSize: requests up to 1 MiB go to the small pool
 SMALL_SEGMENT_BYTES = 2 * 1024 * 1024  # kSmallBuffer: the small pool's segment (and VMM page) size
 LARGE_SEGMENT_BYTES = 20 * 1024 * 1024  # kLargeBuffer: the large pool's VMM page size
+
+# The one frame of a block whose stack sampling passed over (no walk made): told apart from a block walked
+# without a Python stack, which has no frame.
+NOT_SAMPLED_FRAME = "[stack not sampled]"
 
 # The pytorch.org viewer reads the pickle with its own JavaScript reader, which refuses any protocol
 # outside 2-4; 4 is also what Python 3.8-3.13 writes by default.
@@ -275,6 +284,8 @@ def viz_segments(segments: Iterable[Segment], stack_of: Callable[[int], Stack | 
             stack = stack_of(block.stack_id) if block.stack_id else None
             frames = tuple(VizFrame(frame.function, frame.file, frame.line) for frame in stack.frames) \
                 if stack is not None else ()
+            if block.sample_bytes and not block.sampled:
+                frames = (VizFrame(NOT_SAMPLED_FRAME, "", 0),)
             blocks.append(VizBlock(block.key.address, block.size_bytes, block.timestamp_ns, frames, block.stream))
         # A segment's stream is not traced (cudaMalloc has none): 0; each block has its own.
         converted.append(VizSegment(device, segment.address, segment.size_bytes, 0, tuple(blocks),

@@ -347,6 +347,11 @@ class EventHub:
     def subscriber_count(self) -> int:
         return len(self._subscriptions) + len(self._parked)
 
+    @property
+    def wants_every_block(self) -> bool:
+        """A subscriber reads every event (Session.wants_every_block): only while there is one."""
+        return self.subscriber_count() > 0
+
     def parked_count(self) -> int:
         """Subscribers whose queue is full: they cost nothing per event until they read."""
         self.distribute()  # counted after what was published so far

@@ -196,6 +196,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "PyTorch blocks under stack sampling whose stack was not walked (stack_status not_sampled): they "
                "stay exact in the ledger and its totals; bytes per stack (leak suspects, flame graphs) are "
                "estimated from the sampled ones."),
+    MetricSpec("kvtrace_block_events_quiet_total", "counter", "events", (),
+               "PyTorch block events not sent because no reader wanted every block (no gRPC subscriber, no "
+               "recording): the blocks without a walked stack, and their frees. No loss: the kernel's ledger "
+               "and totals stay exact without them."),
     MetricSpec("kvtrace_events_undecodable_total", "counter", "events", (),
                "Events the agent could not decode (probes and agent of different builds?): they are "
                "told to subscribers as lost and the ledger resyncs from the kernel's (at most once a "
@@ -251,6 +255,7 @@ _SESSION_COUNTERS = {
     "kvtrace_block_events_unsent_total": "blocks_unsent",
     "kvtrace_block_stacks_sampled_total": "blocks_sampled",
     "kvtrace_block_stacks_not_sampled_total": "blocks_not_sampled",
+    "kvtrace_block_events_quiet_total": "blocks_quiet",
     "kvtrace_ledger_kernel_objects": "ledger_entries_in_kernel",
     "kvtrace_ledger_reads_refused_total": "ledger_reads_refused",
     "kvtrace_events_undecodable_total": "events_undecodable",

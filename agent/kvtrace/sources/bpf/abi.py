@@ -30,7 +30,7 @@ class RawEvent(ctypes.Structure):
         ("object", ctypes.c_uint8),
         ("memory", ctypes.c_uint8),
         ("stack_status", ctypes.c_uint8),
-        ("reserved", ctypes.c_uint8),
+        ("sampling", ctypes.c_uint8),
         ("comm", ctypes.c_char * COMM_LEN),
     ]
 
@@ -66,7 +66,7 @@ class RawLedgerValue(ctypes.Structure):
         ("released", ctypes.c_uint8),
         ("sample_kib", ctypes.c_uint16),
         ("sampled", ctypes.c_uint8),
-        ("reserved", ctypes.c_uint8),
+        ("unsent", ctypes.c_uint8),
         ("stack_id", ctypes.c_uint64),
     ]
 
@@ -125,11 +125,12 @@ class RawStack(ctypes.Structure):
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
             "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced", "stack_walks",
             "stack_windows", "stack_frame_reads", "stack_walker_missing", "stack_walks_preempted",
-            "totals_full", "blocks_sampled", "blocks_not_sampled")
+            "totals_full", "blocks_sampled", "blocks_not_sampled", "blocks_quiet")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
 CONFIG_PROCESS_GENERATION = 2
 CONFIG_BLOCK_SAMPLE_BYTES = 3
+CONFIG_QUIET_BLOCKS = 4
 
 BLOCK_SAMPLE_DRAWS = 1024  # KVT_BLOCK_SAMPLE_DRAWS (probes/usdt.h): quantiles of the exponential
 

@@ -16,6 +16,7 @@ from kvtrace.model.events import (
     Memory,
     ObjectKind,
     RawRecords,
+    Source,
     StackStatus,
     comm_text,
 )
@@ -55,14 +56,16 @@ _OBJECTS, _MEMORIES = _lookup(ObjectKind), _lookup(Memory)
 _STACK_STATUS = {member.value: member for member in StackStatus}
 
 
-def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
+def decode_event(record: bytes, clock: Clock, block_sample_bytes: int = 0) -> tuple[Event, int]:
     """(event, kernel stack id) of one ring-buffer record (struct kvt_event). The record's `aux`
-    is the handle of a cuMemMap, the physical bytes a cuMemUnmap freed, and a block's stream.
+    is the handle of a cuMemMap, the physical bytes a cuMemUnmap freed, and a block's stream; its
+    `sampling` says a block's stack was subject to sampling at the mean the agent set in the probes,
+    `block_sample_bytes` (the event's sample_bytes).
 
     Raises UndecodableRecord (a ValueError) for a record it cannot read, and nothing else."""
     try:
         (timestamp_ns, address, size_bytes, caller_address, aux, kernel_stack_id, pid, tid, device,
-         error_code, api, kind, layer, object_kind, memory, stack_status, _reserved,
+         error_code, api, kind, layer, object_kind, memory, stack_status, sampling,
          comm) = abi.EVENT_STRUCT.unpack_from(record)
         kind_member, api_member = _KINDS[kind], _APIS[api]
         layer_member, object_member, memory_member = _LAYERS[layer], _OBJECTS[object_kind], _MEMORIES[memory]
@@ -81,6 +84,7 @@ def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
         freed_bytes=aux if _AUX_FIELD[api] == 2 else 0, stream=aux if _AUX_FIELD[api] == 3 else 0,
         comm=comm_text(comm),
         stack_status=_STACK_STATUS.get(stack_status, StackStatus.NOT_WALKED),
+        sample_bytes=block_sample_bytes if sampling else 0,
     )
     return event, kernel_stack_id
 
@@ -88,7 +92,7 @@ def decode_event(record: bytes, clock: Clock) -> tuple[Event, int]:
 # api number -> which Event field a record's `aux` is (AUX_FIELDS): 1 handle, 2 freed_bytes, 3 stream, 0 none.
 _AUX_FIELD = {api.value: {"handle": 1, "freed_bytes": 2, "stream": 3}.get(AUX_FIELDS.get(api, ""), 0) for api in Api}
 _RECORD_STRUCTS: dict[tuple[int, int], struct.Struct] = {}
-# decode_events reads api, kind, layer, object, memory, stack_status and the reserved byte (8 bytes)
+# decode_events reads api, kind, layer, object, memory, stack_status and sampling (8 bytes)
 # as one bytes "tag", looked up at once in _TAGS: the same members as the lookups one by one, at a
 # seventh of the dictionary work on every event. A tag that is not cached is decoded by _decode_tag.
 _TAG_FORMAT = abi.EVENT_STRUCT.format.lstrip("<").replace("HBBBBBB", "8s")
@@ -98,12 +102,12 @@ _TAGS_MAX = 4096  # distinct tags are few (an API has one kind, layer, object, m
 
 
 def _decode_tag(tag: bytes) -> tuple | None:
-    """(kind, api, layer, object, memory, aux field, stack status) of a record's tag; None for a record
-    this agent cannot read."""
-    api, kind, layer, object_kind, memory, stack_status, _reserved = _TAG.unpack(tag)
+    """(kind, api, layer, object, memory, aux field, stack status, sampling) of a record's tag; None for a
+    record this agent cannot read."""
+    api, kind, layer, object_kind, memory, stack_status, sampling = _TAG.unpack(tag)
     try:
         members = (_KINDS[kind], _APIS[api], _LAYERS[layer], _OBJECTS[object_kind], _MEMORIES[memory],
-                   _AUX_FIELD[api], _STACK_STATUS.get(stack_status, StackStatus.NOT_WALKED))
+                   _AUX_FIELD[api], _STACK_STATUS.get(stack_status, StackStatus.NOT_WALKED), sampling != 0)
     except KeyError:
         return None
     if len(_TAGS) < _TAGS_MAX:
@@ -123,11 +127,12 @@ def _records_struct(stride: int, offset: int) -> struct.Struct:
 
 
 def decode_events(records: bytes, clock: Clock, stride: int = abi.EVENT_STRUCT.size,
-                  offset: int = 0) -> tuple[list[Event], list[int], int]:
+                  offset: int = 0, block_sample_bytes: int = 0) -> tuple[list[Event], list[int], int]:
     """Many records at once: (events, their kernel stack ids, how many records were undecodable).
 
     `records` holds one struct kvt_event at `offset` in every `stride` bytes (the ring's records as
-    they lie in it: loader.py hands them over so). The same events as decode_event one record at a
+    they lie in it: loader.py hands them over so); `block_sample_bytes` as decode_event's. The same
+    events as decode_event one record at a
     time, at well under half its cost: one C call unpacks the batch, each event is built with
     positional arguments, and comm text is decoded once per distinct comm. A record that
     decode_event would refuse is left out and counted."""
@@ -140,14 +145,14 @@ def decode_events(records: bytes, clock: Clock, stride: int = abi.EVENT_STRUCT.s
     events: list[Event] = []
     stack_ids: list[int] = []
     undecodable = 0
-    new_event, add_event, add_stack = Event, events.append, stack_ids.append
+    new_event, add_event, add_stack, uprobe = Event, events.append, stack_ids.append, Source.UPROBE
     for (timestamp_ns, address, size_bytes, caller_address, aux, kernel_stack_id, pid, tid, device, error_code,
          tag, comm) in layout.iter_unpack(records):
         members = tags.get(tag) or decode_tag(tag)
         if members is None:
             undecodable += 1
             continue
-        kind_member, api_member, layer_member, object_member, memory_member, field, status = members
+        kind_member, api_member, layer_member, object_member, memory_member, field, status, sampling = members
         name = names.get(comm)
         if name is None:
             name = names[comm] = comm_text(comm)
@@ -155,7 +160,7 @@ def decode_events(records: bytes, clock: Clock, stride: int = abi.EVENT_STRUCT.s
             kind_member, api_member, pid, tid, timestamp_ns + offset_ns, layer_member, object_member, memory_member,
             size_bytes, address, device, error_code, caller_address,
             aux if field == 1 else 0, aux if field == 2 else 0, aux if field == 3 else 0,  # handle, freed, stream
-            name, "", "", 0, status))
+            name, "", "", 0, status, uprobe, block_sample_bytes if sampling else 0))
         add_stack(kernel_stack_id)
     return events, stack_ids, undecodable
 
@@ -165,17 +170,19 @@ def decode_events(records: bytes, clock: Clock, stride: int = abi.EVENT_STRUCT.s
 # (x86-64, arm64), as the wire's fixed columns are.
 _FIXED_COLUMNS = tuple((name, getattr(abi.RawEvent, name).size) for name in (
     "timestamp_ns", "pid", "tid", "size_bytes", "address", "caller_address", "aux", "device", "error_code", "api",
-    "kind", "layer", "object", "memory", "stack_status"))
+    "kind", "layer", "object", "memory", "stack_status", "sampling"))
 
 
 class RawEvents:
-    """struct kvt_event records at `offset` in every `stride` bytes, as the ring held them, and the clock
-    offset their events were stamped with: what an EventRun was decoded from (model.events.RawRecords).
-    Each column is one strided copy of the records (a C loop), a few nanoseconds an event."""
+    """struct kvt_event records at `offset` in every `stride` bytes, as the ring held them, the clock
+    offset their events were stamped with, and the mean of the block stack sampling their `sampling`
+    refers to: what an EventRun was decoded from (model.events.RawRecords). Each column is one strided
+    copy of the records (a C loop), a few nanoseconds an event."""
 
-    __slots__ = ("records", "stride", "offset", "timestamp_offset_ns")
+    __slots__ = ("records", "stride", "offset", "timestamp_offset_ns", "block_sample_bytes")
 
-    def __init__(self, records: bytes, stride: int, offset: int, timestamp_offset_ns: int) -> None:
+    def __init__(self, records: bytes, stride: int, offset: int, timestamp_offset_ns: int,
+                 block_sample_bytes: int = 0) -> None:
         if not aligned(stride, offset) or len(records) % stride:
             raise ValueError(f"{len(records)} bytes are not whole 8-byte aligned records of {stride} bytes "
                              f"with the event at {offset}")
@@ -183,16 +190,19 @@ class RawEvents:
         self.stride = stride
         self.offset = offset
         self.timestamp_offset_ns = timestamp_offset_ns
+        self.block_sample_bytes = block_sample_bytes
 
     def __len__(self) -> int:
         return len(self.records) // self.stride
 
     def sliced(self, start: int, stop: int) -> RawEvents:
         stride = self.stride
-        return RawEvents(self.records[start * stride:stop * stride], stride, self.offset, self.timestamp_offset_ns)
+        return RawEvents(self.records[start * stride:stop * stride], stride, self.offset, self.timestamp_offset_ns,
+                         self.block_sample_bytes)
 
     def joins(self, other: RawRecords) -> bool:
-        return self.timestamp_offset_ns == other.timestamp_offset_ns
+        return (self.timestamp_offset_ns == other.timestamp_offset_ns
+                and self.block_sample_bytes == other.block_sample_bytes)
 
     def columns(self) -> dict[str, bytes]:
         view = memoryview(self.records)
@@ -216,10 +226,11 @@ def aligned(stride: int, offset: int) -> bool:
             and offset + abi.EVENT_STRUCT.size <= stride)
 
 
-def event_run(events: list[Event], records: bytes, clock: Clock, stride: int, offset: int) -> EventRun | None:
-    """The events decode_events made of every record of `records`, as a run with those records; None where
-    the records are not their events copied (some were left out, or a stack status was read as another),
-    or cannot be copied as columns (not aligned)."""
+def event_run(events: list[Event], records: bytes, clock: Clock, stride: int, offset: int,
+              block_sample_bytes: int = 0) -> EventRun | None:
+    """The events decode_events made of every record of `records` (with `block_sample_bytes`), as a run
+    with those records; None where the records are not their events copied (some were left out, or a
+    stack status was read as another), or cannot be copied as columns (not aligned)."""
     if not aligned(stride, offset) or len(events) * stride != len(records):
         return None
     view = memoryview(records)
@@ -227,7 +238,7 @@ def event_run(events: list[Event], records: bytes, clock: Clock, stride: int, of
         return None
     pids = frozenset(view.cast("I")[(offset + abi.RawEvent.pid.offset) // 4::stride // 4])
     kinds = frozenset(view[offset + abi.RawEvent.kind.offset::stride])
-    return EventRun(events, RawEvents(records, stride, offset, clock.offset_ns), pids, kinds)
+    return EventRun(events, RawEvents(records, stride, offset, clock.offset_ns, block_sample_bytes), pids, kinds)
 
 
 def decode_ledger_entry(key: abi.RawLedgerKey, value: abi.RawLedgerValue, clock: Clock) -> Outstanding:

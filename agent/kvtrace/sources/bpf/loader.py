@@ -486,6 +486,10 @@ class BpfProbes:
                 draws[ctypes.c_int(index)] = ctypes.c_uint64(draw)
         self._bpf[b"config"][ctypes.c_int(abi.CONFIG_BLOCK_SAMPLE_BYTES)] = ctypes.c_uint64(sample_bytes)
 
+    def set_quiet_blocks(self, quiet: bool) -> None:
+        """Whether a PyTorch block's events are sent only where its stack was walked (KVT_CONFIG_QUIET_BLOCKS)."""
+        self._bpf[b"config"][ctypes.c_int(abi.CONFIG_QUIET_BLOCKS)] = ctypes.c_uint64(1 if quiet else 0)
+
     def set_block_full(self, pid: int, full: bool) -> None:
         """Whether every block of the process has its stack walked whatever the sampling (its depth FULL)."""
         self._set_for_pid(b"block_full_pids", pid, ctypes.c_uint8(1) if full else None)

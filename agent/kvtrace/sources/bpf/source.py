@@ -192,6 +192,7 @@ class BpfSource:
         self._next_resync_allowed = 0.0
         # --blocks auto: the processes raised to BLOCKS or FULL, whose PyTorch probes are in (set_block_depths).
         self._deep: dict[int, Depth] = {}
+        self._quiet_blocks = False  # as the probes were told (KVT_CONFIG_QUIET_BLOCKS)
 
     @property
     def filtering(self) -> bool:
@@ -296,6 +297,7 @@ class BpfSource:
             probes.poll(0)
             self._flush()
             self.housekeeping()
+            self._quiet_blocks_when_unread()
             busy = 0 < self._records_this_turn < self._behind_records
             self._records_since_trim += self._records_this_turn
         self._next_turn_monotonic = started + BUSY_TURN_SECONDS if busy else 0.0
@@ -304,6 +306,17 @@ class BpfSource:
             # (its batches, rings' copies and decoded runs: megabytes that would stay resident).
             self._records_since_trim = 0
             return_freed_heap()
+
+    def _quiet_blocks_when_unread(self) -> None:
+        """While no sink reads every block's event, the probes send only those of blocks whose stacks they walk
+        (fewer records by the sampling's ratio at depth blocks): the kernel keeps the ledger and totals exact.
+        A kept ledger (--no-ledger-in-kernel) is made of the events: it needs them all."""
+        quiet = self.options.ledger_in_kernel and not self.session.wants_every_block()
+        if quiet is not self._quiet_blocks:
+            self._probes().set_quiet_blocks(quiet)
+            self._quiet_blocks = quiet
+            log.info("PyTorch block events: %s", "only of blocks with a stack (nobody reads the others)" if quiet
+                     else "every one (a reader wants them)")
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
@@ -339,14 +352,16 @@ class BpfSource:
         self._events_since_report = True
         self._records_this_turn += len(records) // stride
         try:
-            events, kernel_stack_ids, undecodable = decode_events(records, self.clock, stride, offset)
+            events, kernel_stack_ids, undecodable = decode_events(records, self.clock, stride, offset,
+                                                                  self.options.block_sample_bytes)
         except ValueError as error:  # not whole records: probes of another build?
             self._count_undecodable(max(1, len(records) // stride), error)
             return
         if undecodable:
             self._count_undecodable(undecodable, "a kind, API or enum value this agent does not know")
         stacked = any(kernel_stack_ids)  # then each event is admitted alone: no run is made
-        run = None if stacked else event_run(events, records, self.clock, stride, offset)
+        run = None if stacked else event_run(events, records, self.clock, stride, offset,
+                                             self.options.block_sample_bytes)
         if stacked or not _LIFECYCLE_KIND_NUMBERS.isdisjoint(
                 run.kinds if run is not None else {int(event.kind) for event in events}):
             for event, kernel_stack_id in zip(events, kernel_stack_ids, strict=True):

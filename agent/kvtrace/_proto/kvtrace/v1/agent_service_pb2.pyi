@@ -177,7 +177,7 @@ class GetSnapshotResponse(_message.Message):
     def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., depths: _Optional[_Iterable[_Union[ProcessDepthState, _Mapping]]] = ...) -> None: ...
 
 class OutstandingAllocation(_message.Message):
-    __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle", "stream")
+    __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle", "stream", "sample_bytes", "sampled")
     PID_FIELD_NUMBER: _ClassVar[int]
     TID_FIELD_NUMBER: _ClassVar[int]
     COMM_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,8 @@ class OutstandingAllocation(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     pid: int
     tid: int
     comm: str
@@ -218,7 +220,9 @@ class OutstandingAllocation(_message.Message):
     released: bool
     handle: int
     stream: int
-    def __init__(self, pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., layer: _Optional[_Union[_events_pb2.Layer, str]] = ..., object: _Optional[_Union[_events_pb2.ObjectKind, str]] = ..., memory: _Optional[_Union[_events_pb2.Memory, str]] = ..., api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., caller_address: _Optional[int] = ..., stack_id: _Optional[int] = ..., mapped_count: _Optional[int] = ..., released: bool = ..., handle: _Optional[int] = ..., stream: _Optional[int] = ...) -> None: ...
+    sample_bytes: int
+    sampled: bool
+    def __init__(self, pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., layer: _Optional[_Union[_events_pb2.Layer, str]] = ..., object: _Optional[_Union[_events_pb2.ObjectKind, str]] = ..., memory: _Optional[_Union[_events_pb2.Memory, str]] = ..., api: _Optional[_Union[_events_pb2.Api, str]] = ..., api_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., caller_address: _Optional[int] = ..., stack_id: _Optional[int] = ..., mapped_count: _Optional[int] = ..., released: bool = ..., handle: _Optional[int] = ..., stream: _Optional[int] = ..., sample_bytes: _Optional[int] = ..., sampled: bool = ...) -> None: ...
 
 class ListProcessesRequest(_message.Message):
     __slots__ = ()
@@ -344,7 +348,7 @@ class ListLeakSuspectsResponse(_message.Message):
     def __init__(self, suspects: _Optional[_Iterable[_Union[LeakSuspect, _Mapping]]] = ..., suspect_count: _Optional[int] = ..., allocations_considered: _Optional[int] = ..., suspect_allocations: _Optional[int] = ..., min_age_seconds: _Optional[float] = ..., timestamp_ns: _Optional[int] = ..., view: _Optional[_Union[View, str]] = ..., depths: _Optional[_Iterable[_Union[ProcessDepthState, _Mapping]]] = ...) -> None: ...
 
 class LeakSuspect(_message.Message):
-    __slots__ = ("rank", "pid", "title", "device", "stack_id", "stack", "caller_address", "native_caller", "outstanding_bytes", "allocation_count", "oldest_age_seconds", "growth_bytes_per_second")
+    __slots__ = ("rank", "pid", "title", "device", "stack_id", "stack", "caller_address", "native_caller", "outstanding_bytes", "allocation_count", "oldest_age_seconds", "growth_bytes_per_second", "estimated")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +361,7 @@ class LeakSuspect(_message.Message):
     ALLOCATION_COUNT_FIELD_NUMBER: _ClassVar[int]
     OLDEST_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GROWTH_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     title: str
@@ -369,7 +374,8 @@ class LeakSuspect(_message.Message):
     allocation_count: int
     oldest_age_seconds: float
     growth_bytes_per_second: float
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack: _Optional[_Union[_events_pb2.Stack, _Mapping]] = ..., caller_address: _Optional[int] = ..., native_caller: _Optional[_Union[NativeFrame, _Mapping]] = ..., outstanding_bytes: _Optional[int] = ..., allocation_count: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., growth_bytes_per_second: _Optional[float] = ...) -> None: ...
+    estimated: bool
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., title: _Optional[str] = ..., device: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack: _Optional[_Union[_events_pb2.Stack, _Mapping]] = ..., caller_address: _Optional[int] = ..., native_caller: _Optional[_Union[NativeFrame, _Mapping]] = ..., outstanding_bytes: _Optional[int] = ..., allocation_count: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., growth_bytes_per_second: _Optional[float] = ..., estimated: bool = ...) -> None: ...
 
 class NativeFrame(_message.Message):
     __slots__ = ("module", "symbol", "offset")

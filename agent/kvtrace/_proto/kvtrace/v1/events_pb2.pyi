@@ -203,7 +203,7 @@ class Event(_message.Message):
     def __init__(self, timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ..., comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., source: _Optional[_Union[EventSource, str]] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ..., device_change: _Optional[_Union[DeviceChange, _Mapping]] = ..., context_destroy: _Optional[_Union[ContextDestroy, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., events_lost: _Optional[_Union[EventsLost, _Mapping]] = ..., stack_definition: _Optional[_Union[Stack, _Mapping]] = ...) -> None: ...
 
 class Allocation(_message.Message):
-    __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stack_status_code", "stream")
+    __slots__ = ("kind", "api", "api_name", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stack_status_code", "stream", "sample_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     API_FIELD_NUMBER: _ClassVar[int]
     API_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class Allocation(_message.Message):
     STACK_STATUS_FIELD_NUMBER: _ClassVar[int]
     STACK_STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     api: Api
     api_name: str
@@ -238,7 +239,8 @@ class Allocation(_message.Message):
     stack_status: str
     stack_status_code: StackStatus
     stream: int
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., object: _Optional[_Union[ObjectKind, str]] = ..., memory: _Optional[_Union[Memory, str]] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ..., handle: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack_status: _Optional[str] = ..., stack_status_code: _Optional[_Union[StackStatus, str]] = ..., stream: _Optional[int] = ...) -> None: ...
+    sample_bytes: int
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., api: _Optional[_Union[Api, str]] = ..., api_name: _Optional[str] = ..., layer: _Optional[_Union[Layer, str]] = ..., object: _Optional[_Union[ObjectKind, str]] = ..., memory: _Optional[_Union[Memory, str]] = ..., size_bytes: _Optional[int] = ..., address: _Optional[int] = ..., device: _Optional[int] = ..., error_code: _Optional[int] = ..., caller_address: _Optional[int] = ..., handle: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., stack_id: _Optional[int] = ..., stack_status: _Optional[str] = ..., stack_status_code: _Optional[_Union[StackStatus, str]] = ..., stream: _Optional[int] = ..., sample_bytes: _Optional[int] = ...) -> None: ...
 
 class DeviceChange(_message.Message):
     __slots__ = ("api", "api_name", "layer", "device", "error_code", "context", "caller_address")
@@ -313,7 +315,7 @@ class StackFrame(_message.Message):
     def __init__(self, function: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ...) -> None: ...
 
 class EventColumns(_message.Message):
-    __slots__ = ("kind", "timestamp_ns", "pid", "tid", "process", "api", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stream", "source", "processes")
+    __slots__ = ("kind", "timestamp_ns", "pid", "tid", "process", "api", "layer", "object", "memory", "size_bytes", "address", "device", "error_code", "caller_address", "handle", "freed_bytes", "stack_id", "stack_status", "stream", "source", "processes", "sample_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +337,7 @@ class EventColumns(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: _containers.RepeatedScalarFieldContainer[EventKind]
     timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
     pid: _containers.RepeatedScalarFieldContainer[int]
@@ -356,7 +359,8 @@ class EventColumns(_message.Message):
     stream: _containers.RepeatedScalarFieldContainer[int]
     source: _containers.RepeatedScalarFieldContainer[EventSource]
     processes: _containers.RepeatedCompositeFieldContainer[ProcessLabel]
-    def __init__(self, kind: _Optional[_Iterable[_Union[EventKind, str]]] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., process: _Optional[_Iterable[int]] = ..., api: _Optional[_Iterable[_Union[Api, str]]] = ..., layer: _Optional[_Iterable[_Union[Layer, str]]] = ..., object: _Optional[_Iterable[_Union[ObjectKind, str]]] = ..., memory: _Optional[_Iterable[_Union[Memory, str]]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., error_code: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., handle: _Optional[_Iterable[int]] = ..., freed_bytes: _Optional[_Iterable[int]] = ..., stack_id: _Optional[_Iterable[int]] = ..., stack_status: _Optional[_Iterable[_Union[StackStatus, str]]] = ..., stream: _Optional[_Iterable[int]] = ..., source: _Optional[_Iterable[_Union[EventSource, str]]] = ..., processes: _Optional[_Iterable[_Union[ProcessLabel, _Mapping]]] = ...) -> None: ...
+    sample_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Iterable[_Union[EventKind, str]]] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., process: _Optional[_Iterable[int]] = ..., api: _Optional[_Iterable[_Union[Api, str]]] = ..., layer: _Optional[_Iterable[_Union[Layer, str]]] = ..., object: _Optional[_Iterable[_Union[ObjectKind, str]]] = ..., memory: _Optional[_Iterable[_Union[Memory, str]]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., error_code: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., handle: _Optional[_Iterable[int]] = ..., freed_bytes: _Optional[_Iterable[int]] = ..., stack_id: _Optional[_Iterable[int]] = ..., stack_status: _Optional[_Iterable[_Union[StackStatus, str]]] = ..., stream: _Optional[_Iterable[int]] = ..., source: _Optional[_Iterable[_Union[EventSource, str]]] = ..., processes: _Optional[_Iterable[_Union[ProcessLabel, _Mapping]]] = ..., sample_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProcessLabel(_message.Message):
     __slots__ = ("comm", "title", "container", "pid")
@@ -371,7 +375,7 @@ class ProcessLabel(_message.Message):
     def __init__(self, comm: _Optional[str] = ..., title: _Optional[str] = ..., container: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class FixedEventColumns(_message.Message):
-    __slots__ = ("timestamp_offset_ns", "timestamp_ns", "pid", "tid", "size_bytes", "address", "caller_address", "aux", "device", "error_code", "api", "kind", "layer", "object", "memory", "stack_status", "comm", "processes")
+    __slots__ = ("timestamp_offset_ns", "timestamp_ns", "pid", "tid", "size_bytes", "address", "caller_address", "aux", "device", "error_code", "api", "kind", "layer", "object", "memory", "stack_status", "comm", "processes", "sampling", "block_sample_bytes")
     TIMESTAMP_OFFSET_NS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +394,8 @@ class FixedEventColumns(_message.Message):
     STACK_STATUS_FIELD_NUMBER: _ClassVar[int]
     COMM_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SAMPLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     timestamp_offset_ns: int
     timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
     pid: _containers.RepeatedScalarFieldContainer[int]
@@ -408,4 +414,6 @@ class FixedEventColumns(_message.Message):
     stack_status: bytes
     comm: bytes
     processes: _containers.RepeatedCompositeFieldContainer[ProcessLabel]
-    def __init__(self, timestamp_offset_ns: _Optional[int] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., error_code: _Optional[_Iterable[int]] = ..., api: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., layer: _Optional[bytes] = ..., object: _Optional[bytes] = ..., memory: _Optional[bytes] = ..., stack_status: _Optional[bytes] = ..., comm: _Optional[bytes] = ..., processes: _Optional[_Iterable[_Union[ProcessLabel, _Mapping]]] = ...) -> None: ...
+    sampling: bytes
+    block_sample_bytes: int
+    def __init__(self, timestamp_offset_ns: _Optional[int] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., error_code: _Optional[_Iterable[int]] = ..., api: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., layer: _Optional[bytes] = ..., object: _Optional[bytes] = ..., memory: _Optional[bytes] = ..., stack_status: _Optional[bytes] = ..., comm: _Optional[bytes] = ..., processes: _Optional[_Iterable[_Union[ProcessLabel, _Mapping]]] = ..., sampling: _Optional[bytes] = ..., block_sample_bytes: _Optional[int] = ...) -> None: ...
