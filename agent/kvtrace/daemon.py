@@ -30,7 +30,7 @@ from kvtrace.analysis.depth import DepthOptions, DepthPolicy
 from kvtrace.config import ApiConfig
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import human_bytes
-from kvtrace.model.depth import Depth
+from kvtrace.model.depth import BlocksMode, Depth
 from kvtrace.model.events import PHYSICAL_LAYERS, Event, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.gpus import NvmlSample
@@ -271,6 +271,7 @@ class Daemon:
                 log.debug("stopping a half-started BPF source failed", exc_info=True)
             return
         self.source = source
+        self.depth = DepthPolicy(self.options.depth)  # a new source raised nobody yet: every process starts afresh
         self.session.set_cupti_witness(True)  # the probes see every process: CUPTI's events are compared
 
     def _tracing_down(self, reason: str) -> None:
@@ -351,13 +352,26 @@ class Daemon:
 
     def _decide_depths(self, snapshot: AnalysisSnapshot) -> None:
         """Each process's depth after an analysis (analysis/depth.py), applied to the probes at once and
-        published for reports; ended operator requests are forgotten."""
+        published for reports; ended operator requests are forgotten. What is published is what the probes
+        do: nothing while tracing is off, every process's blocks where only that is possible (a kept ledger),
+        none where the probes cannot trace blocks, and only the processes the probes follow (-p, --cmdline)."""
+        source = self.source
+        if source is None:
+            self.session.set_process_depths({})
+            self.session.set_depth_refusal("tracing is off here: no probes to raise")
+            return
+        mode = source.blocks_mode
+        self.depth.set_mode(mode)
+        self.session.set_depth_refusal("" if mode is BlocksMode.AUTO else (
+            f"PyTorch blocks are traced in every process here (--blocks {mode.value})" if mode is BlocksMode.ALWAYS
+            else f"PyTorch blocks are not traced here: {source.torch_blocks_down}"))
         requests = self.session.depth_requests()
         alive = {pid for pid in requests if psutil.pid_exists(pid)}
         alive |= {row.pid for row in snapshot.processes}
         started = {pid: int(info.start_time * 1e9) for pid, info in self.session.known_processes().items()
                    if info.start_time > 0}
-        depths, ended = self.depth.decide(snapshot, requests, alive, started)
+        decided, ended = self.depth.decide(snapshot, requests, alive, started)
+        depths = {pid: depth for pid, depth in decided.items() if source.follows(pid)}
         for pid in ended:
             self.session.forget_depth_request(pid)
         for pid, depth in depths.items():
@@ -367,8 +381,10 @@ class Daemon:
                             f": {depth.detail}" if depth.detail else "")
         self._depths_logged = {pid: depth.depth for pid, depth in depths.items()}
         self.session.set_process_depths(depths)
-        if self.source is not None:
-            self.source.set_block_depths({pid: depth.depth for pid, depth in depths.items()})
+        try:
+            source.set_block_depths({pid: depth.depth for pid, depth in depths.items()})
+        except Exception:  # a library that would not take a link: said, and the loop goes on (tried again next tick)
+            log.exception("applying the processes' depths to the probes failed")
 
     def _dump_on_signal(self) -> None:
         from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2

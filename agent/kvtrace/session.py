@@ -184,6 +184,9 @@ class Session:
         # decision; and operators' requests (`kvtrace deep`), which the policy reads at its next turn.
         self._depths: dict[int, ProcessDepth] = {}
         self._depth_requests: dict[int, DepthRequest] = {}
+        # Why an operator's request would not be honoured now ("" : it would): --blocks always|never, PyTorch's
+        # allocator probes down, tracing off. Set by the daemon, read by the API before it takes a request.
+        self._depth_refusal = "depth is not decided here (no agent)"
 
     # ---- writing: sources ----
 
@@ -231,6 +234,15 @@ class Session:
         while none does, the probes tell only the blocks whose stacks they walk (the kernel's ledger is exact
         without the others). A sink says so with a `wants_every_block` attribute; one without it wants them."""
         return any(getattr(sink, "wants_every_block", True) for sink in self._sinks)
+
+    def request_checkpoints(self) -> None:
+        """Recordings start again from a copy of the ledger at their next event: the ledger changed in a way no
+        event tells (a process lowered to depth segments: its blocks left without frees)."""
+        with self.lock:
+            for sink in self._sinks:
+                request = getattr(sink, "request_checkpoint", None)
+                if request is not None:
+                    request()
 
     def add_exit_watcher(self, watcher: ExitWatcher) -> None:
         with self.lock:
@@ -462,6 +474,17 @@ class Session:
                 self._depth_requests.pop(request.pid, None)
             else:
                 self._depth_requests[request.pid] = request
+
+    def set_depth_refusal(self, reason: str) -> None:
+        with self.lock:
+            self._depth_refusal = reason
+            if reason:
+                self._depth_requests.clear()
+
+    def depth_refusal(self) -> str:
+        """Why `request_depth` would not be honoured now; "" when it would."""
+        with self.lock:
+            return self._depth_refusal
 
     def depth_requests(self) -> dict[int, DepthRequest]:
         with self.lock:

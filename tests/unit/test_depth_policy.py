@@ -15,9 +15,9 @@ S = 1_000_000_000
 MIB = 1 << 20
 
 
-def row(pid, traced, ttoom=None, unattributed=None):
+def row(pid, traced, ttoom=None, unattributed=None, growth_1m=0.0):
     return ProcessGpu(pid=pid, title="", device=0, outstanding_bytes=traced, nvml_used_bytes=None,
-                      unattributed_bytes=unattributed, growth_bytes_per_second_1m=0.0,
+                      unattributed_bytes=unattributed, growth_bytes_per_second_1m=growth_1m,
                       growth_bytes_per_second_15m=0.0, time_to_oom_seconds=ttoom, allocations_1m=0, frees_1m=0,
                       free_ratio_1m=None)
 
@@ -52,7 +52,7 @@ def test_growth_raises_after_the_grace_and_quiet_lowers():
     assert decided[1].depth is Depth.SEGMENTS
     decided = run(policy, range(232, 233), leak)
     assert decided[1].depth is Depth.BLOCKS and decided[1].cause is DepthCause.GROWTH
-    assert decided[1].since_ns == 232 * S and "+64 MiB in 60 s" in decided[1].detail
+    assert decided[1].since_ns == 232 * S and "+64 MiB within 60 s" in decided[1].detail
     assert decided[1].sample_bytes == OPTIONS.sample_bytes
     # The leak stops at 300 s: the window shows 64 MiB gained until 328 s; held 600 s beyond that.
     flat = lambda pid, s: leak(pid, min(s, 300))  # noqa: E731
@@ -65,9 +65,14 @@ def test_growth_raises_after_the_grace_and_quiet_lowers():
 def test_time_to_oom_unexplained_and_vllm_raise():
     policy = DepthPolicy(OPTIONS)
     for second in range(0, 200):
-        decided, _ = policy.decide(snapshot(second, row(1, 0), row(2, 0, ttoom=3000.0),
-                                            row(3, 0, unattributed=second * 5 * MIB), row(4, 0)), {})
+        decided, _ = policy.decide(snapshot(second, row(1, 0), row(2, 0, ttoom=3000.0, growth_1m=1e3),
+                                            row(3, 0, unattributed=second * 5 * MIB), row(4, 0),
+                                            row(6, 0, ttoom=3000.0)), {})
+        if second < 120:  # starting up: no evidence counts yet
+            assert {d.depth for d in decided.values()} == {Depth.SEGMENTS}
     assert decided[2].depth is Depth.BLOCKS and decided[2].cause is DepthCause.TIME_TO_OOM
+    # A forecast while it no longer grows (the start-up's loading, fitted over 15 min) is no evidence.
+    assert decided[6].depth is Depth.SEGMENTS
     assert decided[3].depth is Depth.BLOCKS and decided[3].cause is DepthCause.UNEXPLAINED
     assert decided[1].depth is Depth.SEGMENTS and decided[4].depth is Depth.SEGMENTS
     finding = VllmFinding(kind=FindingKind.IDLE_GROWTH, engine_pid=4, message="grows idle", value=1.0,
@@ -129,3 +134,86 @@ def test_a_process_that_started_long_ago_has_no_grace():
                                    {}, started_ns={1: 0, 2: 9_990 * S})
     assert decided[1].depth is Depth.BLOCKS and decided[1].cause is DepthCause.GROWTH
     assert decided[2].depth is Depth.SEGMENTS  # 50 s old: still starting up
+
+
+def test_an_operator_request_does_not_erase_a_raise_on_evidence():
+    """Raised on growth, asked FULL for 30 s, and the request ends: it is back at BLOCKS (its evidence is
+    still within the quiet window), its blocks known since the first raise."""
+    policy = DepthPolicy(DepthOptions(startup_grace_seconds=0, growth_bytes=MIB, window_seconds=60))
+    decided = run(policy, range(0, 5), lambda pid, s: s * 2 * MIB)
+    assert decided[1].depth is Depth.BLOCKS and decided[1].since_ns == 1 * S
+    requests = {1: DepthRequest(1, Depth.FULL, requested_ns=5 * S, until_ns=35 * S)}
+    decided = run(policy, range(5, 35), lambda pid, s: 8 * MIB, requests=requests)
+    assert decided[1].depth is Depth.FULL and decided[1].since_ns == 1 * S  # blocks known all along
+    decided, ended = policy.decide(snapshot(35, row(1, 8 * MIB)), requests, alive={1})
+    assert ended == [1]
+    assert decided[1].depth is Depth.BLOCKS and decided[1].cause is DepthCause.GROWTH and decided[1].since_ns == S
+
+
+def test_a_reused_pid_is_another_process():
+    """Its old depth, evidence and requests do not pass to a new process that took the pid."""
+    policy = DepthPolicy(DepthOptions(startup_grace_seconds=0, growth_bytes=MIB, window_seconds=60))
+    for second in range(0, 5):
+        decided, _ = policy.decide(snapshot(second, row(1, second * 2 * MIB)), {}, started_ns={1: 1})
+    assert decided[1].depth is Depth.BLOCKS
+    request = DepthRequest(1, Depth.FULL, requested_ns=4 * S, until_ns=100 * S, process_started_ns=1)
+    decided, ended = policy.decide(snapshot(5, row(1, 0)), {1: request}, alive={1}, started_ns={1: 5 * S})
+    assert ended == [1] and decided[1].depth is Depth.SEGMENTS and decided[1].since_ns == 5 * S
+
+
+def test_held_processes_keep_their_strength_against_newcomers():
+    """With room for one, a process that grew 2 GiB and then went quiet is not evicted by one that grew 64 MiB."""
+    policy = DepthPolicy(DepthOptions(startup_grace_seconds=0, growth_bytes=64 * MIB, window_seconds=60,
+                                      max_raised=1))
+    decided = run(policy, range(0, 3), lambda pid, s: (2048 if pid == 1 else 0) * MIB * s, pids=(1, 2))
+    assert decided[1].depth is Depth.BLOCKS
+    decided = run(policy, range(3, 100), lambda pid, s: 4096 * MIB if pid == 1 else 64 * MIB * min(s - 2, 1),
+                  pids=(1, 2))
+    assert decided[1].depth is Depth.BLOCKS and decided[2].depth is Depth.SEGMENTS
+
+
+def test_the_mode_the_probes_can_do_decides():
+    """A policy told the probes trace blocks everywhere (a kept ledger) or nowhere (no uprobe_multi) says so."""
+    policy = DepthPolicy(OPTIONS)
+    policy.set_mode(BlocksMode.NEVER)
+    decided, _ = policy.decide(snapshot(1, row(1, 0)), {1: DepthRequest(1, Depth.FULL, 0, 10 * S)}, alive={1})
+    assert decided[1].depth is Depth.SEGMENTS and decided[1].cause is DepthCause.CONFIGURED
+
+
+class FakeSource:
+    """What the daemon asks of the BPF source for depths."""
+
+    def __init__(self, mode, followed=None, down=""):
+        self.blocks_mode, self.torch_blocks_down, self.followed, self.applied = mode, down, followed, []
+
+    def follows(self, pid):
+        return self.followed is None or pid in self.followed
+
+    def set_block_depths(self, depths):
+        self.applied.append(dict(depths))
+
+
+def test_the_daemon_publishes_what_the_probes_do():
+    """Tracing off: no depths, requests refused. A source that traces blocks everywhere: requests refused,
+    every process at blocks. Auto: decisions applied to the probes and published, for followed pids only."""
+    from kvtrace.daemon import Daemon, DaemonOptions
+    from kvtrace.model.depth import DepthRequest as Request
+
+    daemon = Daemon(DaemonOptions(api=None, nvml=False, tracing="off", vllm_socket="", vllm_discover=False,
+                                  flight=None))
+    rows = snapshot(10, row(1, MIB), row(2, MIB))
+    daemon._decide_depths(rows)
+    assert daemon.session.process_depths() == {} and "tracing is off" in daemon.session.depth_refusal()
+
+    daemon.source = FakeSource(BlocksMode.ALWAYS)
+    daemon._decide_depths(rows)
+    assert {d.depth for d in daemon.session.process_depths().values()} == {Depth.BLOCKS}
+    assert "every process" in daemon.session.depth_refusal()
+
+    daemon.source = source = FakeSource(BlocksMode.AUTO, followed={1})
+    daemon.session.set_depth_refusal("")
+    daemon.session.request_depth(Request(1, Depth.FULL, requested_ns=0, until_ns=10**20))
+    daemon._decide_depths(rows)
+    assert daemon.session.depth_refusal() == ""
+    assert {pid: d.depth for pid, d in daemon.session.process_depths().items()} == {1: Depth.FULL}
+    assert source.applied == [{1: Depth.FULL}]

@@ -20,7 +20,7 @@ from kvtrace.model.depth import BlocksMode
 from kvtrace.model.ledger import DEFAULT_MAX_READ_ENTRIES
 from kvtrace.reports.flight import FlightOptions
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.loader import BLOCK_SAMPLE_BYTES_MAX, BLOCK_SAMPLE_BYTES_MIN, ProbeSettings
+from kvtrace.sources.bpf.loader import ProbeSettings, block_sample_bytes_problem
 from kvtrace.sources.cupti import protocol as cupti_protocol
 from kvtrace.sources.vllm import protocol as vllm_protocol
 
@@ -236,11 +236,8 @@ class AgentCommand:
             raise CommandError(f"--cmdline is not a valid regular expression: {error}", ExitCode.USAGE) from None
         if not 0 <= args.max_block_events_per_second <= 100_000_000:
             raise CommandError("--max-block-events-per-second takes 0 (no limit) to 100000000", ExitCode.USAGE)
-        if args.block_sample_bytes != 0 and not (
-                BLOCK_SAMPLE_BYTES_MIN <= args.block_sample_bytes <= BLOCK_SAMPLE_BYTES_MAX
-                and args.block_sample_bytes % 1024 == 0):
-            raise CommandError("--block-sample-bytes takes 0 (every block) or a whole number of KiB from 4KiB to "
-                               "65535KiB", ExitCode.USAGE)
+        if problem := block_sample_bytes_problem(args.block_sample_bytes):
+            raise CommandError(f"--block-sample-bytes: {problem}", ExitCode.USAGE)
         if not 1 << 20 <= args.deepen_growth <= 1 << 40:
             raise CommandError("--deepen-growth takes 1MiB to 1TiB", ExitCode.USAGE)
         if not 0 <= args.deepen_grace_seconds <= 24 * 3600:
@@ -318,8 +315,8 @@ class AgentCommand:
                                                   wakeup_events=args.wakeup_events,
                                                   block_events_per_second=args.max_block_events_per_second,
                                                   task_storage=False if args.no_task_storage else None),
-                           python_stacks=not args.no_python_stacks, torch_blocks=blocks is not BlocksMode.NEVER,
-                           blocks=blocks, block_sample_bytes=args.block_sample_bytes,
+                           python_stacks=not args.no_python_stacks, blocks=blocks,
+                           block_sample_bytes=args.block_sample_bytes,
                            max_libraries=args.max_libraries, max_read_entries=args.max_read_entries,
                            ledger_in_kernel=args.ledger_in_kernel,
                            per_process_probes_max=args.per_process_probes_max),

@@ -81,6 +81,11 @@ def segments_only(pid: int, since_ns: int) -> ProcessDepth:
     return ProcessDepth(pid, Depth.SEGMENTS, since_ns, DepthCause.DEFAULT)
 
 
+# SetProcessDepth's `requested.detail` for a withdrawal (SEGMENTS), which `kvtrace deep --off` reads.
+REQUEST_WITHDRAWN = "request withdrawn: the agent decides on its own evidence again"
+NO_REQUEST = "no request to withdraw: the agent decides on its own evidence, as before"
+
+
 @dataclass(frozen=True, slots=True)
 class DepthRequest:
     """An operator's request (`kvtrace deep --pid P [--for 10m] [--full]`, gRPC SetProcessDepth)."""
@@ -89,4 +94,7 @@ class DepthRequest:
     depth: Depth           # BLOCKS or FULL; SEGMENTS withdraws a request
     requested_ns: int      # wall clock
     until_ns: int          # wall clock: the request ends then
+    # When the process asked for started (wall clock; 0: not known): a process that takes its pid later is
+    # another one, and the request does not pass to it.
+    process_started_ns: int = 0
 

@@ -351,6 +351,10 @@ class BpfProbes:
         self._torch_attached.setdefault(key, {})[pid] = attached
         return attached
 
+    def torch_keys_of(self, pid: int) -> list[Hashable]:
+        """The libraries with a PyTorch link of `pid`'s own."""
+        return [key for key, pid_links in self._torch_links.items() if pid in pid_links]
+
     def detach_torch(self, key: Hashable, pid: int) -> None:
         """Takes PyTorch's allocator probes in library `key` out for one process (its depth was lowered,
         or it exited); the library's sites stay registered for the others."""
@@ -475,11 +479,9 @@ class BpfProbes:
         """Stack sampling of PyTorch blocks (probes/usdt.h block_walked): a block's stack is walked once
         every `sample_bytes` bytes of a thread's blocks on average (exponential gaps), and always for one of
         at least that size; 0: every block's (exact). The ledger holds every block either way."""
-        if sample_bytes != 0 and not (BLOCK_SAMPLE_BYTES_MIN <= sample_bytes <= BLOCK_SAMPLE_BYTES_MAX
-                                      and sample_bytes % 1024 == 0):
-            raise ValueError(f"block sample bytes {sample_bytes}: 0 (every block's stack) or a whole number of "
-                             f"KiB from 4 KiB to 64 MiB - 1 KiB ({BLOCK_SAMPLE_BYTES_MIN} to "
-                             f"{BLOCK_SAMPLE_BYTES_MAX} bytes)")
+        problem = block_sample_bytes_problem(sample_bytes)
+        if problem:
+            raise ValueError(f"block sample bytes {sample_bytes}: {problem}")
         if sample_bytes:  # the draws first: a probe that sees the new mean draws from its distribution
             draws = self._bpf[b"block_sample_draws"]
             for index, draw in enumerate(exponential_quantiles(sample_bytes)):
@@ -857,6 +859,15 @@ class RingReader:
         self._data.release()
         self._producer.close()
         self._consumer.close()
+
+
+def block_sample_bytes_problem(sample_bytes: int) -> str:
+    """Why the probes cannot sample block stacks at this mean ("" when they can): the ledger keeps it in KiB,
+    in 16 bits."""
+    if sample_bytes == 0 or (BLOCK_SAMPLE_BYTES_MIN <= sample_bytes <= BLOCK_SAMPLE_BYTES_MAX
+                             and sample_bytes % 1024 == 0):
+        return ""
+    return "it takes 0 (every block's stack) or a whole number of KiB from 4KiB to 65535KiB"
 
 
 class LibraryUnreadable(Exception):

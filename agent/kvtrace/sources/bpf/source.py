@@ -99,10 +99,10 @@ class BpfOptions:
     cmdline: re.Pattern | None = None  # trace only processes whose title matches
     settings: ProbeSettings = field(default_factory=ProbeSettings)
     python_stacks: bool = True
-    torch_blocks: bool = True  # PyTorch's allocator probes (blocks inside segments); False: --blocks never
-    # ALWAYS: PyTorch's allocator probes in every process (one link per library); AUTO: only in the processes
-    # raised to depth BLOCKS or FULL (set_block_depths), one link per library and process, so that the
-    # others' semaphores stay at zero and torch skips its probes there. (The agent's flag defaults to auto.)
+    # PyTorch's allocator probes (blocks inside segments). ALWAYS: in every process (one link per library);
+    # AUTO: only in the processes raised to depth BLOCKS or FULL (set_block_depths), one link per library and
+    # process, so that the others' semaphores stay at zero and torch skips its probes there; NEVER: nowhere.
+    # (The agent's --blocks defaults to auto; tests and benches that build a source get every block.)
     blocks: BlocksMode = BlocksMode.ALWAYS
     # Mean bytes between PyTorch blocks whose stacks are walked (stack sampling, probes/usdt.h); 0: every block's.
     block_sample_bytes: int = 0
@@ -234,8 +234,8 @@ class BpfSource:
         self.session.traced_only = self.filtering
         self.session.report_component("python_stacks", not self.python_stacks_down, self.python_stacks_down)
         probes = self.probes = self._probes_factory(settings)
-        if not self.options.torch_blocks:
-            self.torch_blocks_down = "PyTorch blocks disabled by configuration (--no-torch-blocks)"
+        if self.options.blocks is BlocksMode.NEVER:
+            self.torch_blocks_down = "PyTorch blocks disabled by configuration (--blocks never)"
         elif not probes.uprobe_links:
             self.torch_blocks_down = "PyTorch's allocator probes need uprobe_multi links (Linux 6.6+)"
         if self.options.blocks is BlocksMode.AUTO and not self.options.ledger_in_kernel:
@@ -687,6 +687,15 @@ class BpfSource:
 
     # ---- depth per process (--blocks auto) ----
 
+    @property
+    def blocks_mode(self) -> BlocksMode:
+        """What the probes really do with PyTorch's blocks (NEVER where they cannot trace them at all)."""
+        return BlocksMode.NEVER if self.torch_blocks_down else self.options.blocks
+
+    def follows(self, pid: int) -> bool:
+        """Whether the probes trace `pid` (every process, or one of those chosen)."""
+        return not self.filtering or pid in self._selected
+
     def set_block_depths(self, depths: Mapping[int, Depth]) -> None:
         """Makes the processes at BLOCKS or FULL in `depths` exactly the ones whose PyTorch probes are in
         (--blocks auto; elsewhere only FULL is applied). A process raised gets its own link on each PyTorch
@@ -696,9 +705,8 @@ class BpfSource:
         it also attaches libraries a raised process mapped since."""
         with self._lock:
             probes = self._probes()
-            wanted = {pid: depth for pid, depth in depths.items() if depth >= Depth.BLOCKS}
-            for pid in sorted(self._deep.keys() - wanted.keys()):
-                self._lower(pid)
+            wanted = {pid: depth for pid, depth in depths.items() if depth >= Depth.BLOCKS and self.follows(pid)}
+            self._lower(sorted(self._deep.keys() - wanted.keys()))
             for pid, depth in sorted(wanted.items()):
                 if self._deep.get(pid) is not depth:
                     probes.set_block_full(pid, depth is Depth.FULL)
@@ -710,13 +718,14 @@ class BpfSource:
                     for pid in sorted(wanted.keys() & target.pids):
                         self._attach_torch(target, pid)
 
-    def _lower(self, pid: int) -> None:
-        """Back to SEGMENTS: its PyTorch links out first (no block of its can enter the ledger after), then
-        every block of its out of the kernel's ledger, uncounted from the totals the agent reports."""
-        del self._deep[pid]
-        self._detach_torch_of(pid)
-        if self.options.blocks is BlocksMode.AUTO:
-            self._drop_blocks_in_kernel(pid)
+    def _lower(self, pids: list[int]) -> None:
+        """Back to SEGMENTS: their PyTorch links out first (no block of theirs can enter the ledger after), then
+        every block of theirs out of the kernel's ledger (one pass for all), uncounted from the agent's totals."""
+        for pid in pids:
+            del self._deep[pid]
+            self._detach_torch_of(pid)
+        if pids and self.options.blocks is BlocksMode.AUTO:
+            self._drop_blocks_in_kernel(frozenset(pids))
 
     def _detach_torch_of(self, pid: int) -> None:
         """No FULL mark, and (--blocks auto) no PyTorch link of `pid`'s own left. --blocks always keeps its
@@ -725,14 +734,18 @@ class BpfSource:
         probes.set_block_full(pid, False)
         if self.options.blocks is not BlocksMode.AUTO:
             return
-        for file_id in [file_id for file_id in self._attached_targets if pid in probes.torch_attached_pids(file_id)]:
-            probes.detach_torch(file_id, pid)
+        for key in probes.torch_keys_of(pid):
+            try:
+                probes.detach_torch(key, pid)
+            except OSError:  # a link that would not close: said, and the agent goes on (the kernel drops it at exit)
+                log.exception("taking PyTorch's allocator probes out of pid %d failed", pid)
 
-    def _drop_blocks_in_kernel(self, pid: int) -> None:
-        """Deletes `pid`'s PyTorch blocks from the kernel's ledger; the agent stops counting them."""
+    def _drop_blocks_in_kernel(self, pids: frozenset[int]) -> None:
+        """Deletes the PyTorch blocks of `pids` from the kernel's ledger; the agent stops counting them, and
+        recordings start again from a checkpoint (no free of those blocks will ever come)."""
         probes = self._probes()
         doomed = [found for keys, values in probes.iter_ledger_chunks()
-                  for found in doomed_in_chunk(keys, values, pid, 2**64 - 1, None, _COUNTED_OBJECT_VALUES,
+                  for found in doomed_in_chunk(keys, values, pids, 2**64 - 1, None, _COUNTED_OBJECT_VALUES,
                                                objects=_BLOCK_OBJECT_VALUES)]
         deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
         sums: dict[TotalsKey, tuple[int, int]] = {}
@@ -741,7 +754,8 @@ class BpfSource:
                 size, count = sums.get(totals, (0, 0))
                 sums[totals] = (size + size_bytes, count + 1)
         self.session.uncount(sums, implicit=False)
-        log.info("pid %d back to segments: %d PyTorch blocks (%d bytes) no longer followed", pid,
+        self.session.request_checkpoints()
+        log.info("pids %s back to segments: %d PyTorch blocks (%d bytes) no longer followed", sorted(pids),
                  sum(count for _, count in sums.values()), sum(size for size, _ in sums.values()))
 
     def sweep_exited(self) -> None:
