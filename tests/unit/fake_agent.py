@@ -112,6 +112,7 @@ class FakeAgent:
         self.hub: EventHub | None = None  # set by served()
         self.session.report_libraries([LIBRARY])
         self.session.report_component("bpf", True)
+        self.session.set_depth_refusal("")  # takes depth requests, as an agent with --blocks auto does
 
     @property
     def ledger(self):

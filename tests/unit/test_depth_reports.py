@@ -8,16 +8,19 @@ import os
 import time
 
 import grpc
+import psutil
 import pytest
 from rich.console import Console
 
 from fake_agent import FakeAgent, MiB, event, served
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
+from kvtrace.cli.deep import request_line
 from kvtrace.cli.main import main
 from kvtrace.cli.top import render_frame
 from kvtrace.client import AgentClient
 from kvtrace.model.depth import Depth, DepthCause, ProcessDepth, segments_only
+from kvtrace.model.events import Api, Kind, Layer, ObjectKind, StackStatus
 from kvtrace.reports.recorder import FrameEncoder, recording_header
 from kvtrace.reports.recording import RecordingWriter
 from kvtrace.reports.replay import replay
@@ -87,6 +90,8 @@ def test_set_process_depth_reaches_the_session_with_its_end():
         assert request.pid == os.getpid() and request.depth is Depth.BLOCKS
         assert before <= request.requested_ns <= time.time_ns()
         assert request.until_ns == request.requested_ns + int(DEFAULT_DEPTH_SECONDS * NS)  # 10 min by default
+        # for this process, not one that takes its pid later
+        assert request.process_started_ns == int(psutil.Process(os.getpid()).create_time() * 1e9) > 0
         assert response.requested == depth_to_proto(ProcessDepth(
             os.getpid(), Depth.BLOCKS, request.requested_ns, DepthCause.OPERATOR, "asked for 600 s",
             until_ns=request.until_ns))
@@ -105,6 +110,37 @@ def test_set_process_depth_reaches_the_session_with_its_end():
             pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_SEGMENTS), timeout=10)
         assert backend.session.depth_requests() == {}
         assert (response.requested.depth, response.requested.until_ns) == (service_pb2.PROCESS_DEPTH_SEGMENTS, 0)
+        assert response.requested.detail.startswith("request withdrawn: ")
+        # ... and says so when there was none
+        backend.session.set_process_depths({})
+        response = stub.SetProcessDepth(service_pb2.SetProcessDepthRequest(
+            pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_SEGMENTS), timeout=10)
+        assert response.requested.detail.startswith("no request to withdraw: ")
+
+
+@pytest.mark.parametrize("depth", [service_pb2.PROCESS_DEPTH_BLOCKS, service_pb2.PROCESS_DEPTH_SEGMENTS])
+def test_set_process_depth_is_refused_while_the_agent_takes_no_requests(depth):
+    with served() as (server, backend):
+        backend.session.set_depth_refusal("--blocks never")
+        with pytest.raises(grpc.RpcError) as error:
+            admin_stub(server).SetProcessDepth(service_pb2.SetProcessDepthRequest(pid=os.getpid(), depth=depth),
+                                               timeout=10)
+        assert backend.session.depth_requests() == {}
+    assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert error.value.details() == "the agent does not take depth requests now: --blocks never"
+
+
+def test_set_process_depth_for_a_process_gone_in_between(monkeypatch):
+    def gone(pid):
+        raise psutil.NoSuchProcess(pid)
+    monkeypatch.setattr(psutil, "Process", gone)
+    with served() as (server, backend):
+        with pytest.raises(grpc.RpcError) as error:
+            admin_stub(server).SetProcessDepth(service_pb2.SetProcessDepthRequest(
+                pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_BLOCKS), timeout=10)
+        assert backend.session.depth_requests() == {}
+    assert error.value.code() is grpc.StatusCode.NOT_FOUND
+    assert f"no process {os.getpid()} runs on the agent's host" in error.value.details()
 
 
 def test_set_process_depth_is_for_the_admin_socket_only():
@@ -193,6 +229,33 @@ def test_deep_asks_and_says_until_when(capsys):
         assert capsys.readouterr().out.startswith(f"pid {os.getpid()}: request withdrawn (now blocks since ")
         assert backend.session.depth_requests() == {}
 
+        # --off again: there is nothing to withdraw, and the line says so
+        assert main(["deep", "--pid", str(os.getpid()), "--off", "--socket", socket]) == 0
+        assert capsys.readouterr().out.startswith(f"pid {os.getpid()}: no request to withdraw (now blocks since ")
+        backend.session.set_process_depths({})
+        assert main(["deep", "--pid", str(os.getpid()), "--off", "--socket", socket]) == 0
+        assert capsys.readouterr().out == (f"pid {os.getpid()}: no request to withdraw; the agent decides on its own "
+                                           "evidence, as before\n")
+
+
+def test_deep_off_from_an_agent_that_does_not_say_whether_there_was_a_request():
+    pid = os.getpid()
+    withdrawal = service_pb2.SetProcessDepthResponse(requested=depth_to_proto(ProcessDepth(
+        pid, Depth.SEGMENTS, 5 * NS, DepthCause.OPERATOR)))
+    assert request_line(withdrawal).startswith(f"pid {pid}: any request withdrawn; the agent decides")
+    withdrawal.current.CopyFrom(depth_to_proto(raised(pid, 5 * NS, DepthCause.OPERATOR, "asked for 600 s")))
+    assert request_line(withdrawal).startswith(f"pid {pid}: request withdrawn (now blocks since ")
+
+
+def test_deep_says_in_one_line_when_the_agent_takes_no_requests(capsys):
+    with served() as (server, backend):
+        backend.session.set_depth_refusal("--blocks never")
+        assert main(["deep", "--pid", str(os.getpid()), "--socket", str(server.config.socket)]) == 1
+        assert backend.session.depth_requests() == {}
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
+    assert captured.err.rstrip().endswith("refused: the agent does not take depth requests now: --blocks never")
+
 
 @pytest.mark.parametrize("argv, says", [
     (["--for", "0s"], "not a duration from 1s to 24h: '0s' (examples: 90s, 10m, 2h)"),
@@ -253,8 +316,8 @@ def test_top_shows_each_rows_depth_and_when_a_process_was_raised():
     assert lines[-1] == f"pid 200: blocks since {since} (growth: traced bytes +96 MiB in 60 s)"
 
 
-def test_leaks_says_when_holders_are_not_known(capsys):
-    # GIVEN pid 100 at segments and pid 200 raised to blocks after its oldest suspect memory
+def test_leaks_says_whose_holders_are_known_and_since_when(capsys):
+    # GIVEN pid 100 at segments and pid 200 raised to blocks after its memory was allocated
     now_ns = time.time_ns()
     backend = backend_with_depths(now_ns)
     with served(backend) as (server, _):
@@ -265,21 +328,43 @@ def test_leaks_says_when_holders_are_not_known(capsys):
     assert out[4:6] == [
         "pid 100 VLLM::EngineCore is traced at segments: its holders are not known yet. Blocks are not traced "
         "at this depth, so a caching allocator's stack names who grew the cache, not who holds it; raise it: "
-        "kvtrace deep --pid 100",
-        f"pid 200 VLLM::Worker_TP0: depth raised to blocks at {since} (growth: traced bytes +96 MiB in 60 s), "
-        "holders appear as blocks are allocated; what it allocated before then names who grew the cache, not "
-        "who holds it"]
+        "sudo kvtrace deep --pid 100",
+        f"pid 200 VLLM::Worker_TP0: blocks known since {since} (growth: traced bytes +96 MiB in 60 s); memory "
+        "allocated before that is counted in its segments but has no holder"]
     assert "    pid 200 VLLM::Worker_TP0, GPU 0, depth blocks" in out
 
 
-def test_leaks_says_nothing_of_holders_when_blocks_were_traced_all_along(capsys):
+def test_leaks_says_since_when_blocks_are_known_once_a_raised_process_holds_blocks(capsys):
+    # GIVEN pid 200 raised 200 s ago, holding a segment from before then and a block from after
+    now_ns = time.time_ns()
+    backend = backend_with_depths(now_ns)
+    backend.apply(event(kind=Kind.ALLOC, api=Api.pytorch_malloc, layer=Layer.TORCH, obj=ObjectKind.BLOCK, pid=200,
+                        address=0x10, size=2 * MiB, ts=now_ns - 100 * NS, stack_id=3,
+                        stack_status=StackStatus.OK, sample_bytes=512 << 10))
+    backend.analyze(now_ns, 300 * NS)
+    with served(backend) as (server, _):
+        assert main(["leaks", "-p", "200", "--min-age", "0", "--socket", str(server.config.socket)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    since = time.strftime("%H:%M:%S", time.localtime((now_ns - 200 * NS) / NS))
+    # THEN its suspect is the block, allocated after the raise, and the note stays: what 200 allocated before
+    # the raise still has no holder
+    assert out[2] == "1 outstanding allocations considered, 1 at least 0 s old, in 1 sites."
+    assert "[1] 2.0 MiB in 1 allocation, growth 0 B/s (15 min), oldest 1m40s" in out
+    assert f"pid 200 VLLM::Worker_TP0: blocks known since {since} (growth: traced bytes +96 MiB in 60 s); memory " \
+        "allocated before that is counted in its segments but has no holder" in out
+    assert "    pid 200 VLLM::Worker_TP0, GPU 0, depth blocks" in out
+
+
+def test_leaks_says_since_when_blocks_are_known_even_when_traced_all_along(capsys):
     now_ns = time.time_ns()
     backend = backend_with_depths(now_ns)
     backend.session.set_process_depths({200: raised(200, now_ns - 400 * NS, DepthCause.CONFIGURED, "")})
     with served(backend) as (server, _):
         assert main(["leaks", "-p", "200", "--min-age", "0", "--socket", str(server.config.socket)]) == 0
     out = capsys.readouterr().out
-    assert "holders" not in out and "depth blocks" in out
+    since = time.strftime("%H:%M:%S", time.localtime((now_ns - 400 * NS) / NS))
+    assert f"pid 200 VLLM::Worker_TP0: blocks known since {since} (configured); memory allocated" in out
+    assert "depth blocks" in out and "traced at segments" not in out
 
 
 def test_snapshot_header_says_the_depth(capsys):

@@ -101,8 +101,9 @@ class AgentCommand:
                                  "block this large or larger always has its stack): bytes per stack are then "
                                  "estimates, the ledger stays exact. 0: every block's stack (default: 512KiB)")
         parser.add_argument("--deepen-growth", metavar="SIZE", type=parse_size, default=depth.growth_bytes,
-                            help="--blocks auto: a process whose traced bytes gain this much within a minute "
-                                 "(after its first two minutes) has its blocks traced (default: 64MiB)")
+                            help="--blocks auto: a process whose traced bytes rise this much above their lowest of "
+                                 "the last 15 minutes (after --deepen-grace-seconds) has its blocks traced "
+                                 "(default: 64MiB)")
         parser.add_argument("--deepen-grace-seconds", metavar="SECONDS", type=float,
                             default=depth.startup_grace_seconds,
                             help="--blocks auto: a process's growth counts only after it ran this long (loading "

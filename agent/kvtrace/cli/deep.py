@@ -12,7 +12,7 @@ from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.human import coarse_age, human_duration, printable
-from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
+from kvtrace.model.depth import NO_REQUEST, REQUEST_WITHDRAWN, Depth, DepthCause, ProcessDepth
 from kvtrace.wire import depth_from_proto, depth_message_to_json
 
 EPILOG = """examples:
@@ -53,32 +53,32 @@ def depth_code(message: service_pb2.ProcessDepthState | None) -> str:
     return DEPTH_CODES.get(depth.depth, "-") if depth is not None else "-"
 
 
+def cause_words(depth: ProcessDepth, with_detail: bool = True) -> str:
+    """`growth: traced bytes +96 MiB in 60 s`, or `growth` without the detail: why a process is at its depth."""
+    cause = depth.cause.name.lower().replace("_", "-")
+    return f"{cause}: {printable(depth.detail)}" if with_detail and depth.detail else cause
+
+
 def raised_line(depth: ProcessDepth) -> str:
     """`pid 200: blocks since 14:20:01 (growth: traced bytes +96 MiB in 60 s), until 14:30:01`."""
-    why = depth.cause.name.lower().replace("_", "-") + (f": {printable(depth.detail)}" if depth.detail else "")
     until = f", until {clock_time(depth.until_ns)}" if depth.until_ns else ""
-    return f"pid {depth.pid}: {depth.depth.label} since {clock_time(depth.since_ns)} ({why}){until}"
+    return f"pid {depth.pid}: {depth.depth.label} since {clock_time(depth.since_ns)} ({cause_words(depth)}){until}"
 
 
-def holder_notes(depths: dict[int, ProcessDepth], oldest_ns: dict[int, int], titles: dict[int, str]) -> list[str]:
-    """What a leak report must say about each of its processes whose holders are not (all) known: at
-    SEGMENTS, none are (blocks are not traced); raised since after its oldest suspect memory, the blocks
-    from before then are not. `oldest_ns`: pid -> when its oldest suspect memory was allocated."""
+def holder_notes(depths: dict[int, ProcessDepth], titles: dict[int, str]) -> list[str]:
+    """What a leak report must say of each of its processes about who holds its memory, whatever it holds
+    now: at SEGMENTS, nobody is known (blocks are not traced); at BLOCKS or FULL, blocks are known only since
+    the depth was raised, and what the process allocated before then is in its segments, with no holder."""
     notes = []
-    for pid in sorted(oldest_ns):
-        depth = depths.get(pid)
-        if depth is None:
-            continue
+    for pid, depth in sorted(depths.items()):
         who = f"pid {pid}" + (f" {printable(titles[pid])}" if titles.get(pid) else "")
         if not depth.knows_holders:
             notes.append(f"{who} is traced at segments: its holders are not known yet. Blocks are not traced at "
                          "this depth, so a caching allocator's stack names who grew the cache, not who holds it; "
-                         f"raise it: kvtrace deep --pid {pid}")
-        elif depth.since_ns > oldest_ns[pid]:
-            why = depth.cause.name.lower().replace("_", "-") + (f": {printable(depth.detail)}" if depth.detail else "")
-            notes.append(f"{who}: depth raised to {depth.depth.label} at {clock_time(depth.since_ns)} ({why}), "
-                         "holders appear as blocks are allocated; what it allocated before then names who grew "
-                         "the cache, not who holds it")
+                         f"raise it: sudo kvtrace deep --pid {pid}")
+        else:
+            notes.append(f"{who}: blocks known since {clock_time(depth.since_ns)} ({cause_words(depth)}); memory "
+                         "allocated before that is counted in its segments but has no holder")
     return notes
 
 
@@ -134,7 +134,12 @@ def request_line(response: service_pb2.SetProcessDepthResponse) -> str:
         now = f"now {current.depth.label}" + (f" since {clock_time(current.since_ns)}"
                                               if current.cause is not DepthCause.DEFAULT else "")
     if requested.depth is Depth.SEGMENTS:
-        return (f"pid {pid}: request withdrawn{f' ({now})' if now else ''}; the agent decides on its own "
+        where = f" ({now})" if now else ""
+        if requested.detail == NO_REQUEST:
+            return f"pid {pid}: no request to withdraw{where}; the agent decides on its own evidence, as before"
+        # An agent that does not say whether there was a request: there was one if the process is at depth for it.
+        had = requested.detail == REQUEST_WITHDRAWN or (current is not None and current.cause is DepthCause.OPERATOR)
+        return (f"pid {pid}: {'request' if had else 'any request'} withdrawn{where}; the agent decides on its own "
                 f"evidence again at its next analysis tick (≤ 1 s)")
     seconds = (requested.until_ns - requested.since_ns) / NS_PER_SECOND
     what = "every block's stack" if requested.depth is Depth.FULL else "PyTorch blocks, stacks sampled"

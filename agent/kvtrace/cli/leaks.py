@@ -35,14 +35,11 @@ def format_report(response) -> str:
         lines.append(f"{ESTIMATE_MARK} an estimate: the site's PyTorch blocks have their stacks sampled "
                      "(--block-sample-bytes); what the process holds in all stays exact.")
     depths = depths_by_pid(response.depths)
-    # Before any stack: where a process's blocks are not (all) traced, its stacks do not name holders.
-    oldest_ns = {depth.pid: response.timestamp_ns for depth in depths.values()}
+    # Before any stack: who holds each process's memory is known only from when its blocks were traced.
     titles: dict[int, str] = {}
     for suspect in response.suspects:
-        allocated_ns = response.timestamp_ns - int(suspect.oldest_age_seconds * 1e9)
-        oldest_ns[suspect.pid] = min(oldest_ns.get(suspect.pid, allocated_ns), allocated_ns)
         titles.setdefault(suspect.pid, suspect.title)
-    notes = holder_notes(depths, oldest_ns, titles)
+    notes = holder_notes(depths, titles)
     if notes:
         lines += ["", *notes]
     for suspect in response.suspects:

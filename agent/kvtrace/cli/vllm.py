@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvtrace.cli.deep import clock_time
+from kvtrace.cli.deep import cause_words, clock_time
 from kvtrace.cli.flags import add_pid_flag
 from kvtrace.cli.ps import compact_roles
 from kvtrace.client import AgentClient
@@ -133,7 +133,7 @@ def _depth_line(depths: dict[int, ProcessDepth]) -> list[str]:
     for pid, depth in sorted(depths.items()):
         text = f"{pid} {depth.depth.label}"
         if depth.knows_holders:
-            text += f" since {clock_time(depth.since_ns)} ({depth.cause.name.lower().replace('_', '-')})"
+            text += f" since {clock_time(depth.since_ns)} ({cause_words(depth, with_detail=False)})"
         parts.append(text)
     return ["  depth: " + ", ".join(parts)]
 

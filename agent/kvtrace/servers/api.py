@@ -59,7 +59,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import ApiConfig
-from kvtrace.model.depth import Depth, DepthCause, DepthRequest, ProcessDepth
+from kvtrace.model.depth import NO_REQUEST, REQUEST_WITHDRAWN, Depth, DepthCause, DepthRequest, ProcessDepth
 from kvtrace.model.events import Event, EventRun, Kind, Layer
 from kvtrace.model.ledger import LedgerReadRefused, Outstanding
 from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo, TitlePattern, redact_title
@@ -747,9 +747,11 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         try:
             if not 0 < request.pid <= MAX_PID:
                 raise InvalidArgument("pid", f"{request.pid} is not a process id (1 to {MAX_PID})")
-            if request.depth not in Depth._value2member_map_:
+            try:
+                depth = Depth(request.depth)
+            except ValueError:
                 raise InvalidArgument("depth", f"unknown or unspecified value {request.depth}: PROCESS_DEPTH_BLOCKS, "
-                                      "PROCESS_DEPTH_FULL, or PROCESS_DEPTH_SEGMENTS to withdraw a request")
+                                      "PROCESS_DEPTH_FULL, or PROCESS_DEPTH_SEGMENTS to withdraw a request") from None
             seconds = request.duration_seconds or DEFAULT_DEPTH_SECONDS
             if not MIN_DEPTH_SECONDS <= seconds <= MAX_DEPTH_SECONDS:  # NaN too
                 raise InvalidArgument("duration_seconds", f"{request.duration_seconds:g} is not in "
@@ -757,20 +759,29 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                                       f"0: the default, {DEFAULT_DEPTH_SECONDS:g})")
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        pid, depth = request.pid, Depth(request.depth)
-        if not psutil.pid_exists(pid):
+        refusal = self._state.depth_refusal()
+        if refusal:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the agent does not take depth requests now: {refusal}")
+        pid = request.pid
+        # When the process started: a request holds for it, not for a later process that takes its pid.
+        try:
+            started_ns = int(psutil.Process(pid).create_time() * 1e9)
+        except psutil.NoSuchProcess:  # gone, or gone in between
             context.abort(grpc.StatusCode.NOT_FOUND, f"no process {pid} runs on the agent's host (pids are the "
                           "host's: inside a container, look the pid up with `kvtrace ps`)")
+        except psutil.Error:
+            started_ns = 0  # not known
         now_ns = self._state.wall_clock_ns()
         current = self._state.process_depths().get(pid)
         if depth is Depth.SEGMENTS:
-            self._state.request_depth(DepthRequest(pid, depth, now_ns, now_ns))
-            requested = ProcessDepth(pid, depth, now_ns, DepthCause.OPERATOR,
-                                     "request withdrawn: the agent decides on its own evidence again")
-            log.info("SetProcessDepth: the request for pid %d withdrawn", pid)
+            had = pid in self._state.depth_requests() or (current is not None and current.cause is DepthCause.OPERATOR)
+            self._state.request_depth(DepthRequest(pid, depth, now_ns, now_ns, started_ns))
+            requested = ProcessDepth(pid, depth, now_ns, DepthCause.OPERATOR, REQUEST_WITHDRAWN if had else NO_REQUEST)
+            log.info("SetProcessDepth: %s for pid %d", "the request withdrawn" if had else "no request to withdraw",
+                     pid)
         else:
             until_ns = now_ns + int(seconds * 1e9)
-            self._state.request_depth(DepthRequest(pid, depth, now_ns, until_ns))
+            self._state.request_depth(DepthRequest(pid, depth, now_ns, until_ns, started_ns))
             requested = ProcessDepth(pid, depth, now_ns, DepthCause.OPERATOR, f"asked for {seconds:g} s",
                                      until_ns=until_ns)
             log.info("SetProcessDepth: pid %d asked at depth %s for %g s", pid, depth.label, seconds)

@@ -101,6 +101,15 @@ class AgentState(Protocol):
         """An operator's request (SetProcessDepth), for the depth policy's next turn; SEGMENTS withdraws one."""
         ...
 
+    def depth_requests(self) -> dict[int, DepthRequest]:
+        """pid -> the operators' requests not yet ended (a copy)."""
+        ...
+
+    def depth_refusal(self) -> str:
+        """Why an operator's request would not be honoured now (--blocks always|never, PyTorch's allocator
+        probes down, tracing off); "" when it would."""
+        ...
+
 
 class AgentAnalysis(Protocol):
     """What analysis found (kvtrace.analysis.analyzer.Analyzer)."""

@@ -206,7 +206,8 @@ class AgentServiceServicer(object):
         stack; SEGMENTS withdraws an earlier request (the agent then decides on its own evidence again).
         The agent applies it at its next analysis tick (within a second). Admin view only
         (PERMISSION_DENIED on the group socket): it changes what the agent traces and what that costs.
-        NOT_FOUND when no such process runs.
+        NOT_FOUND when no such process runs; FAILED_PRECONDITION, with the reason, while the agent takes no
+        depth requests (`--blocks always` or `never`, PyTorch's allocator probes down, tracing off).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
