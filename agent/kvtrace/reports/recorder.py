@@ -149,7 +149,7 @@ class FrameEncoder:
         if type(record) is Event:
             if self._depths_of is not None and record.timestamp_ns >= self._next_depth_check_ns:
                 self._next_depth_check_ns = record.timestamp_ns + DEPTH_CHECK_NS
-                yield from self._depth_changes()
+                yield from self.depth_changes()
             yield from self._process(record.pid, None, record)
             yield from self._stack(record.stack_id)
             self.events_encoded += 1
@@ -183,9 +183,11 @@ class FrameEncoder:
                 self._sent_depths[pid] = depth
             yield service_pb2.RecordingFrame(process=recorded_process_to_proto(info, depth))
 
-    def _depth_changes(self) -> Iterator[service_pb2.RecordingFrame]:
-        """Processes already written whose depth changed since: written again, with the new depth."""
-        assert self._depths_of is not None
+    def depth_changes(self) -> Iterator[service_pb2.RecordingFrame]:
+        """Processes already written whose depth changed since: written again, with the new depth. (Also called
+        between events, and before a file closes: a depth decided after a process's last event is written too.)"""
+        if self._depths_of is None:
+            return
         self._depths = depths = self._depths_of()
         for pid, title in self._sent_processes.items():
             depth = depths.get(pid)
@@ -372,6 +374,9 @@ class FileRecorder:
             while True:
                 records = self._queue.take(4096, FLUSH_SECONDS)
                 if not records and self._stop.is_set():
+                    assert self._writer is not None
+                    for frame in self._encoder.depth_changes():  # decided after the last event
+                        self._writer.write(frame)
                     break  # stopped, and what was queued before is written
                 for record in records:
                     if rotating and type(record) is SessionCheckpoint:
@@ -383,6 +388,8 @@ class FileRecorder:
                         self._writer.write(frame)
                 if time.monotonic() >= next_flush:
                     assert self._writer is not None
+                    for frame in self._encoder.depth_changes():  # a quiet process's depth changes too
+                        self._writer.write(frame)
                     self._writer.flush()
                     next_flush = time.monotonic() + FLUSH_SECONDS
                     if not rotating and self._writer.size_bytes >= self.max_bytes:
