@@ -18,7 +18,14 @@ Roles (cost = 1 - tokens/s / control's tokens/s of the same round; medians over 
   full     `--blocks always --block-sample-bytes 0`: every block's stack (what the agent did before depth).
   history  PyTorch's own torch.cuda.memory._record_memory_history(enabled="all"), a control agent beside.
 
+--workload vllm: the same roles around one real vLLM 0.24 engine (tests/gpu/workloads/vllm_engine.py, random
+8-layer Llama, no sleep mode; `--graphs` with CUDA graphs, else enforce_eager) with the kvtrace plugin inside it
+reporting to each agent (the default agent's vLLM side on); each run is `throughput --prompts --new-tokens`,
+the agent following the engine's processes (the driver and its EngineCore). Needs the vLLM bundle
+(bash tests/gpu/run.sh vllm-depth-bench ...).
+
 Run: bash tests/gpu/run.sh depth-bench [--rounds 5] [--new-tokens 128] [--calls 2] [--json-out FILE]
+     bash tests/gpu/run.sh vllm-depth-bench --workload vllm [--graphs] [--prompts 64] [--new-tokens 128]
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from worker_client import TorchWorker  # noqa: E402
 
 from agent_process import AgentProcess  # noqa: E402
 from benchlib import code_version, median, progress, require_bpf, rotated  # noqa: E402
+from vllm_overhead import Engine, plugin_site  # noqa: E402
 
 ROLES = ("control", "auto", "blocks", "full", "history")
 AGENT_FLAGS = {
@@ -51,22 +59,79 @@ GOALS = {"auto": 0.01, "blocks": 0.03}
 BLOCK_COUNTERS = ("blocks_sampled", "blocks_not_sampled", "stack_walks", "events_submitted")
 
 
-def one_run(worker: TorchWorker, role: str, directory: Path, args) -> tuple[float, dict[str, int]]:
+class TorchLoop:
+    """The torch worker's generation loop."""
+
+    roles = ROLES
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.worker = TorchWorker({})
+        self.worker.send(op="init")
+        self.worker.send(timeout_seconds=600, op="llama_load")
+        self.worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256, new_tokens=args.new_tokens, calls=1)
+
+    def pids(self) -> list[int]:
+        return [self.worker.pid]
+
+    def record_history(self, enabled: bool) -> None:
+        self.worker.send(op="record_history", enabled=enabled)
+
+    def run(self) -> float:
+        """tokens/s of one run, after a short one (the agent's first stacks are symbolized meanwhile)."""
+        self.worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256, new_tokens=8, calls=1)
+        answer = self.worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256,
+                                  new_tokens=self.args.new_tokens, calls=self.args.calls)
+        return answer["tokens"] / answer["seconds"]
+
+    def close(self) -> None:
+        self.worker.process.kill()
+
+
+class VllmEngineLoop:
+    """One vLLM engine with the kvtrace plugin inside, reporting to whichever agent runs (one socket path)."""
+
+    roles = ROLES[:-1]  # PyTorch's recorder would have to start inside EngineCore: not compared here
+
+    def __init__(self, args, directory: Path) -> None:
+        self.args = args
+        self.plugin_socket = directory / "vllm-plugin.sock"
+        env = dict(os.environ, KVTRACE_TEST_SLEEP_MODE="0", KVTRACE_TEST_ENFORCE_EAGER="0" if args.graphs else "1",
+                   KVTRACE_VLLM_PLUGIN="1", KVTRACE_VLLM_SOCKET=str(self.plugin_socket),
+                   PYTHONPATH=os.pathsep.join([str(plugin_site(directory / "site")), os.environ.get("PYTHONPATH", "")]))
+        self.engine = Engine("graphs" if args.graphs else "eager", env)
+        self.engine.expect("ready", timeout_seconds=600)
+        self.run()  # warm-up
+
+    def pids(self) -> list[int]:
+        return self.engine.pids()
+
+    def agent_args(self) -> tuple[str, ...]:
+        return ("--vllm-socket", str(self.plugin_socket))
+
+    def run(self) -> float:
+        answer = json.loads(self.engine.command(f"throughput {self.args.prompts} {self.args.new_tokens}", "throughput"))
+        return answer["tokens_per_second"]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def one_run(workload, role: str, directory: Path) -> tuple[float, dict[str, int]]:
     """tokens/s of one run under the role's agent, and the agent's counters after it."""
-    agent = AgentProcess(directory / f"{role}.sock", "-p", str(worker.pid), "--no-nvml", *AGENT_FLAGS[role])
+    pids = [arg for pid in workload.pids() for arg in ("-p", str(pid))]
+    agent = AgentProcess(directory / f"{role}.sock", *pids, "--no-nvml", *getattr(workload, "agent_args", tuple)(),
+                         *AGENT_FLAGS[role])
     try:
         if role == "history":
-            worker.send(op="record_history", enabled=True)
-        # A short run first: the agent's first stacks are symbolized, the first blocks come from the cache.
-        worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256, new_tokens=8, calls=1)
-        answer = worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256, new_tokens=args.new_tokens,
-                             calls=args.calls)
+            workload.record_history(True)
+        rate = workload.run()
         counters = agent.counters()
     finally:
         if role == "history":
-            worker.send(op="record_history", enabled=False)
+            workload.record_history(False)
         agent.stop()
-    return answer["tokens"] / answer["seconds"], counters
+    return rate, counters
 
 
 def main() -> int:
@@ -75,43 +140,48 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per call (batch 8)")
     parser.add_argument("--calls", type=int, default=2, help="generate calls per run")
     parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
+    parser.add_argument("--workload", choices=("torch", "vllm"), default="torch")
+    parser.add_argument("--graphs", action="store_true", help="vllm: CUDA graphs (default: enforce_eager)")
+    parser.add_argument("--prompts", type=int, default=64, help="vllm: prompts of 64 tokens per run")
     args = parser.parse_args()
     require_bpf()
     results: dict = {"version": code_version(), "machine": os.uname().nodename,
                      "date": time.strftime("%Y-%m-%d %H:%M"), "args": {k: str(v) for k, v in vars(args).items()}}
-    progress("starting the torch worker (model load + warm-up)")
-    worker = TorchWorker({})
-    worker.send(op="init")
-    worker.send(timeout_seconds=600, op="llama_load")
-    worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256, new_tokens=args.new_tokens, calls=1)
-    tokens_per_second: dict[str, list[float]] = {role: [] for role in ROLES}
-    counters: dict[str, list[dict[str, int]]] = {role: [] for role in ROLES}
     with tempfile.TemporaryDirectory(prefix="kvtrace-depth-") as directory:
-        for round_index in range(args.rounds):
-            for role in rotated(ROLES, round_index):
-                rate, seen = one_run(worker, role, Path(directory), args)
-                tokens_per_second[role].append(rate)
-                counters[role].append({name: seen.get(name, 0) for name in BLOCK_COUNTERS})
-            progress(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
-                f"{role} {values[-1]:.0f}" for role, values in tokens_per_second.items()) + " tokens/s")
+        progress(f"starting the {args.workload} workload (model load + warm-up)")
+        workload = TorchLoop(args) if args.workload == "torch" else VllmEngineLoop(args, Path(directory))
+        roles = workload.roles
+        tokens_per_second: dict[str, list[float]] = {role: [] for role in roles}
+        counters: dict[str, list[dict[str, int]]] = {role: [] for role in roles}
+        try:
+            for round_index in range(args.rounds):
+                for role in rotated(roles, round_index):
+                    rate, seen = one_run(workload, role, Path(directory))
+                    tokens_per_second[role].append(rate)
+                    counters[role].append({name: seen.get(name, 0) for name in BLOCK_COUNTERS})
+                progress(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
+                    f"{role} {values[-1]:.0f}" for role, values in tokens_per_second.items()) + " tokens/s")
+        finally:
+            workload.close()
     results["tokens_per_second"] = tokens_per_second
     results["counters"] = counters
     report(results)
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1))
     sys.stdout.flush()
-    worker.process.kill()
     return 0
 
 
 def report(results: dict) -> None:
     tps = results["tokens_per_second"]
-    cost = {role: [1 - v / c for v, c in zip(tps[role], tps["control"], strict=True)] for role in ROLES[1:]}
+    roles = list(tps)
+    cost = {role: [1 - v / c for v, c in zip(tps[role], tps["control"], strict=True)] for role in roles[1:]}
     results["cost"] = {role: median(values) for role, values in cost.items()}
-    print(f"depth overhead, {results['date']}, {results['machine']}; measured: {results['version']}")
+    print(f"depth overhead ({results['args']['workload']}{' graphs' if results['args']['graphs'] == 'True' else ''}), "
+          f"{results['date']}, {results['machine']}; measured: {results['version']}")
     print(f"   {'role':<8} {'tokens/s':>9} {'cost':>8}  rounds' costs                     agent counters (last run)")
     print(f"   {'control':<8} {median(tps['control']):>9.0f}")
-    for role in ROLES[1:]:
+    for role in roles[1:]:
         goal, measured = GOALS.get(role), results["cost"][role]
         verdict = "" if goal is None else f"  goal <= {goal * 100:.0f} % ({'met' if measured <= goal else 'MISSED'})"
         rounds = " ".join(f"{value * 100:+.1f}" for value in cost[role])

@@ -15,7 +15,8 @@ then answers one command per line:
     throughput N T  N prompts of 64 tokens, T new tokens each -> throughput {json: tokens_per_second}
     exit
 
-KVTRACE_TEST_SLEEP_MODE=0 starts it without sleep mode (bench/vllm_overhead.py). With
+KVTRACE_TEST_SLEEP_MODE=0 starts it without sleep mode (bench/vllm_overhead.py);
+KVTRACE_TEST_ENFORCE_EAGER=0 with CUDA graphs (bench/depth_overhead.py --workload vllm --graphs). With
 KVTRACE_TEST_METRICS_PORT set, vLLM's own Prometheus metrics (its PrometheusStatLogger, the figures
 the OpenAI server's /metrics shows) are served on 127.0.0.1:PORT/metrics.
 """
@@ -127,7 +128,9 @@ def main() -> None:
     with open(os.path.join(model, "config.json"), "w") as file:
         json.dump(CONFIG, file)
     port = os.environ.get("KVTRACE_TEST_METRICS_PORT")
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+    # KVTRACE_TEST_ENFORCE_EAGER=0: CUDA graphs (captured at start-up), as vLLM runs by default.
+    eager = os.environ.get("KVTRACE_TEST_ENFORCE_EAGER", "1") == "1"
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=eager,
               gpu_memory_utilization=0.2, attention_config={"backend": "TRITON_ATTN"},
               enable_sleep_mode=os.environ.get("KVTRACE_TEST_SLEEP_MODE", "1") == "1",
               disable_log_stats=not port)
