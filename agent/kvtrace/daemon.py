@@ -362,15 +362,17 @@ class Daemon:
             return
         mode = source.blocks_mode
         self.depth.set_mode(mode)
+        deepenable = source.deepenable_pids()
         self.session.set_depth_refusal("" if mode is BlocksMode.AUTO else (
             f"PyTorch blocks are traced in every process here (--blocks {mode.value})" if mode is BlocksMode.ALWAYS
-            else f"PyTorch blocks are not traced here: {source.torch_blocks_down}"))
+            else f"PyTorch blocks are not traced here: {source.torch_blocks_down}"), deepenable)
         requests = self.session.depth_requests()
         alive = {pid for pid in requests if psutil.pid_exists(pid)}
         alive |= {row.pid for row in snapshot.processes}
         started = {pid: int(info.start_time * 1e9) for pid, info in self.session.known_processes().items()
                    if info.start_time > 0}
-        decided, ended = self.depth.decide(snapshot, requests, alive, started)
+        decided, ended = self.depth.decide(snapshot, requests, alive, started,
+                                           None if mode is BlocksMode.NEVER else deepenable)
         depths = {pid: depth for pid, depth in decided.items() if source.follows(pid)}
         for pid in ended:
             self.session.forget_depth_request(pid)

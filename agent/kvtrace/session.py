@@ -184,9 +184,11 @@ class Session:
         # decision; and operators' requests (`kvtrace deep`), which the policy reads at its next turn.
         self._depths: dict[int, ProcessDepth] = {}
         self._depth_requests: dict[int, DepthRequest] = {}
+        self._block_readers_hook: Callable[[bool], None] | None = None  # set_block_readers_hook
         # Why an operator's request would not be honoured now ("" : it would): --blocks always|never, PyTorch's
         # allocator probes down, tracing off. Set by the daemon, read by the API before it takes a request.
         self._depth_refusal = "depth is not decided here (no agent)"
+        self._deepenable: frozenset[int] | None = None
 
     # ---- writing: sources ----
 
@@ -195,6 +197,7 @@ class Session:
             self._set_sinks([*self._sinks, sink])
 
     def _set_sinks(self, sinks: list[Sink]) -> None:
+        self._tell_block_readers(sinks)
         self._sinks = sinks
         many: list[Callable[[list[Event]], None]] = [
             publish for publish in (getattr(sink, "publish_many", None) for sink in sinks) if publish is not None]
@@ -207,8 +210,10 @@ class Session:
         these entries (a recording starts with them). LedgerReadRefused where the kernel's entries are more
         than --max-read-entries (the sink is not added)."""
         with self.lock:
+            sinks = [*self._sinks, sink]
+            self._tell_block_readers(sinks)  # before the copy: no block it wants goes untold after it
             checkpoint = self.checkpoint_locked()
-            self._set_sinks([*self._sinks, sink])
+            self._set_sinks(sinks)
             return checkpoint
 
     def checkpoint_locked(self) -> SessionCheckpoint:
@@ -229,20 +234,34 @@ class Session:
         with self.lock:
             self._set_sinks([existing for existing in self._sinks if existing is not sink])
 
-    def wants_every_block(self) -> bool:
-        """Whether a sink reads the event of every PyTorch block (a subscriber, a recording, --json-events);
-        while none does, the probes tell only the blocks whose stacks they walk (the kernel's ledger is exact
-        without the others). A sink says so with a `wants_every_block` attribute; one without it wants them."""
-        return any(getattr(sink, "wants_every_block", True) for sink in self._sinks)
+    def set_block_readers_hook(self, hook: Callable[[bool], None] | None) -> None:
+        """`hook(wants)` is told, under the lock, whether some sink reads the event of every PyTorch block (a
+        subscriber, a recording, --json-events), whenever that may have changed: at once, as sinks come and go
+        (before a new one's checkpoint is copied), and at refresh_block_readers. While none does, the BPF
+        source has the probes tell only the blocks whose stacks they walk (the kernel's ledger is exact
+        without the others). A sink says what it wants with a `wants_every_block` attribute; one without it
+        wants every block."""
+        with self.lock:
+            self._block_readers_hook = hook
+            self._tell_block_readers(self._sinks)
+
+    def refresh_block_readers(self) -> None:
+        """For sinks whose wish changes without their coming or going (the API's subscribers)."""
+        with self.lock:
+            self._tell_block_readers(self._sinks)
+
+    def _tell_block_readers(self, sinks: list[Sink]) -> None:
+        if self._block_readers_hook is not None:
+            self._block_readers_hook(any(getattr(sink, "wants_every_block", True) for sink in sinks))
 
     def request_checkpoints(self) -> None:
-        """Recordings start again from a copy of the ledger at their next event: the ledger changed in a way no
-        event tells (a process lowered to depth segments: its blocks left without frees)."""
+        """Recordings start again from a copy of the ledger, now: the ledger changed in a way no event tells (a
+        process lowered to depth segments: its blocks left without frees)."""
         with self.lock:
             for sink in self._sinks:
-                request = getattr(sink, "request_checkpoint", None)
-                if request is not None:
-                    request()
+                checkpoint_now = getattr(sink, "checkpoint_now", None)
+                if checkpoint_now is not None:
+                    checkpoint_now()
 
     def add_exit_watcher(self, watcher: ExitWatcher) -> None:
         with self.lock:
@@ -475,16 +494,23 @@ class Session:
             else:
                 self._depth_requests[request.pid] = request
 
-    def set_depth_refusal(self, reason: str) -> None:
+    def set_depth_refusal(self, reason: str, deepenable: AbstractSet[int] | None = None) -> None:
+        """Why operators' requests are not honoured here ("" : they are), and which processes can be raised at
+        all (None: any; else the processes the probes follow that map a PyTorch library they can trace)."""
         with self.lock:
             self._depth_refusal = reason
+            self._deepenable = frozenset(deepenable) if deepenable is not None else None
             if reason:
                 self._depth_requests.clear()
 
-    def depth_refusal(self) -> str:
-        """Why `request_depth` would not be honoured now; "" when it would."""
+    def depth_refusal(self, pid: int | None = None) -> str:
+        """Why `request_depth` (for `pid`, if given) would not be honoured now; "" when it would."""
         with self.lock:
-            return self._depth_refusal
+            if self._depth_refusal or pid is None or self._deepenable is None or pid in self._deepenable:
+                return self._depth_refusal
+            return (f"pid {pid} has no PyTorch allocator probes the agent can turn on (a process it does not follow, "
+                    "or one that maps no libc10_cuda with its pytorch:malloc/free probes; `kvtrace doctor --pid "
+                    f"{pid}` says which): its segments are all there is to trace")
 
     def depth_requests(self) -> dict[int, DepthRequest]:
         with self.lock:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvtrace.model.events import Api, Layer, Memory, ObjectKind
+from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import TotalsKey
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
@@ -777,15 +777,35 @@ def test_block_events_go_quiet_only_while_no_sink_reads_every_one():
         source._next_full_scan = source._next_sweep = math.inf
         source.probes = probes = PollingProbes(source, [])
         probes.quiet_blocks = False
+        session.set_block_readers_hook(source._on_block_readers)  # as start() does
         seen = []
         session.add_sink(Sampled())
-        source.run_once(0)
         seen.append(probes.quiet_blocks)
         everything = Everything()
-        session.add_sink(everything)
-        source.run_once(0)
+        # A sink that joins with a checkpoint has every block told before its copy is made.
+        told_at_copy = []
+        real_copy = session.checkpoint_locked
+        session.checkpoint_locked = (lambda told=told_at_copy, probes=probes, copy=real_copy:
+                                     told.append(probes.quiet_blocks) or copy())
+        session.subscribe(everything)
         seen.append(probes.quiet_blocks)
+        assert told_at_copy == [False]
         session.remove_sink(everything)
-        source.run_once(0)
         seen.append(probes.quiet_blocks)
         assert seen == expected, ledger_in_kernel
+
+
+def test_a_subscriber_wants_every_block_only_if_its_filter_takes_blocks():
+    from kvtrace.servers.hub import EventFilter, EventHub
+
+    hub = EventHub()
+    assert not hub.wants_every_block
+    driver_only = hub.subscribe(EventFilter(layers=frozenset({Layer.DRIVER})))
+    exits_only = hub.subscribe(EventFilter(kinds=frozenset({Kind.PROCESS_EXIT})))
+    assert not hub.wants_every_block
+    torch = hub.subscribe(EventFilter(layers=frozenset({Layer.TORCH}), kinds=frozenset({Kind.FREE})))
+    assert hub.wants_every_block
+    for subscription in (driver_only, exits_only, torch):
+        hub.unsubscribe(subscription)
+    hub.subscribe(EventFilter())
+    assert hub.wants_every_block

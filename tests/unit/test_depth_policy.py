@@ -183,11 +183,15 @@ def test_the_mode_the_probes_can_do_decides():
 class FakeSource:
     """What the daemon asks of the BPF source for depths."""
 
-    def __init__(self, mode, followed=None, down=""):
+    def __init__(self, mode, followed=None, down="", torch=(1, 2)):
         self.blocks_mode, self.torch_blocks_down, self.followed, self.applied = mode, down, followed, []
+        self.torch = set(torch)
 
     def follows(self, pid):
         return self.followed is None or pid in self.followed
+
+    def deepenable_pids(self):
+        return {pid for pid in self.torch if self.follows(pid)}
 
     def set_block_depths(self, depths):
         self.applied.append(dict(depths))
@@ -217,3 +221,33 @@ def test_the_daemon_publishes_what_the_probes_do():
     assert daemon.session.depth_refusal() == ""
     assert {pid: d.depth for pid, d in daemon.session.process_depths().items()} == {1: Depth.FULL}
     assert source.applied == [{1: Depth.FULL}]
+
+
+def test_the_start_up_is_not_growth_with_the_default_window():
+    """A process that loads 8 GiB in 40 s and then stays flat is never raised (the 15-min window starts after
+    its grace); one that then leaks 64 MiB is."""
+    policy = DepthPolicy(DepthOptions())
+    load = lambda pid, s: min(s, 40) * 200 * MIB  # noqa: E731
+    for second in range(0, 1000):
+        decided, _ = policy.decide(snapshot(second, row(1, load(1, second))), {}, started_ns={1: 0})
+        assert decided[1].depth is Depth.SEGMENTS, second
+    for second in range(1000, 1040):
+        decided, _ = policy.decide(snapshot(second, row(1, load(1, second) + (second - 1000) * 2 * MIB)), {},
+                                   started_ns={1: 0})
+    assert decided[1].depth is Depth.BLOCKS and decided[1].cause is DepthCause.GROWTH
+
+
+def test_a_process_without_pytorch_is_never_raised_and_says_why():
+    """Its growth raises nothing (its segments are its holders), takes no place under max_raised, and a request
+    for it waits until it maps a PyTorch allocator."""
+    policy = DepthPolicy(DepthOptions(startup_grace_seconds=0, growth_bytes=MIB, window_seconds=60, max_raised=1))
+    for second in range(0, 5):
+        decided, _ = policy.decide(snapshot(second, row(1, second * 100 * MIB), row(2, second * MIB)), {},
+                                   deepenable={2})
+    assert decided[1].depth is Depth.SEGMENTS and decided[1].cause is DepthCause.NO_BLOCKS
+    assert decided[2].depth is Depth.BLOCKS and decided[2].cause is DepthCause.GROWTH
+    request = {1: DepthRequest(1, Depth.FULL, requested_ns=0, until_ns=100 * S)}
+    decided, ended = policy.decide(snapshot(6, row(1, 0), row(2, 0)), request, alive={1, 2}, deepenable={2})
+    assert decided[1].cause is DepthCause.NO_BLOCKS and ended == []
+    decided, _ = policy.decide(snapshot(7, row(1, 0), row(2, 0)), request, alive={1, 2}, deepenable={1, 2})
+    assert decided[1].depth is Depth.FULL

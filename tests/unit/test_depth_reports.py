@@ -130,6 +130,21 @@ def test_set_process_depth_is_refused_while_the_agent_takes_no_requests(depth):
     assert error.value.details() == "the agent does not take depth requests now: --blocks never"
 
 
+def test_set_process_depth_is_refused_for_a_process_without_pytorch_probes():
+    """A process the probes do not follow, or that maps no PyTorch allocator, cannot be raised: said, not
+    accepted and then quietly ignored; withdrawing stays possible."""
+    with served() as (server, backend):
+        backend.session.set_depth_refusal("", deepenable={os.getpid() + 1})
+        with pytest.raises(grpc.RpcError) as error:
+            admin_stub(server).SetProcessDepth(service_pb2.SetProcessDepthRequest(
+                pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_BLOCKS), timeout=10)
+        assert backend.session.depth_requests() == {}
+        admin_stub(server).SetProcessDepth(service_pb2.SetProcessDepthRequest(
+            pid=os.getpid(), depth=service_pb2.PROCESS_DEPTH_SEGMENTS), timeout=10)
+    assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert f"pid {os.getpid()} has no PyTorch allocator probes the agent can turn on" in error.value.details()
+
+
 def test_set_process_depth_for_a_process_gone_in_between(monkeypatch):
     def gone(pid):
         raise psutil.NoSuchProcess(pid)

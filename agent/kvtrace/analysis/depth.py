@@ -109,12 +109,14 @@ class DepthPolicy:
         self.mode = mode
 
     def decide(self, snapshot: AnalysisSnapshot, requests: Mapping[int, DepthRequest],
-               alive: Collection[int] | None = None,
-               started_ns: Mapping[int, int] | None = None) -> tuple[dict[int, ProcessDepth], list[int]]:
+               alive: Collection[int] | None = None, started_ns: Mapping[int, int] | None = None,
+               deepenable: Collection[int] | None = None) -> tuple[dict[int, ProcessDepth], list[int]]:
         """Every followed process's depth after this snapshot, and the pids whose requests ended (their
         time ran out, their process is gone, or the pid is another process's now). `alive`: pids known to
         live (None: every pid the snapshot or a request names). `started_ns`: when processes started (wall
-        clock); a process not in it is graced from when the policy first saw it."""
+        clock); a process not in it is graced from when the policy first saw it. `deepenable`: the processes
+        whose blocks can be traced at all (None: every one); the others stay at SEGMENTS (NO_BLOCKS), take
+        no place under max_raised, and a request for one waits until it can be."""
         now_ns = snapshot.timestamp_ns
         options = self.options
         started_ns = started_ns or {}
@@ -149,9 +151,10 @@ class DepthPolicy:
         for pid in seen:
             followed = self._followed.setdefault(pid, _Followed(started_ns.get(pid, now_ns)))
             settled = now_ns - followed.started_ns >= grace_ns
-            grew = _gained(followed.traced, now_ns, traced.get(pid, 0), window_ns)
+            # The series start after the grace: a window that held the start-up would see its loading as growth.
+            grew = _gained(followed.traced, now_ns, traced.get(pid, 0), window_ns) if settled else 0
             unexplained_grew = (_gained(followed.unexplained, now_ns, unexplained[pid], window_ns)
-                                if pid in unexplained else 0)
+                                if settled and pid in unexplained else 0)
             found: _Evidence | None = None
             if pid in vllm:  # the detectors wait out an engine's start themselves
                 found = _Evidence(DepthCause.VLLM, vllm[pid], float("inf"))
@@ -178,10 +181,15 @@ class DepthPolicy:
                     followed.evidence = found if kept is None else _Evidence(kept.cause, kept.detail, found.strength)
 
         decided: dict[int, ProcessDepth] = {}
+        if deepenable is not None:
+            for pid in seen - set(deepenable):
+                decided[pid] = self._decision(
+                    pid, Depth.SEGMENTS, DepthCause.NO_BLOCKS,
+                    "no PyTorch allocator probes in this process: its segments are its holders", now_ns, 0)
         if self.mode is not BlocksMode.AUTO:
             depth = Depth.SEGMENTS if self.mode is BlocksMode.NEVER else (
                 Depth.FULL if options.sample_bytes == 0 else Depth.BLOCKS)
-            for pid in seen:
+            for pid in seen - decided.keys():
                 decided[pid] = self._decision(pid, depth, DepthCause.CONFIGURED, f"--blocks {self.mode.value}",
                                               now_ns, 0)
             return decided, ended
@@ -193,7 +201,7 @@ class DepthPolicy:
             followed = self._followed[pid]
             if followed.evidence is not None and now_ns - followed.evidence_ns >= quiet_ns:
                 followed.evidence = None  # quiet for long enough
-            if followed.evidence is not None and pid not in asked:
+            if followed.evidence is not None and pid not in asked and pid not in decided:
                 held.append((followed.evidence.strength, pid))
         # The strongest evidence first; of equal strength, those already raised keep their place.
         held.sort(key=lambda item: (-item[0], not self._raised(item[1]), item[1]))
@@ -202,6 +210,8 @@ class DepthPolicy:
             assert evidence is not None
             decided[pid] = self._decision(pid, Depth.BLOCKS, evidence.cause, evidence.detail, now_ns, 0)
         for pid, request in asked.items():
+            if deepenable is not None and pid not in deepenable:
+                continue  # not yet (a process whose libraries are still being found): said as NO_BLOCKS above
             self._followed.setdefault(pid, _Followed(started_ns.get(pid, now_ns)))
             decided[pid] = self._decision(pid, request.depth, DepthCause.OPERATOR,
                                           f"asked for, until {_wall_time(request.until_ns)}", now_ns,

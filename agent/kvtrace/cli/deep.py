@@ -72,7 +72,9 @@ def holder_notes(depths: dict[int, ProcessDepth], titles: dict[int, str]) -> lis
     notes = []
     for pid, depth in sorted(depths.items()):
         who = f"pid {pid}" + (f" {printable(titles[pid])}" if titles.get(pid) else "")
-        if not depth.knows_holders:
+        if depth.cause is DepthCause.NO_BLOCKS:
+            notes.append(f"{who} has no PyTorch allocator kvtrace can trace: its segments' stacks are its holders")
+        elif not depth.knows_holders:
             notes.append(f"{who} is traced at segments: its holders are not known yet. Blocks are not traced at "
                          "this depth, so a caching allocator's stack names who grew the cache, not who holds it; "
                          f"raise it: sudo kvtrace deep --pid {pid}")

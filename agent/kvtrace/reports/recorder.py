@@ -264,6 +264,14 @@ class RecordQueue:
         else:  # no room: the first event that finds room brings it
             self._checkpoint_due = True
 
+    def checkpoint_now(self) -> None:
+        """The ledger changed without events (a process lowered to depth segments: its blocks left it): a
+        checkpoint now, where the queue has room (else the first event that finds some brings it)."""
+        if len(self._records) < self._max_records:
+            self._append_checkpoint()
+        else:
+            self._checkpoint_due = True
+
     def _append_checkpoint(self) -> None:
         """A copy of the ledger into the queue (a sink runs under the Session's lock). One too large to
         copy (--max-read-entries) is tried again at a later event, at most once a second."""

@@ -759,7 +759,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                                       f"0: the default, {DEFAULT_DEPTH_SECONDS:g})")
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        refusal = self._state.depth_refusal()
+        refusal = self._state.depth_refusal(None if depth is Depth.SEGMENTS else request.pid)
         if refusal:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the agent does not take depth requests now: {refusal}")
         pid = request.pid

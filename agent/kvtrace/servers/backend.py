@@ -105,9 +105,9 @@ class AgentState(Protocol):
         """pid -> the operators' requests not yet ended (a copy)."""
         ...
 
-    def depth_refusal(self) -> str:
-        """Why an operator's request would not be honoured now (--blocks always|never, PyTorch's allocator
-        probes down, tracing off); "" when it would."""
+    def depth_refusal(self, pid: int | None = None) -> str:
+        """Why an operator's request (for `pid`, if given) would not be honoured now (--blocks always|never,
+        PyTorch's allocator probes down, tracing off, a process without them); "" when it would."""
         ...
 
 

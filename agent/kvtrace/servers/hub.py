@@ -302,6 +302,11 @@ def _position(batches: list[Batch], event: Event) -> int:
     raise ValueError("the event is not in the batches")
 
 
+def _takes_blocks(event_filter: EventFilter) -> bool:
+    return (not event_filter.layers or Layer.TORCH in event_filter.layers) and (
+        not event_filter.kinds or bool({Kind.ALLOC, Kind.FREE} & event_filter.kinds))
+
+
 class EventHub:
     """Subscribers and the fan-out to them. Thread-safe; one publisher at a time (the Session's lock)."""
 
@@ -349,8 +354,9 @@ class EventHub:
 
     @property
     def wants_every_block(self) -> bool:
-        """A subscriber reads every event (Session.wants_every_block): only while there is one."""
-        return self.subscriber_count() > 0
+        """Whether a subscriber takes PyTorch blocks' allocations and frees (Session.set_block_readers_hook):
+        one whose filter lets them through."""
+        return any(_takes_blocks(subscription.event_filter) for subscription in (*self._subscriptions, *self._parked))
 
     def parked_count(self) -> int:
         """Subscribers whose queue is full: they cost nothing per event until they read."""

@@ -193,6 +193,8 @@ class BpfSource:
         # --blocks auto: the processes raised to BLOCKS or FULL, whose PyTorch probes are in (set_block_depths).
         self._deep: dict[int, Depth] = {}
         self._quiet_blocks = False  # as the probes were told (KVT_CONFIG_QUIET_BLOCKS)
+        self._undropped: set[int] = set()  # lowered processes whose blocks are still to leave the kernel's ledger
+        self._torch_refused: set[tuple[FileId, int]] = set()  # (library, pid) the kernel refused a PyTorch link
 
     @property
     def filtering(self) -> bool:
@@ -257,6 +259,7 @@ class BpfSource:
         if self.options.ledger_in_kernel:
             self.session.count_only(self._read_allocations, self._find_allocation, self._read_totals,
                                     self.options.max_read_entries)
+        self.session.set_block_readers_hook(self._on_block_readers)
         probes.open_rings(self._on_raw_events, self._on_notify)
         # Running processes first: each one's Python runtime is found before any probe goes into
         # it, so that an allocation caught in the middle of attaching still has its stack.
@@ -277,6 +280,7 @@ class BpfSource:
 
     def stop(self) -> None:
         if self.probes is not None:
+            self.session.set_block_readers_hook(None)
             # First: the Session's totals and entries are the kernel's, and go with the probes.
             self.session.stop_counting()
             try:
@@ -297,7 +301,7 @@ class BpfSource:
             probes.poll(0)
             self._flush()
             self.housekeeping()
-            self._quiet_blocks_when_unread()
+            self.session.refresh_block_readers()  # the API's subscribers come and go without the Session seeing
             busy = 0 < self._records_this_turn < self._behind_records
             self._records_since_trim += self._records_this_turn
         self._next_turn_monotonic = started + BUSY_TURN_SECONDS if busy else 0.0
@@ -307,11 +311,14 @@ class BpfSource:
             self._records_since_trim = 0
             return_freed_heap()
 
-    def _quiet_blocks_when_unread(self) -> None:
-        """While no sink reads every block's event, the probes send only those of blocks whose stacks they walk
-        (fewer records by the sampling's ratio at depth blocks): the kernel keeps the ledger and totals exact.
-        A kept ledger (--no-ledger-in-kernel) is made of the events: it needs them all."""
-        quiet = self.options.ledger_in_kernel and not self.session.wants_every_block()
+    def _on_block_readers(self, wants_every_block: bool) -> None:
+        """(The Session's block-readers hook, under its lock.) While no sink reads every block's event, the probes
+        send only those of blocks whose stacks they walk (fewer records by the sampling's ratio at depth blocks):
+        the kernel keeps the ledger and totals exact. A kept ledger (--no-ledger-in-kernel) is made of the
+        events: it needs them all."""
+        if self.probes is None:
+            return
+        quiet = self.options.ledger_in_kernel and not wants_every_block
         if quiet is not self._quiet_blocks:
             self._probes().set_quiet_blocks(quiet)
             self._quiet_blocks = quiet
@@ -675,10 +682,13 @@ class BpfSource:
         probes = self._probes()
         if not target.torch_probes or self.torch_blocks_down or pid in probes.torch_attached_pids(target.file_id):
             return
+        if (target.file_id, pid) in self._torch_refused:
+            return  # refused before: not tried at every analysis again
         whom = "every process" if pid == -1 else f"pid {pid}"
         try:
             sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
         except TorchProbesRefused as error:
+            self._torch_refused.add((target.file_id, pid))
             self.refused[target.path] = str(error)
             log.warning("not tracing PyTorch's allocator in %s: %s", target.path, error)
             self.session.report_component(f"attach:{target.path}", False, str(error))
@@ -696,6 +706,14 @@ class BpfSource:
         """Whether the probes trace `pid` (every process, or one of those chosen)."""
         return not self.filtering or pid in self._selected
 
+    def deepenable_pids(self) -> set[int]:
+        """The processes whose PyTorch blocks can be traced here: followed ones that map a library with
+        PyTorch's allocator probes, which the kernel did not refuse for them."""
+        if self.torch_blocks_down:
+            return set()
+        return {pid for file_id, target in self._attached_targets.items() if target.torch_probes
+                for pid in target.pids if self.follows(pid) and (file_id, pid) not in self._torch_refused}
+
     def set_block_depths(self, depths: Mapping[int, Depth]) -> None:
         """Makes the processes at BLOCKS or FULL in `depths` exactly the ones whose PyTorch probes are in
         (--blocks auto; elsewhere only FULL is applied). A process raised gets its own link on each PyTorch
@@ -706,7 +724,7 @@ class BpfSource:
         with self._lock:
             probes = self._probes()
             wanted = {pid: depth for pid, depth in depths.items() if depth >= Depth.BLOCKS and self.follows(pid)}
-            self._lower(sorted(self._deep.keys() - wanted.keys()))
+            self._lower(sorted(self._deep.keys() - wanted.keys()))  # (and any lowering left to finish)
             for pid, depth in sorted(wanted.items()):
                 if self._deep.get(pid) is not depth:
                     probes.set_block_full(pid, depth is Depth.FULL)
@@ -724,8 +742,16 @@ class BpfSource:
         for pid in pids:
             del self._deep[pid]
             self._detach_torch_of(pid)
-        if pids and self.options.blocks is BlocksMode.AUTO:
-            self._drop_blocks_in_kernel(frozenset(pids))
+            if self.options.blocks is BlocksMode.AUTO:
+                self._undropped.add(pid)
+        if self._undropped:
+            # Their events still in the rings first (blocks allocated before the links closed): after the drop they
+            # would add blocks whose frees never come.
+            self._probes().poll(0)
+            self._flush()
+            dropping = frozenset(self._undropped)
+            self._drop_blocks_in_kernel(dropping)
+            self._undropped -= dropping  # only once dropped: a pass that failed is made again at the next call
 
     def _detach_torch_of(self, pid: int) -> None:
         """No FULL mark, and (--blocks auto) no PyTorch link of `pid`'s own left. --blocks always keeps its
@@ -754,7 +780,8 @@ class BpfSource:
                 size, count = sums.get(totals, (0, 0))
                 sums[totals] = (size + size_bytes, count + 1)
         self.session.uncount(sums, implicit=False)
-        self.session.request_checkpoints()
+        if sums:
+            self.session.request_checkpoints()
         log.info("pids %s back to segments: %d PyTorch blocks (%d bytes) no longer followed", sorted(pids),
                  sum(count for _, count in sums.values()), sum(size for size, _ in sums.values()))
 
@@ -813,6 +840,8 @@ class BpfSource:
             self._probes().set_python_target(pid, None)
 
     def _forget_process(self, pid: int) -> None:
+        self._undropped.discard(pid)  # its exit dropped everything it held
+        self._torch_refused = {refused for refused in self._torch_refused if refused[1] != pid}
         if self._deep.pop(pid, None) is not None:
             # Its links go with it (the kernel's breakpoints went with its memory); its blocks went with its exit.
             self._detach_torch_of(pid)

@@ -75,6 +75,7 @@ class DepthCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEPTH_CAUSE_UNEXPLAINED: _ClassVar[DepthCause]
     DEPTH_CAUSE_VLLM: _ClassVar[DepthCause]
     DEPTH_CAUSE_OPERATOR: _ClassVar[DepthCause]
+    DEPTH_CAUSE_NO_BLOCKS: _ClassVar[DepthCause]
 EVENT_ENCODING_UNSPECIFIED: EventEncoding
 EVENT_ENCODING_MESSAGES: EventEncoding
 EVENT_ENCODING_COLUMNS: EventEncoding
@@ -119,6 +120,7 @@ DEPTH_CAUSE_TIME_TO_OOM: DepthCause
 DEPTH_CAUSE_UNEXPLAINED: DepthCause
 DEPTH_CAUSE_VLLM: DepthCause
 DEPTH_CAUSE_OPERATOR: DepthCause
+DEPTH_CAUSE_NO_BLOCKS: DepthCause
 
 class StreamEventsRequest(_message.Message):
     __slots__ = ("pids", "title_regex", "kinds", "layers", "min_size_bytes", "encoding")
