@@ -272,6 +272,10 @@ class Daemon:
             return
         self.source = source
         self.depth = DepthPolicy(self.options.depth)  # a new source raised nobody yet: every process starts afresh
+        # Requests are taken from now (the first analysis says more: the mode the probes can do, who can be raised).
+        mode = source.blocks_mode
+        self.session.set_depth_refusal(
+            "" if mode is BlocksMode.AUTO else f"PyTorch blocks are not decided per process here ({mode.value})")
         self.session.set_cupti_witness(True)  # the probes see every process: CUPTI's events are compared
 
     def _tracing_down(self, reason: str) -> None:

@@ -451,5 +451,8 @@ def encode_stream(queue: RecordQueue, encoder: FrameEncoder, checkpoint: Session
     if batch:
         yield batch
     while active() and not queue.closed:
-        # Also empty, when nothing came: the client learns the stream is alive (and flushes its file).
-        yield [frame for record in queue.take(max_frames, wait_seconds) for frame in encoder.record(record)]
+        # Also empty, when nothing came: the client learns the stream is alive (and flushes its file). A depth
+        # decided after a process's last event goes too (a quiet process's raise or lowering).
+        records = queue.take(max_frames, wait_seconds)
+        yield [*(frame for record in records for frame in encoder.record(record)),
+               *(() if records else encoder.depth_changes())]

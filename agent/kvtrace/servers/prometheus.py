@@ -72,9 +72,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_outstanding_objects", "gauge", "objects", _PROCESS_GPU + ("layer", "memory"),
                "Traced allocations (and VMM handles) not yet freed."),
     MetricSpec("kvtrace_allocations_total", "counter", "allocations", _PROCESS + ("layer",),
-               "Successful allocations seen, per layer."),
+               "Successful allocations seen, per layer (layer torch: the block events sent; while nobody reads "
+               "every block, only sampled blocks are: kvtrace_block_events_quiet_total counts the others)."),
     MetricSpec("kvtrace_frees_total", "counter", "frees", _PROCESS + ("layer",),
-               "Frees of allocations the agent saw, per layer (frees of older memory are not counted)."),
+               "Frees of allocations the agent saw, per layer (frees of older memory are not counted; layer "
+               "torch: as kvtrace_allocations_total)."),
     MetricSpec("kvtrace_allocation_failures_total", "counter", "calls", ("api", "error_code"),
                "Allocation and free calls that returned a CUDA error, by API and CUDA error code "
                "(2 = out of memory)."),
