@@ -275,7 +275,8 @@ class Daemon:
         # Requests are taken from now (the first analysis says more: the mode the probes can do, who can be raised).
         mode = source.blocks_mode
         self.session.set_depth_refusal(
-            "" if mode is BlocksMode.AUTO else f"PyTorch blocks are not decided per process here ({mode.value})")
+            "" if mode is BlocksMode.AUTO else f"PyTorch blocks are not decided per process here ({mode.value})",
+            source.deepenable_pids())
         self.session.set_cupti_witness(True)  # the probes see every process: CUPTI's events are compared
 
     def _tracing_down(self, reason: str) -> None:
@@ -376,7 +377,7 @@ class Daemon:
         started = {pid: int(info.start_time * 1e9) for pid, info in self.session.known_processes().items()
                    if info.start_time > 0}
         decided, ended = self.depth.decide(snapshot, requests, alive, started,
-                                           None if mode is BlocksMode.NEVER else deepenable)
+                                           None if mode is BlocksMode.NEVER else deepenable, source.pytorch_pids())
         depths = {pid: depth for pid, depth in decided.items() if source.follows(pid)}
         for pid in ended:
             self.session.forget_depth_request(pid)

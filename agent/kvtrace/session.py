@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import platform
 import threading
 import time
@@ -61,6 +62,8 @@ from kvtrace.model.vllm import (
 )
 
 Record = Event | EventRun | EventsLost | NvmlSample | VllmRecord
+
+log = logging.getLogger(__name__)
 
 # Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
 # tests see a process's last few transitions).
@@ -197,8 +200,8 @@ class Session:
             self._set_sinks([*self._sinks, sink])
 
     def _set_sinks(self, sinks: list[Sink]) -> None:
-        self._tell_block_readers(sinks)
         self._sinks = sinks
+        self._tell_block_readers(sinks)
         many: list[Callable[[list[Event]], None]] = [
             publish for publish in (getattr(sink, "publish_many", None) for sink in sinks) if publish is not None]
         each: list[Callable[[Event], None]] = [
@@ -251,8 +254,12 @@ class Session:
             self._tell_block_readers(self._sinks)
 
     def _tell_block_readers(self, sinks: list[Sink]) -> None:
-        if self._block_readers_hook is not None:
+        if self._block_readers_hook is None:
+            return
+        try:
             self._block_readers_hook(any(getattr(sink, "wants_every_block", True) for sink in sinks))
+        except Exception:  # a map the probes would not take: blocks stay as they were, sinks come and go all the same
+            log.exception("telling the probes who reads PyTorch blocks failed")
 
     def request_checkpoints(self) -> None:
         """Recordings start again from a copy of the ledger, now: the ledger changed in a way no event tells (a

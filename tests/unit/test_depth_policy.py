@@ -193,6 +193,9 @@ class FakeSource:
     def deepenable_pids(self):
         return {pid for pid in self.torch if self.follows(pid)}
 
+    def pytorch_pids(self):
+        return set(self.torch)
+
     def set_block_depths(self, depths):
         self.applied.append(dict(depths))
 
@@ -249,5 +252,9 @@ def test_a_process_without_pytorch_is_never_raised_and_says_why():
     request = {1: DepthRequest(1, Depth.FULL, requested_ns=0, until_ns=100 * S)}
     decided, ended = policy.decide(snapshot(6, row(1, 0), row(2, 0)), request, alive={1, 2}, deepenable={2})
     assert decided[1].cause is DepthCause.NO_BLOCKS and ended == []
+    # One that maps PyTorch's allocator whose probes cannot go in (refused, no room): not "segments are holders".
+    decided, _ = policy.decide(snapshot(6, row(1, 0), row(2, 0)), {}, deepenable={2}, pytorch={1, 2})
+    assert decided[1].depth is Depth.SEGMENTS and decided[1].cause is DepthCause.DEFAULT
+    assert "cannot be put in" in decided[1].detail
     decided, _ = policy.decide(snapshot(7, row(1, 0), row(2, 0)), request, alive={1, 2}, deepenable={1, 2})
     assert decided[1].depth is Depth.FULL

@@ -110,13 +110,16 @@ class DepthPolicy:
 
     def decide(self, snapshot: AnalysisSnapshot, requests: Mapping[int, DepthRequest],
                alive: Collection[int] | None = None, started_ns: Mapping[int, int] | None = None,
-               deepenable: Collection[int] | None = None) -> tuple[dict[int, ProcessDepth], list[int]]:
+               deepenable: Collection[int] | None = None,
+               pytorch: Collection[int] = ()) -> tuple[dict[int, ProcessDepth], list[int]]:
         """Every followed process's depth after this snapshot, and the pids whose requests ended (their
         time ran out, their process is gone, or the pid is another process's now). `alive`: pids known to
         live (None: every pid the snapshot or a request names). `started_ns`: when processes started (wall
         clock); a process not in it is graced from when the policy first saw it. `deepenable`: the processes
-        whose blocks can be traced at all (None: every one); the others stay at SEGMENTS (NO_BLOCKS), take
-        no place under max_raised, and a request for one waits until it can be."""
+        whose blocks can be traced at all (None: every one); the others stay at SEGMENTS, take no place under
+        max_raised, and a request for one waits until it can be. Of those, the ones not in `pytorch` (that
+        map no PyTorch allocator with probes) say NO_BLOCKS: their segments are their holders; the others say
+        why their blocks cannot be traced."""
         now_ns = snapshot.timestamp_ns
         options = self.options
         started_ns = started_ns or {}
@@ -183,9 +186,14 @@ class DepthPolicy:
         decided: dict[int, ProcessDepth] = {}
         if deepenable is not None:
             for pid in seen - set(deepenable):
-                decided[pid] = self._decision(
-                    pid, Depth.SEGMENTS, DepthCause.NO_BLOCKS,
-                    "no PyTorch allocator probes in this process: its segments are its holders", now_ns, 0)
+                if pid in pytorch:
+                    decided[pid] = self._decision(
+                        pid, Depth.SEGMENTS, DepthCause.DEFAULT,
+                        "its PyTorch allocator probes cannot be put in now (kvtrace doctor --pid says why)", now_ns, 0)
+                else:
+                    decided[pid] = self._decision(
+                        pid, Depth.SEGMENTS, DepthCause.NO_BLOCKS,
+                        "no PyTorch allocator probes in this process: its segments are its holders", now_ns, 0)
         if self.mode is not BlocksMode.AUTO:
             depth = Depth.SEGMENTS if self.mode is BlocksMode.NEVER else (
                 Depth.FULL if options.sample_bytes == 0 else Depth.BLOCKS)

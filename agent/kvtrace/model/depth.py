@@ -54,7 +54,7 @@ class DepthCause(enum.Enum):
     UNEXPLAINED = 5  # NVML sees it gain memory that no traced layer explains
     VLLM = 6         # a vLLM detector fired for its engine
     OPERATOR = 7     # `kvtrace deep` (gRPC SetProcessDepth)
-    NO_BLOCKS = 8    # it maps no PyTorch allocator the probes can trace: its segments are its holders
+    NO_BLOCKS = 8    # it maps no PyTorch allocator with probes: its segments are its holders
 
 
 @dataclass(frozen=True, slots=True)

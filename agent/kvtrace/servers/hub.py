@@ -356,7 +356,9 @@ class EventHub:
     def wants_every_block(self) -> bool:
         """Whether a subscriber takes PyTorch blocks' allocations and frees (Session.set_block_readers_hook):
         one whose filter lets them through."""
-        return any(_takes_blocks(subscription.event_filter) for subscription in (*self._subscriptions, *self._parked))
+        with self._lock:  # a subscriber being unparked is in neither list for a moment
+            return any(_takes_blocks(subscription.event_filter)
+                       for subscription in (*self._subscriptions, *self._parked))
 
     def parked_count(self) -> int:
         """Subscribers whose queue is full: they cost nothing per event until they read."""

@@ -711,8 +711,13 @@ class BpfSource:
         PyTorch's allocator probes, which the kernel did not refuse for them."""
         if self.torch_blocks_down:
             return set()
-        return {pid for file_id, target in self._attached_targets.items() if target.torch_probes
+        return {pid for file_id, target in self._attached_targets.items()
+                if target.torch_probes and (file_id, -1) not in self._torch_refused
                 for pid in target.pids if self.follows(pid) and (file_id, pid) not in self._torch_refused}
+
+    def pytorch_pids(self) -> set[int]:
+        """The processes that map a library with PyTorch's allocator probes, traceable or not."""
+        return {pid for target in self.discovery.targets.values() if target.torch_probes for pid in target.pids}
 
     def set_block_depths(self, depths: Mapping[int, Depth]) -> None:
         """Makes the processes at BLOCKS or FULL in `depths` exactly the ones whose PyTorch probes are in
@@ -740,15 +745,19 @@ class BpfSource:
         """Back to SEGMENTS: their PyTorch links out first (no block of theirs can enter the ledger after), then
         every block of theirs out of the kernel's ledger (one pass for all), uncounted from the agent's totals."""
         for pid in pids:
+            if self.options.blocks is BlocksMode.AUTO:
+                self._undropped.add(pid)  # first: whatever fails below, its blocks are dropped at a later call
             del self._deep[pid]
             self._detach_torch_of(pid)
-            if self.options.blocks is BlocksMode.AUTO:
-                self._undropped.add(pid)
         if self._undropped:
-            # Their events still in the rings first (blocks allocated before the links closed): after the drop they
-            # would add blocks whose frees never come.
-            self._probes().poll(0)
-            self._flush()
+            # Their events still in the rings first, all of them (blocks allocated before the links closed): after
+            # the drop they would add blocks whose frees never come.
+            while True:
+                taken = self._records_this_turn
+                self._probes().poll(0)
+                self._flush()
+                if self._records_this_turn - taken < POLL_BUDGET_EVENTS:
+                    break
             dropping = frozenset(self._undropped)
             self._drop_blocks_in_kernel(dropping)
             self._undropped -= dropping  # only once dropped: a pass that failed is made again at the next call
