@@ -809,3 +809,104 @@ def test_a_subscriber_wants_every_block_only_if_its_filter_takes_blocks():
         hub.unsubscribe(subscription)
     hub.subscribe(EventFilter())
     assert hub.wants_every_block
+
+
+class DepthProbes(CountingProbes):
+    """What set_block_depths asks of the probes: PyTorch links per (library, pid), FULL marks, the ledger."""
+
+    def __init__(self, items=(), refuse=()) -> None:
+        super().__init__(items)
+        self.links: dict[object, set[int]] = {}
+        self.full: set[int] = set()
+        self.refuse = set(refuse)
+        self.deleted_passes = 0
+
+    def attach_torch(self, path, probes, pid=-1, key=None):
+        from kvtrace.sources.bpf.loader import TorchProbesRefused
+
+        if (key, pid) in self.refuse:
+            raise TorchProbesRefused("refused for the test")
+        self.links.setdefault(key, set()).add(pid)
+        return list(probes)
+
+    def torch_attached_pids(self, key):
+        return set(self.links.get(key, ()))
+
+    def torch_keys_of(self, pid):
+        return [key for key, pids in self.links.items() if pid in pids]
+
+    def detach_torch(self, key, pid):
+        self.links[key].discard(pid)
+
+    def set_block_full(self, pid, full):
+        (self.full.add if full else self.full.discard)(pid)
+
+    def poll(self, timeout_ms):
+        pass
+
+    def delete_ledger_keys(self, keys):
+        self.deleted_passes += 1
+        return super().delete_ledger_keys(keys)
+
+
+def _depth_source(probes, pids=()):
+    from kvtrace.model.depth import BlocksMode
+    from kvtrace.sources.discovery import FileId, Target
+
+    source = BpfSource(Session(), BpfOptions(blocks=BlocksMode.AUTO, pids=set(pids)))
+    source.probes = probes
+    source._selected = set(pids)  # as start() selects them
+    torch_library = Target(FileId(1, 10), "/lib/libc10_cuda.so", (), {7, 8, 9}, torch_probes=("malloc-site",))
+    cuda_library = Target(FileId(1, 11), "/lib/libcudart.so", ("cudaMalloc",), {7, 8, 9, 12})
+    source._attached_targets = {torch_library.file_id: torch_library, cuda_library.file_id: cuda_library}
+    source.discovery.targets = dict(source._attached_targets)
+    return source, torch_library.file_id
+
+
+def test_who_can_be_raised_and_what_a_refusal_leaves():
+    """Only followed processes that map PyTorch's allocator can be raised; a (library, pid) the kernel refused is
+    not tried again (nor counted as raisable) until its process goes; one it refused for every process (--blocks
+    always' shared link) raises nobody."""
+    from kvtrace.model.depth import Depth
+
+    probes = DepthProbes()
+    source, library = _depth_source(probes, pids=(7, 8, 12))
+    assert source.deepenable_pids() == {7, 8} and source.pytorch_pids() == {7, 8, 9}
+    probes.refuse = {(library, 8)}
+    source.set_block_depths({7: Depth.BLOCKS, 8: Depth.FULL, 9: Depth.BLOCKS, 12: Depth.BLOCKS})
+    assert probes.links[library] == {7} and probes.full == {8}
+    assert source.deepenable_pids() == {7}
+    probes.refuse = set()
+    source.set_block_depths({7: Depth.BLOCKS, 8: Depth.FULL})
+    assert probes.links[library] == {7}  # not tried again while 8 lives
+    source._forget_process(8)
+    source._attached_targets[library].pids.add(8)  # a new process 8 maps it (a rescan found it)
+    source.set_block_depths({7: Depth.BLOCKS, 8: Depth.FULL})
+    assert probes.links[library] == {7, 8}
+    source._torch_refused.add((library, -1))
+    assert source.deepenable_pids() == set()
+
+
+def test_a_drop_that_failed_is_made_again():
+    """Lowering marks the drop before anything can fail; a pass that failed is made at the next call."""
+    from kvtrace.model.depth import Depth
+
+    probes = DepthProbes()
+    source, library = _depth_source(probes)
+    source.set_block_depths({7: Depth.BLOCKS})
+    failing = [True]
+    real = source._drop_blocks_in_kernel
+
+    def drop(pids):
+        if failing.pop():
+            raise OSError("the ledger could not be read")
+        real(pids)
+
+    source._drop_blocks_in_kernel = drop
+    failing.append(False)
+    failing.append(True)
+    with pytest.raises(OSError):
+        source.set_block_depths({})
+    assert probes.links[library] == set() and source._undropped == {7}
+    source.set_block_depths({})
+    assert source._undropped == set()
