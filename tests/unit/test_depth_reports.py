@@ -418,3 +418,24 @@ def test_a_recording_writes_a_process_again_when_its_depth_changes(tmp_path):
     early = replay(tmp_path / "r.kvtrace", at_ns=start_ns + NS - 1)
     assert early.session.process_depths() == {200: segments_only(200, start_ns)}
 
+
+
+def test_a_streamed_recording_writes_a_depth_decided_after_the_last_event():
+    """StreamRecording (kvtrace record): a process lowered (or raised) after its last event still has its new
+    depth written, on a take that brought nothing."""
+    from kvtrace.reports.recorder import RecordQueue, encode_stream
+
+    agent = FakeAgent()
+    start_ns = time.time_ns()
+    depths = {200: raised(200, start_ns)}
+    encoder = FrameEncoder(agent.session.stack, agent.session.process, depths_of=lambda: dict(depths))
+    queue = RecordQueue(agent.session)
+    checkpoint = agent.session.subscribe(queue)
+    agent.session.ingest(event(pid=200, address=0x10, ts=start_ns))
+    turns = iter(range(3))
+    batches = encode_stream(queue, encoder, checkpoint, 100, lambda: next(turns, None) is not None, wait_seconds=0.01)
+    frames = [frame for batch in [next(batches), next(batches)] for frame in batch]  # checkpoint, then the event
+    depths[200] = segments_only(200, start_ns + NS)
+    frames += next(batches)  # nothing came: the change goes all the same
+    processes = [depth_from_proto(frame.process.depth) for frame in frames if frame.HasField("process")]
+    assert processes == [raised(200, start_ns), segments_only(200, start_ns + NS)]
