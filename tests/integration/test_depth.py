@@ -9,6 +9,7 @@ semaphores stay at 0 (torch skips its probes: it pays nothing) and its segments 
 and WHEN the raised one is lowered, its blocks leave the kernel's ledger and the agent's totals at once
 and its link is gone, while its segments stay."""
 import os
+import time
 
 import pytest
 
@@ -174,3 +175,62 @@ def test_quiet_blocks_send_the_sampled_ones_only(stub_build, torch_stub_build):
             assert after["blocks_quiet"] - before["blocks_quiet"] == passed_over
         finally:
             harness.close()
+
+
+def test_kvtrace_deep_raises_and_lowers_a_process_through_the_agent(tmp_path, stub_build):
+    """GIVEN the agent as shipped (--blocks auto) following the stub allocator's process (at segments: no PyTorch
+    link), WHEN `kvtrace deep --pid P --full` runs on the admin socket, THEN `kvtrace ps --json` says it is at
+    full on the operator's request and its blocks are traced exactly (19 live after the scenario); and WHEN
+    `kvtrace deep --pid P --off` runs, it is back at segments and its blocks leave the totals."""
+    import json
+
+    from agent_process import AgentProcess, kvtrace
+
+    require_tracing_here()
+    torch = build_torch_stub(tmp_path, stub_build)
+    agent_socket = tmp_path / "kvtrace.sock"
+    admin = agent_socket.with_name("kvtrace-admin.sock")
+
+    def process(pid):
+        ps = kvtrace("ps", "--socket", str(admin), "--json")
+        assert ps.returncode == 0, ps.stderr
+        return next((json.loads(line) for line in ps.stdout.splitlines() if json.loads(line)["pid"] == pid), None)
+
+    def torch_held(row):
+        return sum(total["size_bytes"] for total in row["totals"] if total["layer"] == "torch") if row else None
+
+    def poll(predicate, what, timeout_seconds=15.0):
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            value = predicate()
+            if value or time.monotonic() > deadline:
+                assert value, what
+                return value
+            time.sleep(0.3)
+
+    with Workload([torch.workload, "blocks"]) as workload:
+        pid = workload.wait_ready()
+        with AgentProcess(agent_socket, "-p", str(pid), "--no-nvml"):
+            asked = kvtrace("deep", "--pid", str(pid), "--full", "--for", "5m", "--socket", str(admin))
+            assert asked.returncode == 0, asked.stderr
+            assert "full" in asked.stdout
+
+            def linked():  # the agent applies a request at its next analysis (within a second or so)
+                from kvtrace.client import AgentClient
+
+                with AgentClient.for_socket(admin) as client:
+                    return any(library.path == str(torch.libc10_cuda) and "pytorch:malloc" in library.symbols
+                               for library in client.info().attached_libraries)
+
+            poll(linked, "PyTorch's allocator probes in")
+            workload.go()
+            semaphores, blocks, _ = manifest_parts(workload.read_calls())
+            live = sum(b["size_bytes"] for b in blocks if not b["freed"])
+            row = poll(lambda: (row := process(pid)) and torch_held(row) == live and row, "its blocks in ps")
+            assert row["depth"]["depth"] == "full" and row["depth"]["cause"] == "operator", row["depth"]
+            assert semaphores["malloc"] >= 1  # raised before the scenario began
+            off = kvtrace("deep", "--pid", str(pid), "--off", "--socket", str(admin))
+            assert off.returncode == 0, off.stderr
+            row = poll(lambda: (row := process(pid)) and row["depth"]["depth"] == "segments" and row,
+                       "back at segments")
+            assert torch_held(row) in (0, None)
