@@ -234,3 +234,71 @@ def test_kvtrace_deep_raises_and_lowers_a_process_through_the_agent(tmp_path, st
             row = poll(lambda: (row := process(pid)) and row["depth"]["depth"] == "segments" and row,
                        "back at segments")
             assert torch_held(row) in (0, None)
+
+
+def test_the_agent_raises_a_growing_process_on_its_own(tmp_path, stub_build):
+    """GIVEN the agent as shipped but with a 4 MiB growth threshold and no start-up grace, following a Python
+    process that maps the stub PyTorch allocator and holds 1 MiB, WHEN it then cudaMallocs 8 MiB more, THEN the
+    agent raises it to blocks by itself (cause growth, the evidence in words) and links PyTorch's allocator
+    probes into it; a process that maps no PyTorch allocator and grows alike stays at segments (no_blocks)."""
+    import json
+    import sys
+    import textwrap
+
+    from agent_process import AgentProcess, kvtrace
+    from kvtrace.client import AgentClient
+
+    require_tracing_here()
+    torch = build_torch_stub(tmp_path, stub_build)
+    script = tmp_path / "grower.py"
+    script.write_text(textwrap.dedent("""
+        import ctypes, os, sys
+        cudart = ctypes.CDLL(sys.argv[1])
+        if len(sys.argv) > 2:
+            ctypes.CDLL(sys.argv[2])  # maps PyTorch's allocator (its probes), allocates nothing through it
+        kept = []
+        print("ready", os.getpid(), flush=True)
+        for line in sys.stdin:
+            for _ in range(int(line)):
+                pointer = ctypes.c_void_p()
+                assert cudart.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(1 << 20)) == 0
+                kept.append(pointer)
+            print("ok", flush=True)
+    """))
+    socket = tmp_path / "kvtrace.sock"
+
+    def depth_of(pid):
+        ps = kvtrace("ps", "--socket", str(socket), "--json")
+        assert ps.returncode == 0, ps.stderr
+        return next((json.loads(line)["depth"] for line in ps.stdout.splitlines()
+                     if json.loads(line)["pid"] == pid), None)
+
+    def grow(workload, count):
+        workload.process.stdin.write(f"{count}\n")
+        workload.process.stdin.flush()
+        workload.expect_line("ok")
+
+    with Workload([sys.executable, str(script), str(stub_build.libcudart), str(torch.libc10_cuda)]) as torch_user, \
+            Workload([sys.executable, str(script), str(stub_build.libcudart)]) as plain:
+        pids = torch_user.wait_ready(), plain.wait_ready()
+        with AgentProcess(socket, "-p", str(pids[0]), "-p", str(pids[1]), "--no-nvml", "--deepen-growth", "4MiB",
+                          "--deepen-grace-seconds", "0"):
+            for workload in (torch_user, plain):
+                grow(workload, 1)
+            deadline = time.monotonic() + 10
+            while any(depth_of(pid) is None for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.3)  # both seen holding 1 MiB: their series start there
+            assert [depth_of(pid)["depth"] for pid in pids] == ["segments", "segments"]
+            for workload in (torch_user, plain):
+                grow(workload, 8)
+            deadline = time.monotonic() + 10
+            while (depth := depth_of(pids[0]))["depth"] != "blocks" and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert depth["depth"] == "blocks" and depth["cause"] == "growth", depth
+            assert "traced bytes +8 MiB" in depth["detail"] and depth["sample_bytes"] == 512 << 10, depth
+            plain_depth = depth_of(pids[1])
+            assert plain_depth["depth"] == "segments" and plain_depth["cause"] == "no_blocks", plain_depth
+            with AgentClient.for_socket(socket.with_name("kvtrace-admin.sock")) as client:
+                libraries = client.info().attached_libraries
+            assert any(library.path == str(torch.libc10_cuda) and "pytorch:malloc" in library.symbols
+                       for library in libraries)
