@@ -199,7 +199,7 @@ def test_kvtrace_deep_raises_and_lowers_a_process_through_the_agent(tmp_path, st
     def torch_held(row):
         return sum(total["size_bytes"] for total in row["totals"] if total["layer"] == "torch") if row else None
 
-    def poll(predicate, what, timeout_seconds=15.0):
+    def poll(predicate, what, timeout_seconds=30.0):
         deadline = time.monotonic() + timeout_seconds
         while True:
             value = predicate()
@@ -285,13 +285,13 @@ def test_the_agent_raises_a_growing_process_on_its_own(tmp_path, stub_build):
                           "--deepen-grace-seconds", "0"):
             for workload in (torch_user, plain):
                 grow(workload, 1)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30  # generous: a CLI call takes a second on a busy 2-core machine
             while any(depth_of(pid) is None for pid in pids) and time.monotonic() < deadline:
                 time.sleep(0.3)  # both seen holding 1 MiB: their series start there
             assert [depth_of(pid)["depth"] for pid in pids] == ["segments", "segments"]
             for workload in (torch_user, plain):
                 grow(workload, 8)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while (depth := depth_of(pids[0]))["depth"] != "blocks" and time.monotonic() < deadline:
                 time.sleep(0.3)
             assert depth["depth"] == "blocks" and depth["cause"] == "growth", depth

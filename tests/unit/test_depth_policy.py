@@ -125,15 +125,20 @@ def test_bad_options_are_refused():
         DepthOptions(max_raised=-1)
 
 
-def test_a_process_that_started_long_ago_has_no_grace():
-    """The agent started beside a process that runs for hours: its growth counts from the first minute."""
+def test_the_grace_counts_from_the_process_start_and_its_first_traced_memory():
+    """A process that imports for minutes before CUDA starts is graced from its first traced memory; an agent
+    started beside a process that runs for hours waits the grace once, then its growth counts."""
     policy = DepthPolicy(OPTIONS)
-    for second in range(10_000, 10_040):
-        decided, _ = policy.decide(snapshot(second, row(1, (second - 10_000) * 2 * MIB),
-                                            row(2, (second - 10_000) * 2 * MIB)),
+    grows = lambda pid, s: (s - 10_000) * 2 * MIB  # noqa: E731
+    for second in range(10_000, 10_119):
+        decided, _ = policy.decide(snapshot(second, row(1, grows(1, second)), row(2, grows(2, second))),
+                                   {}, started_ns={1: 0, 2: 9_990 * S})
+        assert {d.depth for d in decided.values()} == {Depth.SEGMENTS}, second
+    for second in range(10_119, 10_160):
+        decided, _ = policy.decide(snapshot(second, row(1, grows(1, second)), row(2, grows(2, second))),
                                    {}, started_ns={1: 0, 2: 9_990 * S})
     assert decided[1].depth is Depth.BLOCKS and decided[1].cause is DepthCause.GROWTH
-    assert decided[2].depth is Depth.SEGMENTS  # 50 s old: still starting up
+    assert decided[2].depth is Depth.BLOCKS
 
 
 def test_an_operator_request_does_not_erase_a_raise_on_evidence():

@@ -2,8 +2,9 @@
 
 Every analysis snapshot, the policy looks at each process and raises it to BLOCKS when one of these
 holds (the first that does is its cause), once the process is past its start-up
-(`startup_grace_seconds` from its start: loading weights and the KV cache is growth too, and says
-nothing of a leak):
+(`startup_grace_seconds` from its start and from the first time the policy saw it hold traced memory,
+whichever is later: loading weights and the KV cache is growth too, and says nothing of a leak; an agent
+that starts beside running processes waits that long too):
 
 - VLLM: a vLLM detector fired for its engine (the finding's engine and worker processes; its
   detectors wait out the engine's start themselves, so no grace here);
@@ -79,6 +80,7 @@ class _Followed:
     """What the policy remembers of one process."""
 
     started_ns: int  # its start (or when the policy first saw it, where not known): its identity with the pid
+    seen_ns: int = 0  # when the policy first saw it hold traced memory (its CUDA start, or the agent's)
     traced: deque[tuple[int, int]] = field(default_factory=deque)       # (wall ns, traced bytes)
     unexplained: deque[tuple[int, int]] = field(default_factory=deque)  # (wall ns, NVML used - traced)
     evidence_ns: int = 0  # the last time evidence held (0: never)
@@ -153,7 +155,10 @@ class DepthPolicy:
         grace_ns = int(options.startup_grace_seconds * NS_PER_SECOND)
         for pid in seen:
             followed = self._followed.setdefault(pid, _Followed(started_ns.get(pid, now_ns)))
-            settled = now_ns - followed.started_ns >= grace_ns
+            followed.seen_ns = followed.seen_ns or now_ns
+            # Settled once past its grace from its start and from its first traced memory: a process may import
+            # for a minute before CUDA starts, and then load its weights.
+            settled = now_ns - max(followed.started_ns, followed.seen_ns) >= grace_ns
             # The series start after the grace: a window that held the start-up would see its loading as growth.
             grew = _gained(followed.traced, now_ns, traced.get(pid, 0), window_ns) if settled else 0
             unexplained_grew = (_gained(followed.unexplained, now_ns, unexplained[pid], window_ns)

@@ -106,8 +106,9 @@ class AgentCommand:
                                  "(default: 64MiB)")
         parser.add_argument("--deepen-grace-seconds", metavar="SECONDS", type=float,
                             default=depth.startup_grace_seconds,
-                            help="--blocks auto: a process's growth counts only after it ran this long (loading "
-                                 "weights and the KV cache is growth too; default: %(default)g)")
+                            help="--blocks auto: a process's growth counts only once it has run, and held traced "
+                                 "memory, this long (loading weights and the KV cache is growth too; default: "
+                                 "%(default)g)")
         parser.add_argument("--deepen-quiet-seconds", metavar="SECONDS", type=float, default=depth.quiet_seconds,
                             help="--blocks auto: a process raised on evidence goes back to segments after this "
                                  "long without any (default: %(default)g)")
