@@ -343,7 +343,10 @@ def test_agent_record_replays_to_the_snapshot_and_processes_the_agent_answered(t
             ask(workload, f"free {FREES}")
             settled_snapshot(socket, 2 * held, pid)
             live_snapshot = kvtrace("snapshot", "--json", "--socket", str(socket))
-            live_ps = kvtrace("ps", "--json", "--socket", str(socket))
+            # The agent decides the process's depth at its first analysis after its events (within a second): the
+            # recording holds it, and so must the live answer compared with it.
+            live_ps = poll(lambda: (ps := kvtrace("ps", "--json", "--socket", str(socket))) and all(
+                row["depth"] is not None for row in json_lines(ps)) and ps, "the process's depth")
             assert agent.stop() == 0, agent.stderr_text()
     replayed_snapshot = kvtrace("snapshot", "--json", "--input", str(recording))
     replayed_ps = kvtrace("ps", "--json", "--input", str(recording))
