@@ -141,7 +141,6 @@ class Daemon:
         self._stopping = threading.Event()
         self._tracing_impossible = False  # the probes could not load at start ("auto"): not tried again
         self._retry_at = 0.0  # monotonic: when to try again after the switch's re-enable failed
-        self._depths_logged: dict[int, Depth] = {}  # each process's depth as last logged
 
     def start(self) -> None:
         """Loads the probes and starts every part; raises CommandError with one line on failure."""
@@ -272,11 +271,8 @@ class Daemon:
             return
         self.source = source
         self.depth = DepthPolicy(self.options.depth)  # a new source raised nobody yet: every process starts afresh
-        # Requests are taken from now (the first analysis says more: the mode the probes can do, who can be raised).
-        mode = source.blocks_mode
-        self.session.set_depth_refusal(
-            "" if mode is BlocksMode.AUTO else f"PyTorch blocks are not decided per process here ({mode.value})",
-            source.deepenable_pids())
+        # Requests are taken from now, for the processes that can be raised (each analysis says it again).
+        self.session.set_depth_refusal(_depth_refusal(source), source.deepenable_pids())
         self.session.set_cupti_witness(True)  # the probes see every process: CUPTI's events are compared
 
     def _tracing_down(self, reason: str) -> None:
@@ -368,9 +364,7 @@ class Daemon:
         mode = source.blocks_mode
         self.depth.set_mode(mode)
         deepenable = source.deepenable_pids()
-        self.session.set_depth_refusal("" if mode is BlocksMode.AUTO else (
-            f"PyTorch blocks are traced in every process here (--blocks {mode.value})" if mode is BlocksMode.ALWAYS
-            else f"PyTorch blocks are not traced here: {source.torch_blocks_down}"), deepenable)
+        self.session.set_depth_refusal(_depth_refusal(source), deepenable)
         requests = self.session.depth_requests()
         alive = {pid for pid in requests if psutil.pid_exists(pid)}
         alive |= {row.pid for row in snapshot.processes}
@@ -381,12 +375,12 @@ class Daemon:
         depths = {pid: depth for pid, depth in decided.items() if source.follows(pid)}
         for pid in ended:
             self.session.forget_depth_request(pid)
+        published = self.session.process_depths()  # the last decision's
         for pid, depth in depths.items():
-            old = self._depths_logged.get(pid)
-            if old is not None and old is not depth.depth or old is None and depth.depth is not Depth.SEGMENTS:
+            old = published[pid].depth if pid in published else Depth.SEGMENTS
+            if old is not depth.depth:
                 log.warning("pid %d: depth %s (%s%s)", pid, depth.depth.label, depth.cause.name.lower(),
                             f": {depth.detail}" if depth.detail else "")
-        self._depths_logged = {pid: depth.depth for pid, depth in depths.items()}
         self.session.set_process_depths(depths)
         try:
             source.set_block_depths({pid: depth.depth for pid, depth in depths.items()})
@@ -451,6 +445,16 @@ class Daemon:
 # and stacks are freed by their reference counts (they form no cycles), so a collection rarely finds
 # anything: bench/api_throughput.py measured the difference (bench/RESULTS.md §J).
 GC_YOUNG_ALLOCATIONS = 50_000
+
+
+def _depth_refusal(source: BpfSource) -> str:
+    """Why operators' depth requests are not honoured with these probes ("" : they are)."""
+    mode = source.blocks_mode
+    if mode is BlocksMode.AUTO:
+        return ""
+    if mode is BlocksMode.ALWAYS:
+        return f"PyTorch blocks are traced in every process here (--blocks {mode.value})"
+    return f"PyTorch blocks are not traced here: {source.torch_blocks_down}"
 
 
 def tune_garbage_collector() -> None:

@@ -345,7 +345,7 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
     keys = b"".join(_LEDGER_KEY.pack(*k) for k, _ in raw)
     values = b"".join(_LEDGER_VALUE.pack(*v) for _, v in raw)
     counted_values = frozenset(kind.value for kind in COUNTED_OBJECTS)
-    doomed = doomed_in_chunk(keys, values, 7, before_ns=8, device=0, counted=counted_values)
+    doomed = doomed_in_chunk(keys, values, frozenset({7}), before_ns=8, device=0, counted=counted_values)
     assert [(raw_key, totals, size) for raw_key, totals, size in doomed] == [
         (_LEDGER_KEY.pack(*raw[0][0]), TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE), MiB),
         (_LEDGER_KEY.pack(*raw[2][0]), TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE), MiB),

@@ -68,11 +68,10 @@ def positive_seconds(text: str) -> float:
 
 
 NS_PER_SECOND = 1_000_000_000
-_DURATION = re.compile(r"^\+(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
+_SPAN_TEXT = r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$"  # a number and its unit: "90s", "2.5m", "600"
+_SPAN = re.compile("^" + _SPAN_TEXT)
+_DURATION = re.compile(r"^\+" + _SPAN_TEXT)  # --at's "+90s": after the recording starts
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-_SPAN = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
 
 
 def parse_duration(text: str, low_seconds: float = 1.0, high_seconds: float = 24 * 3600.0) -> float:

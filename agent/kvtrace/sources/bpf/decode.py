@@ -326,14 +326,13 @@ def _totals_key(pid: int, device: int, layer: int, memory: int) -> TotalsKey | N
     return TotalsKey(pid, device, layer_member, memory_member)
 
 
-def doomed_in_chunk(keys: bytes, values: bytes, pid: int | frozenset[int], before_ns: int, device: int | None,
+def doomed_in_chunk(keys: bytes, values: bytes, pids: frozenset[int], before_ns: int, device: int | None,
                     counted: frozenset[int], objects: frozenset[int] | None = None,
                     ) -> list[tuple[bytes, TotalsKey | None, int]]:
-    """(raw key, totals key, size) of the entries of `pid` (or of those pids) at most `before_ns` old (kernel
-    clock; on `device` if given; of `objects` only, raw values, if given): what a process exit, a context
-    destroy or processes lowered to depth SEGMENTS drop. The totals key is None but for `counted` objects (raw
-    values), whose totals the kernel keeps: the Session stops counting those the agent deletes."""
-    pids = pid if isinstance(pid, frozenset) else frozenset((pid,))
+    """(raw key, totals key, size) of the entries of `pids` at most `before_ns` old (kernel clock; on `device`
+    if given; of `objects` only, raw values, if given): what a process exit, a context destroy or processes
+    lowered to depth SEGMENTS drop. The totals key is None but for `counted` objects (raw values), whose
+    totals the kernel keeps: the Session stops counting those the agent deletes."""
     doomed: list[tuple[bytes, TotalsKey | None, int]] = []
     key_size = _LEDGER_KEY.size
     for index, ((entry_pid, layer, object_kind, _, _), (size_bytes, timestamp_ns, _, _, _, entry_device, _, memory,

@@ -236,8 +236,7 @@ class BpfProbes:
         self._attached: dict[Hashable, dict[int, list[str]]] = {}  # key -> pid (-1: all) -> symbols
         self._links: dict[Hashable, list[links.Link]] = {}  # key -> its links (uprobe_multi mode)
         self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
-        self._torch_attached: dict[Hashable, dict[int, list[UsdtProbe]]] = {}  # key -> pid -> probes
-        self._torch_links: dict[Hashable, dict[int, links.Link]] = {}  # key -> pid -> its PyTorch link
+        self._torch_links: dict[Hashable, dict[int, links.Link]] = {}  # key -> pid (-1: all) -> its PyTorch link
         # key -> (its usable sites, their cookies): usdt_sites entries made once per library and
         # shared by its links (one per pid under -p)
         self._torch_sites: dict[Hashable, tuple[list[UsdtProbe], list[int]]] = {}
@@ -348,7 +347,6 @@ class BpfProbes:
                 self._delete_sites(cookies)
             raise TorchProbesRefused(str(error)) from error
         self._torch_links.setdefault(key, {})[pid] = link
-        self._torch_attached.setdefault(key, {})[pid] = attached
         return attached
 
     def torch_keys_of(self, pid: int) -> list[Hashable]:
@@ -359,7 +357,6 @@ class BpfProbes:
         """Takes PyTorch's allocator probes in library `key` out for one process (its depth was lowered,
         or it exited); the library's sites stay registered for the others."""
         link = self._torch_links.get(key, {}).pop(pid, None)
-        self._torch_attached.get(key, {}).pop(pid, None)
         if link is not None:
             links.close_links([link])
 
@@ -378,7 +375,6 @@ class BpfProbes:
                     for symbol in symbols:
                         self._detach_symbol(path, symbol, pid)
             self._attached.pop(key, None)
-            self._torch_attached.pop(key, None)
             sites = self._torch_sites.pop(key, None)
             if sites is not None:
                 self._delete_sites(sites[1])
@@ -417,7 +413,7 @@ class BpfProbes:
 
     def torch_attached_pids(self, key: Hashable) -> set[int]:
         """The pids PyTorch's probes in library `key` are attached for; {-1}: every process."""
-        return set(self._torch_attached.get(key, {}))
+        return set(self._torch_links.get(key, {}))
 
     def _put_in_stack_walker(self) -> None:
         """Loads walk_stack, the program the allocation probes tail-call for a Python stack, and puts

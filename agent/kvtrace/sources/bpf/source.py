@@ -778,16 +778,7 @@ class BpfSource:
     def _drop_blocks_in_kernel(self, pids: frozenset[int]) -> None:
         """Deletes the PyTorch blocks of `pids` from the kernel's ledger; the agent stops counting them, and
         recordings start again from a checkpoint (no free of those blocks will ever come)."""
-        probes = self._probes()
-        doomed = [found for keys, values in probes.iter_ledger_chunks()
-                  for found in doomed_in_chunk(keys, values, pids, 2**64 - 1, None, _COUNTED_OBJECT_VALUES,
-                                               objects=_BLOCK_OBJECT_VALUES)]
-        deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
-        sums: dict[TotalsKey, tuple[int, int]] = {}
-        for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
-            if taken and totals is not None:
-                size, count = sums.get(totals, (0, 0))
-                sums[totals] = (size + size_bytes, count + 1)
+        sums = self._delete_in_kernel(pids, 2**64 - 1, objects=_BLOCK_OBJECT_VALUES)
         self.session.uncount(sums, implicit=False)
         if sums:
             self.session.request_checkpoints()
@@ -867,23 +858,29 @@ class BpfSource:
         exactly that out of them, and after an exit the pid's totals leave the kernel (what a process that
         reused the pid added meanwhile stays counted). A kept ledger dropped its own entries at the event."""
         probes = self._probes()
-        before = self.clock.monotonic_ns(before_wall_ns)
-        doomed = [found for keys, values in probes.iter_ledger_chunks()
-                  for found in doomed_in_chunk(keys, values, pid, before, device, _COUNTED_OBJECT_VALUES)]
-        deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
-        sums: dict[TotalsKey, list[int]] = {}
-        for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
-            if taken and totals is not None:  # not taken: a probe freed it meanwhile, and took its own out
-                total = sums.setdefault(totals, [0, 0])
-                total[0] += size_bytes
-                total[1] += 1
+        dropped = self._delete_in_kernel(frozenset((pid,)), self.clock.monotonic_ns(before_wall_ns), device)
 
         def take_totals() -> dict[TotalsKey, tuple[int, int]]:
             return decode_totals(probes.take_totals(pid)) if device is None else {}
 
-        dropped = {key: (size, count) for key, (size, count) in sums.items()}
         if not self.session.uncount(dropped, implicit=device is not None, take_totals=take_totals):
             take_totals()  # a kept ledger: the kernel's totals of the pid go all the same
+
+    def _delete_in_kernel(self, pids: frozenset[int], before_ns: int, device: int | None = None,
+                          objects: frozenset[int] | None = None) -> dict[TotalsKey, tuple[int, int]]:
+        """Deletes the kernel ledger's entries of `pids` at most `before_ns` old (kernel clock; on `device`, of
+        `objects`, if given), in one pass; returns (bytes, count) per totals key of the counted ones it took."""
+        probes = self._probes()
+        doomed = [found for keys, values in probes.iter_ledger_chunks()
+                  for found in doomed_in_chunk(keys, values, pids, before_ns, device, _COUNTED_OBJECT_VALUES,
+                                               objects=objects)]
+        deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
+        sums: dict[TotalsKey, tuple[int, int]] = {}
+        for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
+            if taken and totals is not None:  # not taken: a probe freed it meanwhile, and took its own out
+                size, count = sums.get(totals, (0, 0))
+                sums[totals] = (size + size_bytes, count + 1)
+        return sums
 
     def resync(self) -> None:
         """Replaces the Session's kept entries with the kernel's exact copy (after lost events). Where the
