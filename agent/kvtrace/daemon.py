@@ -381,11 +381,11 @@ class Daemon:
             if old is not depth.depth:
                 log.warning("pid %d: depth %s (%s%s)", pid, depth.depth.label, depth.cause.name.lower(),
                             f": {depth.detail}" if depth.detail else "")
-        self.session.set_process_depths(depths)
-        try:
+        try:  # the probes first: a report that says a depth finds it applied
             source.set_block_depths({pid: depth.depth for pid, depth in depths.items()})
         except Exception:  # a library that would not take a link: said, and the loop goes on (tried again next tick)
             log.exception("applying the processes' depths to the probes failed")
+        self.session.set_process_depths(depths)
 
     def _dump_on_signal(self) -> None:
         from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2

@@ -298,7 +298,14 @@ def test_the_agent_raises_a_growing_process_on_its_own(tmp_path, stub_build):
             assert "traced bytes +8 MiB" in depth["detail"] and depth["sample_bytes"] == 512 << 10, depth
             plain_depth = depth_of(pids[1])
             assert plain_depth["depth"] == "segments" and plain_depth["cause"] == "no_blocks", plain_depth
-            with AgentClient.for_socket(socket.with_name("kvtrace-admin.sock")) as client:
-                libraries = client.info().attached_libraries
-            assert any(library.path == str(torch.libc10_cuda) and "pytorch:malloc" in library.symbols
-                       for library in libraries)
+            # The attached libraries are reported to the Session once a second: wait for the report.
+            deadline = time.monotonic() + 30
+            while True:
+                with AgentClient.for_socket(socket.with_name("kvtrace-admin.sock")) as client:
+                    libraries = client.info().attached_libraries
+                linked = any(library.path == str(torch.libc10_cuda) and "pytorch:malloc" in library.symbols
+                             for library in libraries)
+                if linked or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert linked
