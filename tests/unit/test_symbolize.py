@@ -526,3 +526,16 @@ def test_stack_table_interns_by_content():
     with pytest.raises(KeyError):
         table.get(4)
     assert frame_to_json(inner) == {"function": "Cls.method", "file": "/a.py", "line": 3}
+
+
+def test_an_address_in_a_cached_anonymous_mapping_reads_the_maps_again(tmp_path):
+    """The loader may map a new library over address space the cached maps show anonymous (reserved or
+    freed): the caller is named from the maps as they are now, not as the stale anonymous region."""
+    (tmp_path / "42").mkdir()
+    maps = tmp_path / "42" / "maps"
+    maps.write_text("7f0000000000-7f0000100000 rw-p 00000000 00:00 0 \n")
+    symbolizer = NativeSymbolizer(proc=tmp_path)
+    assert symbolizer.symbolize(42, 0x7f0000000100) == NativeFrame("", "", 0x100)
+    maps.write_text("7f0000000000-7f0000100000 r-xp 00001000 08:01 1234 /opt/lib/libnew.so\n")
+    frame = symbolizer.symbolize(42, 0x7f0000000100)
+    assert frame.module == "/opt/lib/libnew.so" and frame.offset == 0x1100  # its file offset: no table to read

@@ -30,8 +30,8 @@ class _MapsIndex:
 
 
 class NativeSymbolizer:
-    """A process's maps are cached and read again when an address is in none of them (a library
-    loaded since); call `forget(pid)` when it exits or execs."""
+    """A process's maps are cached and read again when an address is in none of them, or in an anonymous
+    one (a library loaded since); call `forget(pid)` when it exits or execs."""
 
     def __init__(self, proc: Path = procfs.PROC) -> None:
         self._proc = proc
@@ -61,7 +61,9 @@ class NativeSymbolizer:
     def _find_mapping(self, pid: int, address: int) -> procfs.Mapping | None:
         cached = self._maps.get(pid)
         mapping = cached.at(address) if cached is not None else None
-        if mapping is None:
+        # In no cached mapping, or in an anonymous one: a library loaded since may lie there now (the loader
+        # reuses address space that was reserved or freed), so the maps are read again.
+        if mapping is None or mapping.inode == 0:
             fresh = self._maps[pid] = _MapsIndex(procfs.read_maps(pid, self._proc))
             mapping = fresh.at(address)
         return mapping
