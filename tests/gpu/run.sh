@@ -12,6 +12,7 @@
 #   bash tests/gpu/run.sh idle [bench args]            # bench/agent_idle.py: the idle agent's CPU, with and without NVML
 #   bash tests/gpu/run.sh vllm [pytest args]           # tests/gpu/test_vllm*.py, with the vLLM bundle
 #   bash tests/gpu/run.sh vllm-bench [bench args]      # bench/vllm_overhead.py: tokens/s untraced, traced, plugin
+#   bash tests/gpu/run.sh vllm-depth [pytest args]     # tests/gpu/test_vllm_depth.py: a leak planted in vLLM, found
 #   bash tests/gpu/run.sh vllm-depth-bench [--graphs]  # bench/depth_overhead.py --workload vllm: each depth's cost
 #     (upload .vllm+.vllm1, `bash .vllm/install.sh`; then .vllm+.vllm2 and again: it lands in /tmp/vsite)
 # That machine has torch but no bcc and no package registry: bcc comes as the bundle that
@@ -22,7 +23,7 @@
 # -d .whl cupti-python==13.0.1). Both are used only when bcc or a package is not importable already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth-bench [args]}; shift
+what=${1:?usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth|vllm-depth-bench [args]}; shift
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
@@ -54,13 +55,16 @@ case $what in
   blocks-bench) exec $python bench/torch_blocks_overhead.py "$@" ;;
   depth-bench) exec $python bench/depth_overhead.py "$@" ;;
   depth) exec $python -m pytest tests/gpu/test_depth.py -s -q -p no:cacheprovider "$@" ;;
-  vllm|vllm-bench|vllm-depth-bench)
+  vllm|vllm-bench|vllm-depth|vllm-depth-bench)
     [ -f /tmp/vsite/.vllm_bundle_ok ] || { echo "vLLM is not installed in /tmp/vsite: bash .vllm/install.sh (twice)" >&2; exit 1; }
     export PYTHONPATH=$PYTHONPATH:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0
     if [ "$what" = vllm ]; then
       exec $python -m pytest tests/gpu/test_vllm.py tests/gpu/test_vllm_placement.py -s -q -p no:cacheprovider "$@"
     fi
+    if [ "$what" = vllm-depth ]; then
+      exec $python -m pytest tests/gpu/test_vllm_depth.py -s -q -p no:cacheprovider "$@"
+    fi
     if [ "$what" = vllm-depth-bench ]; then exec $python bench/depth_overhead.py --workload vllm "$@"; fi
     exec $python bench/vllm_overhead.py "$@" ;;
-  *) echo "usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth-bench [args]" >&2; exit 2 ;;
+  *) echo "usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth|vllm-depth-bench [args]" >&2; exit 2 ;;
 esac

@@ -12,6 +12,9 @@ then answers one command per line:
                     so that vLLM's metrics are taken after the aborts -> leaked {json: request ids}
     grow BYTES      a thread in the engine allocates 8 MiB every 50 ms up to BYTES and keeps it -> growing
     ungrow          frees what grow allocated                -> ungrown
+    clone_leak BYTES SECONDS  a thread in the engine keeps a BYTES clone every SECONDS (fixed schedule),
+                    from _keep_clone(), for as long as the engine runs -> cloning {json: pid}
+    clones_since NS UNTIL_NS  how many clones the thread made between the two times (time.time_ns()) -> clones {json}
     throughput N T  N prompts of 64 tokens, T new tokens each -> throughput {json: tokens_per_second}
     exit
 
@@ -105,6 +108,36 @@ def _ungrow(worker) -> None:
     torch.cuda.empty_cache()
 
 
+def _keep_clone(held: list, activation) -> None:
+    """The planted leak of tests/gpu/test_vllm_depth.py: a clone kept for ever, with when it was made."""
+    held.append((time.time_ns(), activation.clone()))  # KEEP_CLONE_LINE
+
+
+def _clone_leak(worker, keep_bytes: int, interval_seconds: float) -> int:
+    import threading
+
+    import torch
+
+    held = worker.__dict__.setdefault("_kvtrace_clones", [])
+    activation = torch.ones(keep_bytes, dtype=torch.uint8, device="cuda")
+
+    def loop() -> None:
+        start = time.monotonic()
+        step = 0
+        while True:
+            _keep_clone(held, activation)
+            step += 1
+            time.sleep(max(0.0, start + step * interval_seconds - time.monotonic()))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return os.getpid()
+
+
+def _clones_since(worker, since_ns: int, until_ns: int) -> dict:
+    held = list(worker.__dict__.get("_kvtrace_clones", []))
+    return {"since": sum(1 for made_ns, _ in held if since_ns <= made_ns <= until_ns), "kept": len(held)}
+
+
 # ---- the driver ----
 
 def _leak(llm: LLM, params: SamplingParams) -> dict:
@@ -163,6 +196,12 @@ def main() -> None:
         elif command == "ungrow":
             llm.collective_rpc(_ungrow)
             print("ungrown", flush=True)
+        elif command == "clone_leak":
+            pid = llm.collective_rpc(_clone_leak, args=(int(args[0]), float(args[1])))[0]
+            print("cloning " + json.dumps({"pid": pid}), flush=True)
+        elif command == "clones_since":
+            print("clones " + json.dumps(llm.collective_rpc(_clones_since, args=(int(args[0]), int(args[1])))[0]),
+                  flush=True)
         elif command == "throughput":
             batch = [TokensPrompt(prompt_token_ids=PROMPT)] * int(args[0])
             started = time.perf_counter()
