@@ -17,6 +17,8 @@ Roles (cost = 1 - tokens/s / control's tokens/s of the same round; medians over 
            Goal: <= 3 %.
   full     `--blocks always --block-sample-bytes 0`: every block's stack (what the agent did before depth).
   history  PyTorch's own torch.cuda.memory._record_memory_history(enabled="all"), a control agent beside.
+  state    PyTorch's recorder at its cheapest: enabled="state", context="state", stacks="python" (only the
+           live blocks' Python stacks, what `kvtrace run` could read from inside), a control agent beside.
 
 --workload vllm: the same roles around one real vLLM 0.24 engine (tests/gpu/workloads/vllm_engine.py, random
 8-layer Llama, no sleep mode; `--graphs` with CUDA graphs, else enforce_eager) with the kvtrace plugin inside it
@@ -47,14 +49,16 @@ from agent_process import AgentProcess  # noqa: E402
 from benchlib import code_version, median, progress, require_bpf, rotated  # noqa: E402
 from vllm_overhead import Engine, plugin_site  # noqa: E402
 
-ROLES = ("control", "auto", "blocks", "full", "history")
+ROLES = ("control", "auto", "blocks", "full", "history", "state")
 AGENT_FLAGS = {
     "control": ("--blocks", "never"),
     "auto": (),
     "blocks": ("--blocks", "always"),
     "full": ("--blocks", "always", "--block-sample-bytes", "0"),
     "history": ("--blocks", "never"),
+    "state": ("--blocks", "never"),
 }
+RECORDER_MODES = {"history": "all", "state": "state"}  # roles with PyTorch's own recorder on
 GOALS = {"auto": 0.01, "blocks": 0.03}
 BLOCK_COUNTERS = ("blocks_sampled", "blocks_not_sampled", "stack_walks", "events_submitted")
 
@@ -74,8 +78,8 @@ class TorchLoop:
     def pids(self) -> list[int]:
         return [self.worker.pid]
 
-    def record_history(self, enabled: bool) -> None:
-        self.worker.send(op="record_history", enabled=enabled)
+    def record_history(self, mode: str | None) -> None:
+        self.worker.send(op="record_history", enabled=mode is not None, mode=mode)
 
     def run(self) -> float:
         """tokens/s of one run, after a short one (the agent's first stacks are symbolized meanwhile)."""
@@ -91,7 +95,7 @@ class TorchLoop:
 class VllmEngineLoop:
     """One vLLM engine with the kvtrace plugin inside, reporting to whichever agent runs (one socket path)."""
 
-    roles = ROLES[:-1]  # PyTorch's recorder would have to start inside EngineCore: not compared here
+    roles = ROLES[:-2]  # PyTorch's recorder would have to start inside EngineCore: not compared here
 
     def __init__(self, args, directory: Path) -> None:
         self.args = args
@@ -123,13 +127,13 @@ def one_run(workload, role: str, directory: Path) -> tuple[float, dict[str, int]
     agent = AgentProcess(directory / f"{role}.sock", *pids, "--no-nvml", *getattr(workload, "agent_args", tuple)(),
                          *AGENT_FLAGS[role])
     try:
-        if role == "history":
-            workload.record_history(True)
+        if role in RECORDER_MODES:
+            workload.record_history(RECORDER_MODES[role])
         rate = workload.run()
         counters = agent.counters()
     finally:
-        if role == "history":
-            workload.record_history(False)
+        if role in RECORDER_MODES:
+            workload.record_history(None)
         agent.stop()
     return rate, counters
 

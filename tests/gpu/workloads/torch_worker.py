@@ -239,7 +239,14 @@ def model_command(op, command):
     if op == "live_storages":
         return {"storages": live_storages()}
     if op == "record_history":  # PyTorch's own tracer, for the benchmark's comparison
-        torch.cuda.memory._record_memory_history(enabled="all" if command["enabled"] else None)
+        # "all": every event with Python and C++ stacks (its default); "state": only the live blocks' Python
+        # stacks (what holds memory now; no event history, no C++ unwinding)
+        if not command["enabled"]:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        elif command.get("mode", "all") == "state":
+            torch.cuda.memory._record_memory_history(enabled="state", context="state", stacks="python")
+        else:
+            torch.cuda.memory._record_memory_history(enabled="all")
         return {}
     return {"error": f"unknown op {op}"}
 
