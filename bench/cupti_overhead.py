@@ -3,8 +3,9 @@ nothing, in one run (run as root on the GPU machine).
 
 Configurations, each a fresh torch process (tests/gpu/workloads/cupti_torch.py) per round:
   untraced   nothing attached, no agent running
-  cupti      `kvtrace run --output FILE` (CUPTI inside: callbacks on the allocation functions, MEMORY2 and
-             MEMORY_POOL records, Python stacks), no agent running
+  cupti      `kvtrace run --blocks never --output FILE` (CUPTI inside: callbacks on the allocation functions,
+             MEMORY2 and MEMORY_POOL records, Python stacks), no agent running; PyTorch's block recorder, on by
+             default in a recording, is measured by bench/depth_overhead.py's `state` role
   uprobes    the real `kvtrace agent` (uprobes with Python stacks), the process run plainly
   both       the agent, and `kvtrace run --agent` (CUPTI's events cross-checked against the uprobes')
 Rounds run the four in turn (the two without an agent, then the two with one; the order inside each
@@ -42,7 +43,7 @@ CONFIGS = ("untraced", "cupti", "uprobes", "both")
 def measure(config: str, workload_args: list[str], work: Path, agent: AgentProcess | None) -> float:
     command = [sys.executable, str(WORKLOAD), *workload_args]
     if config == "cupti":
-        command = [*KVTRACE, "run", "--output", str(work / f"{config}.kvtrace"), "--", *command]
+        command = [*KVTRACE, "run", "--blocks", "never", "--output", str(work / f"{config}.kvtrace"), "--", *command]
     elif config == "both":
         command = [*KVTRACE, "run", "--agent", str(work / "cupti.sock"), "--", *command]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -10,6 +10,10 @@ process equal torch's own figure (memory_reserved; in no-caching mode each kept 
 allocation of its size).
 GIVEN an unprivileged user, `kvtrace run --output FILE` writes a recording whose `kvtrace leaks`
 names plant_leak() with exactly the tensors it kept.
+GIVEN a torch process keeping 8 MiB clones among 32 MiB temporaries (the clones carved out of the cache the
+temporaries grew), `kvtrace run --output FILE` (PyTorch's block recorder on, read at the exit) makes
+`kvtrace leaks --input` rank keep_activation() first with exactly the clones kept; with --blocks never it
+can only name scratch_temporary(), the function that grew the cache.
 GIVEN torch.profiler holding CUPTI before CUDA starts, kvtrace run says who holds it, stays out of the
 way (the profiler records its kernels), and the uprobes still trace the process.
 
@@ -231,3 +235,46 @@ def test_a_profiler_holding_cupti_is_reported_and_left_alone(when, tmp_path):
               + ["the profiler recorded no CUDA events"] * (truth["profiler_cuda_events"] == 0)
               + ["the uprobes stopped tracing the process"] * (uprobe_objects == 0)
               + [f"{disagreements} disagreements: {rows}"] * disagreements)
+
+
+CLONE_LEAK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch_worker
+torch.cuda.init()
+print(json.dumps(torch_worker.clone_leak(150, 0.0, 8 << 20, 32 << 20)), flush=True)
+"""
+
+
+def test_a_recording_names_the_holder_of_blocks_not_the_code_that_grew_the_cache(tmp_path):
+    workloads = Path(__file__).parent / "workloads"
+    keep_line = source_line("# KEEP_CLONE_LINE", workloads / "torch_worker.py")
+    failures: list[str] = []
+    for blocks in ("always", "never"):
+        recording = tmp_path / f"{blocks}.kvtrace"
+        started = time.monotonic()
+        run = subprocess.run([*KVTRACE, "run", "--blocks", blocks, "-o", str(recording), "--", sys.executable, "-c",
+                              CLONE_LEAK, str(workloads)], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        seconds = time.monotonic() - started
+        assert run.returncode == 0, run.stderr[-3000:]
+        truth = json.loads(run.stdout.splitlines()[-1])
+        leaks = subprocess.run([*KVTRACE, "leaks", "--input", str(recording), "--min-age", "0", "--json"],
+                               capture_output=True, text=True, timeout=300)
+        assert leaks.returncode == 0, leaks.stderr
+        first = json.loads(leaks.stdout)["suspects"][0]
+        top = (first["stack"] or [{}])[0]
+        print(f"\nkvtrace run --blocks {blocks} ({seconds:.1f} s): kept {truth['kept']} clones, "
+              f"{truth['kept_bytes'] >> 20} MiB; first suspect {top.get('function')}:{top.get('line')} "
+              f"{first['outstanding_bytes'] >> 20} MiB in {first['allocation_count']} allocations; "
+              f"{run.stderr.strip().splitlines()[-1:]}")
+        if blocks == "always":
+            if (top.get("function"), top.get("line")) != ("keep_activation", keep_line):
+                failures.append(f"--blocks always: first suspect {top}, not keep_activation:{keep_line}")
+            if (first["allocation_count"], first["outstanding_bytes"]) != (truth["kept"], truth["kept_bytes"]):
+                failures.append(f"--blocks always: {first['allocation_count']} blocks, {first['outstanding_bytes']} "
+                                f"bytes; kept {truth['kept']}, {truth['kept_bytes']}")
+        elif top.get("function") != "scratch_temporary":
+            failures.append(f"--blocks never: first suspect {top}, expected the cache's grower scratch_temporary")
+    check_all(failures)

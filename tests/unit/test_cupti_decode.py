@@ -547,3 +547,37 @@ def test_pools_are_checked_and_counted_not_ledgered():
     tracer = Tracer()
     tracer.send(protocol.POOLS, protocol.POOL_RECORD.pack(1, 1, 0, 0x1000, 64 * MiB, 0, T0))
     assert tracer.finish() == [] and tracer.decoder.counters.ignored == 1
+
+
+# ---- BLOCKS: PyTorch's live blocks at the exit (kvtrace run's recorder) ----
+
+
+def test_blocks_come_after_everything_held_and_put_the_process_at_depth_full():
+    from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
+
+    tracer = Tracer()
+    tracer.stack(1, "keep_activation", "main")
+    tracer.calls(call(Api.cuMemAlloc_v2, correlation_id=1, address=0x1000, size_bytes=64 << 20))  # waits: no record
+    new = tracer.send(protocol.BLOCKS, {"taken_ns": T0 + 50, "since_ns": T0 - 10, "recorder": "kvtrace", "last": True,
+                                        "blocks": [[0, 0x1000, 1 << 20, 1], [0, 0x101000, 512, 0]]})
+    depth = next(record for record in new if type(record) is ProcessDepth)
+    assert (depth.pid, depth.depth, depth.since_ns, depth.cause) == (PID, Depth.FULL, T0 - 10, DepthCause.CONFIGURED)
+    blocks = [event for event in only_events(new) if event.api is Api.pytorch_malloc]
+    assert [(e.address, e.size_bytes, e.stack_id, e.stack_status, e.timestamp_ns, e.layer, e.object, e.source)
+            for e in blocks] == [
+        (0x1000, 1 << 20, 1, StackStatus.OK, T0 + 50, Layer.TORCH, ObjectKind.BLOCK, Source.CUPTI),
+        (0x101000, 512, 0, StackStatus.NOT_WALKED, T0 + 50, Layer.TORCH, ObjectKind.BLOCK, Source.CUPTI)]
+    assert tracer.decoder.counters.blocks == 2
+    assert [e.api for e in only_events(new)] == [Api.cuMemAlloc_v2, Api.pytorch_malloc, Api.pytorch_malloc]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"taken_ns": T0, "since_ns": 0, "recorder": "nvidia", "blocks": []}, "recorder 'nvidia' is not one of"),
+    ({"taken_ns": T0, "since_ns": T0 + 1, "recorder": "kvtrace", "blocks": []}, "since_ns must be"),
+    ({"taken_ns": T0, "since_ns": 0, "recorder": "kvtrace", "blocks": [[0, 0x1000, 5]]}, "a block must be"),
+    ({"taken_ns": T0, "since_ns": 0, "recorder": "kvtrace", "blocks": [[0, 0, 5, 0]]}, "a block's address"),
+    ({"taken_ns": T0, "since_ns": 0, "recorder": "kvtrace", "blocks": "all"}, "BLOCKS must list"),
+])
+def test_malformed_blocks_are_refused(body, says):
+    with pytest.raises(ProtocolError, match=says):
+        Tracer().send(protocol.BLOCKS, body)

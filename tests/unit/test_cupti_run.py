@@ -395,6 +395,7 @@ def test_kvtrace_run_gives_the_command_its_environment(tmp_path, short_dir, monk
     assert os.listdir(package_only) == ["kvtrace"]
     assert (Path(package_only) / "kvtrace").resolve() == Path(run_module.__file__).resolve().parents[1]
     assert (env["KVTRACE_CUPTI"], env["KVTRACE_CUPTI_EAGER"], env["KVTRACE_CUPTI_STACK_FRAMES"]) == ("0", "1", "12")
+    assert env["KVTRACE_CUPTI_BLOCKS"] == "1"  # a recording: PyTorch's block recorder on by default
     socket_path = env[protocol.SOCKET_ENV]
     assert not os.path.exists(os.path.dirname(socket_path))  # the private directory is gone with the run
     assert (run_module.BOOT_DIRECTORY / "sitecustomize.py").exists()
@@ -500,3 +501,56 @@ def test_kvtrace_run_with_the_real_tracer_on_a_fake_cupti(tmp_path):
     assert kinds.count(("free", "cuMemFree_v2")) == 11 and kinds.count(("alloc_failed", "cuMemAlloc_v2")) == 1
     assert [kind for kind in kinds if kind[1] in ("cuMemMap", "cuMemUnmap", "cuMemRelease")] == [
         ("map", "cuMemMap"), ("unmap", "cuMemUnmap"), ("free", "cuMemRelease")]  # as the uprobes: unmapped, then freed
+
+
+FAKE_TORCH_WORKLOAD = textwrap.dedent("""
+    import torch
+    MiB = 1 << 20
+
+    def grow_cache(size_bytes):
+        return torch.cuda.memory.caching_allocator_alloc(size_bytes)
+
+    def keep_activation(segment):
+        return torch.cuda.memory.block(MiB, inside=segment)
+
+    segment = grow_cache(64 * MiB)  # CUDA starts; the cache's one segment
+    kept = [keep_activation(segment) for _ in range(23)]
+    scratch = torch.cuda.memory.block(4 * MiB, inside=segment)
+    torch.cuda.memory.free_block(scratch)
+    print(*kept)
+""")
+
+
+@pytest.mark.skipif(not (FAKE_CUPTI_DIR / "cupti").is_dir(), reason="no fake cupti-python in tests/fake_cupti")
+@pytest.mark.parametrize("blocks", ["always", "never"])
+def test_kvtrace_run_names_the_holders_of_blocks_not_the_code_that_grew_the_cache(tmp_path, blocks):
+    """GIVEN a (fake) torch program whose cache grows in grow_cache() and whose 23 kept 1 MiB blocks are carved
+    out of it by keep_activation(), WHEN `kvtrace run -o` records it, THEN `kvtrace leaks --input` ranks
+    keep_activation first with exactly those 23 blocks, at depth full (PyTorch's recorder read at the exit);
+    with --blocks never it can only name grow_cache, and says the process is at segments."""
+    recording = tmp_path / "blocks.kvtrace"
+    child = subprocess.run([sys.executable, "-m", "kvtrace.cli.main", "run", "--blocks", blocks, "-o", str(recording),
+                            "--", sys.executable, "-c", FAKE_TORCH_WORKLOAD], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               [str(FAKE_CUPTI_DIR), str(FAKE_CUPTI_DIR / "fake_torch"), AGENT_ROOT])})
+    assert child.returncode == 0, child.stderr
+    kept = set(map(int, child.stdout.split()))
+    code, out = run_cli("leaks", "--input", str(recording), "--min-age", "0", "--json")
+    assert code == 0
+    first = json.loads(out)["suspects"][0]
+    functions = [frame["function"] for frame in first["stack"]]
+    code, out = run_cli("ps", "--input", str(recording), "--json")
+    [process] = [json.loads(line) for line in out.splitlines()]
+    if blocks == "always":
+        assert functions[0] == "keep_activation"
+        assert (first["allocation_count"], first["outstanding_bytes"]) == (23, 23 * MiB)
+        assert not first.get("estimated")  # every block's stack: nothing sampled
+        code, out = run_cli("snapshot", "--json", "--input", str(recording))
+        blocks_held = {entry["address"] for entry in map(json.loads, out.splitlines())
+                       if entry["api"] == "pytorch_malloc"}
+        assert blocks_held == kept
+        assert process["depth"]["depth"] == "full" and "kvtrace run" in process["depth"]["detail"], process
+    else:
+        assert "grow_cache" in functions and "keep_activation" not in functions
+        assert (first["allocation_count"], first["outstanding_bytes"]) == (1, 64 * MiB)
+        assert not process.get("depth"), process  # nobody knows its blocks

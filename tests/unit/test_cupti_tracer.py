@@ -280,7 +280,8 @@ def test_a_known_workload_arrives_exactly(receiver, fake_cupti):
 
     final = connection.json(protocol.STATUS)[-1]["counters"]
     assert final == {"calls": 30, "memory_records": 36, "pool_records": 1, "stacks": 8, "stacks_skipped": 0,
-                     "stack_walk_ns": final["stack_walk_ns"], "dropped": 0, "callback_errors": 0}
+                     "stack_walk_ns": final["stack_walk_ns"], "dropped": 0, "callback_errors": 0, "blocks_read": 0,
+                     "blocks_read_ns": 0}
     assert final["stack_walk_ns"] > 0
 
 
@@ -462,6 +463,102 @@ def test_cuda_starting_inside_a_profilers_preparation_leaves_cupti_to_it(receive
     assert fake_cupti.fake_api_calls() == []
     (connection,) = receiver.wait(1)
     assert (status_of(connection)["state"], status_of(connection)["holder"]) == ("held", tracer.TORCH_PROFILER)
+
+
+# ---- PyTorch's block recorder (KVTRACE_CUPTI_BLOCKS=1) ----
+
+
+def _keep(size_bytes: int, inside: int = 0) -> int:
+    import torch
+
+    return torch.cuda.memory.block(size_bytes, inside)  # KEEP_LINE
+
+
+def _scratch(size_bytes: int) -> int:
+    import torch
+
+    return torch.cuda.memory.caching_allocator_alloc(size_bytes)  # the cache grows here
+
+
+def test_pytorchs_recorder_goes_on_at_cuda_start_and_its_live_blocks_are_read_at_exit(receiver, fake_cupti,
+                                                                                      fake_torch_path, monkeypatch):
+    monkeypatch.setenv(protocol.SOCKET_ENV, receiver.path)
+    monkeypatch.setenv(tracer.BLOCKS_ENV, "1")
+    tracer.install_from_environment()
+    import torch
+
+    segment = _scratch(64 * MiB)  # CUDA starts here: the recorder goes on right after torch's initialisation
+    kept = [_keep(MiB, inside=segment) for _ in range(5)]
+    freed = _keep(2 * MiB, inside=segment)
+    torch.cuda.memory.free_block(freed)
+    tracer._reset()
+
+    # at its cheapest, once; and left on (the process is ending)
+    assert torch.cuda.memory.history_calls == [{"enabled": "state", "context": "state", "stacks": "python"}]
+    calls = fake_cupti.fake_api_calls()
+    assert calls.index("unsubscribe") < len(calls)  # CUPTI given back before the blocks were read
+    (connection,) = receiver.wait(1)
+    [blocks] = connection.json(protocol.BLOCKS)
+    assert blocks["recorder"] == "kvtrace" and blocks["last"] and 0 < blocks["since_ns"] <= blocks["taken_ns"]
+    assert [(device, address, size) for device, address, size, _ in blocks["blocks"]] == [
+        (0, address, MiB) for address in kept]
+    stacks = {message["id"]: message["frames"] for message in connection.json(protocol.STACK)}
+    [stack_id] = {row[3] for row in blocks["blocks"]}
+    keep_line = next(number for number, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                     if "# KEEP_LINE" in line)
+    assert stacks[stack_id][0] == ["_keep", __file__, keep_line]  # innermost first, as the recorder gives them
+    assert "test_pytorchs_recorder_goes_on_at_cuda_start_and_its_live_blocks_are_read_at_exit" in {
+        function for function, _, _ in stacks[stack_id]}
+    # the STACK before the BLOCKS that names it; the last STATUS after both, counting what was read
+    kinds = connection.kinds()
+    assert kinds.index(protocol.BLOCKS) < len(kinds) - 1 and kinds[-1] == protocol.STATUS
+    assert connection.json(protocol.STATUS)[-1]["counters"]["blocks_read"] == 5
+    # the segment's CALL still names the function that grew the cache
+    [segment_call] = [call for call in connection.records(protocol.CALLS) if call.size_bytes == 64 * MiB]
+    segment_functions = [function for function, _, _ in stacks[segment_call.stack_id]]
+    assert "_scratch" in segment_functions and "_keep" not in segment_functions
+
+
+def test_the_programs_own_recorder_is_read_and_left_as_it_was(receiver, fake_cupti, fake_torch, monkeypatch):
+    monkeypatch.setenv(protocol.SOCKET_ENV, receiver.path)
+    monkeypatch.setenv(tracer.BLOCKS_ENV, "1")
+    fake_torch.cuda.memory._record_memory_history(enabled="all")  # the program records its history itself
+    tracer.install_from_environment()
+    address = _keep(MiB)
+    tracer._reset()
+
+    assert fake_torch.cuda.memory.history_calls == [{"enabled": "all", "context": "all", "stacks": "all"}]
+    (connection,) = receiver.wait(1)
+    [blocks] = connection.json(protocol.BLOCKS)
+    assert blocks["recorder"] == "program" and [row[:3] for row in blocks["blocks"]] == [[0, address, MiB]]
+
+
+def test_without_the_setting_the_recorder_is_never_touched(receiver, fake_cupti, fake_torch, monkeypatch):
+    monkeypatch.setenv(protocol.SOCKET_ENV, receiver.path)
+    tracer.install_from_environment()
+    _keep(MiB)
+    tracer._reset()
+
+    assert fake_torch.cuda.memory.history_calls == []
+    (connection,) = receiver.wait(1)
+    assert protocol.BLOCKS not in connection.kinds() and "unsubscribe" not in fake_cupti.fake_api_calls()
+
+
+def test_a_recorder_that_fails_is_counted_and_the_program_goes_on(receiver, fake_cupti, fake_torch, monkeypatch):
+    monkeypatch.setenv(protocol.SOCKET_ENV, receiver.path)
+    monkeypatch.setenv(tracer.BLOCKS_ENV, "1")
+
+    def refuse(**_settings):
+        raise RuntimeError("no recorder in this build")
+
+    monkeypatch.setattr(fake_torch.cuda.memory, "_record_memory_history", refuse)
+    tracer.install_from_environment()
+    address = _keep(MiB)
+    tracer._reset()
+
+    (connection,) = receiver.wait(1)
+    assert address and protocol.BLOCKS not in connection.kinds()
+    assert connection.json(protocol.STATUS)[-1]["counters"]["callback_errors"] == 1
 
 
 # ---- stacks ----

@@ -64,6 +64,12 @@ class RunCommand:
         parser.add_argument("--eager", action="store_true",
                             help="subscribe to CUPTI when each process starts, not when torch initialises CUDA "
                                  "(programs that use CUDA without torch)")
+        parser.add_argument("--blocks", choices=("always", "never"), default=None,
+                            help="who holds each PyTorch block: with --output, PyTorch's own recorder at its "
+                                 "cheapest (live blocks' Python stacks) is on from CUDA's start and read at each "
+                                 "process's exit, so `kvtrace leaks --input` names the holders, not the code that "
+                                 "grew the cache (default always; never: segments only). With --agent: never, the "
+                                 "agent's probes see the blocks")
         parser.add_argument("--stack-frames", metavar="N", type=int,
                             help="Python frames kept per stack, 0 for none (default: the tracer's, 48; at most 256)")
         parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
@@ -90,7 +96,7 @@ class RunCommand:
                 raise CommandError(f"{error} (put COMMAND after --)", ExitCode.USAGE) from None
             if socket_accepts(agent):
                 _say(f"tracing with CUPTI into the agent at {agent}")
-                return _run_child(argv, _environment(args, agent), lambda: None)
+                return _run_child(argv, _environment(args, agent, to_agent=True), lambda: None)
             if args.agent is not None:
                 raise CommandError(f"no agent listens on {agent}: start it (`sudo kvtrace agent`; it takes CUPTI "
                                    "reports on --cupti-socket), or write a file with --output FILE",
@@ -161,10 +167,11 @@ def _private_directory() -> str:
     return directory
 
 
-def _environment(args: argparse.Namespace, socket_path: str) -> dict[str, str]:
+def _environment(args: argparse.Namespace, socket_path: str, to_agent: bool = False) -> dict[str, str]:
     """COMMAND's environment: where to report, and the tracer first on PYTHONPATH (its sitecustomize runs the
-    one it hides), then the directory holding this kvtrace package (the tracer imports it)."""
-    from kvtrace.sources.cupti.tracer import EAGER_ENV, OPT_OUT_ENV, STACK_FRAMES_ENV
+    one it hides), then the directory holding this kvtrace package (the tracer imports it). PyTorch's block
+    recorder is on by default only for a recording: the agent's probes see blocks themselves."""
+    from kvtrace.sources.cupti.tracer import BLOCKS_ENV, EAGER_ENV, OPT_OUT_ENV, STACK_FRAMES_ENV
 
     env = dict(os.environ)
     env[protocol.SOCKET_ENV] = socket_path
@@ -177,6 +184,7 @@ def _environment(args: argparse.Namespace, socket_path: str) -> dict[str, str]:
         env[EAGER_ENV] = "1"
     if args.stack_frames is not None:
         env[STACK_FRAMES_ENV] = str(args.stack_frames)
+    env[BLOCKS_ENV] = "1" if (args.blocks or ("never" if to_agent else "always")) == "always" else "0"
     return env
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtrace.model.crosscheck import TracerStatus
+from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
 from kvtrace.model.events import (
     DEVICE_UNKNOWN,
     Api,
@@ -102,7 +103,11 @@ class StackDefinition:
     stack: Stack
 
 
-Output = Event | EventsLost | StackDefinition | TracerStatus
+Output = Event | EventsLost | StackDefinition | TracerStatus | ProcessDepth
+
+MAX_BLOCKS = 1 << 20  # PyTorch blocks one process may report
+RECORDER_WORDS = {"kvtrace": "PyTorch's recorder, turned on by kvtrace run at CUDA's start",
+                  "program": "the program's own PyTorch recorder"}
 
 
 @dataclass(slots=True)
@@ -160,6 +165,7 @@ class DecoderCounters:
     untracked: int = 0  # objects refused past MAX_LIVE_OBJECTS
     lost: int = 0  # what the tracer itself said it lost
     vmm_records: int = 0  # MEMORY2 records of maps and unmaps, whose CALLs said it all
+    blocks: int = 0  # PyTorch's live blocks at the exit (BLOCKS)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -193,6 +199,7 @@ class CuptiDecoder:
         self._handles: dict[int, _Handle] = {}
         self._reservations: dict[int, tuple[int, int]] = {}  # address -> (size, device)
         self._overflow = ""
+        self._blocks_seen = False
 
     # ---- input ----
 
@@ -220,6 +227,8 @@ class CuptiDecoder:
                 self._pool(fields)
         elif kind == protocol.LOST:
             self._lost(body, now)
+        elif kind == protocol.BLOCKS:
+            self._blocks(body)
         else:
             raise ProtocolError(f"unknown message type {kind}")
         self._drain(now)
@@ -356,6 +365,47 @@ class CuptiDecoder:
         if count:
             self.counters.lost += count
             self._hold(self._newest_ns, _Op(_OP_LOST, lost=count), now)
+
+    def _blocks(self, body: bytes) -> None:
+        """PyTorch's live blocks at the process's exit: the process is at depth full from when the recorder
+        started (every block's stack since), and each block an allocation event at the time they were read,
+        after everything the process sent before (applied first, in order)."""
+        value = protocol.decode_json(body)
+        taken_ns = _int(value.get("taken_ns"), "BLOCKS taken_ns", 1, MAX_I64)
+        since_ns = _int(value.get("since_ns"), "BLOCKS since_ns", 0, taken_ns)
+        recorder = value.get("recorder")
+        if recorder not in RECORDER_WORDS:
+            raise ProtocolError(f"BLOCKS recorder {str(recorder)[:24]!r} is not one of {', '.join(RECORDER_WORDS)}")
+        blocks = value.get("blocks")
+        if type(blocks) is not list or self.counters.blocks + len(blocks) > MAX_BLOCKS:
+            raise ProtocolError(f"BLOCKS must list at most {MAX_BLOCKS} blocks in all")
+        rows = []
+        for row in blocks:
+            if type(row) is not list or len(row) != 4:
+                raise ProtocolError("a block must be [device, address, bytes, stack id]")
+            device = _int(row[0], "a block's device", 0, MAX_DEVICE)
+            rows.append((device, _int(row[1], "a block's address", 1, MAX_I64),
+                         _int(row[2], "a block's size", 0, MAX_SIZE_BYTES - 1),
+                         _int(row[3], "a block's stack", 0, MAX_U32)))
+        if not self._blocks_seen:
+            self._blocks_seen = True
+            # The process's last records came before (its final flush): what waits is taken as it is, applied
+            # first, in order. The blocks are the last word.
+            for waiting in (self._pending_calls, self._pending_records):
+                while waiting:
+                    self._resolve_alone(waiting, next(iter(waiting)))
+            while self._held:
+                self._apply(heapq.heappop(self._held)[3])
+            self._out.append(ProcessDepth(self.pid, Depth.FULL, since_ns, DepthCause.CONFIGURED,
+                                          f"kvtrace run: {RECORDER_WORDS[recorder]}; blocks read at the exit"))
+        for device, address, size_bytes, stack_id in rows:
+            self.counters.blocks += 1
+            self.counters.events += 1
+            self._out.append(Event(
+                kind=Kind.ALLOC, api=Api.pytorch_malloc, pid=self.pid, tid=self.pid, timestamp_ns=taken_ns,
+                layer=Layer.TORCH, object=ObjectKind.BLOCK, memory=Memory.DEVICE, size_bytes=size_bytes,
+                address=address, device=device, stack_id=stack_id,
+                stack_status=StackStatus.OK if stack_id else StackStatus.NOT_WALKED, source=Source.CUPTI))
 
     # ---- joining ----
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtrace.model.crosscheck import TracerStatus
+from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Event, EventsLost, StackStatus
 from kvtrace.session import Record, Session
 from kvtrace.sources import unix_socket
@@ -363,6 +364,13 @@ class CuptiListener:
                 # (the Session's table only grows, and any local user may send them).
                 if not self.session.cupti_witness:
                     connection.stacks[output.stack_id] = self.session.intern_stack(output.stack)
+            elif type(output) is ProcessDepth:
+                # kvtrace run's recorder: every block's stack (where the uprobes trace, the agent decides depths)
+                if not self.session.cupti_witness:
+                    if batch:
+                        self.session.ingest_many(batch)
+                        batch = []
+                    self.session.set_process_depths({**self.session.process_depths(), output.pid: output})
             elif type(output) is TracerStatus:
                 if batch:
                     self.session.ingest_many(batch)

@@ -13,6 +13,10 @@ A connection is a sequence of messages, each `<B type><I body length>` (little-e
     MEMORY  packed MEMORY_RECORDs: CUPTI_ACTIVITY_KIND_MEMORY2 (allocations and releases)
     POOLS   packed POOL_RECORDs: CUPTI_ACTIVITY_KIND_MEMORY_POOL
     LOST    JSON {"count": n, "what": "..."}: records the tracer could not deliver, where the gap is
+    BLOCKS  JSON {"taken_ns": t, "since_ns": s, "recorder": "kvtrace"|"program", "blocks": [[device, address,
+            requested_bytes, stack_id], ...], "last": true}: PyTorch's live blocks as its own recorder knew them
+            at t (at the process's exit), each with the stack that allocated it (0: none recorded), the
+            recorder on since s; a long list comes in several messages, the last one says so
 
 The sender's pid comes from the kernel (SO_PEERCRED at accept), never from a message. Timestamps are
 CUPTI's (nanoseconds, the wall clock on Linux). A CALL and the MEMORY record it made share a
@@ -30,9 +34,13 @@ DEFAULT_AGENT_SOCKET = "/run/kvtrace-cupti/cupti.sock"  # the agent's, apart fro
 MAX_BODY_BYTES = 1 << 20
 HEADER = struct.Struct("<BI")
 
-HELLO, STATUS, STACK, CALLS, MEMORY, POOLS, LOST = 1, 2, 3, 4, 5, 6, 7
-JSON_TYPES = frozenset({HELLO, STATUS, STACK, LOST})
-TYPES = frozenset({HELLO, STATUS, STACK, CALLS, MEMORY, POOLS, LOST})
+HELLO, STATUS, STACK, CALLS, MEMORY, POOLS, LOST, BLOCKS = 1, 2, 3, 4, 5, 6, 7, 8
+JSON_TYPES = frozenset({HELLO, STATUS, STACK, LOST, BLOCKS})
+TYPES = frozenset({HELLO, STATUS, STACK, CALLS, MEMORY, POOLS, LOST, BLOCKS})
+BLOCKS_PER_MESSAGE = 16384  # [device, address, bytes, stack id] lists: far below MAX_BODY_BYTES
+# BLOCKS' recorder: PyTorch's, turned on by kvtrace at CUDA's start (live blocks' Python stacks only), or the
+# program's own (it records its history itself: kvtrace reads it and never turns it off)
+RECORDERS = ("kvtrace", "program")
 
 # STATUS states: tracing (subscribed, records flow); held (another CUPTI subscriber holds the process:
 # torch.profiler/Kineto, Nsight; `holder` names it); unavailable (no cupti-python for this CUDA, or it

@@ -12,6 +12,15 @@ does the process connect (HELLO, then a STATUS: tracing, held, unavailable or of
 processes of a run that never touch CUDA stay silent. The last records go at exit (atexit); a process that
 ends with os._exit (multiprocessing's forked workers) loses what the last second's flush did not send.
 
+Who holds each block (KVTRACE_CUPTI_BLOCKS=1, what `kvtrace run --output` sets unless --blocks never): CUPTI
+sees the caching allocator's segments only, and a segment's stack names whoever made the cache grow, not
+what holds its bytes now. PyTorch's own recorder knows each live block's stack; at its cheapest (enabled
+"state", context "state", stacks "python": no event history, no C++ unwinding) kvtrace turns it on right
+after torch initialised CUDA (or reads the program's own, if it records already, never turning that off),
+and reads it once, at the process's exit, as BLOCKS. It is read only then, with CUPTI given back first: the
+recorder's snapshot waits for the allocator's lock while holding the GIL, and a CUPTI callback (Python, so
+it needs the GIL) can run inside cudaMalloc under that lock; with the callbacks gone that cannot happen.
+
 Never harmful to the target:
 - CUPTI allows one subscriber. When torch.profiler (Kineto), Nsight or dynolog holds it, kvtrace says
   "held" and touches nothing more: on the H200, touching the activity API after a failed subscribe while
@@ -55,6 +64,7 @@ OPT_OUT_ENV = "KVTRACE_CUPTI"  # "0": leave CUPTI to the user's profiler
 EAGER_ENV = "KVTRACE_CUPTI_EAGER"  # "1": subscribe at start-up, not at torch's CUDA initialisation
 STACK_FRAMES_ENV = "KVTRACE_CUPTI_STACK_FRAMES"
 STACK_BUDGET_ENV = "KVTRACE_CUPTI_STACK_BUDGET"
+BLOCKS_ENV = "KVTRACE_CUPTI_BLOCKS"  # "1": PyTorch's recorder on at CUDA's start, its blocks read at exit
 DEFAULT_STACK_FRAMES = 48
 MAX_STACK_FRAMES = 256  # a STACK message stays far below protocol.MAX_BODY_BYTES
 DEFAULT_STACK_BUDGET = 0.02  # share of wall time the stack walks may take
@@ -187,6 +197,7 @@ class Settings:
     eager: bool = False
     stack_frames: int = DEFAULT_STACK_FRAMES
     stack_budget: float = DEFAULT_STACK_BUDGET
+    blocks: bool = False  # KVTRACE_CUPTI_BLOCKS=1
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Settings | None:
@@ -198,7 +209,7 @@ class Settings:
         frames = _number(environ.get(STACK_FRAMES_ENV), int, DEFAULT_STACK_FRAMES)
         budget = _number(environ.get(STACK_BUDGET_ENV), float, DEFAULT_STACK_BUDGET)
         return cls(socket_path=path, enabled=environ.get(OPT_OUT_ENV, "1") != "0",
-                   eager=environ.get(EAGER_ENV, "0") == "1",
+                   eager=environ.get(EAGER_ENV, "0") == "1", blocks=environ.get(BLOCKS_ENV, "0") == "1",
                    stack_frames=min(max(frames, 0), MAX_STACK_FRAMES), stack_budget=max(budget, 0.0))
 
 
@@ -252,7 +263,8 @@ class StackTable:
     def __init__(self, max_frames: int, budget: StackBudget) -> None:
         self._max_frames = max_frames
         self._budget = budget
-        self._ids: dict[tuple[tuple[int, int], ...], int] = {}
+        # walks' keys ((id(code), f_lasti) per frame) and PyTorch recorder's ((name, filename, line)): never equal
+        self._ids: dict[tuple, int] = {}
         self._codes: dict[int, CodeType] = {}
         self._next_id = 1
         self.stacks = 0
@@ -298,6 +310,27 @@ class StackTable:
         self._next_id += 1
         self.stacks += 1
         return stack_id, StackStatus.OK, message
+
+    def intern_frames(self, frames: list[dict]) -> tuple[int, bytes | None]:
+        """(stack id, the STACK message to send first when the stack is new) for frames as PyTorch's recorder
+        gives them (innermost first: {"name", "filename", "line"}); 0 for none, or past MAX_STACKS."""
+        if not frames or self._max_frames <= 0:
+            return 0, None
+        kept = frames[:self._max_frames]
+        key = tuple((frame["name"], frame["filename"], frame["line"]) for frame in kept)
+        stack_id = self._ids.get(key)
+        if stack_id is not None:
+            return stack_id, None
+        if len(self._ids) >= MAX_STACKS:
+            self.skipped += 1
+            return 0, None
+        stack_id = self._next_id
+        message = protocol.json_message(protocol.STACK, {"id": stack_id, "frames": [list(names) for names in key],
+                                                         "truncated": len(frames) > len(kept)})
+        self._ids[key] = stack_id
+        self._next_id += 1
+        self.stacks += 1
+        return stack_id, message
 
     def forget(self, walk: Walk) -> None:
         """A new stack whose message could not be queued: it is sent again with the next call that has it."""
@@ -475,6 +508,11 @@ class CuptiTracer:
         self._pool_records = 0
         self._callback_errors = 0
         self._unsent = 0
+        self._recorder = ""  # PyTorch's block recorder: "" off, else one of protocol.RECORDERS
+        self._recorder_since_ns = 0
+        self._recorder_tried = False
+        self._blocks_read = 0
+        self._blocks_read_ns = 0
 
     # -- subscribing --
 
@@ -680,6 +718,57 @@ class CuptiTracer:
                 activity.address, activity.size_, activity.utilized_size, activity.timestamp)
         return None
 
+    # -- PyTorch's block recorder --
+
+    @property
+    def recorder_tried(self) -> bool:
+        return self._recorder_tried
+
+    def start_recorder(self, torch: ModuleType) -> None:
+        """Right after torch initialised CUDA (nothing allocated yet): PyTorch's recorder on at its cheapest,
+        or the program's own taken as it is. Once; never raises."""
+        if self._recorder_tried:
+            return
+        self._recorder_tried = True  # first: the recorder may call torch.cuda._lazy_init, which comes back here
+        if not self.settings.blocks or not self._active:
+            return
+        try:
+            if torch._C._cuda_isHistoryEnabled():
+                self._recorder = "program"
+            else:
+                torch.cuda.memory._record_memory_history(enabled="state", context="state", stacks="python")
+                self._recorder = "kvtrace"
+            self._recorder_since_ns = self._now_ns()
+        except Exception as error:
+            self._callback_failed(error)
+
+    def _queue_blocks(self, torch: ModuleType) -> None:
+        """PyTorch's live blocks now, each with its stack (interned), as BLOCKS messages. Called with no CUPTI
+        callback left (see the module docstring)."""
+        started_ns = time.perf_counter_ns()
+        snapshot = torch.cuda.memory._snapshot()
+        taken_ns = self._now_ns()
+        if not snapshot["segments"]:
+            return  # no caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1), or nothing held: no blocks to tell
+        live = [(segment["device"], block["address"], block.get("requested_size", block["size"]),
+                 block.get("frames") or ())
+                for segment in snapshot["segments"] for block in segment["blocks"]
+                if block["state"] == "active_allocated"]
+        with self._lock:
+            rows = []
+            for device, address, size_bytes, frames in live:
+                stack_id, stack_message = self._stacks.intern_frames(list(frames))
+                if stack_message is not None:
+                    self._outbox.add_message(protocol.STACK, stack_message)
+                rows.append([device, address, size_bytes, stack_id])
+            for start in range(0, max(len(rows), 1), protocol.BLOCKS_PER_MESSAGE):
+                last = start + protocol.BLOCKS_PER_MESSAGE >= len(rows)
+                self._outbox.add_message(protocol.BLOCKS, protocol.json_message(protocol.BLOCKS, {
+                    "taken_ns": taken_ns, "since_ns": self._recorder_since_ns, "recorder": self._recorder,
+                    "blocks": rows[start:start + protocol.BLOCKS_PER_MESSAGE], "last": last}))
+            self._blocks_read = len(rows)
+            self._blocks_read_ns = time.perf_counter_ns() - started_ns
+
     def _callback_failed(self, error: Exception) -> None:
         """Counted; the first one is told (once) in a STATUS. The program's call is unaffected."""
         try:
@@ -716,7 +805,8 @@ class CuptiTracer:
         return {"calls": self._calls, "memory_records": self._memory_records, "pool_records": self._pool_records,
                 "stacks": self._stacks.stacks, "stacks_skipped": self._stacks.skipped,
                 "stack_walk_ns": self._stacks.walk_ns, "dropped": self._outbox.dropped + self._unsent,
-                "callback_errors": self._callback_errors}
+                "callback_errors": self._callback_errors, "blocks_read": self._blocks_read,
+                "blocks_read_ns": self._blocks_read_ns}
 
     def counters(self) -> dict[str, int]:
         with self._lock:
@@ -811,6 +901,16 @@ class CuptiTracer:
         if self._active:
             stopped_ns = self._now_ns()  # calls after this (Python freeing tensors at shutdown) go unseen
             self.flush(complete=True)
+            torch = sys.modules.get("torch")
+            if self._recorder and torch is not None and self._cupti is not None and self._subscriber is not None:
+                # CUPTI given back first: then no callback can wait for the GIL inside the allocator's lock
+                self._active = False
+                self._roll_back(self._cupti, self._subscriber)
+                self._subscriber = None
+                try:
+                    self._queue_blocks(torch)
+                except Exception as error:
+                    self._callback_failed(error)
             self._queue_status("tracing", stopped_ns=stopped_ns)
         self._active = False
         self._send_pending()
@@ -1008,7 +1108,11 @@ def _wrap_lazy_init(module: ModuleType) -> None:
             _start_at_cuda_init()
         except Exception:
             pass
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        tracer = _TRACER
+        if tracer is not None and not tracer.recorder_tried and "torch" in sys.modules:
+            tracer.start_recorder(sys.modules["torch"])
+        return result
 
     setattr(_lazy_init, _WRAPPED_MARK, original)
     setattr(module, "_lazy_init", _lazy_init)  # noqa: B010 (a module's attribute, by its name)
