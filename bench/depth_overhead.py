@@ -95,7 +95,8 @@ class TorchLoop:
 class VllmEngineLoop:
     """One vLLM engine with the kvtrace plugin inside, reporting to whichever agent runs (one socket path)."""
 
-    roles = ROLES[:-2]  # PyTorch's recorder would have to start inside EngineCore: not compared here
+    # PyTorch's recorder would have to start inside EngineCore: not compared here
+    roles = tuple(role for role in ROLES if role not in RECORDER_MODES)
 
     def __init__(self, args, directory: Path) -> None:
         self.args = args

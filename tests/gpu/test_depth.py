@@ -103,7 +103,8 @@ def test_a_planted_leak_raises_depth_and_names_its_holder(agent_socket):
                                        text=True)
             print(f"ballast: {ballast.stdout.readline().strip()}")
             oom_started = time.monotonic()
-            dumps = wait_for(lambda: sorted(flight_dir.glob("flight-*-oom-*.kvtrace")), 120)
+            dumps = wait_for(lambda: sorted(path for path in flight_dir.glob("flight-*-oom-*.kvtrace")
+                                            if "-time-to-oom-" not in path.name), 120)
             print(f"oom dump after {time.monotonic() - oom_started:.1f} s: {[path.name for path in dumps or []]}")
             counters = agent.counters()
             print(f"agent counters: { {k: v for k, v in counters.items() if v} }")
@@ -111,10 +112,10 @@ def test_a_planted_leak_raises_depth_and_names_its_holder(agent_socket):
             failures.append(f"no oom dump in {flight_dir}: {sorted(p.name for p in flight_dir.glob('*'))}")
         else:
             leaks = kvtrace("leaks", "--input", str(dumps[0]), "--min-age", "0", "--json", timeout=120)
-            first = json.loads(leaks.stdout)["suspects"][0] if leaks.returncode == 0 else {}
+            first = (json.loads(leaks.stdout)["suspects"] or [{}])[0] if leaks.returncode == 0 else {}
             print(f"oom dump replayed, first suspect: {first.get('outstanding_bytes')} bytes in "
                   f"{first.get('allocation_count')} blocks, estimated {first.get('estimated')}, stack "
-                  f"{[frame['function'] for frame in first.get('stack', [])][:4]}")
+                  f"{[frame['function'] for frame in first.get('stack') or []][:4]}")
             if not first.get("stack") or not keeps_the_clones(first["stack"][0]):
                 failures.append(f"the oom dump's first suspect: {first or leaks.stderr}")
             shown = kvtrace("leaks", "--input", str(dumps[0]), "--min-age", "0", timeout=120)

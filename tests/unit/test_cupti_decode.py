@@ -558,7 +558,7 @@ def test_blocks_come_after_everything_held_and_put_the_process_at_depth_full():
     tracer = Tracer()
     tracer.stack(1, "keep_activation", "main")
     tracer.calls(call(Api.cuMemAlloc_v2, correlation_id=1, address=0x1000, size_bytes=64 << 20))  # waits: no record
-    new = tracer.send(protocol.BLOCKS, {"taken_ns": T0 + 50, "since_ns": T0 - 10, "recorder": "kvtrace", "last": True,
+    new = tracer.send(protocol.BLOCKS, {"taken_ns": T0 + 50, "since_ns": T0 - 10, "recorder": "kvtrace",
                                         "blocks": [[0, 0x1000, 1 << 20, 1], [0, 0x101000, 512, 0]]})
     depth = next(record for record in new if type(record) is ProcessDepth)
     assert (depth.pid, depth.depth, depth.since_ns, depth.cause) == (PID, Depth.FULL, T0 - 10, DepthCause.CONFIGURED)

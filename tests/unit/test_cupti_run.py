@@ -435,6 +435,19 @@ def test_kvtrace_run_reports_to_the_agent_when_one_listens(listening, monkeypatc
     assert main(["run", "--agent", listener.path, "--", sys.executable, "-c", "pass"]) == 0
 
 
+def test_towards_the_agent_pytorchs_recorder_stays_off_and_blocks_always_is_refused(listening, monkeypatch, tmp_path,
+                                                                                     capfd):
+    _session, listener = listening
+    monkeypatch.setattr(protocol, "DEFAULT_AGENT_SOCKET", listener.path)
+    assert main(["run", "--blocks", "always", "--", sys.executable, "-c", "pass"]) == 2
+    err = capfd.readouterr().err
+    assert "--blocks always is for a recording (--output FILE)" in err and err.count("\n") == 1
+    dump = tmp_path / "blocks.json"
+    script = f"import json, os; json.dump(os.environ.get('KVTRACE_CUPTI_BLOCKS'), open({str(dump)!r}, 'w'))"
+    assert main(["run", "--", sys.executable, "-c", script]) == 0
+    assert json.loads(dump.read_text()) == "0"
+
+
 def test_kvtrace_run_without_an_agent_writes_a_file_here(monkeypatch, tmp_path, capfd):
     monkeypatch.setattr(protocol, "DEFAULT_AGENT_SOCKET", str(tmp_path / "none.sock"))
     monkeypatch.chdir(tmp_path)

@@ -32,7 +32,9 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 # Typed at the terminal (Ctrl-C, Ctrl-\): the kernel sends these to the whole foreground process group,
 # COMMAND included, so forwarding them too would deliver them twice.
 TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
-LEAK_MIN_AGE_SECONDS = 60.0  # the recording's default for `kvtrace leaks` (the agent's --leak-min-age)
+# The recording's default for `kvtrace leaks`: everything still held where it ends. A run's recording is read
+# after the run, and PyTorch's blocks, read at each process's exit, carry that time, not their allocation's.
+LEAK_MIN_AGE_SECONDS = 0.0
 BOOT_DIRECTORY = Path(protocol.__file__).resolve().parent / "boot"  # its sitecustomize.py loads the tracer
 
 
@@ -68,8 +70,8 @@ class RunCommand:
                             help="who holds each PyTorch block: with --output, PyTorch's own recorder at its "
                                  "cheapest (live blocks' Python stacks) is on from CUDA's start and read at each "
                                  "process's exit, so `kvtrace leaks --input` names the holders, not the code that "
-                                 "grew the cache (default always; never: segments only). With --agent: never, the "
-                                 "agent's probes see the blocks")
+                                 "grew the cache (default always; never: segments only). Towards the agent: never, "
+                                 "its probes see the blocks at the depth it decides")
         parser.add_argument("--stack-frames", metavar="N", type=int,
                             help="Python frames kept per stack, 0 for none (default: the tracer's, 48; at most 256)")
         parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
@@ -95,6 +97,10 @@ class RunCommand:
             except ListenerSetupError as error:
                 raise CommandError(f"{error} (put COMMAND after --)", ExitCode.USAGE) from None
             if socket_accepts(agent):
+                if args.blocks == "always":
+                    raise CommandError(f"--blocks always is for a recording (--output FILE), not the agent at {agent}: "
+                                       "it decides each process's depth itself (raise one with `sudo kvtrace deep "
+                                       "--pid PID`)", ExitCode.USAGE)
                 _say(f"tracing with CUPTI into the agent at {agent}")
                 return _run_child(argv, _environment(args, agent, to_agent=True), lambda: None)
             if args.agent is not None:

@@ -105,9 +105,6 @@ class StackDefinition:
 
 Output = Event | EventsLost | StackDefinition | TracerStatus | ProcessDepth
 
-MAX_BLOCKS = 1 << 20  # PyTorch blocks one process may report
-RECORDER_WORDS = {"kvtrace": "PyTorch's recorder, turned on by kvtrace run at CUDA's start",
-                  "program": "the program's own PyTorch recorder"}
 
 
 @dataclass(slots=True)
@@ -374,11 +371,12 @@ class CuptiDecoder:
         taken_ns = _int(value.get("taken_ns"), "BLOCKS taken_ns", 1, MAX_I64)
         since_ns = _int(value.get("since_ns"), "BLOCKS since_ns", 0, taken_ns)
         recorder = value.get("recorder")
-        if recorder not in RECORDER_WORDS:
-            raise ProtocolError(f"BLOCKS recorder {str(recorder)[:24]!r} is not one of {', '.join(RECORDER_WORDS)}")
+        if recorder not in protocol.RECORDERS:
+            raise ProtocolError(f"BLOCKS recorder {str(recorder)[:24]!r} is not one of "
+                                f"{', '.join(protocol.RECORDERS)}")
         blocks = value.get("blocks")
-        if type(blocks) is not list or self.counters.blocks + len(blocks) > MAX_BLOCKS:
-            raise ProtocolError(f"BLOCKS must list at most {MAX_BLOCKS} blocks in all")
+        if type(blocks) is not list or self.counters.blocks + len(blocks) > protocol.MAX_BLOCKS:
+            raise ProtocolError(f"BLOCKS must list at most {protocol.MAX_BLOCKS} blocks in all")
         rows = []
         for row in blocks:
             if type(row) is not list or len(row) != 4:
@@ -397,7 +395,7 @@ class CuptiDecoder:
             while self._held:
                 self._apply(heapq.heappop(self._held)[3])
             self._out.append(ProcessDepth(self.pid, Depth.FULL, since_ns, DepthCause.CONFIGURED,
-                                          f"kvtrace run: {RECORDER_WORDS[recorder]}; blocks read at the exit"))
+                                          f"kvtrace run: {protocol.RECORDERS[recorder]}; blocks read at the exit"))
         for device, address, size_bytes, stack_id in rows:
             self.counters.blocks += 1
             self.counters.events += 1

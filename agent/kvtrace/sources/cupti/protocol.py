@@ -14,9 +14,9 @@ A connection is a sequence of messages, each `<B type><I body length>` (little-e
     POOLS   packed POOL_RECORDs: CUPTI_ACTIVITY_KIND_MEMORY_POOL
     LOST    JSON {"count": n, "what": "..."}: records the tracer could not deliver, where the gap is
     BLOCKS  JSON {"taken_ns": t, "since_ns": s, "recorder": "kvtrace"|"program", "blocks": [[device, address,
-            requested_bytes, stack_id], ...], "last": true}: PyTorch's live blocks as its own recorder knew them
-            at t (at the process's exit), each with the stack that allocated it (0: none recorded), the
-            recorder on since s; a long list comes in several messages, the last one says so
+            requested_bytes, stack_id], ...]}: PyTorch's live blocks as its own recorder knew them at t (at the
+            process's exit), each with the stack that allocated it (0: none recorded), the recorder on since
+            s; a long list comes in several messages, at most MAX_BLOCKS blocks in all
 
 The sender's pid comes from the kernel (SO_PEERCRED at accept), never from a message. Timestamps are
 CUPTI's (nanoseconds, the wall clock on Linux). A CALL and the MEMORY record it made share a
@@ -38,9 +38,11 @@ HELLO, STATUS, STACK, CALLS, MEMORY, POOLS, LOST, BLOCKS = 1, 2, 3, 4, 5, 6, 7, 
 JSON_TYPES = frozenset({HELLO, STATUS, STACK, LOST, BLOCKS})
 TYPES = frozenset({HELLO, STATUS, STACK, CALLS, MEMORY, POOLS, LOST, BLOCKS})
 BLOCKS_PER_MESSAGE = 16384  # [device, address, bytes, stack id] lists: far below MAX_BODY_BYTES
-# BLOCKS' recorder: PyTorch's, turned on by kvtrace at CUDA's start (live blocks' Python stacks only), or the
-# program's own (it records its history itself: kvtrace reads it and never turns it off)
-RECORDERS = ("kvtrace", "program")
+MAX_BLOCKS = 1 << 20  # blocks one process reports at most (the tracer counts the rest as blocks_left_out)
+# BLOCKS' recorder, and what it is in words: PyTorch's, turned on by kvtrace at CUDA's start (live blocks' Python
+# stacks only), or the program's own (it records its history itself: kvtrace reads it, never turns it off)
+RECORDERS = {"kvtrace": "PyTorch's recorder, turned on by kvtrace run at CUDA's start",
+             "program": "the program's own PyTorch recorder"}
 
 # STATUS states: tracing (subscribed, records flow); held (another CUPTI subscriber holds the process:
 # torch.profiler/Kineto, Nsight; `holder` names it); unavailable (no cupti-python for this CUDA, or it

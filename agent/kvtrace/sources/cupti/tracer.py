@@ -17,9 +17,13 @@ sees the caching allocator's segments only, and a segment's stack names whoever 
 what holds its bytes now. PyTorch's own recorder knows each live block's stack; at its cheapest (enabled
 "state", context "state", stacks "python": no event history, no C++ unwinding) kvtrace turns it on right
 after torch initialised CUDA (or reads the program's own, if it records already, never turning that off),
-and reads it once, at the process's exit, as BLOCKS. It is read only then, with CUPTI given back first: the
-recorder's snapshot waits for the allocator's lock while holding the GIL, and a CUPTI callback (Python, so
-it needs the GIL) can run inside cudaMalloc under that lock; with the callbacks gone that cannot happen.
+and reads it once, at the process's exit, as BLOCKS. It is read only then, with CUPTI given back first and
+the GIL let go for a moment: the recorder's snapshot waits for the allocator's lock while holding the GIL,
+and a CUPTI callback (Python, so it needs the GIL) runs inside cudaMalloc under that lock. With no new
+callbacks, and those already waiting let through, the snapshot waits for no one who waits for it, short of
+a thread entering a callback in the instant CUPTI was given back. The recorder is visible to the program
+(torch._C._cuda_isHistoryEnabled() is true); a program that turns it off leaves its later blocks without
+a stack.
 
 Never harmful to the target:
 - CUPTI allows one subscriber. When torch.profiler (Kineto), Nsight or dynolog holds it, kvtrace says
@@ -77,6 +81,7 @@ ACTIVITY_BUFFER_BYTES = 8 << 20
 FLUSH_INTERVAL_SECONDS = 1.0  # cupti.activity_flush_period did not deliver on the H200; explicit flushes did
 STATUS_INTERVAL_SECONDS = 10.0
 SEND_TIMEOUT_SECONDS = 2.0
+CALLBACKS_DRAIN_SECONDS = 0.05  # at exit, between giving CUPTI back and reading PyTorch's blocks
 
 SUBSCRIBER_NAME = "kvtrace"
 OPT_OUT_REASON = "KVTRACE_CUPTI=0: CUPTI left to the user's profiler"
@@ -313,10 +318,12 @@ class StackTable:
 
     def intern_frames(self, frames: list[dict]) -> tuple[int, bytes | None]:
         """(stack id, the STACK message to send first when the stack is new) for frames as PyTorch's recorder
-        gives them (innermost first: {"name", "filename", "line"}); 0 for none, or past MAX_STACKS."""
-        if not frames or self._max_frames <= 0:
+        gives them (innermost first: {"name", "filename", "line"}; its Python frames only, and the function's
+        name, not its qualified name: the recorder has no other); 0 for none, or past MAX_STACKS."""
+        python = [frame for frame in frames if _is_python_file(frame["filename"])]
+        if not python or self._max_frames <= 0:
             return 0, None
-        kept = frames[:self._max_frames]
+        kept = python[:self._max_frames]
         key = tuple((frame["name"], frame["filename"], frame["line"]) for frame in kept)
         stack_id = self._ids.get(key)
         if stack_id is not None:
@@ -326,7 +333,7 @@ class StackTable:
             return 0, None
         stack_id = self._next_id
         message = protocol.json_message(protocol.STACK, {"id": stack_id, "frames": [list(names) for names in key],
-                                                         "truncated": len(frames) > len(kept)})
+                                                         "truncated": len(python) > len(kept)})
         self._ids[key] = stack_id
         self._next_id += 1
         self.stacks += 1
@@ -340,6 +347,11 @@ class StackTable:
     def spend(self, cost_ns: int) -> None:
         self.walk_ns += cost_ns
         self._budget.spend(cost_ns)
+
+
+def _is_python_file(filename: str) -> bool:
+    """A Python frame of PyTorch's recorder (its C++ frames, with stacks="all", name .cpp and .h files)."""
+    return filename.endswith(".py") or filename.startswith("<")
 
 
 def _qualname(code: CodeType) -> str:
@@ -513,6 +525,7 @@ class CuptiTracer:
         self._recorder_tried = False
         self._blocks_read = 0
         self._blocks_read_ns = 0
+        self._blocks_left_out = 0  # past protocol.MAX_BLOCKS
 
     # -- subscribing --
 
@@ -754,6 +767,8 @@ class CuptiTracer:
                  block.get("frames") or ())
                 for segment in snapshot["segments"] for block in segment["blocks"]
                 if block["state"] == "active_allocated"]
+        self._blocks_left_out = max(len(live) - protocol.MAX_BLOCKS, 0)
+        del live[protocol.MAX_BLOCKS:]
         with self._lock:
             rows = []
             for device, address, size_bytes, frames in live:
@@ -762,10 +777,9 @@ class CuptiTracer:
                     self._outbox.add_message(protocol.STACK, stack_message)
                 rows.append([device, address, size_bytes, stack_id])
             for start in range(0, max(len(rows), 1), protocol.BLOCKS_PER_MESSAGE):
-                last = start + protocol.BLOCKS_PER_MESSAGE >= len(rows)
                 self._outbox.add_message(protocol.BLOCKS, protocol.json_message(protocol.BLOCKS, {
                     "taken_ns": taken_ns, "since_ns": self._recorder_since_ns, "recorder": self._recorder,
-                    "blocks": rows[start:start + protocol.BLOCKS_PER_MESSAGE], "last": last}))
+                    "blocks": rows[start:start + protocol.BLOCKS_PER_MESSAGE]}))
             self._blocks_read = len(rows)
             self._blocks_read_ns = time.perf_counter_ns() - started_ns
 
@@ -806,7 +820,7 @@ class CuptiTracer:
                 "stacks": self._stacks.stacks, "stacks_skipped": self._stacks.skipped,
                 "stack_walk_ns": self._stacks.walk_ns, "dropped": self._outbox.dropped + self._unsent,
                 "callback_errors": self._callback_errors, "blocks_read": self._blocks_read,
-                "blocks_read_ns": self._blocks_read_ns}
+                "blocks_read_ns": self._blocks_read_ns, "blocks_left_out": self._blocks_left_out}
 
     def counters(self) -> dict[str, int]:
         with self._lock:
@@ -907,6 +921,7 @@ class CuptiTracer:
                 self._active = False
                 self._roll_back(self._cupti, self._subscriber)
                 self._subscriber = None
+                time.sleep(CALLBACKS_DRAIN_SECONDS)  # the GIL let go: a callback already waiting for it returns
                 try:
                     self._queue_blocks(torch)
                 except Exception as error:

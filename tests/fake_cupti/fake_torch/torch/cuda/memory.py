@@ -8,6 +8,7 @@ from torch.cuda import _driver, _lazy_init
 
 recording = None  # the recorder's settings while on: {"enabled", "context", "stacks"}
 history_calls = []  # every _record_memory_history call's settings, in order
+snapshot_subscribers = []  # the fake CUPTI's subscriber at each _snapshot() (None: given back)
 _live = {}  # address -> [size_bytes, frames or None]
 _carved = {}  # segment address -> bytes handed out of it so far
 
@@ -33,7 +34,10 @@ def block(size_bytes: int, inside: int = 0) -> int:
         address = caching_allocator_alloc(size_bytes)
     frames = None
     if recording is not None:
-        frames, frame = [], sys._getframe(1)
+        # stacks="all": C++ frames first, as PyTorch's recorder gives them (innermost first)
+        frames = [{"name": "c10::cuda::CUDACachingAllocator::malloc", "filename": "CUDACachingAllocator.cpp",
+                   "line": 1}] if recording["stacks"] == "all" else []
+        frame = sys._getframe(1)
         while frame is not None:
             frames.append({"name": frame.f_code.co_name, "filename": frame.f_code.co_filename, "line": frame.f_lineno})
             frame = frame.f_back
@@ -47,6 +51,7 @@ def free_block(address: int) -> None:
 
 
 def _snapshot() -> dict:
+    snapshot_subscribers.append(_driver().fake_subscriber())
     segments = []
     for address, (size_bytes, frames) in sorted(_live.items()):
         entry = {"address": address, "size": size_bytes + 512, "requested_size": size_bytes,
