@@ -116,11 +116,15 @@ def _roles(engine) -> str:
                      sorted(engine.role_bytes.items(), key=lambda item: -item[1]))
 
 
-def test_vllm_engine_roles_blocks_leaks_growth_and_sleep(agent_socket, tmp_path):
+def _require_vllm() -> None:
     try:
         import vllm  # noqa: F401
     except Exception as error:  # vLLM's import can fail in more ways than ImportError
         pytest.skip(f"vLLM is not importable here ({error}): see tests/gpu/README.md for the bundle")
+
+
+def test_vllm_engine_roles_blocks_leaks_growth_and_sleep(agent_socket, tmp_path):
+    _require_vllm()
     failures: list[str] = []
     plugin_socket = tmp_path / "vllm.sock"
     port = _free_port()
@@ -131,15 +135,7 @@ def test_vllm_engine_roles_blocks_leaks_growth_and_sleep(agent_socket, tmp_path)
                       "--vllm-metrics-url", f"http://127.0.0.1:{port}/metrics",
                       "--vllm-held-seconds", "5", "--vllm-stuck-seconds", "10",
                       "--vllm-cold-start-seconds", "30") as agent:
-        engine_process = subprocess.Popen([sys.executable, str(ENGINE)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        lines = _reader(engine_process)
-
-        def command(text: str, answer: str, timeout_seconds: float = 240) -> str:
-            engine_process.stdin.write(text + "\n")
-            engine_process.stdin.flush()
-            return _expect_value(lines, answer, timeout_seconds)
-
+        engine_process, lines, command = _start_engine(env)
         try:
             _expect(lines, "ready")
             truth = json.loads(command("truth", "truth"))
@@ -281,6 +277,21 @@ def test_vllm_engine_roles_blocks_leaks_growth_and_sleep(agent_socket, tmp_path)
 
 class _Stop(Exception):
     """A check failed that the rest depends on."""
+
+
+def _start_engine(env: dict[str, str]):
+    """tests/gpu/workloads/vllm_engine.py started: its process, its output lines, and `command(text, answer,
+    timeout_seconds=240)`, which sends one command and returns the rest of its answer's line."""
+    engine = subprocess.Popen([sys.executable, str(ENGINE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env)
+    lines = _reader(engine)
+
+    def command(text: str, answer: str, timeout_seconds: float = 240) -> str:
+        engine.stdin.write(text + "\n")
+        engine.stdin.flush()
+        return _expect_value(lines, answer, timeout_seconds)
+
+    return engine, lines, command
 
 
 def _expect_value(lines, word: str, timeout_seconds: float) -> str:

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
-import pytest
-from test_vllm import _expect_value, _plugin_path
-from test_vllm_placement import ENGINE, _expect, _reader
+from test_vllm import _plugin_path, _require_vllm, _start_engine
+from test_vllm_placement import ENGINE, _expect
 
 from agent_process import AgentProcess
 from conftest import check_all, source_line
@@ -33,24 +30,13 @@ INTERVAL_SECONDS = 0.02
 
 
 def test_a_leak_planted_in_a_running_vllm_engine_raises_depth_and_names_its_holder(agent_socket, tmp_path):
-    try:
-        import vllm  # noqa: F401
-    except Exception as error:  # vLLM's import can fail in more ways than ImportError
-        pytest.skip(f"vLLM is not importable here ({error}): see tests/gpu/README.md for the bundle")
+    _require_vllm()
     failures: list[str] = []
     plugin_socket = tmp_path / "vllm.sock"
     env = dict(os.environ, KVTRACE_VLLM_PLUGIN="1", KVTRACE_VLLM_SOCKET=str(plugin_socket), KVTRACE_TEST_SLEEP_MODE="0",
                PYTHONPATH=os.pathsep.join([str(_plugin_path(tmp_path / "site")), os.environ.get("PYTHONPATH", "")]))
     keep_line = source_line("# KEEP_CLONE_LINE", ENGINE)
-    engine = subprocess.Popen([sys.executable, str(ENGINE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env)
-    lines = _reader(engine)
-
-    def command(text: str, answer: str, timeout_seconds: float = 240) -> str:
-        engine.stdin.write(text + "\n")
-        engine.stdin.flush()
-        return _expect_value(lines, answer, timeout_seconds)
-
+    engine, lines, command = _start_engine(env)
     try:
         _expect(lines, "ready", 600)
         # The agent starts beside the running engine (its start-up, model and KV cache, is not growth to
