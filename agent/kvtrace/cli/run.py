@@ -70,7 +70,8 @@ class RunCommand:
                             help="who holds each PyTorch block: with --output, PyTorch's own recorder at its "
                                  "cheapest (live blocks' Python stacks) is on from CUDA's start and read at each "
                                  "process's exit, so `kvtrace leaks --input` names the holders, not the code that "
-                                 "grew the cache (default always; never: segments only). Towards the agent: never, "
+                                 "grew the cache (default always: about 15 %% of a torch loop's speed on an H100; "
+                                 "never: segments only). Towards the agent: never, "
                                  "its probes see the blocks at the depth it decides")
         parser.add_argument("--stack-frames", metavar="N", type=int,
                             help="Python frames kept per stack, 0 for none (default: the tracer's, 48; at most 256)")
