@@ -11,6 +11,7 @@ a launch-bound loop ran 10-35 % faster with one than alone on the H100.
 
 Roles (cost = 1 - tokens/s / control's tokens/s of the same round; medians over rounds):
   control  `kvtrace agent -p PID --blocks never`
+  floor    the same as control, a second time: its "cost" is the noise floor of the round
   auto     `kvtrace agent -p PID` as shipped: --blocks auto; nothing raises this healthy loop, so it stays
            at depth segments (its PyTorch semaphores at zero). Goal: <= 1 %.
   blocks   `--blocks always`: depth blocks, block stacks sampled (--block-sample-bytes, default 512 KiB).
@@ -26,7 +27,8 @@ reporting to each agent (the default agent's vLLM side on); each run is `through
 the agent following the engine's processes (the driver and its EngineCore). Needs the vLLM bundle
 (bash tests/gpu/run.sh vllm-depth-bench ...).
 
-Run: bash tests/gpu/run.sh depth-bench [--rounds 5] [--new-tokens 128] [--calls 2] [--json-out FILE]
+Run: bash tests/gpu/run.sh depth-bench [--rounds 5] [--new-tokens 128] [--calls 4] [--settle-seconds 10]
+         [--json-out FILE]
      bash tests/gpu/run.sh vllm-depth-bench --workload vllm [--graphs] [--prompts 64] [--new-tokens 128]
 """
 from __future__ import annotations
@@ -49,9 +51,10 @@ from agent_process import AgentProcess  # noqa: E402
 from benchlib import code_version, median, progress, require_bpf, rotated  # noqa: E402
 from vllm_overhead import Engine, plugin_site  # noqa: E402
 
-ROLES = ("control", "auto", "blocks", "full", "history", "state")
+ROLES = ("control", "floor", "auto", "blocks", "full", "history", "state")
 AGENT_FLAGS = {
     "control": ("--blocks", "never"),
+    "floor": ("--blocks", "never"),
     "auto": (),
     "blocks": ("--blocks", "always"),
     "full": ("--blocks", "always", "--block-sample-bytes", "0"),
@@ -122,12 +125,15 @@ class VllmEngineLoop:
         self.engine.close()
 
 
-def one_run(workload, role: str, directory: Path) -> tuple[float, dict[str, int]]:
-    """tokens/s of one run under the role's agent, and the agent's counters after it."""
+def one_run(workload, role: str, directory: Path, settle_seconds: float) -> tuple[float, dict[str, int]]:
+    """tokens/s of one run under the role's agent, and the agent's counters after it. The run starts
+    `settle_seconds` after the agent said it traces: its start-up (reading libraries, compiling, the first
+    analyses) is not what an agent left running costs."""
     pids = [arg for pid in workload.pids() for arg in ("-p", str(pid))]
     agent = AgentProcess(directory / f"{role}.sock", *pids, "--no-nvml", *getattr(workload, "agent_args", tuple)(),
                          *AGENT_FLAGS[role])
     try:
+        time.sleep(settle_seconds)
         if role in RECORDER_MODES:
             workload.record_history(RECORDER_MODES[role])
         rate = workload.run()
@@ -143,25 +149,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per call (batch 8)")
-    parser.add_argument("--calls", type=int, default=2, help="generate calls per run")
+    parser.add_argument("--calls", type=int, default=4,
+                        help="generate calls per run (2 was noise on the H100: bench/RESULTS.md §K)")
     parser.add_argument("--json-out", type=Path, help="also write every figure here as JSON")
     parser.add_argument("--workload", choices=("torch", "vllm"), default="torch")
     parser.add_argument("--graphs", action="store_true", help="vllm: CUDA graphs (default: enforce_eager)")
     parser.add_argument("--prompts", type=int, default=64, help="vllm: prompts of 64 tokens per run")
+    parser.add_argument("--roles", type=lambda text: [role for role in text.split(",") if role],
+                        help=f"comma-separated roles to run (control always runs): of {','.join(ROLES)}")
+    parser.add_argument("--settle-seconds", type=float, default=5.0,
+                        help="wait this long after each agent started before the run (its start-up apart)")
     args = parser.parse_args()
+    roles = (TorchLoop if args.workload == "torch" else VllmEngineLoop).roles
+    if args.roles:
+        unknown = set(args.roles) - set(roles)
+        if unknown:
+            parser.error(f"--roles: {', '.join(sorted(unknown))} not among {', '.join(roles)}")
+        roles = ("control", *(role for role in roles if role in args.roles and role != "control"))
     require_bpf()
     results: dict = {"version": code_version(), "machine": os.uname().nodename,
                      "date": time.strftime("%Y-%m-%d %H:%M"), "args": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="kvtrace-depth-") as directory:
         progress(f"starting the {args.workload} workload (model load + warm-up)")
         workload = TorchLoop(args) if args.workload == "torch" else VllmEngineLoop(args, Path(directory))
-        roles = workload.roles
         tokens_per_second: dict[str, list[float]] = {role: [] for role in roles}
         counters: dict[str, list[dict[str, int]]] = {role: [] for role in roles}
         try:
             for round_index in range(args.rounds):
                 for role in rotated(roles, round_index):
-                    rate, seen = one_run(workload, role, Path(directory))
+                    rate, seen = one_run(workload, role, Path(directory), args.settle_seconds)
                     tokens_per_second[role].append(rate)
                     counters[role].append({name: seen.get(name, 0) for name in BLOCK_COUNTERS})
                 progress(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
