@@ -256,6 +256,7 @@ def test_pickle_round_trips_in_a_form_the_viewer_reads(tmp_path):
     assert pickle.loads(data) == snap
     assert {op.name for op, _, _ in pickletools.genops(data)} <= VIEWER_OPCODES
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.pickle"]  # no temporary left
+    assert path.stat().st_mode & 0o777 == 0o600  # as every export: its stacks name files and processes
 
 
 def test_write_pickle_refuses_a_directory_and_leaves_no_half_file(tmp_path, monkeypatch):

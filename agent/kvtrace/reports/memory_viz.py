@@ -132,11 +132,11 @@ def write_pickle(path: str | os.PathLike[str], snapshot: dict[str, Any]) -> None
     """Write `snapshot` where PyTorch's tools read it: a pickle, protocol 4.
 
     It goes to a temporary file in the same directory, renamed over `path` only once complete, so a
-    crash never leaves half a file where a viewer would find it. The file gets the permissions a
-    plain open() would (0666 less the umask): whoever opens the viewer may not be root.
+    crash never leaves half a file where a viewer would find it. It is 0600, as every export of kvtrace's
+    is: its stacks name files, functions and process titles (chmod or copy it for whoever opens the viewer).
     """
     write_whole(path, lambda file: pickle.dump(snapshot, file, protocol=PICKLE_PROTOCOL), "snapshot",
-                "snapshot.pickle")
+                "snapshot.pickle", 0o600)
 
 
 def segment_type(segment: VizSegment) -> str:
