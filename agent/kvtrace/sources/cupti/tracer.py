@@ -905,7 +905,8 @@ class CuptiTracer:
 
     def _finish(self) -> None:
         """The end of this process's tracing: the flusher stopped, the last records and counters sent,
-        the connection closed. CUPTI stays subscribed (the process is ending)."""
+        the connection closed. CUPTI stays subscribed (the process is ending), unless PyTorch's blocks are to
+        be read: then it is given back first (see the module docstring)."""
         if self._forked_away:
             return
         self._stop.set()
@@ -917,7 +918,7 @@ class CuptiTracer:
             self.flush(complete=True)
             torch = sys.modules.get("torch")
             if self._recorder and torch is not None and self._cupti is not None and self._subscriber is not None:
-                # CUPTI given back first: then no callback can wait for the GIL inside the allocator's lock
+                # CUPTI given back first: no new callback can then wait for the GIL inside the allocator's lock
                 self._active = False
                 self._roll_back(self._cupti, self._subscriber)
                 self._subscriber = None
