@@ -192,7 +192,7 @@ def test_top_once_prints_health_gpus_and_rows_sorted(capsys):
     assert by_growth[0].startswith("kvtrace 0.1.0 | data ") and by_growth[0].endswith("| sort: growth")
     assert ", NVML 0." in by_growth[0]  # sampled just now; the fake agent's clock is 2023
     # The agent's info: no loss, every component up
-    assert by_growth[1] == "lost events 0, resyncs 0 | bpf, nvml, analysis"
+    assert by_growth[1] == "lost events 0, resyncs 0 | up: bpf, nvml, analysis"
     assert by_growth[2] == "GPU 0 NVIDIA H200: used 20.0 GiB of 140.0 GiB, free 119.0 GiB"
     assert by_growth[4].split() == ["PID", "GPU", "TRACED", "NVML", "UNATTRIB", "GROW/s", "1m", "GROW/s", "15m",
                                     "OOM", "IN", "FRAG", "DEPTH", "TITLE"]
@@ -204,6 +204,21 @@ def test_top_once_prints_health_gpus_and_rows_sorted(capsys):
         ["100", "0", "1.0", "GiB", "-", "-", "0", "B", "0", "B", "-", "-", "-", "VLLM::EngineCore"],
         ["300", "0", "0", "B", "2.0", "GiB", "2.0", "GiB", "0", "B", "0", "B", "-", "-", "-", "python", "train.py"]]
     assert [line.split()[0] for line in by_size[5:]] == ["200", "100", "300"]
+
+
+def test_top_says_the_components_up_and_those_down_apart():
+    from types import SimpleNamespace
+
+    from kvtrace.cli.top import health_words
+
+    def component(name, up, reason=""):
+        return SimpleNamespace(name=name, up=up, reason=reason)
+
+    assert health_words([component("bpf", True), component("nvml", False, "no libnvidia-ml.so.1"),
+                         component("analysis", True), component("cupti", False)]) == \
+        "up: bpf, analysis | DOWN: nvml (no libnvidia-ml.so.1); cupti"
+    assert health_words([component("nvml", False, "gone")]) == "DOWN: nvml (gone)"
+    assert health_words([]) == ""
 
 
 def test_top_once_without_analysis_or_nvml(capsys):

@@ -58,13 +58,22 @@ def _unattributed(value: int | None) -> str:
     return "-" if value is None else signed_bytes(value).lstrip("+")
 
 
+def health_words(components) -> str:
+    """The components up, then those down with why, apart: "up: bpf, nvml | DOWN: analysis (why)"."""
+    up = [component.name for component in components if component.up]
+    down = [f"{component.name} ({component.reason})" if component.reason else component.name
+            for component in components if not component.up]
+    return " | ".join(part for part in (f"up: {', '.join(up)}" if up else "",
+                                        f"DOWN: {'; '.join(down)}" if down else "") if part)
+
+
 def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interactive: bool = False,
                  roles: bool = False) -> Group:
     """One screen `width` columns wide: what to trust (age, loss, health), the GPUs, then the
     process x GPU table; with `roles`, a ROLES column (what the traced bytes are for) before the title."""
     counters = info.counters
     keys = " (g/o/t/r, q quits)" if interactive else ""
-    health = printable(", ".join(c.name if c.up else f"{c.name} DOWN: {c.reason}" for c in info.components))
+    health = printable(health_words(info.components))
     header = [
         f"kvtrace {info.version} | data {_age(now_ns, growth.timestamp_ns)}, "
         f"NVML {_age(now_ns, growth.nvml_timestamp_ns)} | sort: {sort}{keys}",
