@@ -61,6 +61,11 @@ def human_rate(bytes_per_second: float) -> str:
 
 
 
+def device_label(device: int) -> str:
+    """A GPU as every report spells it: its index, "?" when the call did not say (one spelling everywhere)."""
+    return str(device) if device >= 0 else "?"
+
+
 def printable(text: str) -> str:
     """Text that came from another process (a title, a file name, a function name) as a terminal
     may show it: every control character escaped (`\\x1b`, `\\u202e`), so a crafted command line

@@ -15,7 +15,7 @@ from kvtrace.cli.main import main
 from kvtrace.cli.top import render_frame
 from kvtrace.client import AgentClient
 from kvtrace.errors import CommandError, ExitCode
-from kvtrace.human import human_duration, human_rate
+from kvtrace.human import device_label, human_duration, human_rate
 from kvtrace.model.events import Api, Kind
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.sources.nvml import NvmlSampler
@@ -234,6 +234,19 @@ def test_top_once_without_analysis_or_nvml(capsys):
                                            (3 * 3600 + 240, "3h04m"), (2 * 86400 + 3 * 3600, "2d03h")])
 def test_human_duration(seconds, text):
     assert human_duration(seconds) == text
+
+
+def test_an_unknown_gpu_is_spelled_one_way_everywhere():
+    assert (device_label(0), device_label(7), device_label(-1)) == ("0", "7", "?")
+    # every report that names a GPU spells it through device_label (ps, top, snapshot, tail, leaks)
+    from pathlib import Path
+
+    import kvtrace.cli
+
+    cli = Path(kvtrace.cli.__file__).parent
+    for name in ("ps", "top", "snapshot", "tail", "leaks"):
+        text = (cli / f"{name}.py").read_text()
+        assert "device_label(" in text and '"GPU ?"' not in text, name
 
 
 def test_human_rate():

@@ -10,7 +10,7 @@ from kvtrace.cli.flags import add_input_flags, add_pid_flag, non_negative_second
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.human import human_bytes, human_duration, human_rate, printable
+from kvtrace.human import device_label, human_bytes, human_duration, human_rate, printable
 from kvtrace.wire import depths_by_pid, leak_report_to_json_dict
 
 EPILOG = """examples:
@@ -45,7 +45,7 @@ def format_report(response) -> str:
     for suspect in response.suspects:
         about = ESTIMATE_MARK if suspect.estimated else ""
         growth = f"growth {about}{human_rate(suspect.growth_bytes_per_second)} (15 min)"
-        device = "GPU ?" if suspect.device < 0 else f"GPU {suspect.device}"
+        device = f"GPU {device_label(suspect.device)}"
         count = f"{about}{suspect.allocation_count} allocation{'s' if suspect.allocation_count != 1 else ''}"
         depth = depths.get(suspect.pid)
         lines += ["", f"[{suspect.rank}] {about}{human_bytes(suspect.outstanding_bytes)} in {count}, {growth}, "

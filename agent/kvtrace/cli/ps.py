@@ -11,7 +11,7 @@ from kvtrace.cli.flags import add_input_flags
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.human import human_bytes, printable
+from kvtrace.human import device_label, human_bytes, printable
 from kvtrace.model.events import PHYSICAL_LAYERS, Memory
 from kvtrace.model.vllm import Role
 from kvtrace.wire import process_to_json_dict, role_bytes_from_proto
@@ -93,7 +93,7 @@ class PsCommand:
                 per_device[-1]["objects"] = 0
             depth = depth_cell(process.depth if process.HasField("depth") else None, now_ns)
             for device, row in sorted(per_device.items()):
-                gpu = "-" if device < 0 else str(device)
+                gpu = device_label(device)
                 blocks = allocator.get((process.pid, device))
                 tensors = human_bytes(blocks.allocated_bytes) if blocks is not None else "-"
                 frag = f"{blocks.ratio * 100:.0f}%" if blocks is not None else "-"

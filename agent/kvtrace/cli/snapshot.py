@@ -13,7 +13,7 @@ from kvtrace.cli.flags import add_input_flags, add_pid_flag
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
-from kvtrace.human import human_age, human_bytes, printable
+from kvtrace.human import device_label, human_age, human_bytes, printable
 from kvtrace.model.blocks import Segment, segments_of
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Layer
@@ -120,7 +120,7 @@ class SnapshotCommand:
 
 def _line(entry: Outstanding, now_ns: int, indent: str = "  ") -> str:
     key = entry.key
-    device = "" if entry.device < 0 else str(entry.device)
+    device = device_label(entry.device)
     return (f"{indent}{device:>3} {key.layer.name.lower():<7} {key.object.name.lower():<11} "
             f"{entry.memory.name.lower():<7} {human_bytes(entry.size_bytes):>10} "
             f"{human_age((now_ns - entry.timestamp_ns) / 1e9):>8} {key.address:#014x} {entry.api.name}")

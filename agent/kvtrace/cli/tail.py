@@ -10,8 +10,8 @@ from kvtrace.cli.flags import add_input_flags, add_pid_flag, check_cmdline, pars
 from kvtrace.cli.recorded import connect
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.human import human_bytes, printable
-from kvtrace.model.events import DEVICE_UNKNOWN, Event, Kind, Layer
+from kvtrace.human import device_label, human_bytes, printable
+from kvtrace.model.events import Event, Kind, Layer
 from kvtrace.model.stacks import Stack
 from kvtrace.wire import event_from_proto, event_to_json, stack_from_proto
 
@@ -35,7 +35,7 @@ def format_event(event: Event) -> str:
     elif event.kind is Kind.FREE_UNKNOWN:
         size = "unknown"  # freed memory allocated before the agent started
     layer = event.layer.name.lower() if event.layer else ""
-    device = "" if event.device == DEVICE_UNKNOWN else str(event.device)
+    device = device_label(event.device)
     return (f"{when:<12} {event.pid:>7} {event.api.name:<18} {layer:<7} {size:>10} {device:>3} "
             f"{address:<14} {printable(event.title)}")
 

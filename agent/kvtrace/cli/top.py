@@ -21,7 +21,7 @@ from kvtrace.cli.recorded import connect
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.human import human_bytes, human_duration, printable, signed_bytes
+from kvtrace.human import device_label, human_bytes, human_duration, printable, signed_bytes
 from kvtrace.wire import depth_from_proto, optional_field, role_bytes_from_proto
 
 EPILOG = """examples:
@@ -50,7 +50,7 @@ def _gpu(row) -> str:
     """NVML's index when known (as in the GPU lines above), else the CUDA ordinal the process saw."""
     if row.HasField("nvml_index"):
         return str(row.nvml_index)
-    return f"cuda{row.device}" if row.device >= 0 else "-"
+    return f"cuda{row.device}" if row.device >= 0 else device_label(row.device)
 
 
 def _unattributed(value: int | None) -> str:
