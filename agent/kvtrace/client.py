@@ -13,6 +13,7 @@ kvtrace.wire turns the messages back into the model and into the JSON objects th
 from __future__ import annotations
 
 import argparse
+import grp
 import os
 import stat
 import sys
@@ -348,5 +349,20 @@ class AgentClient:
 
 
 def _permission_denied(path: Path) -> str:
-    return (f"permission denied on {path}: add yourself to group {DEFAULT_GROUP} "
-            f"(`sudo usermod -aG {DEFAULT_GROUP} $USER`, then log in again), or use sudo")
+    """What to do, naming the group the socket really has: the agent falls back to root's group where its
+    --group does not exist, and then joining the group it was meant to have would not help."""
+    try:
+        gid = path.stat().st_gid
+    except OSError:
+        gid = -1
+    try:
+        group = grp.getgrgid(gid).gr_name if gid >= 0 else ""
+    except KeyError:
+        group = ""
+    if group and gid != 0:
+        return (f"permission denied on {path}: add yourself to group {group} "
+                f"(`sudo usermod -aG {group} $USER`, then log in again), or use sudo")
+    owner = f"group {group or gid}" if gid >= 0 else "a group this user cannot see"
+    return (f"permission denied on {path}: it belongs to {owner}, so only root may use it; for others, create "
+            f"group {DEFAULT_GROUP} (`sudo groupadd --system {DEFAULT_GROUP}`), restart the agent, and join it "
+            f"(`sudo usermod -aG {DEFAULT_GROUP} $USER`, then log in again); or use sudo")

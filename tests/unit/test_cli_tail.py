@@ -104,6 +104,27 @@ def test_socket_closed_to_us_says_to_join_the_group(capsys):
     assert "add yourself to group kvtrace" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to other groups: needs root")
+def test_permission_advice_names_the_group_the_socket_really_has(tmp_path):
+    import grp
+
+    from kvtrace.client import _permission_denied
+
+    socket_file = tmp_path / "kvtrace.sock"
+    socket_file.touch()
+    other = next(group for group in grp.getgrall() if group.gr_gid not in (0, os.getegid()))
+    os.chown(socket_file, -1, other.gr_gid)
+    assert f"add yourself to group {other.gr_name} (`sudo usermod -aG {other.gr_name} $USER`" in \
+        _permission_denied(socket_file)
+    os.chown(socket_file, -1, 0)  # --group did not exist: the agent kept root's
+    advice = _permission_denied(socket_file)
+    assert "it belongs to group root, so only root may use it" in advice
+    assert "sudo groupadd --system kvtrace" in advice and "restart the agent" in advice
+    unknown = next(gid for gid in range(54321, 60000) if gid not in {group.gr_gid for group in grp.getgrall()})
+    os.chown(socket_file, -1, unknown)
+    assert f"it belongs to group {unknown}, so only root may use it" in _permission_denied(socket_file)
+
+
 def test_tail_refuses_a_bad_regex_before_connecting(capsys):
     assert main(["tail", "--cmdline", "(", "--socket", "/nonexistent/kvtrace.sock"]) == 2
     assert "--cmdline is not a valid regular expression" in capsys.readouterr().err
