@@ -259,14 +259,12 @@ class RecordQueue:
     def publish_state(self, record: NvmlSample | LedgerResynced) -> None:
         if type(record) is NvmlSample:
             self._put(record)
-        elif len(self._records) < self._max_records:  # the events so far no longer add up to the ledger
-            self._append_checkpoint()
-        else:  # no room: the first event that finds room brings it
-            self._checkpoint_due = True
+        else:  # the events so far no longer add up to the ledger
+            self.checkpoint_now()
 
     def checkpoint_now(self) -> None:
-        """The ledger changed without events (a process lowered to depth segments: its blocks left it): a
-        checkpoint now, where the queue has room (else the first event that finds some brings it)."""
+        """The ledger changed without events (a resync; a process lowered to depth segments: its blocks left
+        it): a checkpoint now, where the queue has room (else the first event that finds some brings it)."""
         if len(self._records) < self._max_records:
             self._append_checkpoint()
         else:
