@@ -191,7 +191,8 @@ def _environment(args: argparse.Namespace, socket_path: str, to_agent: bool = Fa
         env[EAGER_ENV] = "1"
     if args.stack_frames is not None:
         env[STACK_FRAMES_ENV] = str(args.stack_frames)
-    env[BLOCKS_ENV] = "1" if (args.blocks or ("never" if to_agent else "always")) == "always" else "0"
+    blocks = args.blocks or ("never" if to_agent else "always")
+    env[BLOCKS_ENV] = "1" if blocks == "always" else "0"
     return env
 
 

@@ -106,7 +106,6 @@ class StackDefinition:
 Output = Event | EventsLost | StackDefinition | TracerStatus | ProcessDepth
 
 
-
 @dataclass(slots=True)
 class _Allocation:
     api: Api
@@ -240,17 +239,22 @@ class CuptiDecoder:
     def finish(self) -> list[Output]:
         """The connection is over: every half-join is taken alone, everything held is applied. Also
         after a ProtocolError (what came before it is kept)."""
-        for waiting in (self._pending_calls, self._pending_records):
-            while waiting:
-                self._resolve_alone(waiting, next(iter(waiting)))
-        while self._held:
-            self._apply(heapq.heappop(self._held)[3])
+        self._apply_all_waiting()
         self._allocations.clear()
         self._mappings.clear()
         self._handles.clear()
         self._reservations.clear()
         out, self._out = self._out, []
         return out
+
+    def _apply_all_waiting(self) -> None:
+        """Nothing more will come before what waits: every half-join taken alone, everything held applied, in
+        order."""
+        for waiting in (self._pending_calls, self._pending_records):
+            while waiting:
+                self._resolve_alone(waiting, next(iter(waiting)))
+        while self._held:
+            self._apply(heapq.heappop(self._held)[3])
 
     def _take_output(self) -> list[Output]:
         if self._overflow:
@@ -387,13 +391,9 @@ class CuptiDecoder:
                          _int(row[3], "a block's stack", 0, MAX_U32)))
         if not self._blocks_seen:
             self._blocks_seen = True
-            # The process's last records came before (its final flush): what waits is taken as it is, applied
-            # first, in order. The blocks are the last word.
-            for waiting in (self._pending_calls, self._pending_records):
-                while waiting:
-                    self._resolve_alone(waiting, next(iter(waiting)))
-            while self._held:
-                self._apply(heapq.heappop(self._held)[3])
+            # The process's last records came before (its final flush): what waits is applied first. The blocks
+            # are the last word.
+            self._apply_all_waiting()
             self._out.append(ProcessDepth(self.pid, Depth.FULL, since_ns, DepthCause.CONFIGURED,
                                           f"kvtrace run: {protocol.RECORDERS[recorder]}; blocks read at the exit"))
         for device, address, size_bytes, stack_id in rows:

@@ -302,18 +302,12 @@ class StackTable:
         stack_id = self._ids.get(walk.key)
         if stack_id is not None:
             return stack_id, StackStatus.OK, None
-        if len(self._ids) >= MAX_STACKS:
-            self.skipped += 1
-            return 0, StackStatus.NOT_WALKED, None
-        stack_id = self._next_id
         frames = [[_qualname(frame.f_code), frame.f_code.co_filename, frame.f_lineno or 0] for frame in walk.frames]
-        message = protocol.json_message(protocol.STACK, {"id": stack_id, "frames": frames,
-                                                         "truncated": walk.truncated})
+        stack_id, message = self._add(walk.key, frames, walk.truncated)
+        if not stack_id:
+            return 0, StackStatus.NOT_WALKED, None
         for frame in walk.frames:
             self._codes[id(frame.f_code)] = frame.f_code
-        self._ids[walk.key] = stack_id
-        self._next_id += 1
-        self.stacks += 1
         return stack_id, StackStatus.OK, message
 
     def intern_frames(self, frames: list[dict]) -> tuple[int, bytes | None]:
@@ -328,12 +322,15 @@ class StackTable:
         stack_id = self._ids.get(key)
         if stack_id is not None:
             return stack_id, None
+        return self._add(key, [list(names) for names in key], len(python) > len(kept))
+
+    def _add(self, key: tuple, frames: list[list], truncated: bool) -> tuple[int, bytes | None]:
+        """A new stack's id and its STACK message; (0, None) past MAX_STACKS (counted as skipped)."""
         if len(self._ids) >= MAX_STACKS:
             self.skipped += 1
             return 0, None
         stack_id = self._next_id
-        message = protocol.json_message(protocol.STACK, {"id": stack_id, "frames": [list(names) for names in key],
-                                                         "truncated": len(python) > len(kept)})
+        message = protocol.json_message(protocol.STACK, {"id": stack_id, "frames": frames, "truncated": truncated})
         self._ids[key] = stack_id
         self._next_id += 1
         self.stacks += 1
