@@ -533,6 +533,11 @@ class Session:
         with self.lock:
             self._depths = dict(depths)
 
+    def set_process_depth(self, depth: ProcessDepth) -> None:
+        """One process's depth, the others' as they are (kvtrace run's tracer tells its own)."""
+        with self.lock:
+            self._depths[depth.pid] = depth
+
     def process_depths(self) -> dict[int, ProcessDepth]:
         with self.lock:
             return dict(self._depths)

@@ -370,7 +370,7 @@ class CuptiListener:
                     if batch:
                         self.session.ingest_many(batch)
                         batch = []
-                    self.session.set_process_depths({**self.session.process_depths(), output.pid: output})
+                    self.session.set_process_depth(output)
             elif type(output) is TracerStatus:
                 if batch:
                     self.session.ingest_many(batch)
