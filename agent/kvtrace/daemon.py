@@ -189,6 +189,8 @@ class Daemon:
             except ServerSetupError as error:
                 raise CommandError(str(error), ExitCode.FAILURE) from None
             self.session.add_sink(self.server.hub)
+            # A stream that takes PyTorch blocks, coming or going, changes whether the probes send every block.
+            self.server.hub.on_readers_changed = self.session.refresh_block_readers
         self._start_vllm()
         if self.options.cupti_socket:  # a socket that cannot be bound leaves the cupti component down, saying why
             from kvtrace.sources.cupti.listener import CuptiListener

@@ -249,7 +249,8 @@ class Session:
             self._tell_block_readers(self._sinks)
 
     def refresh_block_readers(self) -> None:
-        """For sinks whose wish changes without their coming or going (the API's subscribers)."""
+        """For sinks whose wish changes without their coming or going (the API's hub calls it as its
+        subscribers come and go: EventHub.on_readers_changed)."""
         with self.lock:
             self._tell_block_readers(self._sinks)
 

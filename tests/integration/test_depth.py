@@ -104,9 +104,11 @@ def test_a_raised_process_that_exits_loses_its_link(tmp_path, stub_build):
 
 
 def quiet(harness):
-    """Nobody reads every block's event: the harness's sink says so (as the flight recorder does)."""
+    """Nobody reads every block's event: the harness's sink says so (as the flight recorder does), and, its
+    wish changed in place, tells the Session (as the API's hub does when a stream comes or goes)."""
     for sink in harness.session._sinks:
         sink.wants_every_block = False
+    harness.session.refresh_block_readers()
 
 
 def test_blocks_nobody_reads_are_not_sent_and_stay_exact(tmp_path, stub_build):
@@ -120,7 +122,7 @@ def test_blocks_nobody_reads_are_not_sent_and_stay_exact(tmp_path, stub_build):
         harness = TracingHarness([pid], preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
         try:
             quiet(harness)
-            harness.pump(0.1)  # a turn: the probes are told
+            harness.pump(0.1)
             before = harness.source.counters()
             workload.go()
             _, blocks, segments = manifest_parts(workload.read_calls())

@@ -811,6 +811,23 @@ def test_a_subscriber_wants_every_block_only_if_its_filter_takes_blocks():
     assert hub.wants_every_block
 
 
+def test_the_probes_hear_of_a_block_reading_stream_as_it_comes_and_goes():
+    """Wired as the agent wires it: no turn of the source's loop is needed for the probes to learn it."""
+    from kvtrace.servers.hub import EventFilter, EventHub
+
+    session = Session()
+    hub = EventHub()
+    session.add_sink(hub)
+    hub.on_readers_changed = session.refresh_block_readers
+    told: list[bool] = []
+    session.set_block_readers_hook(told.append)
+    driver_only = hub.subscribe(EventFilter(layers=frozenset({Layer.DRIVER})))
+    blocks = hub.subscribe(EventFilter(layers=frozenset({Layer.TORCH})))
+    hub.unsubscribe(blocks)
+    hub.unsubscribe(driver_only)
+    assert told == [False, False, True, False, False]  # at the hook, then at each subscribe and unsubscribe
+
+
 class DepthProbes(CountingProbes):
     """What set_block_depths asks of the probes: PyTorch links per (library, pid), FULL marks, the ledger."""
 

@@ -23,6 +23,7 @@ Usage (the agent command):
 
     server = AgentServer(session, analyzer, config)   # config: kvtrace.config.ApiConfig
     session.add_sink(server.hub)            # events reach the streams
+    server.hub.on_readers_changed = session.refresh_block_readers  # streams that read every block come and go
     server.start()                          # raises ServerSetupError with one clear line
     ...
     server.stop(grace_seconds=5)            # on SIGTERM

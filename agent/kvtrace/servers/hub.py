@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtrace.model.events import SIZED_KINDS, Event, EventRun, Kind, Layer
@@ -313,6 +313,9 @@ class EventHub:
     def __init__(self, max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS,
                  distribute_at: int = DEFAULT_DISTRIBUTE_AT) -> None:
         self.max_queued_events = max_queued_events
+        # Called (outside the hub's lock) when a subscriber came or went: what wants_every_block says may have
+        # changed (the agent sets Session.refresh_block_readers; parking changes nothing there).
+        self.on_readers_changed: Callable[[], None] | None = None
         # Pending events are handed out when this many wait (when no reader came for them sooner).
         self.distribute_at = distribute_at
         # Held to hand out pending events, and by a subscriber rejoining, so a gap's count is exact.
@@ -341,6 +344,7 @@ class EventHub:
         with self._lock:
             self._distribute_locked()  # what was published before is not for it
             self._subscriptions = (*self._subscriptions, subscription)
+        self._readers_changed()
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
@@ -348,6 +352,11 @@ class EventHub:
         with self._lock:
             self._subscriptions = tuple(s for s in self._subscriptions if s is not subscription)
             self._parked = [s for s in self._parked if s is not subscription]
+        self._readers_changed()
+
+    def _readers_changed(self) -> None:
+        if self.on_readers_changed is not None:
+            self.on_readers_changed()
 
     def subscriber_count(self) -> int:
         return len(self._subscriptions) + len(self._parked)

@@ -301,7 +301,6 @@ class BpfSource:
             probes.poll(0)
             self._flush()
             self.housekeeping()
-            self.session.refresh_block_readers()  # the API's subscribers come and go without the Session seeing
             busy = 0 < self._records_this_turn < self._behind_records
             self._records_since_trim += self._records_this_turn
         self._next_turn_monotonic = started + BUSY_TURN_SECONDS if busy else 0.0
