@@ -215,6 +215,24 @@ def body_ns_per_pair(bpf, run, pairs: int) -> tuple[float, dict[str, float]]:
     return total / pairs, per_run
 
 
+def parse_cpus(text: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8} (the taskset list format)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def pin(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of `pid` (threads it makes later inherit it) onto `cpus`; None leaves it alone."""
+    if not cpus:
+        return
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 def median(values) -> float:
     """The median; NaN for no values (a mode with no clean run), so reports print instead of fail."""
     return statistics.median(values) if values else float("nan")

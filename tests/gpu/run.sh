@@ -27,7 +27,7 @@ what=${1:?usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
-  [ -f .bcc/bcc-bundle.tar.xz ] || { echo "no bcc here and no .bcc/bcc-bundle.tar.xz (run ../shared/tools/bcc-bundle .bcc)" >&2; exit 1; }
+  [ -d /opt/bcc/usr ] || [ -f .bcc/bcc-bundle.tar.xz ] || { echo "no bcc here and no .bcc/bcc-bundle.tar.xz (run ../shared/tools/bcc-bundle .bcc)" >&2; exit 1; }
   if [ ! -d /opt/bcc/usr ]; then mkdir -p /opt/bcc && tar -C /opt/bcc -xJf .bcc/bcc-bundle.tar.xz; fi
   K=$(uname -r); mkdir -p "/lib/modules/$K"
   [ -e "/lib/modules/$K/build" ] || ln -sfn /opt/bcc/usr/src/linux-headers-*-amd64 "/lib/modules/$K/build"
