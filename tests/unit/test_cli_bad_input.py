@@ -133,9 +133,9 @@ def test_config_from_the_environment_is_checked_too(name, says, files, capfd, mo
 
 AGENT_CASES = [
     # passed the checks, then the kernel refused the map after 13 s of compiling: 22 lines
-    (["--max-ledger-entries", "99999999999999"], "--max-ledger-entries takes 1024 to"),
-    (["--max-ledger-entries", "x"], "invalid int value: 'x'"),  # argparse: 14 lines of usage
-    (["--max-totals", "10"], "--max-totals takes 1024 to"),
+    (["--max-ledger-entries", "99999999999999"], "--max-ledger-entries: takes a whole number from 1024 to"),
+    (["--max-ledger-entries", "x"], "takes a whole number from 1024 to 67108864, not 'x'"),  # was 14 lines
+    (["--max-totals", "10"], "--max-totals: takes a whole number from 1024 to"),
     # refused by the server only after BPF was loaded, or a UnicodeEncodeError there
     (["--socket", "{regular}"], "is a file that is not a socket"),
     (["--socket", "{dir}"], "is a directory"),

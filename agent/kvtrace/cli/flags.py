@@ -5,6 +5,7 @@ import argparse
 import datetime
 import decimal
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtrace.errors import CommandError, ExitCode
@@ -65,6 +66,87 @@ def positive_seconds(text: str) -> float:
     if not 0.1 <= seconds <= 3600:
         raise argparse.ArgumentTypeError(f"not an interval from 0.1 to 3600 seconds: {text!r}")
     return seconds
+
+
+_SPANS = ((7 * 24 * 3600, "week"), (24 * 3600, "day"), (3600, "hour"))
+
+
+def _number_text(value: float) -> str:
+    """1 -> "1", 0.1 -> "0.1", 1e12 -> "1e+12": as a person would type it back."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e9 else f"{value:g}".replace("e+", "e")
+
+
+def _range_text(low: float, high: float, unit: str, above: bool, zero_means: str) -> str:
+    """ "0 to 86400 seconds (1 day)", "more than 0 and at most 1e12 bytes per second", "0 (no limit) to 100"."""
+    low_text = _number_text(low) + (f" ({zero_means})" if zero_means and low == 0 else "")
+    text = f"more than {low_text} and at most {_number_text(high)}" if above else f"{low_text} to {_number_text(high)}"
+    text += f" {unit}" if unit else ""
+    if unit == "seconds":
+        for span, name in _SPANS:
+            if high >= span and high % span == 0:
+                count = int(high // span)
+                text += f" ({count} {name}{'s' if count > 1 else ''})"
+                break
+    return text
+
+
+def bounded(low: float, high: float, unit: str = "", *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number from `low` to `high` (more than `low` with `above`), in `unit`. argparse
+    names the flag before the reason, so a mistake reads "argument --leak-min-age: takes 0 to 31536000
+    seconds (365 days), not '-5'"; nan and inf are refused with the rest."""
+    expected = _range_text(low, high, unit, above, "")
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (low < value if above else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"takes {expected}, not {text!r}")
+        return value
+
+    return number
+
+
+def bounded_int(low: int, high: int, unit: str = "", *, zero_means: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` to `high` ("argument --wakeup-events: takes a whole number
+    from 1 to 65536, not '0'"); `zero_means` says what 0 does when 0 is allowed ("no limit")."""
+    expected = "a whole number from " + _range_text(low, high, unit, False, zero_means)
+
+    def whole_number(text: str) -> int:
+        stripped = text.strip()
+        digits = stripped[1:] if stripped[:1] in "+-" else stripped
+        # isascii: str.isdigit() takes "²" and other digits that int() refuses or reads differently.
+        if not (digits.isascii() and digits.isdigit()) or not low <= int(stripped) <= high:
+            raise argparse.ArgumentTypeError(f"takes {expected}, not {text!r}")
+        return int(stripped)
+
+    return whole_number
+
+
+def _size_text(size: int) -> str:
+    """1 << 20 -> "1MiB"; sizes that are not whole binary units as bytes."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size and size % (1 << shift) == 0:
+            return f"{size >> shift}{unit}"
+    return f"{size} bytes"
+
+
+def bounded_size(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a size as parse_size reads it, from `low` to `high` bytes ("argument
+    --record-max-size: takes a size from 1MiB to 1TiB (examples: 512k, 64MiB, 2G), not '10'")."""
+    expected = f"a size from {_size_text(low)} to {_size_text(high)} (examples: 512k, 64MiB, 2G)"
+
+    def size(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except argparse.ArgumentTypeError:
+            value = -1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"takes {expected}, not {text!r}")
+        return value
+
+    return size
 
 
 NS_PER_SECOND = 1_000_000_000

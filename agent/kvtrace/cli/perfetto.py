@@ -6,7 +6,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvtrace.cli.flags import add_pid_flag
+from kvtrace.cli.flags import add_pid_flag, bounded
 from kvtrace.cli.record import record_to
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
@@ -38,7 +38,7 @@ class PerfettoCommand:
         parser.add_argument("-o", "--output", metavar="FILE", type=Path, required=True,
                             help="the trace to write (.pftrace)")
         parser.add_argument("--input", metavar="FILE", type=Path, help="the recording to draw")
-        parser.add_argument("--duration", metavar="SECONDS", type=float,
+        parser.add_argument("--duration", metavar="SECONDS", type=bounded(0, 24 * 3600, "seconds", above=True),
                             help="without --input: record this long from the agent, then draw it")
         add_pid_flag(parser)
         add_socket_flag(parser)
@@ -54,8 +54,6 @@ class PerfettoCommand:
                                "pip install 'kvtrace[perfetto]'", ExitCode.FAILURE) from None
         if args.input is not None:
             return self._draw(args.input, args.output)
-        if not 0 < args.duration <= 24 * 3600:
-            raise CommandError("--duration takes more than 0 and at most 86400 seconds", ExitCode.USAGE)
         with tempfile.TemporaryDirectory(prefix="kvtrace-perfetto-") as directory:
             recording = Path(directory) / "recording.kvtrace"
             with AgentClient.from_args(args) as agent:

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvtrace.cli.flags import add_pid_flag, check_cmdline
+from kvtrace.cli.flags import add_pid_flag, bounded, check_cmdline
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import CommandError, ExitCode
@@ -42,13 +42,11 @@ class RecordCommand:
                             help="the recording to write (replaced if it exists)")
         add_pid_flag(parser)
         parser.add_argument("--cmdline", metavar="REGEX", help="only processes whose title matches (RE2)")
-        parser.add_argument("--duration", metavar="SECONDS", type=float,
+        parser.add_argument("--duration", metavar="SECONDS", type=bounded(0, 7 * 24 * 3600, "seconds", above=True),
                             help="stop after this long (default: until Ctrl-C)")
         add_socket_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        if args.duration is not None and not 0 < args.duration <= 7 * 24 * 3600:
-            raise CommandError("--duration takes more than 0 and at most one week in seconds", ExitCode.USAGE)
         check_cmdline(args.cmdline)
         if args.output.is_dir():
             raise CommandError(f"{args.output} is a directory: give a file name, e.g. {args.output / 'gpu.kvtrace'}",
