@@ -832,3 +832,22 @@ def test_the_tracer_imports_only_the_standard_library(tmp_path):
     foreign = [name for name in json.loads(done.stdout)
                if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "kvtrace"]
     assert foreign == []
+
+
+def test_importing_the_tracer_loads_nothing_heavy(tmp_path):
+    """As the vLLM plugin's test holds for the plugin: the tracer is imported into every Python process of a
+    `kvtrace run`, so it loads none of the agent's heavy dependencies, neither cupti nor torch before it
+    subscribes, and of kvtrace only these few small modules."""
+    done = run_python(None, """
+        import json, sys
+        import kvtrace.sources.cupti.tracer
+        print(json.dumps(sorted(sys.modules)))
+    """, tmp_path, [AGENT_DIR])
+    assert done.returncode == 0, done.stderr
+    modules = set(json.loads(done.stdout))
+    heavy = {"grpc", "bcc", "prometheus_client", "psutil", "google.protobuf", "rich", "pynvml", "elftools",
+             "opentelemetry", "cupti", "torch", "numpy"}
+    assert not modules & heavy
+    assert {module for module in modules if module.startswith("kvtrace")} == {
+        "kvtrace", "kvtrace.model", "kvtrace.model.events", "kvtrace.sources", "kvtrace.sources.cupti",
+        "kvtrace.sources.cupti.protocol", "kvtrace.sources.cupti.tracer", "kvtrace.sources.post_import"}
