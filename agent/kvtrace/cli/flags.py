@@ -72,7 +72,7 @@ _SPANS = ((7 * 24 * 3600, "week"), (24 * 3600, "day"), (3600, "hour"))
 
 
 def _number_text(value: float) -> str:
-    """1 -> "1", 0.1 -> "0.1", 1e12 -> "1e+12": as a person would type it back."""
+    """1 -> "1", 0.1 -> "0.1", 1e12 -> "1e12": as a person would type it back."""
     return str(int(value)) if float(value).is_integer() and abs(value) < 1e9 else f"{value:g}".replace("e+", "e")
 
 
