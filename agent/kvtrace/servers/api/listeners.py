@@ -4,7 +4,8 @@ A socket's path is checked and cleared (a stale socket only: anything else, or a
 stops the start), its directory is made with our mode, its group looked up; TCP gets mutual TLS
 credentials whose files are loaded here, so that a bad one stops the start. Each refusal is a
 ServerSetupError with one line for the operator. Apart from server.py because these steps touch
-the file system and the group database, not gRPC's servers, and are read and tested on their own.
+the file system, the group database and the TLS files, never a grpc.Server: server.py calls them
+before it opens a port.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ turns pids, kinds, layers and a title regex (compiled in RE2, linear time; refus
 an EventFilter, and reads and writes GetSnapshot's page tokens (TokenSeal encrypts them for the
 redacted view: a position holds an address). A bad field raises InvalidArgument, `field: reason`,
 which the service answers with INVALID_ARGUMENT. ServerLimits, the bounds on what all clients
-together may take (streams, message sizes, threads), lives here too, beside the other bounds: the
-rest of the package imports from this module, and it imports from none of them.
+together may take (streams, message sizes, threads), lives here too, beside the other bounds:
+the stream slots, the service and the server read it from this module, which imports no other
+module of the package.
 """
 from __future__ import annotations
 
