@@ -46,7 +46,7 @@ from kvtrace.wire import event_to_json
 if TYPE_CHECKING:  # imported when started: a host without them still runs the rest
     from kvtrace.reports.flight import FlightRecorder
     from kvtrace.reports.recorder import FileRecorder
-    from kvtrace.servers.api import AgentServer
+    from kvtrace.servers.api.server import AgentServer
     from kvtrace.servers.otlp import OtlpExporter
     from kvtrace.servers.prometheus import MetricsServer
     from kvtrace.sources.cupti.listener import CuptiListener
@@ -181,7 +181,8 @@ class Daemon:
             self.nvml = NvmlSampler(self.session)
             self.nvml.start()
         if self.options.api is not None:
-            from kvtrace.servers.api import AgentServer, ServerSetupError
+            from kvtrace.servers.api.listeners import ServerSetupError
+            from kvtrace.servers.api.server import AgentServer
 
             self.server = AgentServer(self.session, self.analyzer, self.options.api, flight=self.flight)
             try:

@@ -381,7 +381,7 @@ class Session:
                 event.title = event.comm
             else:
                 event.title, event.container = label
-        if type(events) is EventRun:  # for a stream that copies its records (servers/api.py)
+        if type(events) is EventRun:  # for a stream that copies its records (servers/api/servicer.py)
             events.labels = None if labelled_before else labels
         each, many = self._run_sinks
         if each:

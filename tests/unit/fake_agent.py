@@ -22,7 +22,8 @@ from kvtrace.model.events import Api, Event, EventsLost, Kind, Layer, Memory, Ob
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.ledger import ledger_view
 from kvtrace.model.processes import ProcessInfo, ProcessTable
-from kvtrace.servers.api import AgentServer, ServerLimits
+from kvtrace.servers.api.requests import ServerLimits
+from kvtrace.servers.api.server import AgentServer
 from kvtrace.servers.hub import EventHub
 from kvtrace.session import Session
 

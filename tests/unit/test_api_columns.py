@@ -15,7 +15,8 @@ from kvtrace.client import AgentClient
 from kvtrace.model.events import Kind, StackStatus
 from kvtrace.model.processes import redact_title
 from kvtrace.model.stacks import Frame, Stack
-from kvtrace.servers.api import ServerLimits, redact_event
+from kvtrace.servers.api.redaction import redact_event
+from kvtrace.servers.api.requests import ServerLimits
 from kvtrace.servers.hub import EventFilter, EventHub, Lost
 from kvtrace.wire import (
     event_from_proto,

@@ -22,8 +22,8 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace.client import AgentClient
 from kvtrace.model.events import Api, Kind, Layer, StackStatus
 from kvtrace.model.stacks import Frame, Stack
-from kvtrace.servers import api
-from kvtrace.servers.api import ServerLimits, decode_page_token
+from kvtrace.servers.api.redaction import redact_info
+from kvtrace.servers.api.requests import InvalidArgument, ServerLimits, decode_page_token
 
 SECRET = "sk-kvtrace-secret-0123"
 SECRET_TITLE = f"vllm serve /models/llama --api-key {SECRET} --port 8000"
@@ -63,7 +63,7 @@ _REGEX_PROBE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from fake_agent import event
     from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
-    from kvtrace.servers.api import stream_filter
+    from kvtrace.servers.api.requests import stream_filter
     from kvtrace.servers.hub import EventHub
 
     pattern, title = sys.argv[2], sys.argv[3]
@@ -112,7 +112,7 @@ def test_title_regex_is_rre2_syntax_and_refused_with_the_field_named():
 
 
 def test_without_a_safe_engine_title_regex_is_refused_and_the_agent_still_serves(monkeypatch):
-    monkeypatch.setattr(api, "re2", None)  # a host where google-re2 is not installed
+    monkeypatch.setattr("kvtrace.servers.api.requests.re2", None)  # a host where google-re2 is not installed
     with served() as (server, backend):
         agent = group_stub(server)
         with pytest.raises(grpc.RpcError) as refused:
@@ -216,7 +216,7 @@ def test_group_socket_snapshot_is_redacted_and_its_page_tokens_hide_addresses(mo
                 allocation.stream) == (0, 0, 0, 0, 0)
     assert sorted(a.size_bytes for a in redacted) == sorted(a.size_bytes for a in full)
     for page in pages[:-1]:  # the full view's tokens are plain positions; these are sealed
-        with pytest.raises(api.InvalidArgument):
+        with pytest.raises(InvalidArgument):
             decode_page_token(page.next_page_token)
 
 
@@ -425,7 +425,7 @@ def test_group_socket_info_names_no_paths_or_pids():
                                                 reason="attaching failed: /home/bob/x/libcudart.so.12"),
                     service_pb2.ComponentHealth(name="libraries", up=False,
                                                 reason="3 libraries wait for probes: e.g. /home/carol/libcudart.so")])
-    redacted = str(api.redact_info(info))
+    redacted = str(redact_info(info))
     for private in ("/home", "/proc/4242", "4242", "alice", "bob", "carol"):
         assert private not in redacted, private
     assert "libcudart.so.12" in redacted and 'name: "attach"' in redacted and 'name: "libraries"' in redacted

@@ -24,7 +24,7 @@ from kvtrace.model.events import Api, Kind, Layer, ObjectKind, StackStatus
 from kvtrace.reports.recorder import FrameEncoder, recording_header
 from kvtrace.reports.recording import RecordingWriter
 from kvtrace.reports.replay import replay
-from kvtrace.servers.api import DEFAULT_DEPTH_SECONDS
+from kvtrace.servers.api.requests import DEFAULT_DEPTH_SECONDS
 from kvtrace.wire import depth_from_proto, depth_to_json, depth_to_proto
 
 NS = 1_000_000_000

@@ -24,7 +24,7 @@ from kvtrace.model.stacks import Frame, Stack
 from kvtrace.reports.flight import FlightOptions, FlightRecorder
 from kvtrace.reports.recording import RecordingReader
 from kvtrace.reports.replay import replay
-from kvtrace.servers.api import AgentServer
+from kvtrace.servers.api.server import AgentServer
 
 NS = 1_000_000_000
 OOM = service_pb2.FLIGHT_TRIGGER_KIND_OUT_OF_MEMORY

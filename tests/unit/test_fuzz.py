@@ -39,15 +39,15 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind, StackStatus
 from kvtrace.model.processes import container_id
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame
-from kvtrace.servers.api import (
+from kvtrace.servers.api.requests import (
     MAX_PAGE_TOKEN_CHARS,
-    AgentServicer,
     InvalidArgument,
     ServerLimits,
     decode_page_token,
     encode_page_token,
     stream_filter,
 )
+from kvtrace.servers.api.servicer import AgentServicer
 from kvtrace.servers.hub import EventFilter, EventHub, Subscription
 from kvtrace.sources import elf, procfs, usdt
 from kvtrace.sources.bpf import abi

@@ -31,7 +31,9 @@ from kvtrace.config import ApiConfig
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind, StackStatus
 from kvtrace.model.stacks import Frame, Stack
-from kvtrace.servers.api import SERVICE_NAME, AgentServer, ServerLimits, ServerSetupError, encode_page_token
+from kvtrace.servers.api.listeners import ServerSetupError
+from kvtrace.servers.api.requests import ServerLimits, encode_page_token
+from kvtrace.servers.api.server import SERVICE_NAME, AgentServer
 from kvtrace.wire import event_from_proto, event_to_json, event_to_proto, message_to_json, stack_from_proto
 
 FAST_HEALTH = ServerLimits(health_poll_seconds=0.05)

@@ -59,3 +59,17 @@ def test_neighbours_that_must_not_know_each_other():
                 for a, b in APART for x, y in ((a, b), (b, a))
                 if (source == x or source.startswith(x + ".")) and (target == y or target.startswith(y + "."))]
     assert crossing == []
+
+
+# Within servers/api/ (its __init__ says which module holds what) each module imports only the ones
+# before it here: what checks requests and what redacts know nothing of the service or its sockets.
+API_ORDER = tuple(f"kvtrace.servers.api.{name}"
+                  for name in ("requests", "redaction", "slots", "servicer", "listeners", "server"))
+
+
+def test_the_api_package_imports_one_way():
+    backward = [f"{source} imports {target}" for source, target in imports()
+                if source.startswith("kvtrace.servers.api") and target.startswith("kvtrace.servers.api")
+                and not (source in API_ORDER and target in API_ORDER
+                         and API_ORDER.index(target) < API_ORDER.index(source))]
+    assert backward == []

@@ -266,7 +266,7 @@ def test_group_socket_shows_no_request_id_and_no_secret():
 
 def test_redaction_replaces_whole_ids_only():
     # vLLM's offline LLM numbers its requests "0", "1", ...: only the id itself is replaced.
-    from kvtrace.servers.api import redact_vllm_engines
+    from kvtrace.servers.api.redaction import redact_vllm_engines
 
     finding = held_finding(message="3 blocks held by 1 request done 40.0 s ago: 0 (3); 10 s", requests=(
         KvRequest("0", RequestState.ABORTED, 3, 40.0),))

@@ -26,7 +26,8 @@ from kvtrace.human import printable
 from kvtrace.model.events import Event, EventsLost, Kind, Layer
 from kvtrace.reports.recording import RecordingError, RecordingReader
 from kvtrace.reports.replay import Replay, StackDefinition, decode_records, replay, resolve_at, wall_time
-from kvtrace.servers.api import AgentServicer, InvalidArgument, ServerLimits, stream_filter
+from kvtrace.servers.api.requests import InvalidArgument, ServerLimits, stream_filter
+from kvtrace.servers.api.servicer import AgentServicer
 from kvtrace.servers.hub import EventHub, Subscription
 from kvtrace.wire import event_to_proto, lost_to_proto, stack_to_proto, wire_numbers
 

@@ -5,7 +5,7 @@ them; neither blocks, and each costs one list append: runs wait in a pending lis
 handed out (`_distribute`) when a reader comes for more, when a loss is published, or when the list is
 long. Queues hold runs, not events: an unfiltered subscriber's costs nothing per event, and a run the
 BPF source decoded at once (model.events.EventRun) reaches the stream whole, with the records a
-fixed-column stream copies (servers/api.py). A filtered subscriber's filter runs over the events (C
+fixed-column stream copies (servers/api/servicer.py). A filtered subscriber's filter runs over the events (C
 loops, no Python call per event), so fan-out work per event is a few tens of nanoseconds a subscriber.
 Each subscriber filters its batch before queueing, so its queue holds only events it wants. When a queue is
 full the subscriber is *parked*: the hub stops offering it events (a subscriber that does not read
@@ -20,7 +20,7 @@ reads, in the gap marker of a parked one.
 Memory per subscriber is bounded: at most `max_queued_events` events, and markers are never
 adjacent (a new loss adds to the last marker), so at most as many markers as events plus one.
 
-The title filter is a client's regular expression: it must be a linear-time engine's (servers/api.py
+The title filter is a client's regular expression: it must be a linear-time engine's (servers/api/requests.py
 compiles it with RE2), it sees at most TITLE_MATCH_MAX_CHARS of the title, and it runs once per
 distinct title, not per event (model/processes.py's TitleMatcher).
 """
@@ -100,7 +100,7 @@ class Subscription:
         self._parked_at_published = 0  # the hub's position of the first event it missed
         self._parked_at_kernel_lost = 0
         self._hub = hub
-        self.evicted_reason = ""  # set when the server ended the stream for another (servers/api.py)
+        self.evicted_reason = ""  # set when the server ended the stream for another (servers/api/slots.py)
         self._reading = False
         self._last_read_monotonic = time.monotonic()  # when the reader last came back for more
         self.delivered_total = 0
