@@ -45,9 +45,9 @@ from kvtrace.model.ledger import (
     LedgerCounts,
     LedgerKey,
     LedgerResynced,
+    LedgerStore,
     LedgerView,
     Outstanding,
-    TotalsKey,
     ledger_view,
 )
 from kvtrace.model.processes import ProcessInfo, ProcessTable
@@ -136,11 +136,13 @@ class _Component:
 
 
 class Session:
-    def __init__(self, processes: ProcessTable | None = None, native_names: NativeNames | None = None) -> None:
+    def __init__(self, processes: ProcessTable | None = None, native_names: NativeNames | None = None,
+                 ledger: LedgerStore | None = None) -> None:
         """`processes` reads titles of live processes (the agent passes one over procfs);
-        `native_names` names native callers for reports."""
+        `native_names` names native callers for reports; `ledger` keeps the outstanding objects (a plain
+        Ledger unless given; the BPF source puts its KernelLedger in with replace_ledger)."""
         self.lock = threading.Lock()
-        self.ledger = Ledger()
+        self.ledger: LedgerStore = ledger if ledger is not None else Ledger()
         self.stacks = StackTable()
         self.processes = processes if processes is not None else ProcessTable()
         self.traced_only = False  # a source follows chosen processes only (NVML's others are left out)
@@ -465,19 +467,11 @@ class Session:
             for sink in self._sinks:
                 sink.publish_state(resynced)
 
-    def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True,
-                take_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]] | None = None) -> bool:
-        """Where the ledger counts: allocations the agent deleted from the kernel's ledger after an exit or
-        context destroy (Ledger.uncount) and, after an exit, the pid's totals `take_totals()` takes out of
-        the kernel (Ledger.retire_totals), at once under the lock: no reader sees one without the other.
-        False (nothing taken) where the ledger keeps its entries."""
+    def replace_ledger(self, ledger: LedgerStore) -> None:
+        """Another store keeps the ledger from now on (the BPF source's KernelLedger while its probes are loaded,
+        a plain Ledger again when they go); give it before the first event it must see."""
         with self.lock:
-            if not self.ledger.counting:
-                return False
-            taken = take_totals() if take_totals is not None else {}
-            self.ledger.uncount(dropped, implicit)
-            self.ledger.retire_totals(taken)
-            return True
+            self.ledger = ledger
 
     def forget_process(self, pid: int) -> None:
         """A process found gone without an exit event: drop what it held and what is known of it."""
@@ -554,30 +548,15 @@ class Session:
 
     # ---- reading: analysis and servers ----
 
-    def count_only(self, read: Callable[[Collection[int]], Iterable[Outstanding]],
-                   find: Callable[[LedgerKey], Outstanding | None],
-                   read_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]], max_read_entries: int) -> None:
-        """The kernel keeps the exact ledger and its totals (the agent's BPF source): allocations and blocks
-        are read through `read(pids)`, `find(key)` and `read_totals()` when a report asks (Ledger.count_only)."""
-        with self.lock:
-            self.ledger.count_only(read, find, read_totals, max_read_entries)
-
-    def stop_counting(self) -> None:
-        """The source that keeps the ledger in the kernel is stopping (Ledger.stop_counting); no-op where the
-        ledger keeps its entries."""
-        with self.lock:
-            if self.ledger.counting:
-                self.ledger.stop_counting()
-
     def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live ledger entry of `pids` (empty: all), to go through (Ledger.stream): where the kernel
         keeps the allocations they are read from it at each pass, outside the lock."""
         with self.lock:
             return self.ledger.stream(pids)
 
-    def find_counted(self) -> Callable[[LedgerKey], Outstanding | None] | None:
-        """Where the kernel keeps the allocations: the lookup of one of them (Ledger.find_counted)."""
-        return self.ledger.find_counted
+    def entry_lookup(self) -> Callable[[LedgerKey], Outstanding | None]:
+        """The lookup of one live entry by its key (LedgerStore.find), safe from any thread."""
+        return self.ledger.find
 
     def process(self, pid: int) -> ProcessInfo | None:
         """Title, comm and container of `pid` as last read (no /proc read here), None if unknown."""
@@ -680,9 +659,7 @@ class Session:
             counters = dict(self._counters)
             counters["events_seen"] = self.events_total
             counters["resyncs"] = self.resyncs_total
-            if self.ledger.counting:
-                counters["ledger_entries_in_kernel"] = self.ledger.counted_entries()
-                counters["ledger_reads_refused"] = self.ledger.reads_refused_total
+            counters.update(self.ledger.counters())
             if self.witnessed_total or self._crosscheck.processes or self._crosscheck.finished:
                 counters["cupti_events_witnessed"] = self.witnessed_total
                 counters["crosscheck_disagreements"] = sum(
