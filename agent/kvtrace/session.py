@@ -16,13 +16,11 @@ consistent copy taken under `lock`, never a live view. Writers hold the lock for
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import platform
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -58,6 +56,7 @@ from kvtrace.model.vllm import (
     SleepReport,
     VllmMetricsSample,
     VllmRecord,
+    VllmStore,
     VllmView,
 )
 
@@ -65,21 +64,12 @@ Record = Event | EventRun | EventsLost | NvmlSample | VllmRecord
 
 log = logging.getLogger(__name__)
 
-# Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
-# tests see a process's last few transitions).
-SLEEP_REPORTS_KEPT = 8
 # Kinds the ledger takes as a run and batch sinks get at once (Session._ingest_run); every other kind
 # (failures, which may trigger a flight dump with a copy of the ledger, exits, context destroys) is
 # taken alone, in order, after the run before it.
 _UNSEEN: Any = object()  # _ingest_run: a pid not yet looked up
 _RUN_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.MAP, Kind.UNMAP, Kind.RELEASE, Kind.FREE_UNKNOWN})
 _RUN_KIND_NUMBERS = frozenset(int(kind) for kind in _RUN_KINDS)  # EventRun.kinds are raw numbers
-
-
-def _same_but_time(kept: KvCacheLayout | SleepReport | None, new: KvCacheLayout | SleepReport) -> bool:
-    """`new` says what `kept` said: the plugin sends its layout and sleep state again (to an agent that
-    restarted), and a repeat is no new event — its time would restart a sleep cycle or a role sample."""
-    return kept is not None and dataclasses.replace(new, timestamp_ns=kept.timestamp_ns) == kept
 
 
 class NativeNames(Protocol):
@@ -171,10 +161,7 @@ class Session:
         self._libraries: tuple[AttachedLibrary, ...] = ()
         self._nvml: NvmlSample | None = None
         # vLLM: the plugin's latest reports per process, and the latest scrape of each /metrics URL.
-        self._kv_layouts: dict[int, KvCacheLayout] = {}
-        self._schedulers: dict[int, SchedulerReport] = {}
-        self._sleeps: dict[int, deque[SleepReport]] = {}
-        self._vllm_metrics: dict[str, VllmMetricsSample] = {}
+        self._vllm = VllmStore()
         self.events_total = 0
         self.lost_total = 0
         self.resyncs_total = 0
@@ -194,6 +181,10 @@ class Session:
         # allocator probes down, tracing off. Set by the daemon, read by the API before it takes a request.
         self._depth_refusal = "depth is not decided here (no agent)"
         self._deepenable: frozenset[int] | None = None
+        # What each kind of record other than an event does (events take the path below: the hot one).
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            EventsLost: self._take_loss, NvmlSample: self._take_nvml, SchedulerReport: self._vllm.take,
+            KvCacheLayout: self._vllm.take, SleepReport: self._vllm.take, VllmMetricsSample: self._vllm.take}
 
     # ---- writing: sources ----
 
@@ -318,50 +309,54 @@ class Session:
                 else:  # some of its events need more than a run's work
                     self._ingest_locked(list(record), witness, compared)
                 continue
-            if type(record) is Event and witness and (
-                    record.source is Source.CUPTI or self._crosscheck.follows(record.pid)):
-                if record.source is Source.CUPTI:
-                    self._crosscheck.witness(record, Side.CUPTI, self.wall_clock_ns())
-                    self.witnessed_total += 1
-                    continue  # the uprobes' own event of this call is the ledger's
-                self._crosscheck.witness(record, Side.UPROBE, self.wall_clock_ns())
             if type(record) is Event:
-                self._attribute(record)
-                self.events_total += 1
-                if record.kind is Kind.PROCESS_EXIT:
-                    record.freed_bytes = self.ledger.physical_device_bytes(record.pid)
-                    for watcher in self._exit_watchers:
-                        watcher(record)
-                    self._checkpoint_position = None  # a watcher's copy is of the ledger before the exit
-                self.ledger.apply(record)
-                if record.kind is Kind.PROCESS_EXIT:
-                    self._forget_process(record.pid)
-                    self._crosscheck.process_exited(record.pid)
-                for sink in sinks:
-                    sink.publish(record)
-            elif type(record) is EventsLost:
-                self.lost_total += record.count
-                for sink in sinks:
-                    sink.publish_loss(record.count)
-            elif type(record) is NvmlSample:
-                self._nvml = record
-                for sink in sinks:
-                    sink.publish_state(record)
-            elif type(record) is SchedulerReport:
-                self._schedulers[record.pid] = record
-            elif type(record) is KvCacheLayout:
-                if not _same_but_time(self._kv_layouts.get(record.pid), record):
-                    self._kv_layouts[record.pid] = record
-            elif type(record) is SleepReport:
-                reports = self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT))
-                if not reports or not _same_but_time(reports[-1], record):
-                    reports.append(record)
-            elif type(record) is VllmMetricsSample:
-                self._vllm_metrics[record.url] = record
-            else:
+                if not witness or self._witness(record):
+                    self._ingest_event(record, sinks)
+                continue
+            handler = self._handlers.get(type(record))
+            if handler is None:
                 raise TypeError(f"not a record a Session takes: {type(record).__name__}")
+            handler(record)
         if run:
             self._ingest_run(run)
+
+    def _witness(self, event: Event) -> bool:
+        """Where CUPTI witnesses the uprobes: CUPTI's event is compared with theirs (False: the ledger has the
+        uprobes' own event of that call), and the uprobes' event of a process CUPTI traces is noted for the
+        comparison (True: the ledger takes it)."""
+        if event.source is Source.CUPTI:
+            self._crosscheck.witness(event, Side.CUPTI, self.wall_clock_ns())
+            self.witnessed_total += 1
+            return False
+        if self._crosscheck.follows(event.pid):
+            self._crosscheck.witness(event, Side.UPROBE, self.wall_clock_ns())
+        return True
+
+    def _ingest_event(self, event: Event, sinks: list[Sink]) -> None:
+        """One event that is not part of a run: attributed, and a process exit watched before its drop."""
+        self._attribute(event)
+        self.events_total += 1
+        if event.kind is Kind.PROCESS_EXIT:
+            event.freed_bytes = self.ledger.physical_device_bytes(event.pid)
+            for watcher in self._exit_watchers:
+                watcher(event)
+            self._checkpoint_position = None  # a watcher's copy is of the ledger before the exit
+        self.ledger.apply(event)
+        if event.kind is Kind.PROCESS_EXIT:
+            self._forget_process(event.pid)
+            self._crosscheck.process_exited(event.pid)
+        for sink in sinks:
+            sink.publish(event)
+
+    def _take_loss(self, record: EventsLost) -> None:
+        self.lost_total += record.count
+        for sink in self._sinks:
+            sink.publish_loss(record.count)
+
+    def _take_nvml(self, record: NvmlSample) -> None:
+        self._nvml = record
+        for sink in self._sinks:
+            sink.publish_state(record)
 
     def _ingest_run(self, events: list[Event]) -> None:
         """Consecutive allocation-type events (the bulk of a busy stream), as ingest_many takes each
@@ -406,9 +401,7 @@ class Session:
     def _forget_process(self, pid: int) -> None:
         self.ledger.forget_counters(pid)
         self.processes.forget(pid)
-        self._kv_layouts.pop(pid, None)  # as forget_vllm, under the lock already held
-        self._schedulers.pop(pid, None)
-        self._sleeps.pop(pid, None)
+        self._vllm.forget(pid)
         with self._native_lock:
             self._native_forgets += 1
             for key in [key for key in self._native_frames if key[0] == pid]:
@@ -633,21 +626,17 @@ class Session:
     def vllm_view(self) -> VllmView:
         """The latest vLLM reports and scrapes, copied at once."""
         with self.lock:
-            return VllmView(dict(self._kv_layouts), dict(self._schedulers),
-                            {pid: tuple(reports) for pid, reports in self._sleeps.items()},
-                            dict(self._vllm_metrics))
+            return self._vllm.view()
 
     def forget_vllm(self, pid: int) -> None:
         """The vLLM plugin's records of `pid` go (the listener no longer follows it); its traced memory stays."""
         with self.lock:
-            self._kv_layouts.pop(pid, None)
-            self._schedulers.pop(pid, None)
-            self._sleeps.pop(pid, None)
+            self._vllm.forget(pid)
 
     def forget_vllm_metrics(self, url: str) -> None:
         """A /metrics URL no longer scraped (its API server is gone)."""
         with self.lock:
-            self._vllm_metrics.pop(url, None)
+            self._vllm.forget_metrics(url)
 
     def known_processes(self) -> dict[int, ProcessInfo]:
         """pid -> what is known of every live process the Session has seen (no /proc read here)."""
