@@ -16,13 +16,11 @@ consistent copy taken under `lock`, never a live view. Writers hold the lock for
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import platform
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -45,9 +43,9 @@ from kvtrace.model.ledger import (
     LedgerCounts,
     LedgerKey,
     LedgerResynced,
+    LedgerStore,
     LedgerView,
     Outstanding,
-    TotalsKey,
     ledger_view,
 )
 from kvtrace.model.processes import ProcessInfo, ProcessTable
@@ -58,6 +56,7 @@ from kvtrace.model.vllm import (
     SleepReport,
     VllmMetricsSample,
     VllmRecord,
+    VllmStore,
     VllmView,
 )
 
@@ -65,21 +64,12 @@ Record = Event | EventRun | EventsLost | NvmlSample | VllmRecord
 
 log = logging.getLogger(__name__)
 
-# Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
-# tests see a process's last few transitions).
-SLEEP_REPORTS_KEPT = 8
 # Kinds the ledger takes as a run and batch sinks get at once (Session._ingest_run); every other kind
 # (failures, which may trigger a flight dump with a copy of the ledger, exits, context destroys) is
 # taken alone, in order, after the run before it.
 _UNSEEN: Any = object()  # _ingest_run: a pid not yet looked up
 _RUN_KINDS = frozenset({Kind.ALLOC, Kind.FREE, Kind.MAP, Kind.UNMAP, Kind.RELEASE, Kind.FREE_UNKNOWN})
 _RUN_KIND_NUMBERS = frozenset(int(kind) for kind in _RUN_KINDS)  # EventRun.kinds are raw numbers
-
-
-def _same_but_time(kept: KvCacheLayout | SleepReport | None, new: KvCacheLayout | SleepReport) -> bool:
-    """`new` says what `kept` said: the plugin sends its layout and sleep state again (to an agent that
-    restarted), and a repeat is no new event — its time would restart a sleep cycle or a role sample."""
-    return kept is not None and dataclasses.replace(new, timestamp_ns=kept.timestamp_ns) == kept
 
 
 class NativeNames(Protocol):
@@ -136,11 +126,13 @@ class _Component:
 
 
 class Session:
-    def __init__(self, processes: ProcessTable | None = None, native_names: NativeNames | None = None) -> None:
+    def __init__(self, processes: ProcessTable | None = None, native_names: NativeNames | None = None,
+                 ledger: LedgerStore | None = None) -> None:
         """`processes` reads titles of live processes (the agent passes one over procfs);
-        `native_names` names native callers for reports."""
+        `native_names` names native callers for reports; `ledger` keeps the outstanding objects (a plain
+        Ledger unless given; the BPF source puts its KernelLedger in with replace_ledger)."""
         self.lock = threading.Lock()
-        self.ledger = Ledger()
+        self.ledger: LedgerStore = ledger if ledger is not None else Ledger()
         self.stacks = StackTable()
         self.processes = processes if processes is not None else ProcessTable()
         self.traced_only = False  # a source follows chosen processes only (NVML's others are left out)
@@ -169,10 +161,7 @@ class Session:
         self._libraries: tuple[AttachedLibrary, ...] = ()
         self._nvml: NvmlSample | None = None
         # vLLM: the plugin's latest reports per process, and the latest scrape of each /metrics URL.
-        self._kv_layouts: dict[int, KvCacheLayout] = {}
-        self._schedulers: dict[int, SchedulerReport] = {}
-        self._sleeps: dict[int, deque[SleepReport]] = {}
-        self._vllm_metrics: dict[str, VllmMetricsSample] = {}
+        self._vllm = VllmStore()
         self.events_total = 0
         self.lost_total = 0
         self.resyncs_total = 0
@@ -192,6 +181,10 @@ class Session:
         # allocator probes down, tracing off. Set by the daemon, read by the API before it takes a request.
         self._depth_refusal = "depth is not decided here (no agent)"
         self._deepenable: frozenset[int] | None = None
+        # What each kind of record other than an event does (events take the path below: the hot one).
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            EventsLost: self._take_loss, NvmlSample: self._take_nvml, SchedulerReport: self._vllm.take,
+            KvCacheLayout: self._vllm.take, SleepReport: self._vllm.take, VllmMetricsSample: self._vllm.take}
 
     # ---- writing: sources ----
 
@@ -316,50 +309,54 @@ class Session:
                 else:  # some of its events need more than a run's work
                     self._ingest_locked(list(record), witness, compared)
                 continue
-            if type(record) is Event and witness and (
-                    record.source is Source.CUPTI or self._crosscheck.follows(record.pid)):
-                if record.source is Source.CUPTI:
-                    self._crosscheck.witness(record, Side.CUPTI, self.wall_clock_ns())
-                    self.witnessed_total += 1
-                    continue  # the uprobes' own event of this call is the ledger's
-                self._crosscheck.witness(record, Side.UPROBE, self.wall_clock_ns())
             if type(record) is Event:
-                self._attribute(record)
-                self.events_total += 1
-                if record.kind is Kind.PROCESS_EXIT:
-                    record.freed_bytes = self.ledger.physical_device_bytes(record.pid)
-                    for watcher in self._exit_watchers:
-                        watcher(record)
-                    self._checkpoint_position = None  # a watcher's copy is of the ledger before the exit
-                self.ledger.apply(record)
-                if record.kind is Kind.PROCESS_EXIT:
-                    self._forget_process(record.pid)
-                    self._crosscheck.process_exited(record.pid)
-                for sink in sinks:
-                    sink.publish(record)
-            elif type(record) is EventsLost:
-                self.lost_total += record.count
-                for sink in sinks:
-                    sink.publish_loss(record.count)
-            elif type(record) is NvmlSample:
-                self._nvml = record
-                for sink in sinks:
-                    sink.publish_state(record)
-            elif type(record) is SchedulerReport:
-                self._schedulers[record.pid] = record
-            elif type(record) is KvCacheLayout:
-                if not _same_but_time(self._kv_layouts.get(record.pid), record):
-                    self._kv_layouts[record.pid] = record
-            elif type(record) is SleepReport:
-                reports = self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT))
-                if not reports or not _same_but_time(reports[-1], record):
-                    reports.append(record)
-            elif type(record) is VllmMetricsSample:
-                self._vllm_metrics[record.url] = record
-            else:
+                if not witness or self._witness(record):
+                    self._ingest_event(record, sinks)
+                continue
+            handler = self._handlers.get(type(record))
+            if handler is None:
                 raise TypeError(f"not a record a Session takes: {type(record).__name__}")
+            handler(record)
         if run:
             self._ingest_run(run)
+
+    def _witness(self, event: Event) -> bool:
+        """Where CUPTI witnesses the uprobes: CUPTI's event is compared with theirs (False: the ledger has the
+        uprobes' own event of that call), and the uprobes' event of a process CUPTI traces is noted for the
+        comparison (True: the ledger takes it)."""
+        if event.source is Source.CUPTI:
+            self._crosscheck.witness(event, Side.CUPTI, self.wall_clock_ns())
+            self.witnessed_total += 1
+            return False
+        if self._crosscheck.follows(event.pid):
+            self._crosscheck.witness(event, Side.UPROBE, self.wall_clock_ns())
+        return True
+
+    def _ingest_event(self, event: Event, sinks: list[Sink]) -> None:
+        """One event that is not part of a run: attributed, and a process exit watched before its drop."""
+        self._attribute(event)
+        self.events_total += 1
+        if event.kind is Kind.PROCESS_EXIT:
+            event.freed_bytes = self.ledger.physical_device_bytes(event.pid)
+            for watcher in self._exit_watchers:
+                watcher(event)
+            self._checkpoint_position = None  # a watcher's copy is of the ledger before the exit
+        self.ledger.apply(event)
+        if event.kind is Kind.PROCESS_EXIT:
+            self._forget_process(event.pid)
+            self._crosscheck.process_exited(event.pid)
+        for sink in sinks:
+            sink.publish(event)
+
+    def _take_loss(self, record: EventsLost) -> None:
+        self.lost_total += record.count
+        for sink in self._sinks:
+            sink.publish_loss(record.count)
+
+    def _take_nvml(self, record: NvmlSample) -> None:
+        self._nvml = record
+        for sink in self._sinks:
+            sink.publish_state(record)
 
     def _ingest_run(self, events: list[Event]) -> None:
         """Consecutive allocation-type events (the bulk of a busy stream), as ingest_many takes each
@@ -404,9 +401,7 @@ class Session:
     def _forget_process(self, pid: int) -> None:
         self.ledger.forget_counters(pid)
         self.processes.forget(pid)
-        self._kv_layouts.pop(pid, None)  # as forget_vllm, under the lock already held
-        self._schedulers.pop(pid, None)
-        self._sleeps.pop(pid, None)
+        self._vllm.forget(pid)
         with self._native_lock:
             self._native_forgets += 1
             for key in [key for key in self._native_frames if key[0] == pid]:
@@ -465,19 +460,11 @@ class Session:
             for sink in self._sinks:
                 sink.publish_state(resynced)
 
-    def uncount(self, dropped: Mapping[TotalsKey, tuple[int, int]], implicit: bool = True,
-                take_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]] | None = None) -> bool:
-        """Where the ledger counts: allocations the agent deleted from the kernel's ledger after an exit or
-        context destroy (Ledger.uncount) and, after an exit, the pid's totals `take_totals()` takes out of
-        the kernel (Ledger.retire_totals), at once under the lock: no reader sees one without the other.
-        False (nothing taken) where the ledger keeps its entries."""
+    def replace_ledger(self, ledger: LedgerStore) -> None:
+        """Another store keeps the ledger from now on (the BPF source's KernelLedger while its probes are loaded,
+        a plain Ledger again when they go); give it before the first event it must see."""
         with self.lock:
-            if not self.ledger.counting:
-                return False
-            taken = take_totals() if take_totals is not None else {}
-            self.ledger.uncount(dropped, implicit)
-            self.ledger.retire_totals(taken)
-            return True
+            self.ledger = ledger
 
     def forget_process(self, pid: int) -> None:
         """A process found gone without an exit event: drop what it held and what is known of it."""
@@ -554,30 +541,15 @@ class Session:
 
     # ---- reading: analysis and servers ----
 
-    def count_only(self, read: Callable[[Collection[int]], Iterable[Outstanding]],
-                   find: Callable[[LedgerKey], Outstanding | None],
-                   read_totals: Callable[[], Mapping[TotalsKey, tuple[int, int]]], max_read_entries: int) -> None:
-        """The kernel keeps the exact ledger and its totals (the agent's BPF source): allocations and blocks
-        are read through `read(pids)`, `find(key)` and `read_totals()` when a report asks (Ledger.count_only)."""
-        with self.lock:
-            self.ledger.count_only(read, find, read_totals, max_read_entries)
-
-    def stop_counting(self) -> None:
-        """The source that keeps the ledger in the kernel is stopping (Ledger.stop_counting); no-op where the
-        ledger keeps its entries."""
-        with self.lock:
-            if self.ledger.counting:
-                self.ledger.stop_counting()
-
     def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live ledger entry of `pids` (empty: all), to go through (Ledger.stream): where the kernel
         keeps the allocations they are read from it at each pass, outside the lock."""
         with self.lock:
             return self.ledger.stream(pids)
 
-    def find_counted(self) -> Callable[[LedgerKey], Outstanding | None] | None:
-        """Where the kernel keeps the allocations: the lookup of one of them (Ledger.find_counted)."""
-        return self.ledger.find_counted
+    def entry_lookup(self) -> Callable[[LedgerKey], Outstanding | None]:
+        """The lookup of one live entry by its key (LedgerStore.find), safe from any thread."""
+        return self.ledger.find
 
     def process(self, pid: int) -> ProcessInfo | None:
         """Title, comm and container of `pid` as last read (no /proc read here), None if unknown."""
@@ -654,21 +626,17 @@ class Session:
     def vllm_view(self) -> VllmView:
         """The latest vLLM reports and scrapes, copied at once."""
         with self.lock:
-            return VllmView(dict(self._kv_layouts), dict(self._schedulers),
-                            {pid: tuple(reports) for pid, reports in self._sleeps.items()},
-                            dict(self._vllm_metrics))
+            return self._vllm.view()
 
     def forget_vllm(self, pid: int) -> None:
         """The vLLM plugin's records of `pid` go (the listener no longer follows it); its traced memory stays."""
         with self.lock:
-            self._kv_layouts.pop(pid, None)
-            self._schedulers.pop(pid, None)
-            self._sleeps.pop(pid, None)
+            self._vllm.forget(pid)
 
     def forget_vllm_metrics(self, url: str) -> None:
         """A /metrics URL no longer scraped (its API server is gone)."""
         with self.lock:
-            self._vllm_metrics.pop(url, None)
+            self._vllm.forget_metrics(url)
 
     def known_processes(self) -> dict[int, ProcessInfo]:
         """pid -> what is known of every live process the Session has seen (no /proc read here)."""
@@ -680,9 +648,7 @@ class Session:
             counters = dict(self._counters)
             counters["events_seen"] = self.events_total
             counters["resyncs"] = self.resyncs_total
-            if self.ledger.counting:
-                counters["ledger_entries_in_kernel"] = self.ledger.counted_entries()
-                counters["ledger_reads_refused"] = self.ledger.reads_refused_total
+            counters.update(self.ledger.counters())
             if self.witnessed_total or self._crosscheck.processes or self._crosscheck.finished:
                 counters["cupti_events_witnessed"] = self.witnessed_total
                 counters["crosscheck_disagreements"] = sum(

@@ -10,6 +10,7 @@ from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import TotalsKey
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.kernel_ledger import KernelLedger
 from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull, ProbeSettings, RingReader
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 from kvtrace.sources.discovery import FileId, Target
@@ -204,22 +205,23 @@ def test_a_pass_over_the_kernels_allocations_reads_nothing_where_its_totals_coun
 
     tracer = BpfSource(Session(), BpfOptions())
     probes = tracer.probes = TotalsProbes()
-    assert list(tracer._read_allocations(())) == [] and probes.ledger_reads == 0
+    tracer._keep_ledger_in_kernel(probes)
+    ledger = tracer.kernel_store
+    assert list(ledger.read_kernel(())) == [] and probes.ledger_reads == 0
     probes.totals = [(key, value)]
-    assert list(tracer._read_allocations([8])) == [] and probes.ledger_reads == 0  # not the wanted pid's
-    list(tracer._read_allocations([7]))
+    assert list(ledger.read_kernel([8])) == [] and probes.ledger_reads == 0  # not the wanted pid's
+    list(ledger.read_kernel([7]))
     assert probes.ledger_reads == 1
     probes.totals = []
     tracer._totals_ever_full = True  # a change the totals had no room for: they may miss some
-    list(tracer._read_allocations(()))
+    list(ledger.read_kernel(()))
     assert probes.ledger_reads == 2
     tracer._totals_ever_full = False
-    list(tracer._read_allocations(()))
+    list(ledger.read_kernel(()))
     assert probes.ledger_reads == 2
     # the agent took what a process that reused an exited pid held out of the kernel's totals itself
-    tracer.session.ledger._adjustments[TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE)] = [4096, 1]
-    assert tracer.session.ledger.adjusted()
-    list(tracer._read_allocations(()))
+    ledger._adjustments[TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE)] = [4096, 1]
+    list(ledger.read_kernel(()))
     assert probes.ledger_reads == 3
 
 
@@ -573,7 +575,7 @@ def _counting_source(probes) -> BpfSource:
     session = Session()
     tracer = BpfSource(session, BpfOptions())
     tracer.probes = probes
-    session.count_only(tracer._read_allocations, tracer._find_allocation, tracer._read_totals, 1000)
+    tracer._keep_ledger_in_kernel(probes)
     return tracer
 
 
@@ -594,7 +596,7 @@ def test_an_exit_takes_out_what_the_agent_deleted_and_the_pids_totals_and_keeps_
     tracer._drop_in_kernel(7, tracer.clock.wall_ns(100))
     # THEN only the reused pid's allocation is left, the kernel has no totals of pid 7, and the agent keeps
     # the one it took with them; pid 8 is untouched
-    assert ledger.physical_device_bytes(7) == MiB and ledger.counted_entries({7}) == 1
+    assert ledger.physical_device_bytes(7) == MiB and tracer.kernel_store.counted_entries({7}) == 1
     assert all(key[0] != 7 for key in probes.totals) and ledger.physical_device_bytes(8) == MiB
     # AND when the reused pid exits too, nothing of pid 7 is left anywhere
     probes.items = [_driver_entry(7, 0xD, 200)]
@@ -621,7 +623,7 @@ def test_stopping_the_source_stops_the_sessions_counting_before_the_probes_close
     original_close = probes.close
 
     def close() -> float:
-        seen_counting_at_close.append(tracer.session.ledger.counting)
+        seen_counting_at_close.append(isinstance(tracer.session.ledger, KernelLedger))
         return original_close()
 
     probes.close = close

@@ -1,27 +1,32 @@
-"""A ledger that keeps neither the entries nor the totals of allocations and blocks (the agent, where the
-kernel keeps the exact ledger and its totals): totals exact whatever events are lost, entries read from the
-kernel when asked, memory that does not grow with allocations, and reads bounded by --max-read-entries."""
+"""The kernel's ledger as the agent sees it (sources/bpf/kernel_ledger.py KernelLedger): it keeps neither the
+entries nor the totals of allocations and blocks, which the kernel keeps; totals exact whatever events are lost,
+entries read from the kernel's maps when asked, memory that does not grow with allocations, reads bounded by
+--max-read-entries, and what the agent deletes from the kernel taken out of the totals at once."""
 import tracemalloc
 
 import pytest
 
-from kvtrace.model import ledger as ledger_module
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
-from kvtrace.model.ledger import COUNTED_OBJECTS, Ledger, LedgerKey, LedgerReadRefused, TotalsKey
+from kvtrace.model.ledger import Ledger, LedgerKey, LedgerReadRefused, TotalsKey
 from kvtrace.session import Session
+from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf import kernel_ledger as kernel_ledger_module
+from kvtrace.sources.bpf.decode import _LEDGER_KEY, _LEDGER_VALUE, Clock
+from kvtrace.sources.bpf.kernel_ledger import COUNTED_OBJECTS, KernelLedger
 
 MiB = 1 << 20
 
 
 class Kernel:
-    """The kernel's side: the exact ledger (a ledger that keeps everything), the totals the probes change
-    with each insert and delete of an allocation or block (ledger_totals), and what the probes send: free
-    events carrying the freed entry's size, device and memory as free_return does."""
+    """The kernel's side, as raw maps (sources/bpf/kernel_ledger.py KernelMaps): the exact ledger (a ledger that
+    keeps everything), the totals the probes change with each insert and delete of an allocation or block
+    (ledger_totals), and what the probes send: free events carrying the freed entry's size, device and memory
+    as free_return does. Times are the kernel's = the agent's (Clock(0)); kernel stack ids are the stack ids."""
 
     def __init__(self) -> None:
         self.ledger = Ledger()
         self.totals_map: dict[TotalsKey, list[int]] = {}
-        self.reads = 0
+        self.chunk_reads = 0
         self.totals_reads = 0
 
     def _probe_changes(self, pid, device, layer, memory, size, count) -> None:
@@ -47,42 +52,64 @@ class Kernel:
         self._probe_changes(pid, entry.device, layer, entry.memory, -entry.size_bytes, -1)
         return event
 
-    def agent_deletes(self, pid, before_ns, device=None) -> dict[TotalsKey, tuple[int, int]]:
-        """What the source's _drop_in_kernel does: deletes entries (not through the probes: the totals keep
-        them) and says what it deleted."""
-        dropped: dict[TotalsKey, list[int]] = {}
-        for entry in self.ledger.entries():
-            if entry.key.pid == pid and entry.timestamp_ns <= before_ns and device in (None, entry.device):
+    def counted(self) -> list:
+        return [entry for entry in self.ledger.entries() if entry.key.object in COUNTED_OBJECTS]
+
+    @staticmethod
+    def _raw(entry) -> tuple[bytes, bytes]:
+        key = _LEDGER_KEY.pack(entry.key.pid, entry.key.layer.value, entry.key.object.value, 0, entry.key.address)
+        value = _LEDGER_VALUE.pack(entry.size_bytes, entry.timestamp_ns, entry.caller_address, entry.stream,
+                                   entry.tid, entry.device, entry.api.value, entry.memory.value, 0, 0, 0, 0,
+                                   entry.stack_id)
+        return key, value
+
+    # ---- KernelMaps ----
+
+    def iter_ledger_chunks(self):
+        self.chunk_reads += 1
+        raws = [self._raw(entry) for entry in self.ledger.entries()]
+        yield b"".join(key for key, _ in raws), b"".join(value for _, value in raws)
+
+    def find_ledger_entry(self, raw_key):
+        entry = self.ledger.get(LedgerKey(raw_key.pid, Layer(raw_key.layer), ObjectKind(raw_key.object),
+                                          raw_key.address))
+        if entry is None:
+            return None
+        key, value = self._raw(entry)
+        return abi.RawLedgerKey.from_buffer_copy(key), abi.RawLedgerValue.from_buffer_copy(value)
+
+    def delete_ledger_keys(self, raw_keys):
+        """The agent's deletions: not through the probes, so the totals keep what went."""
+        deleted = []
+        for raw_key in raw_keys:
+            entry = self.ledger.get(LedgerKey(raw_key.pid, Layer(raw_key.layer), ObjectKind(raw_key.object),
+                                              raw_key.address))
+            if entry is not None:
                 self.ledger._remove(entry)
-                total = dropped.setdefault(TotalsKey(pid, entry.device, entry.key.layer, entry.memory), [0, 0])
-                total[0] += entry.size_bytes
-                total[1] += 1
-        return {key: (size, count) for key, (size, count) in dropped.items()}
+            deleted.append(entry is not None)
+        return deleted
 
-    def take_totals(self, pid) -> dict[TotalsKey, tuple[int, int]]:
-        taken = {key: (size, count) for key, (size, count) in self.totals_map.items() if key.pid == pid}
-        for key in taken:
-            del self.totals_map[key]
-        return taken
-
-    def find(self, key):
-        entry = self.ledger.get(key)
-        return entry if entry is not None and entry.key.object in COUNTED_OBJECTS else None
-
-    def read(self, pids):
-        self.reads += 1
-        return [entry for entry in self.ledger.entries()
-                if entry.key.object in COUNTED_OBJECTS and (not pids or entry.key.pid in pids)]
+    def _raw_totals(self, items):
+        return [(abi.RawTotalsKey(pid=key.pid, device=key.device, layer=key.layer.value, memory=key.memory.value),
+                 abi.RawTotalsValue(size_bytes=size, count=count)) for key, (size, count) in items]
 
     def read_totals(self):
         self.totals_reads += 1
-        return {key: (size, count) for key, (size, count) in self.totals_map.items()}
+        return self._raw_totals(self.totals_map.items())
+
+    def take_totals(self, pid):
+        taken = {key: total for key, total in self.totals_map.items() if key.pid == pid}
+        for key in taken:
+            del self.totals_map[key]
+        return self._raw_totals(taken.items())
+
+    def kernel_totals(self) -> dict:
+        """The exact totals of what the kernel's ledger holds now (counted objects)."""
+        return {key: total for key, total in self.ledger.totals().items() if key.layer is not Layer.VMM}
 
 
-def counted(kernel: Kernel, max_read_entries: int = 1000) -> Ledger:
-    ledger = Ledger()
-    ledger.count_only(kernel.read, kernel.find, kernel.read_totals, max_read_entries)
-    return ledger
+def counted(kernel: Kernel, max_read_entries: int = 1000) -> KernelLedger:
+    return KernelLedger(kernel, Clock(0), {11: 11, 99: 99}, frozenset, read_limit=max_read_entries)
 
 
 def test_totals_are_the_kernels_and_no_allocation_is_kept():
@@ -94,7 +121,7 @@ def test_totals_are_the_kernels_and_no_allocation_is_kept():
                                   api=Api.pytorch_malloc))
     for i in range(0, 23, 2):
         ledger.apply(kernel.free(1, Layer.DRIVER, 0x1000 + i * MiB))
-    assert ledger.kept_entries() == []
+    assert ledger.kept() == []
     assert ledger.totals() == kernel.ledger.totals()
     assert ledger.physical_device_bytes(1) == 11 * MiB
     assert ledger.physical_device_bytes(1, device=1) == 11 * MiB  # the odd ones, all on device 1
@@ -107,7 +134,7 @@ def test_totals_are_the_kernels_and_no_allocation_is_kept():
 def test_apply_many_leaves_the_ledger_as_apply_one_at_a_time(counting, monkeypatch):
     """The Session hands runs of events to apply_many (its fast path where the kernel keeps allocations):
     every total, counter and kept object must end as applying them one by one leaves them."""
-    monkeypatch.setattr(ledger_module, "COUNTED_TOTALS_MAX_AGE_NS", 10**15)  # only a change makes a read
+    monkeypatch.setattr(kernel_ledger_module, "TOTALS_MAX_AGE_NS", 10**15)  # only a change makes a read
     kernel = Kernel()
     events = []
     for i in range(23):
@@ -131,14 +158,14 @@ def test_apply_many_leaves_the_ledger_as_apply_one_at_a_time(counting, monkeypat
     assert (many.allocations_total, many.frees_total, many.unknown_frees_total, many.failures_total) == \
         (one.allocations_total, one.frees_total, one.unknown_frees_total, one.failures_total)
     assert many.allocations_total[(1, Layer.TORCH)] == 23 and many.frees_total[(1, Layer.DRIVER)] == 12
-    assert [entry.key for entry in many.kept_entries()] == [entry.key for entry in one.kept_entries()]
+    assert [entry.key for entry in many.kept()] == [entry.key for entry in one.kept()]
     with pytest.raises(ValueError, match="without layer"):  # a source's bug is still refused, not counted
         many.apply_many([Event(kind=Kind.ALLOC, api=Api.cuMemAlloc_v2, pid=1, tid=1, timestamp_ns=0,
                                object=ObjectKind.ALLOCATION, memory=Memory.DEVICE)])
 
 
 def test_lost_events_leave_the_totals_exact_and_a_read_is_reused_until_something_changes(monkeypatch):
-    monkeypatch.setattr(ledger_module, "COUNTED_TOTALS_MAX_AGE_NS", 10**15)  # no read gets old meanwhile
+    monkeypatch.setattr(kernel_ledger_module, "TOTALS_MAX_AGE_NS", 10**15)  # no read gets old meanwhile
     kernel = Kernel()
     ledger = counted(kernel)
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x9000, MiB))
@@ -152,7 +179,7 @@ def test_lost_events_leave_the_totals_exact_and_a_read_is_reused_until_something
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0xA000, MiB))  # an event read again after
     assert ledger.physical_device_bytes(1) == 6 * MiB
     kernel.alloc(1, Layer.DRIVER, 0xB000, MiB)  # lost, and no event after it
-    monkeypatch.setattr(ledger_module, "COUNTED_TOTALS_MAX_AGE_NS", 0)
+    monkeypatch.setattr(kernel_ledger_module, "TOTALS_MAX_AGE_NS", 0)
     assert ledger.physical_device_bytes(1) == 7 * MiB  # read again once the last read is too old
     assert ledger.totals() == kernel.ledger.totals()
 
@@ -163,7 +190,7 @@ def test_entries_are_the_kernels_and_vmm_objects_stay_kept():
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0xA000, 2 * MiB))
     handle = kernel.alloc(1, Layer.VMM, 0x77, 4 * MiB, obj=ObjectKind.VMM_HANDLE, api=Api.cuMemCreate)
     ledger.apply(handle)
-    assert [entry.key.object for entry in ledger.kept_entries()] == [ObjectKind.VMM_HANDLE]
+    assert [entry.key.object for entry in ledger.kept()] == [ObjectKind.VMM_HANDLE]
     assert sorted(entry.key.address for entry in ledger.entries()) == [0x77, 0xA000]
     assert ledger.physical_device_bytes(1) == 6 * MiB
 
@@ -176,37 +203,47 @@ def test_a_read_over_the_limit_is_refused_counted_and_reads_nothing():
     ledger.apply(kernel.alloc(2, Layer.DRIVER, 0x9000, 1))
     with pytest.raises(LedgerReadRefused, match="raise --max-read-entries"):
         ledger.entries()
-    assert ledger.reads_refused_total == 1 and kernel.reads == 0
+    assert ledger.reads_refused_total == 1 and kernel.chunk_reads == 0
     assert [entry.key.pid for entry in ledger.entries(pids={2})] == [2]  # one process fits
 
 
 def test_exit_and_context_destroy_take_out_exactly_what_the_agent_deleted():
-    """The source deletes the kernel's entries after the Session saw the event (not through the probes, so the
-    kernel's totals still hold them) and says exactly what went (uncount): only entries as old as the event
-    go, so a reused pid's allocation stays counted; after the exit the pid's totals are taken out of the
-    kernel (retire_totals), and what a process that reused the pid added stays."""
+    """The source has the kernel ledger delete an exit's or context destroy's entries after the Session saw the
+    event (not through the probes, so the kernel's totals still hold them), and exactly what went leaves the
+    totals at once: only entries as old as the event go, so a reused pid's allocation stays counted; after the
+    exit the pid's totals are taken out of the kernel, and what a process that reused the pid added stays."""
     kernel = Kernel()
     ledger = counted(kernel)
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x1000, MiB, device=0))
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x2000, MiB, device=1))
     ledger.apply(kernel.alloc(2, Layer.DRIVER, 0x3000, MiB))
     ledger.apply(Event(kind=Kind.CONTEXT_DESTROY, api=Api.cuCtxDestroy_v2, pid=1, tid=1, timestamp_ns=5, device=1))
-    assert ledger.physical_device_bytes(1) == 2 * MiB  # until the source says what it deleted
-    ledger.uncount(kernel.agent_deletes(1, before_ns=5, device=1))
+    assert ledger.physical_device_bytes(1) == 2 * MiB  # until the source has the kernel's entries deleted
+    ledger.drop(1, before_wall_ns=5, device=1)
     assert ledger.physical_device_bytes(1) == MiB and ledger.implicit_frees_total[1] == 1
     ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=1, tid=1, timestamp_ns=6))
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x4000, MiB, ts=7))  # a new process with that pid, at once
-    ledger.uncount(kernel.agent_deletes(1, before_ns=6), implicit=False)  # the exit's, older than 6
+    ledger.drop(1, before_wall_ns=6)  # the exit's, older than 6; the pid's totals leave the kernel
     assert ledger.physical_device_bytes(1) == MiB and ledger.physical_device_bytes(2) == MiB
-    ledger.retire_totals(kernel.take_totals(1))
-    assert ledger.physical_device_bytes(1) == MiB and ledger.physical_device_bytes(2) == MiB
+    assert kernel.totals_map.get(TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE)) is None
     assert ledger.totals() == kernel.ledger.totals()
     ledger.apply(kernel.free(1, Layer.DRIVER, 0x4000))  # the new process frees it: the probe's change
     ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=1, tid=1, timestamp_ns=9))
-    ledger.uncount(kernel.agent_deletes(1, before_ns=9), implicit=False)
-    ledger.retire_totals(kernel.take_totals(1))
+    ledger.drop(1, before_wall_ns=9)
     assert ledger.physical_device_bytes(1) == 0 and 1 not in ledger.pids()
     assert ledger._adjustments == {}  # nothing is left behind per exited process
+
+
+def test_blocks_of_lowered_processes_leave_the_kernel_and_the_totals():
+    kernel = Kernel()
+    ledger = counted(kernel)
+    for i in range(5):
+        ledger.apply(kernel.alloc(3, Layer.TORCH, 0x100 + i, 4096, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc))
+    ledger.apply(kernel.alloc(3, Layer.DRIVER, 0x9000, MiB))
+    ledger.apply(kernel.alloc(4, Layer.TORCH, 0x100, 512, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc))
+    assert ledger.drop_blocks(frozenset({3})) == {TotalsKey(3, 0, Layer.TORCH, Memory.DEVICE): (5 * 4096, 5)}
+    assert ledger.counted_entries({3}) == 1 and ledger.counted_entries({4}) == 1
+    assert sorted((e.key.pid, e.key.layer) for e in ledger.entries()) == [(3, Layer.DRIVER), (4, Layer.TORCH)]
 
 
 def test_resync_replaces_the_kept_objects_and_leaves_the_kernels_totals():
@@ -217,13 +254,13 @@ def test_resync_replaces_the_kept_objects_and_leaves_the_kernels_totals():
         kernel.alloc(1, Layer.VMM, 0x70 + i, MiB, obj=ObjectKind.VMM_HANDLE, api=Api.cuMemCreate)  # events lost
     ledger.resync([entry for entry in kernel.ledger.entries() if entry.key.object not in COUNTED_OBJECTS])
     assert ledger.totals() == kernel.ledger.totals()
-    assert len(ledger.kept_entries()) == 5
+    assert len(ledger.kept()) == 5
 
 
 def test_a_million_counted_allocations_take_no_memory_per_allocation():
-    kernel_totals = {TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE): (4096 * 1_000_000, 1_000_000)}
-    ledger = Ledger()
-    ledger.count_only(lambda pids: [], lambda key: None, lambda: kernel_totals, 1000)
+    kernel = Kernel()
+    kernel.totals_map[TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE)] = [4096 * 1_000_000, 1_000_000]
+    ledger = counted(kernel)
     event = Event(kind=Kind.ALLOC, api=Api.cuMemAlloc_v2, pid=1, tid=1, timestamp_ns=0, layer=Layer.DRIVER,
                   object=ObjectKind.ALLOCATION, memory=Memory.DEVICE, size_bytes=4096, device=0)
     tracemalloc.start()
@@ -234,20 +271,21 @@ def test_a_million_counted_allocations_take_no_memory_per_allocation():
     grown = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     print(f"ledger growth over 1 000 000 counted allocations: {grown} bytes")
-    assert ledger.allocations_total[(1, Layer.DRIVER)] == 1_000_000 and ledger.kept_entries() == []
+    assert ledger.allocations_total[(1, Layer.DRIVER)] == 1_000_000 and ledger.kept() == []
     assert grown < 64 * 1024
 
 
 def test_session_streams_what_reports_go_through_and_refuses_only_a_copy_too_large():
     kernel = Kernel()
-    session = Session()
-    session.count_only(kernel.read, kernel.find, kernel.read_totals, 3)
+    session = Session(ledger=counted(kernel, max_read_entries=3))
     for i in range(4):
         session.ingest(kernel.alloc(7, Layer.DRIVER, 0x1000 + i, MiB))
     assert sorted(entry.key.address for entry in session.outstanding()) == [0x1000, 0x1001, 0x1002, 0x1003]
     view = session.ledger_view(with_entries=True)
-    assert view.find is not None and view.max_read_entries == 3
-    assert len(list(view.entries or ())) == 4 and kernel.reads == 2  # each pass reads the kernel afresh
+    assert view.find is not None and view.read_limit == 3
+    reads = kernel.chunk_reads
+    assert len(list(view.entries or ())) == 4 and len(list(view.entries or ())) == 4
+    assert kernel.chunk_reads == reads + 2  # each pass reads the kernel afresh
     with pytest.raises(LedgerReadRefused):
         session.subscribe(_NullSink())  # a recording's checkpoint is a copy of them all
     counters = session.counters()
@@ -270,14 +308,15 @@ def test_leak_survey_and_roles_over_a_stream_match_the_kept_ledger():
         kernel.alloc(3, Layer.DRIVER, 0x5000 + i, MiB, ts=i, stack_id=stack)
     kernel.ledger.get(LedgerKey(3, Layer.RUNTIME, ObjectKind.ALLOCATION, 0x5000)).caller_address = 0xC0DE
     kept = kernel.ledger.entries()
-    streamed = list(kernel.read(()))
-    assert streamed and len(streamed) == len(kept)
+    ledger = counted(kernel)
+    streamed = list(ledger.stream())
+    assert streamed and sorted(e.key for e in streamed) == sorted(e.key for e in kept)
     held = survey_sites(kept, 10**12, 0)
-    passed = survey_sites(iter(streamed), 10**12, 0, find=kernel.find, with_blocks=set())
+    passed = survey_sites(iter(streamed), 10**12, 0, find=ledger.find, with_blocks=set())
     assert passed == held
     assert any(site.stack_id == 0 and site.caller_address == 0xC0DE for site in held.site_bytes)
     roles = role_bytes(kept, lambda stack_id: None, {})
-    assert role_bytes(iter(streamed), lambda stack_id: None, {}, find=kernel.find) == roles
+    assert role_bytes(iter(streamed), lambda stack_id: None, {}, find=ledger.find) == roles
 
 
 class _NullSink:
@@ -360,15 +399,15 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
     assert decode_totals(totals, {7}) == {TotalsKey(7, 1, Layer.DRIVER, Memory.DEVICE): (3 * MiB, 3)}
 
 
-def test_a_ledger_that_stops_counting_forgets_the_kernels_totals_and_can_count_again():
+def test_the_ledger_left_when_the_probes_go_keeps_the_agents_objects_and_none_of_the_kernels():
     kernel = Kernel()
     ledger = counted(kernel)
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x1000, MiB))
-    ledger.uncount({TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE): (MiB, 1)})
+    ledger.apply(kernel.alloc(1, Layer.VMM, 0x77, 4 * MiB, obj=ObjectKind.VMM_HANDLE, api=Api.cuMemCreate))
+    ledger.drop(1, before_wall_ns=10, device=0)
     assert ledger.counted_entries() == 0 and ledger._adjustments
-    ledger.stop_counting()  # the probes were taken out (the off switch)
-    assert not ledger.counting and ledger.totals() == {} and ledger.pids() == set()
-    again = Kernel()
-    ledger.count_only(again.read, again.find, again.read_totals, 1000)
-    ledger.apply(again.alloc(2, Layer.DRIVER, 0x2000, MiB))
-    assert ledger.totals() == again.ledger.totals()
+    plain = ledger.detached()  # the probes were taken out (the off switch)
+    assert type(plain) is Ledger and plain.read_limit == 0
+    assert [entry.key.object for entry in plain.entries()] == [ObjectKind.VMM_HANDLE]
+    assert plain.totals() == {TotalsKey(1, 0, Layer.VMM, Memory.DEVICE): (4 * MiB, 1)}
+    assert plain.allocations_total[(1, Layer.DRIVER)] == 1

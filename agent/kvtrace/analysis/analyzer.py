@@ -187,8 +187,8 @@ class Analyzer:
         with the site growth of the latest analysis, cut to `limit`, with native callers named.
         Safe from any thread: the ledger is copied under the Session's lock, ranked outside it."""
         entries = self.session.outstanding(pids)
-        find = self.session.find_counted()
-        with_blocks = pids_with_blocks(self.session.ledger_counts().totals) if find is not None else None
+        find = self.session.entry_lookup()
+        with_blocks = pids_with_blocks(self.session.ledger_counts().totals)
         titles = self.session.process_titles()
         min_age = self.options.leak_min_age_seconds if min_age_seconds is None else min_age_seconds
         report = find_suspects(entries, self.session.wall_clock_ns() if wall_ns is None else wall_ns, min_age,
@@ -215,8 +215,8 @@ class Analyzer:
         self._next_site_sample_ns = now_ns + int(self.options.site_sample_seconds * NS_PER_SECOND)
         kv_ranges = {pid: kv_ranges_of((tensor.address, tensor.size_bytes) for tensor in layout.tensors)
                      for pid, layout in vllm_view.layouts.items()}
-        # Where the kernel keeps the allocations, each analysis goes through them once, keeping per site
-        # and per role, never per entry.
+        # Each analysis goes through the entries once (where the kernel keeps the allocations, they are read
+        # from it on the way), keeping per site and per role, never per entry.
         with_blocks = view.pids_with_blocks() if view.find is not None else None
         self._role_bytes = role_bytes(entries, self.session.stack, kv_ranges, self._role_memo, view.find)
         survey = survey_sites(entries, view.wall_ns, self.options.leak_min_age_seconds, find=view.find,
@@ -227,13 +227,13 @@ class Analyzer:
             self._sites.setdefault(site, SlidingFit(LONG_WINDOW_SECONDS)).add(now_ns, size_bytes)
         self.site_growth = {site: fit.slope_per_second() for site, fit in self._sites.items()}
         blocks = sum(count for key, (_, count) in view.totals.items() if key.layer is Layer.TORCH)
-        if view.max_read_entries and blocks > view.max_read_entries:
+        if view.read_limit and blocks > view.read_limit:
             # Fragmentation nests every block in its segment: more blocks than may be held at once, it waits.
             self.fragmentation_skipped_total += 1
             self._fragmentation = {}  # not last sample's rows served as current
             if self.fragmentation_skipped_total == 1:
                 log.warning("fragmentation not computed: %d live PyTorch blocks, more than --max-read-entries %d",
-                            blocks, view.max_read_entries)
+                            blocks, view.read_limit)
         else:
             segments, outside = segments_of(entries, with_blocks)
             self._fragmentation = {(row.pid, row.device): row for row in fragmentation(segments, outside)}

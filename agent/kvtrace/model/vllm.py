@@ -11,8 +11,10 @@ hands to the servers. Nothing here knows vLLM's classes or wire shapes: those st
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
+from collections import deque
 from dataclasses import dataclass, field
 
 # vLLM titles its processes `<prefix>::<part>[_<suffix>]` with setproctitle: VLLM::EngineCore,
@@ -181,6 +183,56 @@ class VllmView:
     schedulers: dict[int, SchedulerReport] = field(default_factory=dict)  # pid -> latest report
     sleeps: dict[int, tuple[SleepReport, ...]] = field(default_factory=dict)  # pid -> recent, oldest first
     metrics: dict[str, VllmMetricsSample] = field(default_factory=dict)  # url -> latest scrape
+
+
+# Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
+# tests see a process's last few transitions).
+SLEEP_REPORTS_KEPT = 8
+
+
+def _same_but_time(kept: KvCacheLayout | SleepReport | None, new: KvCacheLayout | SleepReport) -> bool:
+    """`new` says what `kept` said: the plugin sends its layout and sleep state again (to an agent that
+    restarted), and a repeat is no new event — its time would restart a sleep cycle or a role sample."""
+    return kept is not None and dataclasses.replace(new, timestamp_ns=kept.timestamp_ns) == kept
+
+
+class VllmStore:
+    """The vLLM plugin's latest reports per process and the latest scrape of each /metrics URL, as the Session
+    keeps them (under its lock)."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[int, KvCacheLayout] = {}
+        self._schedulers: dict[int, SchedulerReport] = {}
+        self._sleeps: dict[int, deque[SleepReport]] = {}
+        self._metrics: dict[str, VllmMetricsSample] = {}
+
+    def take(self, record: VllmRecord) -> None:
+        if type(record) is SchedulerReport:
+            self._schedulers[record.pid] = record
+        elif type(record) is KvCacheLayout:
+            if not _same_but_time(self._layouts.get(record.pid), record):
+                self._layouts[record.pid] = record
+        elif type(record) is SleepReport:
+            reports = self._sleeps.setdefault(record.pid, deque(maxlen=SLEEP_REPORTS_KEPT))
+            if not reports or not _same_but_time(reports[-1], record):
+                reports.append(record)
+        elif type(record) is VllmMetricsSample:
+            self._metrics[record.url] = record
+        else:
+            raise TypeError(f"not a vLLM record: {type(record).__name__}")
+
+    def forget(self, pid: int) -> None:
+        """The plugin's records of `pid` go (its process exited, or the listener no longer follows it)."""
+        self._layouts.pop(pid, None)
+        self._schedulers.pop(pid, None)
+        self._sleeps.pop(pid, None)
+
+    def forget_metrics(self, url: str) -> None:
+        self._metrics.pop(url, None)
+
+    def view(self) -> VllmView:
+        return VllmView(dict(self._layouts), dict(self._schedulers),
+                        {pid: tuple(reports) for pid, reports in self._sleeps.items()}, dict(self._metrics))
 
 
 # ---- what analysis hands to the servers ----

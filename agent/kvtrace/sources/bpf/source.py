@@ -16,7 +16,7 @@ import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import psutil
@@ -25,7 +25,7 @@ from kvtrace.model.agent import AttachedLibrary
 from kvtrace.model.depth import BlocksMode, Depth
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventRun, EventsLost, Kind, ObjectKind, StackStatus
 from kvtrace.model.gpus import cuda_visible_count
-from kvtrace.model.ledger import COUNTED_OBJECTS, DEFAULT_MAX_READ_ENTRIES, LedgerKey, Outstanding, TotalsKey
+from kvtrace.model.ledger import DEFAULT_MAX_READ_ENTRIES, Outstanding
 from kvtrace.model.stacks import Stack
 from kvtrace.session import Session
 from kvtrace.sources import procfs
@@ -35,11 +35,10 @@ from kvtrace.sources.bpf.decode import (
     decode_events,
     decode_ledger_chunk,
     decode_ledger_entry,
-    decode_totals,
-    doomed_in_chunk,
     event_run,
     stacks_in_chunk,
 )
+from kvtrace.sources.bpf.kernel_ledger import COUNTED_OBJECT_VALUES, KernelLedger, delete_entries
 from kvtrace.sources.bpf.loader import (
     POLL_BUDGET_EVENTS,
     BpfProbes,
@@ -58,9 +57,7 @@ log = logging.getLogger(__name__)
 # A notified pid is rescanned now and once more a little later: the mmap that told us may not have
 # returned yet when we read /proc/PID/maps.
 RESCAN_DELAYS_SECONDS = (0.0, 0.25)
-_COUNTED_OBJECT_VALUES = frozenset(kind.value for kind in COUNTED_OBJECTS)
-_KEPT_OBJECT_VALUES = frozenset(kind.value for kind in ObjectKind) - _COUNTED_OBJECT_VALUES
-_BLOCK_OBJECT_VALUES = frozenset({ObjectKind.BLOCK.value})
+_KEPT_OBJECT_VALUES = frozenset(kind.value for kind in ObjectKind) - COUNTED_OBJECT_VALUES
 
 # Events the BPF source acts on as they are read (the kernel's ledger drops what they freed).
 _LIFECYCLE_KIND_NUMBERS = frozenset({int(Kind.PROCESS_EXIT), int(Kind.CONTEXT_DESTROY)})
@@ -125,11 +122,11 @@ class BpfOptions:
     # every process, filtered in the kernel by pid (--per-process-probes-max).
     per_process_probes_max: int = 8
     # The Session keeps no entry and no total of allocations and blocks: the kernel's ledger and totals
-    # are read when a report asks (Session.count_only), and the agent's memory does not grow with them.
+    # are read when a report asks (kernel_ledger.py), and the agent's memory does not grow with them.
     # --no-ledger-in-kernel: every entry is also kept in the agent (about 440 bytes each).
     ledger_in_kernel: bool = True
     # Where the kernel keeps the ledger, a report copies at most this many allocations and blocks from it
-    # at once (Session.count_only).
+    # at once (KernelLedger.read_limit).
     max_read_entries: int = DEFAULT_MAX_READ_ENTRIES
 
 
@@ -172,6 +169,8 @@ class BpfSource:
         self._missed_seen = 0  # events lost + block events unsent, as last seen
         self._records_since_trim = 0
         self._totals_ever_full = False  # the probes counted a change the totals map had no room for
+        # The Session's ledger while the probes are loaded, where the kernel keeps it (--ledger-in-kernel).
+        self.kernel_store: KernelLedger | None = None
         self._tracked_read_at_missed = -1  # _missed_seen when the sweep last read the tracked processes
         self._next_tracked_read = 0.0
         self._tracked: set[int] = set()  # those it read, less the ones whose exit came or that it swept since
@@ -257,8 +256,7 @@ class BpfSource:
         for pid in self.options.pids:
             self._select(pid)
         if self.options.ledger_in_kernel:
-            self.session.count_only(self._read_allocations, self._find_allocation, self._read_totals,
-                                    self.options.max_read_entries)
+            self._keep_ledger_in_kernel(probes)
         self.session.set_block_readers_hook(self._on_block_readers)
         probes.open_rings(self._on_raw_events, self._on_notify)
         # Running processes first: each one's Python runtime is found before any probe goes into
@@ -278,11 +276,19 @@ class BpfSource:
                     self._attach(target)
         self._report()
 
+    def _keep_ledger_in_kernel(self, probes: BpfProbes) -> None:
+        """The Session's ledger is the kernel's from now on (before the first event)."""
+        self.kernel_store = KernelLedger(probes, self.clock, self._stack_ids, self._followed,
+                                         lambda: self._totals_ever_full, self.options.max_read_entries)
+        self.session.replace_ledger(self.kernel_store)
+
     def stop(self) -> None:
         if self.probes is not None:
             self.session.set_block_readers_hook(None)
             # First: the Session's totals and entries are the kernel's, and go with the probes.
-            self.session.stop_counting()
+            if self.kernel_store is not None:
+                self.session.replace_ledger(self.kernel_store.detached())
+                self.kernel_store = None
             try:
                 self.probes.close()
             finally:
@@ -777,8 +783,9 @@ class BpfSource:
     def _drop_blocks_in_kernel(self, pids: frozenset[int]) -> None:
         """Deletes the PyTorch blocks of `pids` from the kernel's ledger; the agent stops counting them, and
         recordings start again from a checkpoint (no free of those blocks will ever come)."""
-        sums = self._delete_in_kernel(pids, 2**64 - 1, objects=_BLOCK_OBJECT_VALUES)
-        self.session.uncount(sums, implicit=False)
+        if self.kernel_store is None:
+            return  # (--blocks auto needs the ledger in the kernel: start() made it always without)
+        sums = self.kernel_store.drop_blocks(pids)
         if sums:
             self.session.request_checkpoints()
         log.info("pids %s back to segments: %d PyTorch blocks (%d bytes) no longer followed", sorted(pids),
@@ -851,41 +858,22 @@ class BpfSource:
             self._probes().unselect_pid(pid)
 
     def _drop_in_kernel(self, pid: int, before_wall_ns: int, device: int | None = None) -> None:
-        """Deletes what an exit or context destroy freed from the kernel's ledger (its entries at most as
-        old as the event: a reused pid's or a new context's stay), after the Session saw the event. The
-        kernel's totals still hold what the agent deleted (the probes did not): a counting Session takes
-        exactly that out of them, and after an exit the pid's totals leave the kernel (what a process that
-        reused the pid added meanwhile stays counted). A kept ledger dropped its own entries at the event."""
+        """What an exit or context destroy freed leaves the kernel's ledger, after the Session saw the event
+        (KernelLedger.drop). A kept ledger dropped its own entries at the event; the kernel's entries and the
+        totals of an exited pid go all the same."""
+        if self.kernel_store is not None:
+            self.kernel_store.drop(pid, before_wall_ns, device)
+            return
         probes = self._probes()
-        dropped = self._delete_in_kernel(frozenset((pid,)), self.clock.monotonic_ns(before_wall_ns), device)
-
-        def take_totals() -> dict[TotalsKey, tuple[int, int]]:
-            return decode_totals(probes.take_totals(pid)) if device is None else {}
-
-        if not self.session.uncount(dropped, implicit=device is not None, take_totals=take_totals):
-            take_totals()  # a kept ledger: the kernel's totals of the pid go all the same
-
-    def _delete_in_kernel(self, pids: frozenset[int], before_ns: int, device: int | None = None,
-                          objects: frozenset[int] | None = None) -> dict[TotalsKey, tuple[int, int]]:
-        """Deletes the kernel ledger's entries of `pids` at most `before_ns` old (kernel clock; on `device`, of
-        `objects`, if given), in one pass; returns (bytes, count) per totals key of the counted ones it took."""
-        probes = self._probes()
-        doomed = [found for keys, values in probes.iter_ledger_chunks()
-                  for found in doomed_in_chunk(keys, values, pids, before_ns, device, _COUNTED_OBJECT_VALUES,
-                                               objects=objects)]
-        deleted = probes.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
-        sums: dict[TotalsKey, tuple[int, int]] = {}
-        for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
-            if taken and totals is not None:  # not taken: a probe freed it meanwhile, and took its own out
-                size, count = sums.get(totals, (0, 0))
-                sums[totals] = (size + size_bytes, count + 1)
-        return sums
+        delete_entries(probes, frozenset((pid,)), self.clock.monotonic_ns(before_wall_ns), device)
+        if device is None:
+            probes.take_totals(pid)
 
     def resync(self) -> None:
         """Replaces the Session's kept entries with the kernel's exact copy (after lost events). Where the
-        kernel keeps the allocations and blocks (count_only), their totals are exact already: only the other
+        kernel keeps the allocations and blocks (KernelLedger), their totals are exact already: only the other
         objects are decoded, and the stacks of allocations whose events were lost are named."""
-        if not self.session.ledger.counting:
+        if self.kernel_store is None:
             self.session.resync(self._kernel_entries())
             log.warning("events were lost: ledger resynced from the kernel")
             return
@@ -894,7 +882,7 @@ class BpfSource:
         unnamed: dict[int, int] = {}  # kernel stack id -> a pid: allocations whose events were lost
         started = time.monotonic()
         for keys, values in self._probes().iter_ledger_chunks():
-            for pid, kernel_stack_id in stacks_in_chunk(keys, values, _COUNTED_OBJECT_VALUES, wanted):
+            for pid, kernel_stack_id in stacks_in_chunk(keys, values, COUNTED_OBJECT_VALUES, wanted):
                 if kernel_stack_id not in self._stack_ids:
                     unnamed.setdefault(kernel_stack_id, pid)
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _KEPT_OBJECT_VALUES, wanted):
@@ -911,10 +899,6 @@ class BpfSource:
         log.warning("events were lost: %d VMM objects read again from the kernel, %d stacks named, in %.2f s",
                     len(kept), len(unnamed), seconds)
 
-    def _read_totals(self) -> dict[TotalsKey, tuple[int, int]]:
-        """The kernel's totals of allocations and blocks (of the followed processes, where filtering)."""
-        return decode_totals(self._probes().read_totals(), frozenset(self._selected) if self.filtering else ())
-
     def _kernel_entries(self) -> Iterator[Outstanding]:
         """The kernel ledger one entry at a time (millions of entries must not be held twice)."""
         for key, value in self._probes().iter_ledger_items():
@@ -929,38 +913,9 @@ class BpfSource:
                     entry.stack_id = self._stack_ids.get(value.stack_id, 0)
                 yield entry
 
-    def _find_allocation(self, key: LedgerKey) -> Outstanding | None:
-        """One entry of the kernel's ledger (a report's lookup, from any thread), None if it is not there."""
-        found = self._probes().find_ledger_entry(abi.RawLedgerKey(
-            pid=key.pid, layer=key.layer.value, object=key.object.value, address=key.address))
-        if found is None:
-            return None
-        try:
-            entry = decode_ledger_entry(found[0], found[1], self.clock)
-        except ValueError:
-            return None
-        if found[1].stack_id:
-            entry.stack_id = self._stack_ids.get(found[1].stack_id, 0)
-        return entry
-
-    def _read_allocations(self, pids: Collection[int]) -> Iterator[Outstanding]:
-        """The kernel's allocations and blocks of `pids` (empty: every traced process), for a report, from
-        any thread, decoded a chunk at a time: their stacks are the ones already named (each allocation's
-        event named its stack; one whose event was lost is named at the resync that follows)."""
-        wanted = frozenset(pids) or (frozenset(self._selected) if self.filtering else frozenset())
-        stack_ids = self._stack_ids
-        probes = self._probes()
-        if not self._totals_ever_full and not self.session.ledger.adjusted() and not any(
-                value.count for key, value in probes.read_totals() if not wanted or key.pid in wanted):
-            # None by the kernel's totals, while they count every entry (never full, nothing taken out of them
-            # by the agent, as after an exit a process that reused the pid): no scan of an empty map's buckets.
-            return
-        for keys, values in probes.iter_ledger_chunks():
-            for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _COUNTED_OBJECT_VALUES,
-                                                             wanted):
-                if kernel_stack_id:
-                    entry.stack_id = stack_ids.get(kernel_stack_id, 0)
-                yield entry
+    def _followed(self) -> frozenset[int]:
+        """The pids followed where the agent follows chosen ones; empty: every process."""
+        return frozenset(self._selected) if self.filtering else frozenset()
 
     # ---- views (tests, benchmarks, doctor) ----
 
