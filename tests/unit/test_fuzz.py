@@ -16,7 +16,6 @@ to add as an `@example`.
 """
 from __future__ import annotations
 
-import base64
 import ctypes
 import io
 import os
@@ -40,11 +39,8 @@ from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind, St
 from kvtrace.model.processes import container_id
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame
 from kvtrace.servers.api.requests import (
-    MAX_PAGE_TOKEN_CHARS,
     InvalidArgument,
     ServerLimits,
-    decode_page_token,
-    encode_page_token,
     stream_filter,
 )
 from kvtrace.servers.api.servicer import AgentServicer
@@ -158,24 +154,6 @@ def test_stream_request_gives_a_filter_or_invalid_argument(pids, title_regex, ki
     assert subscription.wants(event) in (True, False)
 
 
-@given(st.text(max_size=MAX_PAGE_TOKEN_CHARS + 10) | st.binary(max_size=200).map(
-    lambda data: base64.urlsafe_b64encode(b"v1:" + data).decode()))
-@example("djE6MTox")  # "v1:1:1": too few fields
-@example("djE6LTE6MDowOjA=")  # "v1:-1:0:0:0": negative
-@example("é")  # not ASCII
-def test_any_page_token_decodes_or_is_invalid(token: str) -> None:
-    try:
-        position = decode_page_token(token)
-    except InvalidArgument:
-        return
-    assert len(position) == 4 and min(position) >= 0
-
-
-@given(st.tuples(*[st.integers(0, 1 << 64)] * 4))
-def test_page_tokens_round_trip(position) -> None:
-    assert decode_page_token(encode_page_token(position)) == position
-
-
 class _Aborted(Exception):
     pass
 
@@ -201,7 +179,7 @@ def servicer():
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(pids=st.lists(U32, max_size=1100), layers=st.lists(_ENUM_NUMBERS, max_size=3), page_size=I32,
-       page_token=st.text(max_size=40) | st.builds(encode_page_token, st.tuples(*[st.integers(0, 1 << 64)] * 4)),
+       page_token=st.text(max_size=40) | st.builds(lambda n: f"{n:016x}.{n % 7}", st.integers(0, (1 << 64) - 1)),
        min_age_seconds=st.none() | st.floats(allow_nan=True, allow_infinity=True), limit=I32)
 def test_unary_requests_answer_or_abort_invalid_argument(servicer, pids, layers, page_size, page_token,
                                                          min_age_seconds, limit) -> None:

@@ -50,7 +50,7 @@ class Cursors(Generic[T]):
 
     def __init__(self, max_open: int = MAX_OPEN, idle_seconds: float = IDLE_SECONDS,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
-        self._max_open, self._idle_seconds, self._monotonic = max_open, idle_seconds, monotonic
+        self.max_open, self.idle_seconds, self._monotonic = max_open, idle_seconds, monotonic
         self._open: OrderedDict[str, _Cursor[T]] = OrderedDict()
         self._lock = threading.Lock()
         self.opened_total = 0
@@ -67,7 +67,7 @@ class Cursors(Generic[T]):
             cursor: _Cursor[T] = _Cursor(filters, iter(start()), used_monotonic=self._monotonic())
             with self._lock:
                 self._close_idle()
-                while len(self._open) >= self._max_open:
+                while len(self._open) >= self.max_open:
                     self._open.popitem(last=False)
                 self._open[cursor_id] = cursor
                 self.opened_total += 1
@@ -97,19 +97,15 @@ class Cursors(Generic[T]):
             else:
                 self.lost_total += 1
                 raise CursorLost(token)
-        if not more:
-            with self._lock:
-                if self._open.get(cursor_id) is cursor and sequence == cursor.sequence - 1:
-                    self._open.pop(cursor_id, None)  # (a retry of the last page after this finds it gone)
-            return page, ""
-        return page, f"{cursor_id}.{sequence + 1}"
+        # A listing that has sent its last page stays open (idle) for a retry of that page, holding that page only.
+        return page, f"{cursor_id}.{sequence + 1}" if more else ""
 
     def open_count(self) -> int:
         with self._lock:
             return len(self._open)
 
     def _close_idle(self) -> None:
-        deadline = self._monotonic() - self._idle_seconds
+        deadline = self._monotonic() - self.idle_seconds
         for cursor_id in [key for key, cursor in self._open.items() if cursor.used_monotonic < deadline]:
             del self._open[cursor_id]
 

@@ -21,7 +21,7 @@ all stream slots are taken, the longest-stalled stream is ended for a new one.
 
 Which module holds what (each imports only those above it in this list):
 - requests.py   requests -> model filters: the bounds on requests, InvalidArgument, the title regex
-                in RE2, stream_filter, page tokens and TokenSeal; ServerLimits
+                in RE2, stream_filter; ServerLimits
 - redaction.py  the redacted view: VIEW_FULL/VIEW_REDACTED, TitleRedactor, redact_*
 - slots.py      stream slots: StreamSlots, shared by every endpoint's streams
 - servicer.py   the service: AgentServicer (one per view), printable_reason

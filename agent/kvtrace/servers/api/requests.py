@@ -2,8 +2,8 @@
 
 Every field of a request is untrusted. This module holds the bounds the service holds requests to,
 turns pids, kinds, layers and a title regex (compiled in RE2, linear time; refused without it) into
-an EventFilter, and reads and writes GetSnapshot's page tokens (TokenSeal encrypts them for the
-redacted view: a position holds an address). A bad field raises InvalidArgument, `field: reason`,
+an EventFilter, and bounds GetSnapshot's page tokens (servers/cursors.py makes and reads them: a listing's
+random id and page number, nothing of the ledger). A bad field raises InvalidArgument, `field: reason`,
 which the service answers with INVALID_ARGUMENT. ServerLimits, the bounds on what all clients
 together may take (streams, message sizes, threads), lives here too, beside the other bounds:
 the stream slots, the service and the server read it from this module, which imports no other
@@ -11,15 +11,10 @@ module of the package.
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import os
 from dataclasses import dataclass
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace.model.events import Kind, Layer
-from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import TitlePattern
 from kvtrace.servers.hub import EventFilter
 
@@ -120,55 +115,3 @@ def stream_filter(request: service_pb2.StreamEventsRequest, redacted_titles: boo
                        min_size_bytes=request.min_size_bytes)
 
 
-def _ledger_order(entry: Outstanding) -> tuple[int, int, int, int]:
-    key = entry.key
-    return key.pid, int(key.layer), int(key.object), key.address
-
-
-def encode_page_token(position: tuple[int, int, int, int]) -> str:
-    return base64.urlsafe_b64encode(("v1:" + ":".join(map(str, position))).encode()).decode()
-
-
-def decode_page_token(token: str) -> tuple[int, int, int, int]:
-    """The ledger position after which the next page starts."""
-    try:
-        if len(token) > MAX_PAGE_TOKEN_CHARS:
-            raise ValueError
-        version, *fields = base64.urlsafe_b64decode(token.encode("ascii")).decode("ascii").split(":")
-        position = tuple(int(field) for field in fields)
-        if version != "v1" or len(position) != 4 or min(position) < 0:
-            raise ValueError
-    except (ValueError, UnicodeError, binascii.Error):
-        raise InvalidArgument("page_token", "not a token from a previous GetSnapshot response") from None
-    return position
-
-
-class TokenSeal:
-    """Page tokens for the redacted view: a position holds an address, so it travels encrypted
-    (a keystream from the agent's random key and a per-token nonce)."""
-
-    NONCE_BYTES = 12
-
-    def __init__(self, key: bytes | None = None) -> None:
-        self._key = key or os.urandom(32)
-
-    def _stream(self, nonce: bytes, length: int) -> bytes:
-        return hashlib.shake_256(self._key + nonce).digest(length)
-
-    def seal(self, token: str) -> str:
-        nonce, data = os.urandom(self.NONCE_BYTES), token.encode("ascii")
-        body = bytes(a ^ b for a, b in zip(data, self._stream(nonce, len(data)), strict=True))
-        return base64.urlsafe_b64encode(nonce + body).decode("ascii")
-
-    def unseal(self, token: str) -> tuple[int, int, int, int]:
-        try:
-            if len(token) > MAX_PAGE_TOKEN_CHARS:
-                raise ValueError
-            raw = base64.urlsafe_b64decode(token.encode("ascii"))
-            nonce, body = raw[:self.NONCE_BYTES], raw[self.NONCE_BYTES:]
-            if len(nonce) != self.NONCE_BYTES:
-                raise ValueError
-            plain = bytes(a ^ b for a, b in zip(body, self._stream(nonce, len(body)), strict=True))
-            return decode_page_token(plain.decode("ascii"))
-        except (ValueError, UnicodeError, binascii.Error):
-            raise InvalidArgument("page_token", "not a token from a previous GetSnapshot response") from None

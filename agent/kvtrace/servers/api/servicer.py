@@ -9,10 +9,10 @@ refused in the redacted view. Where and how it is served is server.py's part.
 from __future__ import annotations
 
 import functools
-import heapq
 import logging
 import operator
 import threading
+from collections.abc import Iterable
 
 import grpc
 import psutil
@@ -22,7 +22,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.depth import NO_REQUEST, REQUEST_WITHDRAWN, Depth, DepthCause, DepthRequest, ProcessDepth
 from kvtrace.model.events import Event, EventRun, Layer
-from kvtrace.model.ledger import LedgerReadRefused
+from kvtrace.model.ledger import LedgerReadRefused, Outstanding
 from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo
 from kvtrace.reports.flight import FlightDumpError, FlightRecorder
 from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, encode_stream, recording_header
@@ -46,22 +46,20 @@ from kvtrace.servers.api.requests import (
     MAX_DEPTH_SECONDS,
     MAX_MIN_AGE_SECONDS,
     MAX_PAGE_SIZE,
+    MAX_PAGE_TOKEN_CHARS,
     MAX_PID,
     MAX_SUSPECTS,
     MIN_DEPTH_SECONDS,
     InvalidArgument,
     ServerLimits,
-    TokenSeal,
     _enum_values,
-    _ledger_order,
     _pids,
     compile_title_regex,
-    decode_page_token,
-    encode_page_token,
     stream_filter,
 )
 from kvtrace.servers.api.slots import StreamSlots
 from kvtrace.servers.backend import AgentAnalysis, AgentState
+from kvtrace.servers.cursors import CursorLost, Cursors
 from kvtrace.servers.hub import EventHub, Lost, QueueItem, flatten
 from kvtrace.wire import (
     FixedColumnsBatch,
@@ -110,7 +108,8 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         self.view = view
         self._redacted = view == VIEW_REDACTED
         self._slots = slots if slots is not None else StreamSlots(limits)
-        self._seal = TokenSeal()
+        # Snapshot listings open on this socket (a token of the other socket's is no token here).
+        self._listings: Cursors[Outstanding] = Cursors()
         self.stopping = threading.Event()
 
     def StreamEvents(self, request, context):
@@ -292,24 +291,32 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             layers = _enum_values("layers", request.layers, Layer)
             if not 0 <= request.page_size <= MAX_PAGE_SIZE:
                 raise InvalidArgument("page_size", f"{request.page_size} is not in 0..{MAX_PAGE_SIZE}")
-            after = None
-            if request.page_token:
-                after = self._seal.unseal(request.page_token) if self._redacted \
-                    else decode_page_token(request.page_token)
+            if len(request.page_token) > MAX_PAGE_TOKEN_CHARS:
+                raise InvalidArgument("page_token", "not a token from a previous GetSnapshot response")
         except InvalidArgument as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         timestamp_ns = self._state.wall_clock_ns()
-        # Gone through once, never held: the kernel's copy may have millions of entries.
-        candidates = (entry for entry in self._state.outstanding(pids)
-                      if (not pids or entry.key.pid in pids) and (not layers or entry.key.layer in layers)
-                      and (after is None or _ledger_order(entry) > after))
-        # One more than a page tells whether another page follows; nsmallest avoids a full sort.
-        page = heapq.nsmallest(page_size + 1, candidates, key=_ledger_order)
-        next_token = encode_page_token(_ledger_order(page[page_size - 1])) if len(page) > page_size else ""
+
+        def one_pass() -> Iterable[Outstanding]:
+            # The whole listing is one pass over the ledger, whatever its pages (servers/cursors.py): the kernel's
+            # copy may have millions of entries, read a chunk at a time, never held.
+            return (entry for entry in self._state.outstanding(pids)
+                    if (not pids or entry.key.pid in pids) and (not layers or entry.key.layer in layers))
+
+        try:
+            page, next_token = self._listings.page(request.page_token, (pids, layers), one_pass, page_size)
+        except CursorLost:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                "page_token: no open listing has it (listings close after "
+                f"{self._listings.idle_seconds:.0f} s without a page, when {self._listings.max_open} newer ones "
+                "are open, or when the agent restarts; or it is no token of this agent's): list again from the "
+                "first page"))
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_token: {error}")
         processes: dict[int, ProcessInfo | None] = {}
         allocations = []
-        for entry in page[:page_size]:
+        for entry in page:
             pid = entry.key.pid
             if pid not in processes:
                 processes[pid] = self._state.process(pid)
@@ -319,10 +326,10 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             redact_depths(depths)
             return service_pb2.GetSnapshotResponse(
                 allocations=[redact_outstanding(allocation) for allocation in allocations],
-                next_page_token=self._seal.seal(next_token) if next_token else "",
+                next_page_token=next_token,
                 timestamp_ns=timestamp_ns, view=VIEW_REDACTED, depths=depths)
         stacks = []
-        for stack_id in sorted({entry.stack_id for entry in page[:page_size] if entry.stack_id}):
+        for stack_id in sorted({entry.stack_id for entry in page if entry.stack_id}):
             stack = self._state.stack(stack_id)
             if stack is not None:
                 stacks.append(stack_message(stack_id, stack))
