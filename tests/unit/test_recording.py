@@ -3,7 +3,10 @@ rotation, StreamRecording and `kvtrace record`), and replay: the reports read fr
 they gave live."""
 import io
 import json
+import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -285,6 +288,24 @@ def test_tail_reads_the_recorded_events_through_the_servers_filter(tmp_path):
     assert code == 0 and len(lines) == 23 and {line["pid"] for line in lines} == {200}
     code, out = run_cli("tail", "--json", "--stacks", "--input", str(tmp_path / "r.kvtrace"))
     assert len(out.splitlines()) == 24 and json.loads(out.splitlines()[0])["stack"][0]["function"] == "leak_kv"
+
+
+def test_reading_a_recording_prints_nothing_of_grpcs_own(tmp_path):
+    """A fresh process, as an operator runs it, with a path relative to its directory: stderr holds
+    kvtrace's lines only (no "authority-based URIs not supported", no "Got goaway"), even where
+    GRPC_VERBOSITY is set but empty, so that what is asserted is not only the quieter default."""
+    agent = FakeAgent()
+    recorder = FileRecorder(agent.session, tmp_path / "rel.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, time.time_ns() + NS, count=3)
+    recorder.stop()
+    environ = {**os.environ, "GRPC_VERBOSITY": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    for command in ("tail", "ps", "leaks", "top", "ps"):  # ps twice: stop(0)'s GOAWAY was logged 1 time in 3
+        result = subprocess.run([sys.executable, "-m", "kvtrace.cli.main", command, "--input", "rel.kvtrace"],
+                                cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+        assert all(line.startswith("kvtrace: ") for line in result.stderr.splitlines()), (command, result.stderr)
 
 
 def test_a_bad_recording_is_one_clear_line(tmp_path, capsys):
