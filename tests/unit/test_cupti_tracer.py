@@ -862,3 +862,18 @@ def test_the_tracer_imports_only_the_standard_library(tmp_path):
     foreign = [name for name in json.loads(done.stdout)
                if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "kvtrace"]
     assert foreign == []
+
+
+def test_the_models_stack_classes_have_one_meaning_in_the_package():
+    """kvtrace.model.stacks's class names (StackTable: the agent's interned stacks) name no other class:
+    the tracer's own table of walked stacks is WalkTable."""
+    import ast
+
+    package = AGENT_DIR / "kvtrace"
+    model = package / "model" / "stacks.py"
+    names = {node.name for node in ast.parse(model.read_text()).body if isinstance(node, ast.ClassDef)}
+    assert "StackTable" in names and hasattr(tracer, "WalkTable")
+    again = [(path.relative_to(package).as_posix(), node.name) for path in sorted(package.rglob("*.py"))
+             if path != model and "_proto" not in path.parts
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef) and node.name in names]
+    assert again == []

@@ -269,7 +269,7 @@ class Walk:
     truncated: bool
 
 
-class StackTable:
+class WalkTable:
     """Walks and interns the Python stacks of allocating calls; ids are this process's own, from 1. Every
     code object of an interned stack is kept alive, so that its id() in a key can never be another's."""
 
@@ -506,7 +506,7 @@ class CuptiTracer:
         self._lock = threading.Lock()  # the outbox, the stack table and the counters
         self._send_lock = threading.Lock()  # one send at a time, in queue order
         self._outbox = Outbox(pending_limit_bytes)
-        self._stacks = StackTable(settings.stack_frames, StackBudget(settings.stack_budget))
+        self._walks = WalkTable(settings.stack_frames, StackBudget(settings.stack_budget))
         self._connection: Connection | None = None
         self._cupti: Any = None
         self._cupti_version = ""
@@ -689,16 +689,16 @@ class CuptiTracer:
         timestamp_ns = int(self._cupti.get_timestamp())
         with self._lock:  # the walk too: the budget and the counters stay exact across threads
             walk_started_ns = time.perf_counter_ns()
-            walk = self._stacks.walk(sys._getframe(1))
-            stack_id, stack_status, stack_message = self._stacks.intern(walk)
+            walk = self._walks.walk(sys._getframe(1))
+            stack_id, stack_status, stack_message = self._walks.intern(walk)
             if walk is not None:
-                self._stacks.spend(time.perf_counter_ns() - walk_started_ns)
+                self._walks.spend(time.perf_counter_ns() - walk_started_ns)
             record = protocol.CALL_RECORD.pack(int(api), result, correlation_id, threading.get_native_id(),
                                                stack_id, stack_status, device, address, size_bytes, handle,
                                                timestamp_ns)
             self._calls += 1
             if not self._outbox.add_call(stack_message, record) and stack_message is not None and walk is not None:
-                self._stacks.forget(walk)
+                self._walks.forget(walk)
 
     def _buffer_requested(self) -> tuple[int, int]:
         return ACTIVITY_BUFFER_BYTES, 0  # 0: as many records as fit
@@ -782,7 +782,7 @@ class CuptiTracer:
         with self._lock:
             rows = []
             for device, address, size_bytes, frames in live:
-                stack_id, stack_message = self._stacks.intern_frames(list(frames))
+                stack_id, stack_message = self._walks.intern_frames(list(frames))
                 if stack_message is not None:
                     self._outbox.add_message(protocol.STACK, stack_message)
                 rows.append([device, address, size_bytes, stack_id])
@@ -827,8 +827,8 @@ class CuptiTracer:
 
     def _counters(self) -> dict[str, int]:
         return {"calls": self._calls, "memory_records": self._memory_records, "pool_records": self._pool_records,
-                "stacks": self._stacks.stacks, "stacks_skipped": self._stacks.skipped,
-                "stack_walk_ns": self._stacks.walk_ns, "dropped": self._outbox.dropped + self._unsent,
+                "stacks": self._walks.stacks, "stacks_skipped": self._walks.skipped,
+                "stack_walk_ns": self._walks.walk_ns, "dropped": self._outbox.dropped + self._unsent,
                 "callback_errors": self._callback_errors, "blocks_read": self._blocks_read,
                 "blocks_read_ns": self._blocks_read_ns, "blocks_left_out": self._blocks_left_out}
 
