@@ -358,6 +358,32 @@ def test_agent_record_replays_to_the_snapshot_and_processes_the_agent_answered(t
     assert replayed_ps.stdout == live_ps.stdout, replayed_ps.stderr
 
 
+def test_agent_record_keeps_the_names_of_native_callers(tmp_path, bpf_here, stub_build):
+    """GIVEN `kvtrace agent --record FILE` following the C workload, whose 13 cudaMalloc calls come from
+    its own code (no Python stack: the native caller names the site),
+    WHEN the workload is gone and `kvtrace leaks --input FILE` reads the file,
+    THEN each suspect's native caller is the module, symbol and offset the live agent named (the
+    workload's own function), not a bare address."""
+    socket = tmp_path / "kvtrace.sock"
+    recording = tmp_path / "agent.kvtrace"
+    with Workload([stub_build.workload, "hold"]) as workload:
+        pid = workload.wait_ready()
+        with AgentProcess(socket, "-p", str(pid), "--no-nvml", "--record", str(recording)) as agent:
+            workload.go()
+            workload.read_calls()
+            settled_snapshot(socket, 2 * 13, pid)
+            live = json.loads(kvtrace("leaks", "--json", "--min-age", "0", "--socket", str(socket)).stdout)
+            assert agent.stop() == 0, agent.stderr_text()
+    replayed = kvtrace("leaks", "--json", "--min-age", "0", "--input", str(recording))
+    assert replayed.returncode == 0, replayed.stderr
+    live_callers = [suspect["native_caller"] for suspect in live["suspects"]]
+    assert live_callers and all(caller["module"].endswith("/workload") and caller["symbol"]
+                                for caller in live_callers), live_callers
+    assert [suspect["native_caller"] for suspect in json.loads(replayed.stdout)["suspects"]] == live_callers
+    text = kvtrace("leaks", "--min-age", "0", "--input", str(recording)).stdout
+    assert f"called CUDA from {live_callers[0]['module']} {live_callers[0]['symbol']}+" in text, text
+
+
 # ---- 4. kvtrace record ----
 
 @pytest.fixture

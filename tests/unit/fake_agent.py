@@ -107,8 +107,8 @@ class FakeAgent:
     """The agent's real Session and Analyzer with no source: tests ingest synthetic events and NVML
     samples, and the servers read what they read in the agent. `hub` is the served API's."""
 
-    def __init__(self, visible_devices=lambda pid: None) -> None:
-        self.session = Session(ProcessTable(_process))
+    def __init__(self, visible_devices=lambda pid: None, native_names=None) -> None:
+        self.session = Session(ProcessTable(_process), native_names)
         self.analyzer = Analyzer(self.session, visible_devices=visible_devices)
         self.hub: EventHub | None = None  # set by served()
         self.session.report_libraries([LIBRARY])

@@ -11,7 +11,7 @@ import pytest
 from fake_agent import TITLES, FakeAgent, MiB, event, served
 from kvtrace.cli.flags import parse_size
 from kvtrace.cli.main import main
-from kvtrace.cli.tail import HEADER, format_event
+from kvtrace.cli.tail import HEADER, Layout, format_event, terminal_columns
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.wire import event_to_json
 
@@ -33,7 +33,7 @@ def test_format_event_fits_the_header_columns():
     line = format_event(event(pid=200, api=Api.cudaMalloc, layer=Layer.RUNTIME, size=MiB,
                               address=0x7F0000001000, device=1, title=TITLES[200]))
     clock = time.strftime("%H:%M:%S", time.localtime(1_700_000_000))
-    assert line == f"{clock}.000     200 cudaMalloc         runtime    1.0 MiB   1 0x7f0000001000 VLLM::Worker_TP0"
+    assert line == f"{clock}.000     200 cudaMalloc          runtime    1.0 MiB   1 0x7f0000001000 VLLM::Worker_TP0"
     assert line.index("VLLM") == HEADER.index("TITLE")
     failed = format_event(event(kind=Kind.ALLOC_FAILED, address=0, error_code=2, size=1 << 40))
     assert "1.0 TiB" in failed and "error 2" in failed
@@ -42,6 +42,53 @@ def test_format_event_fits_the_header_columns():
     exit_line = format_event(event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, layer=None, obj=None,
                                    memory=None, size=0, address=0, device=-1))
     assert "process_exit" in exit_line
+
+
+LONG_TITLE = "python3 -m vllm.entrypoints.openai.api_server --model meta-llama/Llama-3.1-70B-Instruct " * 2
+
+
+@pytest.mark.parametrize("columns", [80, 100, 120, 200])
+def test_tail_lines_fit_the_terminal(columns):
+    layout = Layout.for_width(columns)
+    header = layout.header
+    assert len(header) <= columns
+    for api in Api:
+        if api in (Api.cuDevicePrimaryCtxRetain, Api.cuCtxCreate_v2):
+            continue  # traced for their context's device only: never an event
+        line = format_event(event(pid=4_194_303, api=api, size=1023 * MiB, address=0x7FFF_FFFF_F000,
+                                  device=7, title=LONG_TITLE), layout)
+        assert len(line) == columns, (api, line)
+        assert line.endswith("…")
+        assert line.index("python3") == header.index("TITLE")  # the API column holds every name
+    assert layout.header.split() == (["TIME", "PID", "API", "LAYER", "SIZE", "DEV", "ADDRESS", "TITLE"]
+                                     if columns >= 100 else ["TIME", "PID", "API", "SIZE", "ADDRESS", "TITLE"]
+                                     if columns == 80 else header.split())
+    assert "cuMemAddressReserve " in format_event(event(api=Api.cuMemAddressReserve, title=LONG_TITLE), layout)
+
+
+def test_tail_keeps_whole_lines_where_it_cannot_cut_well():
+    short = format_event(event(title="VLLM::Worker_TP0"), Layout.for_width(120))
+    assert short.endswith(" VLLM::Worker_TP0")  # a title that fits is not cut
+    narrow = format_event(event(title=LONG_TITLE), Layout.for_width(40))
+    assert narrow.endswith(" python3 -m …")  # still MIN_TITLE characters of title: the line runs past
+    whole = format_event(event(title=LONG_TITLE), Layout.for_width(None))
+    assert whole.endswith(LONG_TITLE) and whole.index("python3") == HEADER.index("TITLE")
+    escaped = format_event(event(title="\x1b[2J" + LONG_TITLE), Layout.for_width(80))
+    assert "\x1b" not in escaped and "\\x1b[2J" in escaped  # escaped before it is cut
+
+
+def test_terminal_columns_only_for_a_terminal(monkeypatch, tmp_path):
+    import io
+    import shutil
+    assert terminal_columns(io.StringIO()) is None
+    with open(tmp_path / "out", "w") as file:
+        assert terminal_columns(file) is None
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda: os.terminal_size((80, 24)))
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    assert terminal_columns(Terminal()) == 80
 
 
 def start_tail(socket_path, *flags):

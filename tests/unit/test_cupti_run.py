@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -446,6 +447,31 @@ def test_towards_the_agent_pytorchs_recorder_stays_off_and_blocks_always_is_refu
     script = f"import json, os; json.dump(os.environ.get('KVTRACE_CUPTI_BLOCKS'), open({str(dump)!r}, 'w'))"
     assert main(["run", "--", sys.executable, "-c", script]) == 0
     assert json.loads(dump.read_text()) == "0"
+
+
+def test_a_missing_cupti_is_said_alike_towards_the_agent_and_into_a_file(listening, monkeypatch, tmp_path, capfd):
+    """--eager, in a Python where `import cupti` fails: towards the agent (which alone gets the STATUS) the
+    program's stderr says it, once for the process tree; into a file, kvtrace run's summary says it; both
+    in one wording, naming what to install."""
+    _session, listener = listening
+    missing = tmp_path / "site"
+    (missing / "cupti").mkdir(parents=True)
+    (missing / "cupti" / "__init__.py").write_text("raise ImportError('no CUPTI here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(missing))
+    script = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'pass'], check=True)"  # a child too
+
+    def said(err: str) -> list[str]:
+        return [line for line in err.splitlines() if "CUPTI unavailable" in line]
+
+    assert main(["run", "--eager", "--agent", listener.path, "--", sys.executable, "-c", script]) == 0
+    towards_agent = said(capfd.readouterr().err)
+    assert main(["run", "--eager", "-o", str(tmp_path / "run.kvtrace"), "--", sys.executable, "-c", script]) == 0
+    into_file = said(capfd.readouterr().err)
+    assert len(towards_agent) == 1 and len(into_file) == 2  # the summary: both processes
+    for line in (*towards_agent, *into_file):
+        assert re.fullmatch(r"kvtrace run: pid \d+: CUPTI unavailable \(CUPTI's Python package \(cupti-python\) is "
+                            r"missing in .*; install it into the program's Python: pip install 'kvtrace\[cupti13\]'"
+                            r".*\): not traced", line), line
 
 
 def test_kvtrace_run_without_an_agent_writes_a_file_here(monkeypatch, tmp_path, capfd):

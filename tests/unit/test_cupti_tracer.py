@@ -366,13 +366,43 @@ def test_opting_out_never_imports_cupti(receiver, monkeypatch):
     assert (status["state"], status["reason"], status["holder"]) == ("off", tracer.OPT_OUT_REASON, "")
 
 
-def test_without_cupti_python_the_status_names_the_install(receiver, fake_torch, monkeypatch):
+def test_without_cupti_python_the_status_names_the_install(receiver, fake_torch, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cupti", None)
     connection = run_traced(receiver, lambda: None)
 
     status = status_of(connection)
     assert status["state"] == "unavailable"
-    assert 'pip install "cupti-python==13.*"' in status["reason"]
+    assert f"(cupti-python) is missing in {sys.executable}" in status["reason"]
+    assert "pip install 'kvtrace[cupti13]'" in status["reason"]  # torch here is CUDA 13: pyproject's extra
+    assert capsys.readouterr().err == ""  # towards a recording, `kvtrace run`'s summary says it
+
+
+@pytest.mark.parametrize(("cuda_major", "says"), [
+    (13, "pip install 'kvtrace[cupti13]' (or \"cupti-python==13.*\")"),
+    (12, 'pip install "cupti-python==12.*" (CUDA 12)'),  # no extra for it
+    (0, "pip install 'kvtrace[cupti13]' for CUDA 13; for another CUDA major N, pip install \"cupti-python==N.*\"")])
+def test_the_install_hint_follows_the_cuda_major(cuda_major, says):
+    import tomllib
+
+    assert tracer.install_hint(cuda_major) == f"install it into the program's Python: {says}"
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    assert all(name in extras for name in tracer.CUPTI_EXTRAS.values())
+
+
+def test_towards_the_agent_a_missing_cupti_is_said_on_stderr_once(receiver, fake_torch, monkeypatch, capsys):
+    """The STATUS goes to the agent's log: the user running the program hears it on the program's stderr,
+    in the words of `kvtrace run`'s summary, and the processes it starts do not say it again."""
+    monkeypatch.setitem(sys.modules, "cupti", None)
+    monkeypatch.setenv(tracer.TELL_ENV, "1")
+    connection = run_traced(receiver, lambda: None, tell=True)
+
+    status = status_of(connection)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"kvtrace run: {tracer.not_traced_line(os.getpid(), 'unavailable', status['reason'])}"
+    assert line.startswith(f"kvtrace run: pid {os.getpid()}: CUPTI unavailable (CUPTI's Python package")
+    assert line.endswith("): not traced") and "pip install 'kvtrace[cupti13]'" in line
+    assert os.environ[tracer.TELL_ENV] == "0"  # for the processes this one starts
 
 
 def test_a_cupti_python_for_another_cuda_is_not_used(receiver, fake_cupti, fake_torch):
@@ -851,3 +881,18 @@ def test_importing_the_tracer_loads_nothing_heavy(tmp_path):
     assert {module for module in modules if module.startswith("kvtrace")} == {
         "kvtrace", "kvtrace.model", "kvtrace.model.events", "kvtrace.sources", "kvtrace.sources.cupti",
         "kvtrace.sources.cupti.protocol", "kvtrace.sources.cupti.tracer", "kvtrace.sources.post_import"}
+
+
+def test_the_models_stack_classes_have_one_meaning_in_the_package():
+    """kvtrace.model.stacks's class names (StackTable: the agent's interned stacks) name no other class:
+    the tracer's own table of walked stacks is WalkTable."""
+    import ast
+
+    package = AGENT_DIR / "kvtrace"
+    model = package / "model" / "stacks.py"
+    names = {node.name for node in ast.parse(model.read_text()).body if isinstance(node, ast.ClassDef)}
+    assert "StackTable" in names and hasattr(tracer, "WalkTable")
+    again = [(path.relative_to(package).as_posix(), node.name) for path in sorted(package.rglob("*.py"))
+             if path != model and "_proto" not in path.parts
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef) and node.name in names]
+    assert again == []

@@ -2,7 +2,9 @@
 import os
 import subprocess
 
-from kvtrace.cli.doctor import process_findings
+import pytest
+
+from kvtrace.cli.doctor import headers_of_this_kernel, headers_release, process_findings
 from kvtrace.errors import ExitCode
 
 
@@ -23,7 +25,6 @@ def test_a_python_process_without_cuda_says_so_and_names_its_python():
 def test_unsupported_python_gives_the_reason():
     old = "/root/.pyenv/versions/3.9.18/bin/python3"
     if not os.path.exists(old) or os.geteuid() != 0:
-        import pytest
         pytest.skip("needs root and pyenv's CPython 3.9 to read an unsupported interpreter")
     child = subprocess.Popen([old, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
@@ -34,3 +35,48 @@ def test_unsupported_python_gives_the_reason():
     finally:
         child.kill()
         child.wait()
+
+
+RUNNING = "6.8.0-45-generic"
+
+
+def headers_tree(root, release_dir: str, uts_release: str | None):
+    """/usr/src/linux-headers-<release_dir>, linked from /lib/modules/RUNNING/build as Debian does."""
+    headers = root / "usr/src" / f"linux-headers-{release_dir}"
+    (headers / "include/generated").mkdir(parents=True)
+    if uts_release is not None:
+        (headers / "include/generated/utsrelease.h").write_text(f'#define UTS_RELEASE "{uts_release}"\n')
+    (root / "lib/modules" / RUNNING).mkdir(parents=True)
+    (root / "lib/modules" / RUNNING / "build").symlink_to(headers)
+    return root / "lib/modules" / RUNNING / "build"
+
+
+@pytest.mark.parametrize(("release_dir", "uts_release", "theirs"), [
+    (RUNNING, RUNNING, RUNNING),
+    ("6.1.0-57-amd64", "6.1.0-57-amd64", "6.1.0-57-amd64"),  # a kernel upgraded, its headers not
+    ("6.1.0-57-amd64", None, "6.1.0-57-amd64"),  # no utsrelease.h: the directory's name says
+    (RUNNING, "6.1.0-57-amd64", "6.1.0-57-amd64"),  # the file is believed over the name
+])
+def test_headers_release(tmp_path, release_dir, uts_release, theirs):
+    assert headers_release(headers_tree(tmp_path, release_dir, uts_release)) == theirs
+
+
+def test_headers_of_another_kernel_are_a_warning_naming_the_package(tmp_path):
+    from kvtrace.sources.bpf.preflight import check_kernel_headers
+
+    build = headers_tree(tmp_path, "6.1.0-57-amd64", "6.1.0-57-amd64")
+    found = check_kernel_headers(RUNNING, tmp_path)
+    assert found.ok and not found.warning  # preflight: they are there
+    finding = headers_of_this_kernel(found, RUNNING, tmp_path)
+    assert finding.ok and finding.warning and finding.name == "kernel headers"
+    assert finding.message.startswith(f"{build} holds the headers of kernel 6.1.0-57-amd64, not of the running "
+                                      f"{RUNNING}: ")
+    assert f"install linux-headers-{RUNNING} (`apt-get install linux-headers-$(uname -r)`" in finding.message
+
+
+def test_headers_of_this_kernel_pass_unremarked(tmp_path):
+    from kvtrace.sources.bpf.preflight import check_kernel_headers
+
+    headers_tree(tmp_path, RUNNING, RUNNING)
+    found = check_kernel_headers(RUNNING, tmp_path)
+    assert headers_of_this_kernel(found, RUNNING, tmp_path) is found

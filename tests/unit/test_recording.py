@@ -3,7 +3,10 @@ rotation, StreamRecording and `kvtrace record`), and replay: the reports read fr
 they gave live."""
 import io
 import json
+import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -18,7 +21,7 @@ from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.cli.flags import parse_at
 from kvtrace.cli.main import main
 from kvtrace.model.events import Api, Event, Kind
-from kvtrace.model.stacks import Frame, Stack
+from kvtrace.model.stacks import Frame, NativeFrame, Stack
 from kvtrace.reports.recorder import FileRecorder
 from kvtrace.reports.recording import FORMAT_VERSION, MAGIC, RecordingError, RecordingReader, RecordingWriter
 from kvtrace.reports.replay import replay
@@ -285,6 +288,88 @@ def test_tail_reads_the_recorded_events_through_the_servers_filter(tmp_path):
     assert code == 0 and len(lines) == 23 and {line["pid"] for line in lines} == {200}
     code, out = run_cli("tail", "--json", "--stacks", "--input", str(tmp_path / "r.kvtrace"))
     assert len(out.splitlines()) == 24 and json.loads(out.splitlines()[0])["stack"][0]["function"] == "leak_kv"
+
+
+class WorkloadNames:
+    """The live agent's symbolizer while the process lives: `forget` (its exit) makes it unreadable."""
+
+    CALLER = 0x5652_0000_120F
+    NAME = NativeFrame("/opt/app/workload", "main", 0x20F)
+
+    def __init__(self) -> None:
+        self.gone: set[int] = set()
+
+    def symbolize(self, pid: int, address: int) -> NativeFrame:
+        if pid in self.gone or address != self.CALLER:
+            return NativeFrame("", "", address)
+        return self.NAME
+
+    def forget(self, pid: int) -> None:
+        self.gone.add(pid)
+
+
+def test_a_recording_keeps_the_names_of_native_callers(tmp_path):
+    """A native caller is named in the file as the live agent named it (checkpoint and events alike),
+    and read back where nothing could name it any more (no process, no /proc/PID/maps)."""
+    names = WorkloadNames()
+    agent = FakeAgent(native_names=names)
+    start = time.time_ns() + NS
+    caller = WorkloadNames.CALLER
+    agent.apply(event(address=0x100000, ts=start, caller_address=caller))  # in the checkpoint
+    recorder = FileRecorder(agent.session, tmp_path / "r.kvtrace", 60.0)
+    recorder.start()
+    agent.apply(*[event(address=0x200000 + index * MiB, ts=start + (index + 1) * NS, caller_address=caller)
+                  for index in range(3)],
+                event(pid=100, address=0x900000, ts=start + 5 * NS, caller_address=0x7777))  # nothing names it
+    recorder.stop()
+    agent.freeze_clock(start + 5 * NS)
+    with served(agent) as (server, _):
+        _, live = run_cli("leaks", "--min-age", "0", "--socket", str(server.config.admin_path))
+    assert "called CUDA from /opt/app/workload main+0x20f" in live
+    replayed = replay(tmp_path / "r.kvtrace")
+    assert replayed.session.native_caller(200, caller) == WorkloadNames.NAME
+    assert replayed.session.native_caller(100, 0x7777) == NativeFrame("", "", 0x7777)
+    _, out = run_cli("leaks", "--min-age", "0", "--input", str(tmp_path / "r.kvtrace"))
+    assert "called CUDA from /opt/app/workload main+0x20f" in out and "0x5652" not in out
+    frames = [frame for frame in RecordingReader.open(tmp_path / "r.kvtrace").frames()
+              if frame.WhichOneof("record") == "native_caller"]
+    assert [(frame.native_caller.pid, frame.native_caller.address) for frame in frames] == [(200, caller)]
+
+
+def test_a_flight_recorder_dump_names_native_callers(tmp_path):
+    from kvtrace.reports.flight import FlightOptions, FlightRecorder
+
+    agent = FakeAgent(native_names=WorkloadNames())
+    flight = FlightRecorder(agent.session, FlightOptions(directory=tmp_path), 60.0)
+    flight.start()
+    try:
+        start = time.time_ns() + NS
+        agent.apply(event(address=0x100000, ts=start, caller_address=WorkloadNames.CALLER))
+        agent.apply(*[event(address=0x200000 + index * MiB, ts=start + (index + 1) * NS,
+                            caller_address=WorkloadNames.CALLER) for index in range(3)])
+        dump = flight.request(service_pb2.FLIGHT_TRIGGER_KIND_REQUEST, "test")
+    finally:
+        flight.stop()
+    _, out = run_cli("leaks", "--min-age", "0", "--input", dump.path)
+    assert "called CUDA from /opt/app/workload main+0x20f" in out and "0x5652" not in out
+
+
+def test_reading_a_recording_prints_nothing_of_grpcs_own(tmp_path):
+    """A fresh process, as an operator runs it, with a path relative to its directory: stderr holds
+    kvtrace's lines only (no "authority-based URIs not supported", no "Got goaway"), even where
+    GRPC_VERBOSITY is set but empty, so that what is asserted is not only the quieter default."""
+    agent = FakeAgent()
+    recorder = FileRecorder(agent.session, tmp_path / "rel.kvtrace", 60.0)
+    recorder.start()
+    _leaky(agent, time.time_ns() + NS, count=3)
+    recorder.stop()
+    environ = {**os.environ, "GRPC_VERBOSITY": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    for command in ("tail", "ps", "leaks", "top", "ps"):  # ps twice: stop(0)'s GOAWAY was logged 1 time in 3
+        result = subprocess.run([sys.executable, "-m", "kvtrace.cli.main", command, "--input", "rel.kvtrace"],
+                                cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+        assert all(line.startswith("kvtrace: ") for line in result.stderr.splitlines()), (command, result.stderr)
 
 
 def test_a_bad_recording_is_one_clear_line(tmp_path, capsys):

@@ -19,7 +19,7 @@ from fake_agent import FakeAgent, MiB, event, served
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace.cli.main import main
-from kvtrace.cli.ps import compact_bytes, compact_roles
+from kvtrace.cli.ps import compact_bytes, compact_roles, roles_cell
 from kvtrace.cli.top import render_frame
 from kvtrace.client import AgentClient
 from kvtrace.errors import CommandError
@@ -371,7 +371,7 @@ def test_vllm_for_people(capsys):
     out = capsys.readouterr().out
     assert out.splitlines() == [
         f"vLLM engine pid {ENGINE} {ENGINE_TITLE} (workers {WORKER}), API server pid {API_SERVER}",
-        "  GPU memory traced 29.0 GiB: kv 27.0G act 1.2G w 512M",
+        "  GPU memory traced 29.0 GiB: kv 27.0G act 1.2G w 512M +307M unsampled",
         "  KV cache: 600 of 1000 blocks used, 400 free, usage 60.0% (/metrics 59.0%), tensors 27.0 GiB",
         "  requests: 1 running, 2 waiting",
         "  blocks per second (1 min): 120.5 allocated, 60.2 freed, 0.50 frees per allocation",
@@ -390,7 +390,7 @@ def test_vllm_for_people(capsys):
         "    cmpl-9          running        40 -",
         "",
         f"vLLM engine pid {OTHER_ENGINE} VLLM::EngineCore_DP1, no plugin",
-        "  GPU memory traced 3.0 GiB: -",
+        "  GPU memory traced 3.0 GiB: not sampled yet",
         "  KV cache: usage 25.0% (from /metrics)",
         "  requests: 0 running, 0 waiting",
         "  sleep: awake",
@@ -476,10 +476,20 @@ def test_vllm_before_the_first_analysis_and_without_an_agent(capsys):
 
 @pytest.mark.parametrize("roles, text", [
     (ROLES, "kv 27.0G act 1.2G w 512M"),
-    ({Role.UNKNOWN: 60 * MiB, Role.OTHER: 2048, Role.KV_CACHE: 0}, "? 60M other 2K"),
+    ({Role.UNKNOWN: 60 * MiB, Role.OTHER: 2048, Role.KV_CACHE: 0}, "unknown 60M other 2K"),
     ({}, "-"), ({Role.CUDA_GRAPH: 100}, "graph 100B")])
 def test_compact_roles(roles, text):
     assert compact_roles(roles) == text
+
+
+@pytest.mark.parametrize("roles, traced, text", [
+    ({Role.UNKNOWN: 12 * MiB}, 12 * MiB, "unknown 12M"),  # no Python stack: said, not "?"
+    ({}, 12 * MiB, "not sampled yet"),  # traced since the agent's last site sample: no role yet
+    ({Role.WEIGHTS: GiB}, GiB + 12 * MiB, "w 1.0G +12M unsampled"),
+    ({Role.WEIGHTS: GiB, Role.UNKNOWN: 12 * MiB}, GiB, "w 1.0G unknown 12M, 12M freed since"),
+    ({}, 0, "-"), ({Role.KV_CACHE: 0}, 0, "-")])
+def test_roles_cell_says_what_is_not_known_yet(roles, traced, text):
+    assert roles_cell(roles, traced) == text
 
 
 def test_compact_bytes():
@@ -496,8 +506,10 @@ def test_ps_has_a_roles_column(capsys):
         assert main(["ps", "--socket", str(server.config.socket)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[-2:] == ["ROLES", "TITLE"]
-    assert lines[1].split()[:2] == [str(ENGINE), "0"] and "kv 27.0G act 1.2G w 512M VLLM::EngineCore" in lines[1]
-    assert lines[2].split()[:2] == [str(WORKER), "1"] and lines[2].endswith(f" {'-':<24} VLLM::Worker_TP0")
+    assert lines[1].split()[:2] == [str(ENGINE), "0"]
+    assert "kv 27.0G act 1.2G w 512M +307M unsampled VLLM::EngineCore" in lines[1]  # 29 GiB traced, 28.7 with roles
+    assert lines[2].split()[:2] == [str(WORKER), "1"]
+    assert lines[2].endswith(f" {'not sampled yet':<40} VLLM::Worker_TP0")
     assert lines[0].index("TITLE") == lines[1].index("VLLM::EngineCore") == lines[2].index("VLLM::Worker_TP0")
 
 
@@ -515,8 +527,10 @@ def test_top_shows_roles_when_asked():
     assert "ROLES" not in plain[4] and not any("kv 27.0G" in line for line in plain)
     assert with_roles[4].split()[-2:] == ["ROLES", "TITLE"]
     assert "kv 27.0G act 1.2G w 512M" in with_roles[5] and with_roles[5].rstrip().endswith(ENGINE_TITLE)
-    assert with_roles[6].split()[-2:] == ["-", "VLLM::Worker_TP0"]
-    assert with_roles[-1].startswith("ROLES: kv KV cache") and vllm_growth is growth
+    assert with_roles[6].split()[-4:] == ["not", "sampled", "yet", "VLLM::Worker_TP0"]  # 2 MiB since the last sample
+    legend = " ".join(with_roles[next(i for i, line in enumerate(with_roles) if line.startswith("ROLES: ")):])
+    assert legend.startswith("ROLES: kv KV cache") and "unknown (no Python stack)" in legend and "?" not in legend
+    assert vllm_growth is growth
 
 
 def test_an_engine_known_by_title_alone_exports_no_figure_it_does_not_have():

@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import re
+from pathlib import Path
 
 from kvtrace.cli.flags import positive_pid
 from kvtrace.config import add_socket_flag
@@ -23,8 +26,9 @@ exit status: 0 when the agent can run here, else the exit code of the first prob
 class DoctorCommand:
     """Check that this host can run the kvtrace agent.
 
-    Checks privileges, kernel options, BTF, tracefs, kernel headers, bcc and the uretprobe/seccomp
-    kernel bug, and prints one actionable line for each problem. Changes nothing on the host.
+    Checks privileges, kernel options, BTF, tracefs, kernel headers (of the running kernel), bcc and the
+    uretprobe/seccomp kernel bug, and prints one actionable line for each problem. Changes nothing on the
+    host.
     """
 
     EPILOG = EPILOG
@@ -38,7 +42,8 @@ class DoctorCommand:
     def run(self, args: argparse.Namespace) -> int:
         from kvtrace.sources.bpf import preflight
 
-        findings = preflight.run_checks()
+        findings = [headers_of_this_kernel(finding) if finding.name == "kernel headers" and finding.ok else finding
+                    for finding in preflight.run_checks()]
         findings += agent_findings(args)
         if args.pid is not None:
             findings += process_findings(args.pid)
@@ -51,6 +56,41 @@ class DoctorCommand:
                 print(f"{status:<6}{finding.name}: {printable(finding.message)}")
         problems = [finding for finding in findings if not finding.ok]
         return problems[0].exit_code if problems else ExitCode.OK
+
+
+_UTS_RELEASE = re.compile(r'^#define UTS_RELEASE "([^"]+)"', re.MULTILINE)
+
+
+def headers_release(build: Path) -> str | None:
+    """The kernel release the headers at `build` are of: include/generated/utsrelease.h's UTS_RELEASE,
+    else the name of the directory it links to (/usr/src/linux-headers-RELEASE); None if neither says."""
+    try:
+        found = _UTS_RELEASE.search((build / "include/generated/utsrelease.h").read_text(errors="replace"))
+    except OSError:
+        found = None
+    if found:
+        return found.group(1)
+    name = build.resolve().name
+    return name.removeprefix("linux-headers-") if name.startswith("linux-headers-") else None
+
+
+def headers_of_this_kernel(finding, release: str | None = None, root: Path = Path("/")):
+    """preflight's "kernel headers" finding (the headers are there), made a warning when they are another
+    kernel's: /lib/modules/RELEASE/build linked to the headers of an older release (a kernel upgraded
+    without its headers package). bcc compiles the probes against them: it may still work, or fail, or
+    misread the kernel's structures."""
+    from kvtrace.sources.bpf.preflight import Finding
+
+    release = release or platform.release()
+    build = root / "lib/modules" / release / "build"
+    theirs = headers_release(build)
+    if theirs is None or theirs == release:
+        return finding
+    return Finding(finding.name, True,
+                   f"{build} holds the headers of kernel {theirs}, not of the running {release}: bcc compiles "
+                   f"the probes against them (they may fail to load, or misread the kernel): install "
+                   f"linux-headers-{release} (`apt-get install linux-headers-$(uname -r)`; elsewhere, the "
+                   f"kernel's headers package), which links {build} to them", warning=True)
 
 
 # Counters of a running agent that mean something was not traced, with what to do about it.

@@ -23,8 +23,10 @@ _COLUMNS = {Memory.DEVICE: "device", Memory.MANAGED: "managed", Memory.HOST: "pi
 
 # Short names of the roles for one-line summaries (`kvtrace ps`, `top --roles`, `kvtrace vllm`).
 ROLE_ABBREVIATIONS = {Role.KV_CACHE: "kv", Role.WEIGHTS: "w", Role.CUDA_GRAPH: "graph", Role.ACTIVATIONS: "act",
-                      Role.OTHER: "other", Role.UNKNOWN: "?"}
-ROLES_LEGEND = "ROLES: kv KV cache, w weights, graph CUDA graphs, act activations, other, ? no Python stack"
+                      Role.OTHER: "other", Role.UNKNOWN: "unknown"}
+ROLES_LEGEND = ("ROLES: kv KV cache, w weights, graph CUDA graphs, act activations, other (no rule knows the "
+                "stack), unknown (no Python stack); unsampled: traced since the agent's last site sample "
+                "(every --site-sample-interval, 10 s by default)")
 _GiB, _MiB, _KiB = 1 << 30, 1 << 20, 1 << 10
 
 
@@ -37,6 +39,21 @@ def compact_bytes(size: int) -> str:
     if size >= _KiB:
         return f"{size / _KiB:.0f}K"
     return f"{size}B"
+
+
+def roles_cell(role_bytes: dict[Role, int], traced_bytes: int) -> str:
+    """ROLES of a process on a GPU, saying what is not known yet: roles are measured at the agent's site
+    samples while `traced_bytes` is current, so what came since is "unsampled" (all of it: "not sampled
+    yet") and what went is "freed since"; "-" when nothing is traced."""
+    known = sum(size for size in role_bytes.values() if size > 0)
+    if not known:
+        return "not sampled yet" if traced_bytes > 0 else "-"
+    cell = compact_roles(role_bytes)
+    if traced_bytes > known:
+        return f"{cell} +{compact_bytes(traced_bytes - known)} unsampled"
+    if traced_bytes < known:
+        return f"{cell}, {compact_bytes(known - traced_bytes)} freed since"
+    return cell
 
 
 def compact_roles(role_bytes: dict[Role, int]) -> str:
@@ -54,7 +71,8 @@ class PsCommand:
     FRAG, how scattered the rest of its segments is (1 - largest free stretch / free bytes), as of
     the agent's last site sample. ROLES splits the device memory by what it is for, largest first:
     kv (vLLM's KV cache), w (weights), graph (CUDA graph pools), act (activations and workspace),
-    other (a Python stack no rule knows), ? (no Python stack); `kvtrace vllm` has the engines.
+    other (a Python stack no rule knows), unknown (no Python stack), as of the agent's last site sample:
+    bytes traced since are "unsampled"; `kvtrace vllm` has the engines.
     DEPTH is how closely the agent traces the process and for how long: segments (CUDA calls
     only: a stack there says who grew PyTorch's cache, not who holds it), blocks (PyTorch's blocks
     too, stacks sampled) or full (every block's stack); `kvtrace deep` raises it, --json has why.
@@ -77,7 +95,7 @@ class PsCommand:
             return ExitCode.OK
         allocator = {(row.pid, row.device): row.fragmentation for row in growth.processes
                      if row.HasField("fragmentation")} if growth is not None else {}
-        roles = {(row.pid, row.device): compact_roles(role_bytes_from_proto(row.role_bytes))
+        roles = {(row.pid, row.device): roles_cell(role_bytes_from_proto(row.role_bytes), row.outstanding_bytes)
                  for row in growth.processes} if growth is not None else {}
         lines: list[tuple[str, str, str]] = []  # (the figures, ROLES, TITLE): ROLES is as wide as its widest
         for process in processes:

@@ -8,6 +8,7 @@ read from the file directly, through the server's own filter, without a replay.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -45,6 +46,10 @@ def connect(args: argparse.Namespace, events_only: bool = False) -> AgentClient:
             header = reader.header
     except RecordingError as error:
         raise CommandError(str(error), ExitCode.USAGE) from None
+    # gRPC's C core logs to stderr on its own (at INFO, by default, in grpcio 1.85): about a private
+    # server and client that are one process, it has nothing an operator can act on. Read at its
+    # first channel or server, so set here; GRPC_VERBOSITY=INFO in the environment still shows it.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     return RecordingClient(args.input, resolve_at(getattr(args, "at", None), header), not events_only)
 
 
@@ -62,7 +67,10 @@ class ReplayServer:
         self._server.start()
 
     def stop(self) -> None:
-        self._server.stop(0).wait()
+        # With a grace, not 0: stop(0) cancels with a GOAWAY that the client's connection, not yet
+        # torn down by its channel's close, logs to stderr ("Got goaway [2] ... Cancelling all calls").
+        # No call is in flight by now, so the grace costs no time.
+        self._server.stop(1).wait()
         shutil.rmtree(self._directory, ignore_errors=True)
 
 
@@ -80,7 +88,10 @@ class RecordingClient(AgentClient):
             self._server = ReplayServer(state)
             super().__init__(f"unix://{self._server.socket}")
         else:
-            super().__init__(f"unix://{path}")  # never called: events come from the file
+            # Never connected (a channel connects at its first call): events come from the file. As
+            # "unix:" and absolute: "unix://rel.kvtrace" is a URI with an authority, which gRPC refuses
+            # on stderr at once.
+            super().__init__(f"unix:{Path(path).absolute()}")
 
     def _replay(self) -> Replay:
         progress = _progress(self.path)

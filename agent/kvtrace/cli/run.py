@@ -178,10 +178,13 @@ def _environment(args: argparse.Namespace, socket_path: str, to_agent: bool = Fa
     """COMMAND's environment: where to report, and the tracer first on PYTHONPATH (its sitecustomize runs the
     one it hides), then the directory holding this kvtrace package (the tracer imports it). PyTorch's block
     recorder is on by default only for a recording: the agent's probes see blocks themselves."""
-    from kvtrace.sources.cupti.tracer import BLOCKS_ENV, EAGER_ENV, OPT_OUT_ENV, STACK_FRAMES_ENV
+    from kvtrace.sources.cupti.tracer import BLOCKS_ENV, EAGER_ENV, OPT_OUT_ENV, STACK_FRAMES_ENV, TELL_ENV
 
     env = dict(os.environ)
     env[protocol.SOCKET_ENV] = socket_path
+    # Towards the agent, a process CUPTI cannot trace says why on its stderr too: nothing else would tell
+    # the user (a recording's summary does).
+    env[TELL_ENV] = "1" if to_agent else "0"
     existing = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join([str(BOOT_DIRECTORY), _package_only(),
                                          *([existing] if existing else [])])
@@ -275,14 +278,9 @@ def _process_line(process: TracedProcess) -> str:
     status = process.status
     if status is None:
         return f"{where}: its tracer connected and said nothing of its state" if not process.events else ""
-    reason = f" ({printable(status.reason)})" if status.reason else ""
-    if status.state == "held":
-        return f"{where}: CUPTI held by {printable(status.holder or 'another subscriber')}{reason}: not traced"
-    if status.state == "unavailable":
-        return f"{where}: CUPTI unavailable{reason}: not traced"
-    if status.state == "off":
-        return f"{where}: CUPTI off{reason}: not traced"
-    return ""
+    from kvtrace.sources.cupti.tracer import not_traced_line  # as the tracer says it towards the agent
+
+    return not_traced_line(process.pid, status.state, status.reason, status.holder, printable)
 
 
 def _say(message: str) -> None:

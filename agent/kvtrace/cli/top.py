@@ -16,7 +16,7 @@ from rich.text import Text
 
 from kvtrace.cli.deep import DEPTH_LEGEND, depth_code, raised_line
 from kvtrace.cli.flags import add_input_flags, add_pid_flag, positive_seconds
-from kvtrace.cli.ps import ROLES_LEGEND, compact_roles
+from kvtrace.cli.ps import ROLES_LEGEND, roles_cell
 from kvtrace.cli.recorded import connect
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
@@ -99,7 +99,8 @@ def render_frame(info, growth, sort: str, now_ns: int, width: int = 80, interact
             signed_bytes(row.growth_bytes_per_second_1m), signed_bytes(row.growth_bytes_per_second_15m),
             human_duration(ttoom) if ttoom is not None else "-", frag,
             depth_code(row.depth if row.HasField("depth") else None),
-            *([compact_roles(role_bytes_from_proto(row.role_bytes))] if roles else []), printable(row.title)))
+            *([roles_cell(role_bytes_from_proto(row.role_bytes), row.outstanding_bytes)] if roles else []),
+            printable(row.title)))
     # Growth columns are per second; "OOM IN" is the time until the GPU's free memory is gone; FRAG
     # how scattered the free part of PyTorch's segments is, where its blocks are traced.
     # The numbers keep their width and the title gets the rest: given more than fits, rich would

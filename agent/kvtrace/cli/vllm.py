@@ -8,7 +8,7 @@ import sys
 
 from kvtrace.cli.deep import cause_words, clock_time
 from kvtrace.cli.flags import add_pid_flag
-from kvtrace.cli.ps import compact_roles
+from kvtrace.cli.ps import roles_cell
 from kvtrace.client import AgentClient
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
@@ -76,7 +76,8 @@ def _engine_lines(engine: VllmEngine) -> list[str]:
              + (f" (workers {workers})" if workers else "")
              + (f", API server pid {engine.api_server_pid}" if engine.api_server_pid else "")
              + ("" if engine.plugin else ", no plugin"),
-             f"  GPU memory traced {human_bytes(engine.traced_bytes)}: {compact_roles(engine.role_bytes)}",
+             f"  GPU memory traced {human_bytes(engine.traced_bytes)}: "
+             f"{roles_cell(engine.role_bytes, engine.traced_bytes)}",
              _kv_line(engine)]
     if engine.requests_running is not None or engine.requests_waiting is not None:
         lines.append(f"  requests: {_count(engine.requests_running)} running, "
@@ -165,7 +166,8 @@ class VllmCommand:
     """Show the vLLM engines on the host, from the running kvtrace agent.
 
     Per engine (its EngineCore pid): GPU memory traced and what it is for (kv KV cache, w weights,
-    graph CUDA graphs, act activations, other, ? no Python stack), KV-cache blocks used and free
+    graph CUDA graphs, act activations, other, unknown: no Python stack; "unsampled": traced after the
+    agent's last site sample), KV-cache blocks used and free
     with the usage beside vLLM's own /metrics figure, requests running and waiting, blocks
     allocated and freed per second, sleep mode, and whether it is still warming up; then what the
     vLLM detectors found, and the requests holding blocks (done ones first). The depth line says how

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvtrace import __version__
+from kvtrace.human import device_label
 from kvtrace.model.blocks import estimated_bytes, is_estimated
-from kvtrace.model.events import DEVICE_UNKNOWN, MEMORY_OBJECTS, PHYSICAL_LAYERS, Layer, Memory
+from kvtrace.model.events import MEMORY_OBJECTS, PHYSICAL_LAYERS, Layer, Memory
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import CONTROL_CHARACTERS
 from kvtrace.model.stacks import Stack
@@ -182,7 +183,7 @@ def _process_name(pid: int, titles: dict[int, str]) -> str:
 
 
 def _gpu_name(device: int) -> str:
-    return "GPU ?" if device == DEVICE_UNKNOWN else f"GPU {device}"
+    return f"GPU {device_label(device)}"
 
 
 def _capped(text: str, limit: int) -> str:

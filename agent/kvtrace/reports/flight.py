@@ -366,7 +366,7 @@ class FlightRecorder:
         writer = RecordingWriter.create(partial, header, exclusive=True)
         # Depths as they stand at the dump (the ring keeps no history of them): what reports read it at.
         encoder = FrameEncoder(self.session.stack, lambda pid: pending.end.processes.get(pid),
-                               depths_of=self.session.process_depths)
+                               depths_of=self.session.process_depths, native_of=self.session.native_caller)
         try:
             for frame in encoder.checkpoint(pending.start):
                 writer.write(frame)

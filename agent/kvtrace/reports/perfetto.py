@@ -41,7 +41,8 @@ from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any, BinaryIO
 
-from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventsLost, Kind, Layer, StackStatus
+from kvtrace.human import device_label
+from kvtrace.model.events import Event, EventsLost, Kind, Layer, StackStatus
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import Ledger, LedgerKey, Outstanding
 from kvtrace.model.stacks import Stack
@@ -316,7 +317,7 @@ class _TraceWriter:
         return self._track(("thread", event.pid, event.tid), describe)
 
     def _process_counter_track(self, pid: int, metric: str, device: int) -> int:
-        gpu = "GPU ?" if device == DEVICE_UNKNOWN else f"GPU {device}"
+        gpu = f"GPU {device_label(device)}"
         name = f"traced bytes {gpu}" if metric == _TRACED else f"torch block bytes {gpu}"
         return self._counter_track((metric, pid, device), name, self._process_track(pid))
 

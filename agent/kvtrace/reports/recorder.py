@@ -27,11 +27,11 @@ from kvtrace import __version__
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.depth import ProcessDepth
-from kvtrace.model.events import Event, EventsLost
+from kvtrace.model.events import Event, EventsLost, Kind
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerReadRefused, LedgerResynced, Outstanding
-from kvtrace.model.processes import ProcessInfo, TitleMatcher, TitlePattern
-from kvtrace.model.stacks import Stack
+from kvtrace.model.processes import ProcessInfo, TitleMatcher, TitlePattern, valid_text
+from kvtrace.model.stacks import NativeFrame, Stack
 from kvtrace.reports.recording import RecordingWriter
 from kvtrace.session import Session, SessionCheckpoint
 from kvtrace.wire import (
@@ -106,14 +106,19 @@ class FrameEncoder:
     """Model records -> frames of one recording: each stack is defined once, before the first
     allocation that uses it; each process is written before its first event, with its depth, and
     again whenever its depth changes (looked at once per second of the events' time, from `depths_of`:
-    the Session's process_depths)."""
+    the Session's process_depths). With `native_of` (the Session's native_caller), each native caller
+    address of a process is named once, before the first event or checkpoint entry that has it, as
+    the live agent names it: read back, the process and its libraries may be gone."""
 
     def __init__(self, stack_of: Callable[[int], Stack | None], process_of: Callable[[int], ProcessInfo | None],
                  wanted: ProcessFilter | None = None,
-                 depths_of: Callable[[], Mapping[int, ProcessDepth]] | None = None) -> None:
+                 depths_of: Callable[[], Mapping[int, ProcessDepth]] | None = None,
+                 native_of: Callable[[int, int], NativeFrame | None] | None = None) -> None:
         self._stack_of = stack_of
         self._process_of = process_of
         self._depths_of = depths_of
+        self._native_of = native_of
+        self._sent_callers: dict[int, set[int]] = {}  # pid -> caller addresses named
         self._depths: Mapping[int, ProcessDepth] = {}
         self._next_depth_check_ns = 0
         self._sent_stacks: set[int] = set()
@@ -127,6 +132,7 @@ class FrameEncoder:
         self._sent_stacks.clear()
         self._sent_processes.clear()
         self._sent_depths.clear()
+        self._sent_callers.clear()
 
     def checkpoint(self, checkpoint: SessionCheckpoint) -> Iterator[service_pb2.RecordingFrame]:
         wanted = self._wanted
@@ -138,6 +144,8 @@ class FrameEncoder:
             info = checkpoint.processes.get(entry.key.pid)
             yield from self._process(entry.key.pid, info)
             yield from self._stack(entry.stack_id)
+            if entry.caller_address:
+                yield from self._caller(entry.key.pid, entry.caller_address)
         for start in range(0, max(len(entries), 1), CHECKPOINT_FRAME_ENTRIES):
             part = entries[start:start + CHECKPOINT_FRAME_ENTRIES]
             yield service_pb2.RecordingFrame(checkpoint=service_pb2.RecordingCheckpoint(
@@ -152,6 +160,10 @@ class FrameEncoder:
                 yield from self.depth_changes()
             yield from self._process(record.pid, None, record)
             yield from self._stack(record.stack_id)
+            if record.caller_address:
+                yield from self._caller(record.pid, record.caller_address)
+            elif record.kind is Kind.PROCESS_EXIT:  # its pid may come back as another program
+                self._sent_callers.pop(record.pid, None)
             self.events_encoded += 1
             yield service_pb2.RecordingFrame(event=event_to_proto(record))
         elif type(record) is EventsLost:  # lost in the kernel's ring: the agent never saw them
@@ -196,6 +208,21 @@ class FrameEncoder:
             self._sent_depths[pid] = depth
             info = self._process_of(pid) or ProcessInfo(pid, title, "", "", "", 0.0, 0.0)
             yield service_pb2.RecordingFrame(process=recorded_process_to_proto(info, depth))
+
+    def _caller(self, pid: int, address: int) -> Iterator[service_pb2.RecordingFrame]:
+        if self._native_of is None:
+            return
+        sent = self._sent_callers.get(pid)
+        if sent is None:
+            sent = self._sent_callers[pid] = set()
+        elif address in sent:
+            return
+        sent.add(address)
+        frame = self._native_of(pid, address)
+        if frame is not None and frame.module:  # no module: the agent knew no more than the address
+            yield service_pb2.RecordingFrame(native_caller=service_pb2.NativeCallerName(
+                pid=pid, address=address, frame=service_pb2.NativeFrame(
+                    module=valid_text(frame.module), symbol=valid_text(frame.symbol), offset=frame.offset)))
 
     def _stack(self, stack_id: int) -> Iterator[service_pb2.RecordingFrame]:
         if not stack_id or stack_id in self._sent_stacks:
@@ -348,7 +375,8 @@ class FileRecorder:
         self.keep = keep
         self._leak_min_age_seconds = leak_min_age_seconds
         self._queue = RecordQueue(session)
-        self._encoder = FrameEncoder(session.stack, session.process, depths_of=session.process_depths)
+        self._encoder = FrameEncoder(session.stack, session.process, depths_of=session.process_depths,
+                                     native_of=session.native_caller)
         self._writer: RecordingWriter | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

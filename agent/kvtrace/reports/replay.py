@@ -2,8 +2,8 @@
 the agent's own Session and Analyzer.
 
     recording ──decode_records──▶ Event, EventsLost, NvmlSample, RecordedCheckpoint, StackDefinition,
-                                  ProcessInfo (in the file's order)
-                   └──▶ replay(): Session.ingest (ledger, stacks, processes) ──▶ Analyzer
+                                  ProcessInfo, NativeCallerName (in the file's order)
+                   └──▶ replay(): Session.ingest (ledger, stacks, processes, native callers' names) ──▶ Analyzer
                    └──▶ read_records(): the same records for an export (reports/perfetto.py)
 
 `replay()` rebuilds the state at a time (`at_ns`; by default the end, which for a flight recorder's
@@ -25,7 +25,7 @@ from kvtrace.model.events import Event, EventsLost
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import Outstanding
 from kvtrace.model.processes import ProcessInfo, ProcessTable
-from kvtrace.model.stacks import Stack
+from kvtrace.model.stacks import NativeFrame, Stack
 from kvtrace.reports.recording import AtTime, RecordedCheckpoint, RecordingReader
 from kvtrace.session import Session
 from kvtrace.wire import (
@@ -43,6 +43,31 @@ PROGRESS_EVERY_FRAMES = 200_000
 
 
 @dataclass(frozen=True)
+class NativeCallerName:
+    """What the live agent named a native caller address of a process (recorded: the process and
+    its libraries may be gone when the file is read)."""
+
+    pid: int
+    address: int
+    frame: NativeFrame
+
+
+class RecordedNativeNames:
+    """The Session's NativeNames in a replay: the names the recording holds. A process's names are
+    kept after it exits (its events, read later, still name them); a later name for the same pid and
+    address (the pid reused) replaces the earlier."""
+
+    def __init__(self) -> None:
+        self.names: dict[tuple[int, int], NativeFrame] = {}
+
+    def symbolize(self, pid: int, address: int) -> NativeFrame:
+        return self.names.get((pid, address)) or NativeFrame("", "", address)
+
+    def forget(self, pid: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
 class StackDefinition:
     """A stack the records after it refer to by id (the agent's id, kept)."""
 
@@ -50,7 +75,8 @@ class StackDefinition:
     stack: Stack
 
 
-Recorded = Event | EventsLost | NvmlSample | RecordedCheckpoint | StackDefinition | ProcessInfo | ProcessDepth
+Recorded = (Event | EventsLost | NvmlSample | RecordedCheckpoint | StackDefinition | ProcessInfo | ProcessDepth
+            | NativeCallerName)
 TimedRecord = Event | EventsLost | NvmlSample | RecordedCheckpoint
 
 
@@ -95,6 +121,10 @@ def decode_records(reader: RecordingReader,
                 entries, titled = [], set()
         elif record == "nvml":
             yield nvml_from_proto(frame.nvml)
+        elif record == "native_caller":
+            named = frame.native_caller
+            yield NativeCallerName(named.pid, named.address,
+                                   NativeFrame(named.frame.module, named.frame.symbol, named.frame.offset))
         elif record == "process":
             yield recorded_process_from_proto(frame.process)
             if frame.process.HasField("depth"):
@@ -148,12 +178,13 @@ def replay(path: Path, at_ns: int | None = None,
     with RecordingReader.open(path) as reader:
         header = reader.header
         clock = RecordedClock(header.start_time_ns)
-        session = Session(ProcessTable())
+        native_names = RecordedNativeNames()
+        session = Session(ProcessTable(), native_names)
         session.wall_clock_ns = clock
         session.monotonic_clock_ns = clock  # the recorded wall clock: series never see a step there
         session.started_wall_seconds = header.agent_start_time_ns / NS_PER_SECOND
         analyzer = Analyzer(session, AnalysisOptions(leak_min_age_seconds=header.leak_min_age_seconds or 60.0))
-        feeder = _Feeder(session, analyzer, clock)
+        feeder = _Feeder(session, analyzer, clock, native_names)
         stopped = False
         for record in decode_records(reader, on_progress):
             if type(record) is ProcessDepth and at_ns is not None and record.since_ns > at_ns:
@@ -185,8 +216,10 @@ def replay(path: Path, at_ns: int | None = None,
 class _Feeder:
     """Applies records to the Session in order, analysing once per recorded second."""
 
-    def __init__(self, session: Session, analyzer: Analyzer, clock: RecordedClock) -> None:
+    def __init__(self, session: Session, analyzer: Analyzer, clock: RecordedClock,
+                 native_names: RecordedNativeNames) -> None:
         self.session = session
+        self.native_names = native_names
         self.analyzer = analyzer
         self.clock = clock
         self.first_ns = 0
@@ -205,6 +238,8 @@ class _Feeder:
         elif type(record) is StackDefinition:
             with session.lock:
                 session.stacks.define(record.stack_id, record.stack)
+        elif type(record) is NativeCallerName:
+            self.native_names.names[(record.pid, record.address)] = record.frame
         elif type(record) is ProcessInfo:
             with session.lock:
                 if record.start_time or session.processes.cached(record.pid) is None:
@@ -275,8 +310,8 @@ def _define(record: Recorded, stream: RecordedStream) -> bool:
         stream.stacks[record.stack_id] = record.stack
     elif type(record) is ProcessInfo:
         stream.titles[record.pid] = record.title or record.comm
-    elif type(record) is ProcessDepth:
-        pass  # an export draws memory, not how closely it was traced
+    elif type(record) is ProcessDepth or type(record) is NativeCallerName:
+        pass  # an export draws memory, not how closely it was traced nor which native code called
     else:
         return False
     return True

@@ -17,7 +17,7 @@ from kvtrace.model.events import Api
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport
 from kvtrace.model.ledger import LedgerCounts, Outstanding
 from kvtrace.model.processes import ProcessInfo
-from kvtrace.model.stacks import Stack
+from kvtrace.model.stacks import NativeFrame, Stack
 
 if TYPE_CHECKING:
     from kvtrace.analysis.analyzer import AnalysisOptions
@@ -37,6 +37,10 @@ class AgentState(Protocol):
 
     def stack(self, stack_id: int) -> Stack | None:
         """The interned Python stack with this id, None if unknown."""
+        ...
+
+    def native_caller(self, pid: int, address: int) -> NativeFrame | None:
+        """(module, symbol, offset) of the native code at `address` in `pid`; None where nothing names it."""
         ...
 
     def processes_holding_memory(self) -> list[TrackedProcess]:

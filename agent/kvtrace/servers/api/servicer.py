@@ -241,7 +241,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             except LedgerReadRefused as refused:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the recording cannot start: {refused}")
             encoder = FrameEncoder(self._state.stack, self._state.process, wanted,
-                                   depths_of=self._state.process_depths)
+                                   depths_of=self._state.process_depths, native_of=self._state.native_caller)
             header = recording_header(self._state.started_wall_seconds,
                                       self._analysis.options.leak_min_age_seconds, checkpoint.timestamp_ns,
                                       wanted.describe(request.title_regex))

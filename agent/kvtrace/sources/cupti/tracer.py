@@ -69,6 +69,12 @@ EAGER_ENV = "KVTRACE_CUPTI_EAGER"  # "1": subscribe at start-up, not at torch's 
 STACK_FRAMES_ENV = "KVTRACE_CUPTI_STACK_FRAMES"
 STACK_BUDGET_ENV = "KVTRACE_CUPTI_STACK_BUDGET"
 BLOCKS_ENV = "KVTRACE_CUPTI_BLOCKS"  # "1": PyTorch's recorder on at CUDA's start, its blocks read at exit
+# "1": also say on stderr why CUPTI does not trace this process (`kvtrace run` towards the agent: the STATUS
+# goes to the agent's log, where the user running the program never looks). The first process to say it
+# sets it to "0", so that the processes it starts do not repeat it.
+TELL_ENV = "KVTRACE_CUPTI_TELL"
+# pyproject.toml's extras that bring cupti-python, by CUDA major version.
+CUPTI_EXTRAS = {13: "cupti13"}
 DEFAULT_STACK_FRAMES = 48
 MAX_STACK_FRAMES = 256  # a STACK message stays far below protocol.MAX_BODY_BYTES
 DEFAULT_STACK_BUDGET = 0.02  # share of wall time the stack walks may take
@@ -203,6 +209,7 @@ class Settings:
     stack_frames: int = DEFAULT_STACK_FRAMES
     stack_budget: float = DEFAULT_STACK_BUDGET
     blocks: bool = False  # KVTRACE_CUPTI_BLOCKS=1
+    tell: bool = False  # KVTRACE_CUPTI_TELL=1
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Settings | None:
@@ -215,6 +222,7 @@ class Settings:
         budget = _number(environ.get(STACK_BUDGET_ENV), float, DEFAULT_STACK_BUDGET)
         return cls(socket_path=path, enabled=environ.get(OPT_OUT_ENV, "1") != "0",
                    eager=environ.get(EAGER_ENV, "0") == "1", blocks=environ.get(BLOCKS_ENV, "0") == "1",
+                   tell=environ.get(TELL_ENV, "0") == "1",
                    stack_frames=min(max(frames, 0), MAX_STACK_FRAMES), stack_budget=max(budget, 0.0))
 
 
@@ -261,7 +269,7 @@ class Walk:
     truncated: bool
 
 
-class StackTable:
+class WalkTable:
     """Walks and interns the Python stacks of allocating calls; ids are this process's own, from 1. Every
     code object of an interned stack is kept alive, so that its id() in a key can never be another's."""
 
@@ -498,7 +506,7 @@ class CuptiTracer:
         self._lock = threading.Lock()  # the outbox, the stack table and the counters
         self._send_lock = threading.Lock()  # one send at a time, in queue order
         self._outbox = Outbox(pending_limit_bytes)
-        self._stacks = StackTable(settings.stack_frames, StackBudget(settings.stack_budget))
+        self._walks = WalkTable(settings.stack_frames, StackBudget(settings.stack_budget))
         self._connection: Connection | None = None
         self._cupti: Any = None
         self._cupti_version = ""
@@ -591,12 +599,12 @@ class CuptiTracer:
     def _import_cupti(self) -> Any:
         """cupti.cupti, or None after the STATUS that says what to install."""
         cuda_major, from_torch = _cuda_major_version()
-        wanted = f'pip install "cupti-python=={cuda_major}.*"' if cuda_major else \
-            'pip install "cupti-python==<the CUDA major version>.*"'
+        wanted = install_hint(cuda_major)
         try:
             from cupti import cupti  # type: ignore[import-not-found]
-        except ImportError as error:
-            self._refuse("unavailable", f"cupti-python is not installed ({error}): {wanted}")
+        except ImportError:
+            self._refuse("unavailable", f"CUPTI's Python package (cupti-python) is missing in {sys.executable}; "
+                                        f"{wanted}")
             return None
         except Exception as error:  # installed, but its libraries would not load
             self._refuse("unavailable", f"cupti-python failed to load ({error!r}): {wanted}")
@@ -644,9 +652,14 @@ class CuptiTracer:
                 pass
 
     def _refuse(self, state: str, reason: str, holder: str = "") -> None:
-        """Not tracing, and why: one STATUS, sent now. The connection stays open until the process ends."""
+        """Not tracing, and why: one STATUS, sent now. The connection stays open until the process ends.
+        With `tell` (towards the agent), the line `kvtrace run` writes of it for a recording goes to stderr
+        too, once per process tree (the user asked for tracing; "off" they asked for)."""
         self._queue_status(state, reason, holder)
         self._send_pending()
+        if self.settings.tell and state != "off" and os.environ.get(TELL_ENV) == "1":
+            os.environ[TELL_ENV] = "0"
+            sys.stderr.write(f"kvtrace run: {not_traced_line(os.getpid(), state, reason, holder)}\n")
 
     # -- CUPTI's callbacks --
 
@@ -676,16 +689,16 @@ class CuptiTracer:
         timestamp_ns = int(self._cupti.get_timestamp())
         with self._lock:  # the walk too: the budget and the counters stay exact across threads
             walk_started_ns = time.perf_counter_ns()
-            walk = self._stacks.walk(sys._getframe(1))
-            stack_id, stack_status, stack_message = self._stacks.intern(walk)
+            walk = self._walks.walk(sys._getframe(1))
+            stack_id, stack_status, stack_message = self._walks.intern(walk)
             if walk is not None:
-                self._stacks.spend(time.perf_counter_ns() - walk_started_ns)
+                self._walks.spend(time.perf_counter_ns() - walk_started_ns)
             record = protocol.CALL_RECORD.pack(int(api), result, correlation_id, threading.get_native_id(),
                                                stack_id, stack_status, device, address, size_bytes, handle,
                                                timestamp_ns)
             self._calls += 1
             if not self._outbox.add_call(stack_message, record) and stack_message is not None and walk is not None:
-                self._stacks.forget(walk)
+                self._walks.forget(walk)
 
     def _buffer_requested(self) -> tuple[int, int]:
         return ACTIVITY_BUFFER_BYTES, 0  # 0: as many records as fit
@@ -769,7 +782,7 @@ class CuptiTracer:
         with self._lock:
             rows = []
             for device, address, size_bytes, frames in live:
-                stack_id, stack_message = self._stacks.intern_frames(list(frames))
+                stack_id, stack_message = self._walks.intern_frames(list(frames))
                 if stack_message is not None:
                     self._outbox.add_message(protocol.STACK, stack_message)
                 rows.append([device, address, size_bytes, stack_id])
@@ -814,8 +827,8 @@ class CuptiTracer:
 
     def _counters(self) -> dict[str, int]:
         return {"calls": self._calls, "memory_records": self._memory_records, "pool_records": self._pool_records,
-                "stacks": self._stacks.stacks, "stacks_skipped": self._stacks.skipped,
-                "stack_walk_ns": self._stacks.walk_ns, "dropped": self._outbox.dropped + self._unsent,
+                "stacks": self._walks.stacks, "stacks_skipped": self._walks.skipped,
+                "stack_walk_ns": self._walks.walk_ns, "dropped": self._outbox.dropped + self._unsent,
                 "callback_errors": self._callback_errors, "blocks_read": self._blocks_read,
                 "blocks_read_ns": self._blocks_read_ns, "blocks_left_out": self._blocks_left_out}
 
@@ -986,6 +999,39 @@ def _cuda_major_version() -> tuple[int, bool]:
     if isinstance(cuda, str) and cuda.split(".")[0].isdigit():
         return int(cuda.split(".")[0]), True
     return _cuda_driver_version() // 1000, False
+
+
+def install_hint(cuda_major: int) -> str:
+    """What to install for CUPTI in the program's Python (it is that Python which imports it), for this CUDA
+    major version (0: unknown)."""
+    where = "install it into the program's Python"
+    extra = CUPTI_EXTRAS.get(cuda_major)
+    if extra:
+        return f"{where}: pip install 'kvtrace[{extra}]' (or \"cupti-python=={cuda_major}.*\")"
+    if cuda_major:
+        return f"{where}: pip install \"cupti-python=={cuda_major}.*\" (CUDA {cuda_major})"
+    extras = ", ".join(f"pip install 'kvtrace[{name}]' for CUDA {major}"
+                       for major, name in sorted(CUPTI_EXTRAS.items()))
+    return f"{where}: {extras}; for another CUDA major N, pip install \"cupti-python==N.*\""
+
+
+def not_traced_line(pid: int, state: str, reason: str, holder: str = "",
+                    escape: Callable[[str], str] | None = None) -> str:
+    """Why CUPTI does not trace a process, as `kvtrace run` says it (its summary; stderr towards the agent);
+    "" when it does. Text from the process goes through `escape` (kvtrace.human.printable in the CLI)."""
+    escape = escape or _printable
+    reason_text = f" ({escape(reason)})" if reason else ""
+    if state == "held":
+        return f"pid {pid}: CUPTI held by {escape(holder or 'another subscriber')}{reason_text}: not traced"
+    if state in ("unavailable", "off"):
+        return f"pid {pid}: CUPTI {state}{reason_text}: not traced"
+    return ""
+
+
+def _printable(text: str) -> str:
+    """kvtrace.human.printable's escaping, in the standard library only (this module runs in the program)."""
+    return "".join(char if char.isprintable() else f"\\x{ord(char):02x}" if ord(char) < 0x100
+                   else f"\\u{ord(char):04x}" for char in text)
 
 
 def _version_mismatch(cupti_version: str, cuda_major: int, from_torch: bool) -> str:

@@ -706,16 +706,28 @@ class FlightTrigger(_message.Message):
     def __init__(self, kind: _Optional[_Union[FlightTriggerKind, str]] = ..., timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[int] = ..., reason: _Optional[str] = ..., window_seconds: _Optional[float] = ...) -> None: ...
 
 class RecordingFrame(_message.Message):
-    __slots__ = ("event", "checkpoint", "nvml", "process")
+    __slots__ = ("event", "checkpoint", "nvml", "process", "native_caller")
     EVENT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     NVML_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_CALLER_FIELD_NUMBER: _ClassVar[int]
     event: _events_pb2.Event
     checkpoint: RecordingCheckpoint
     nvml: NvmlRound
     process: RecordedProcess
-    def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., checkpoint: _Optional[_Union[RecordingCheckpoint, _Mapping]] = ..., nvml: _Optional[_Union[NvmlRound, _Mapping]] = ..., process: _Optional[_Union[RecordedProcess, _Mapping]] = ...) -> None: ...
+    native_caller: NativeCallerName
+    def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., checkpoint: _Optional[_Union[RecordingCheckpoint, _Mapping]] = ..., nvml: _Optional[_Union[NvmlRound, _Mapping]] = ..., process: _Optional[_Union[RecordedProcess, _Mapping]] = ..., native_caller: _Optional[_Union[NativeCallerName, _Mapping]] = ...) -> None: ...
+
+class NativeCallerName(_message.Message):
+    __slots__ = ("pid", "address", "frame")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    address: int
+    frame: NativeFrame
+    def __init__(self, pid: _Optional[int] = ..., address: _Optional[int] = ..., frame: _Optional[_Union[NativeFrame, _Mapping]] = ...) -> None: ...
 
 class RecordingCheckpoint(_message.Message):
     __slots__ = ("timestamp_ns", "allocations", "last")
