@@ -450,6 +450,18 @@ class Session:
         with self.lock:
             return self.stacks.intern(stack)
 
+    def define_stack(self, stack_id: int, stack: Stack) -> None:
+        """A stack under the id another Session gave it (a recording's: replay keeps its ids)."""
+        with self.lock:
+            self.stacks.define(stack_id, stack)
+
+    def remember_process(self, info: ProcessInfo) -> None:
+        """Who a process was, as a recording says: kept unless what is known came from a later record that had
+        its start time and this one has none."""
+        with self.lock:
+            if info.start_time or self.processes.cached(info.pid) is None:
+                self.processes.remember(info)
+
     def resync(self, entries: Iterable[Outstanding], counted: bool = True) -> None:
         """Replaces the outstanding set with an exact copy (a source's kernel ledger, after loss; a
         recording's checkpoint, which is no resync of this Session's: not `counted`)."""

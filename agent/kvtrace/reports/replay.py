@@ -236,14 +236,11 @@ class _Feeder:
             session.resync(record.entries, counted=False)  # not a resync of this Session's
             self.started = True
         elif type(record) is StackDefinition:
-            with session.lock:
-                session.stacks.define(record.stack_id, record.stack)
+            session.define_stack(record.stack_id, record.stack)
         elif type(record) is NativeCallerName:
             self.native_names.names[(record.pid, record.address)] = record.frame
         elif type(record) is ProcessInfo:
-            with session.lock:
-                if record.start_time or session.processes.cached(record.pid) is None:
-                    session.processes.remember(record)
+            session.remember_process(record)
         elif type(record) is ProcessDepth:
             self._depths[record.pid] = record
             session.set_process_depths(self._depths)
