@@ -10,9 +10,9 @@ from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import TotalsKey
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.discovery import FileId, Target
 from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull, ProbeSettings, RingReader
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
-from kvtrace.sources.discovery import FileId, Target
 
 GONE_PID = 4194999  # above the largest pid_max Linux allows: never a running process
 
@@ -868,7 +868,7 @@ class DepthProbes(CountingProbes):
 
 def _depth_source(probes, pids=()):
     from kvtrace.model.depth import BlocksMode
-    from kvtrace.sources.discovery import FileId, Target
+    from kvtrace.sources.bpf.discovery import FileId, Target
 
     source = BpfSource(Session(), BpfOptions(blocks=BlocksMode.AUTO, pids=set(pids)))
     source.probes = probes

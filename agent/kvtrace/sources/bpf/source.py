@@ -40,6 +40,7 @@ from kvtrace.sources.bpf.decode import (
     event_run,
     stacks_in_chunk,
 )
+from kvtrace.sources.bpf.discovery import Discovery, FileId, Target, same_file
 from kvtrace.sources.bpf.loader import (
     POLL_BUDGET_EVENTS,
     BpfProbes,
@@ -49,7 +50,6 @@ from kvtrace.sources.bpf.loader import (
     TorchProbesRefused,
     return_freed_heap,
 )
-from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
 from kvtrace.sources.python.runtime import NoPython, PythonTarget, inspect_python
 from kvtrace.sources.python.symbolize import Symbolizer
 
