@@ -59,3 +59,17 @@ def test_neighbours_that_must_not_know_each_other():
                 for a, b in APART for x, y in ((a, b), (b, a))
                 if (source == x or source.startswith(x + ".")) and (target == y or target.startswith(y + "."))]
     assert crossing == []
+
+
+def test_the_bpf_wing_is_below_the_rest_of_sources_and_its_parts_below_its_source():
+    """Inside sources/: the shared readers (procfs, elf, python/, ...) never import the BPF wing (discovery and
+    usdt live in it), and the BPF source's parts (targets, stack naming, selection) are handed what they need
+    rather than importing the source that makes them."""
+    bpf = "kvtrace.sources.bpf"
+    upward = [f"{source} imports {target}" for source, target in imports()
+              if source.startswith("kvtrace.sources.") and not source.startswith(bpf + ".")
+              and (target == bpf or target.startswith(bpf + "."))]
+    parts = ("targets", "stack_names", "selection")
+    circular = [f"{source} imports {target}" for source, target in imports()
+                if source in {f"{bpf}.{part}" for part in parts} and target == f"{bpf}.source"]
+    assert upward == [] and circular == []
