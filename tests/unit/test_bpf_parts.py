@@ -1,9 +1,12 @@
 """The BPF source's parts, each with a small stand-in for the probes it touches: the selection tells the
 probes' pid filter, stack naming keeps and forgets what it learnt of a process, the attach targets forget
 a process's CUDA start."""
+import re
+
 from kvtrace.session import Session
 from kvtrace.sources.bpf.discovery import Discovery
 from kvtrace.sources.bpf.selection import Selection
+from kvtrace.sources.bpf.source import BpfOptions
 from kvtrace.sources.bpf.stack_names import StackNames
 from kvtrace.sources.bpf.targets import AttachPolicy, Targets
 from kvtrace.sources.python.runtime import NoPython
@@ -34,14 +37,18 @@ class TellingProbes:
 
 def test_a_process_chosen_later_turns_the_filter_on_and_is_followed_alone():
     probes = TellingProbes()
-    chosen: set[int] = set()
-    selection = Selection(probes, chosen)
+    options = BpfOptions()
+    selection = Selection(probes, options)
     assert not selection.filtering and selection.follows(7)
     selection.choose(7)
-    assert chosen == {7} and selection.filtering and selection.chosen_only
+    assert options.pids == {7} and selection.filtering and selection.chosen_only
     assert selection.follows(7) and not selection.follows(8)
     assert probes.told == [("filter", True), ("select", 7)]
-    assert Selection(probes, set(), only_selected=True).filtering
+    assert Selection(probes, BpfOptions(only_selected=True)).filtering
+    # a title to match, set on a running source, filters at once (a match is looked for, not chosen)
+    titled = Selection(probes, options := BpfOptions())
+    options.cmdline = re.compile("vllm")
+    assert titled.filtering and not titled.chosen_only and titled.cmdline is options.cmdline
 
 
 def test_stack_naming_forgets_a_process_runtime_and_names_nothing_without_one():
@@ -59,7 +66,7 @@ def test_a_process_whose_cuda_started_unseen_is_forgotten_with_its_device():
     probes = TellingProbes()
     session = Session()
     names = StackNames(probes, session)
-    targets = Targets(probes, session, Discovery(), Selection(probes, set()), names, AttachPolicy())
+    targets = Targets(probes, session, Discovery(), Selection(probes, BpfOptions()), names, AttachPolicy())
     targets.late_device.update({7: -1, 8: None})  # 7: device unknown (told the probes); 8: device 0
     targets.forget_cuda_start(7)
     targets.forget_cuda_start(8)

@@ -363,7 +363,7 @@ def _library(number: int, pid: int) -> Target:
 def _targets(probes, pids=(), **policy) -> tuple[Session, Targets]:
     """Attach targets as BpfSource makes them, following every process or the chosen `pids`."""
     session = Session()
-    selection = Selection(probes, set(pids))
+    selection = Selection(probes, BpfOptions(pids=set(pids)))
     selection.pids.update(pids)
     return session, Targets(probes, session, Discovery(), selection, StackNames(probes, session),
                             AttachPolicy(**policy))

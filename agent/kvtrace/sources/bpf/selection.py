@@ -8,27 +8,39 @@ it at construction, so none calls back into the source.
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 from kvtrace.sources.bpf.loader import BpfProbes
 
 
+class Choice(Protocol):
+    """What the operator chose (BpfOptions' fields), read as it is now: a test may change --cmdline on a
+    running source."""
+
+    pids: set[int]  # -p's pids and follow()'s: they stay chosen after exit
+    cmdline: re.Pattern | None
+    only_selected: bool  # only pids chosen later, with follow()
+
+
 class Selection:
-    def __init__(self, probes: BpfProbes, chosen: set[int], cmdline: re.Pattern | None = None,
-                 only_selected: bool = False) -> None:
+    def __init__(self, probes: BpfProbes, choice: Choice) -> None:
         self._probes = probes
-        self.chosen = chosen  # -p's pids and follow()'s (the options' own set: they stay chosen after exit)
-        self.cmdline = cmdline
-        self.only_selected = only_selected  # only pids chosen later, with follow()
+        self._choice = choice
         self.pids: set[int] = set()  # followed now, as the probes' filter holds them
 
     @property
+    def cmdline(self) -> re.Pattern | None:
+        return self._choice.cmdline
+
+    @property
     def filtering(self) -> bool:
-        return bool(self.chosen) or self.cmdline is not None or self.only_selected
+        choice = self._choice
+        return bool(choice.pids) or choice.cmdline is not None or choice.only_selected
 
     @property
     def chosen_only(self) -> bool:
         """Following chosen processes: nobody else is looked at (a --cmdline match is found by looking)."""
-        return self.only_selected or bool(self.chosen)
+        return self._choice.only_selected or bool(self._choice.pids)
 
     def follows(self, pid: int) -> bool:
         """Whether the probes trace `pid` (every process, or one of those chosen)."""
@@ -36,7 +48,7 @@ class Selection:
 
     def choose(self, pid: int) -> None:
         """Chooses `pid` for good (follow()): the probes filter from now, if they did not."""
-        self.chosen.add(pid)
+        self._choice.pids.add(pid)
         self._probes.set_filter(True)
         self.select(pid)
 

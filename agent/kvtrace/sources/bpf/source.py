@@ -177,7 +177,7 @@ class BpfSource:
         if probes is None:
             return  # (the parts stay readable after stop, as what they found)
         options = self.options
-        self.selection = Selection(probes, options.pids, options.cmdline, options.only_selected)
+        self.selection = Selection(probes, options)
         self.stack_names = StackNames(probes, self.session)
         # Following pids chosen at start (-p): probes go on those processes only, so that the others
         # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
