@@ -88,7 +88,7 @@ def start_workers(names: list[str], new_tokens: int) -> dict[str, TorchWorker]:
 def attach_empty_probes(pids: list[int]):
     """Empty entry/return probes on every function kvtrace would probe in each process's libraries,
     for that process only."""
-    from kvtrace.sources.discovery import Discovery
+    from kvtrace.sources.bpf.discovery import Discovery
 
     points = [(target.path, symbol, pid) for pid in pids
               for target in Discovery().scan_pid(pid) for symbol in target.symbols]

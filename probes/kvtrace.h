@@ -206,7 +206,7 @@ struct kvt_stack {
 };
 
 /* A USDT probe site, registered by user space under the link cookie that reaches the probe: what the
- * site is and where each argument is (sources/usdt.py parses the note's operands). */
+ * site is and where each argument is (sources/bpf/usdt.py parses the note's operands). */
 #define KVT_USDT_MAX_ARGS 4
 #define KVT_USDT_ARG_NONE     0
 #define KVT_USDT_ARG_CONSTANT 1 /* value = displacement */

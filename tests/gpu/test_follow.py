@@ -55,7 +55,7 @@ def test_agents_beside_empty_probes_and_each_other_see_every_pair(torch_worker, 
     # GIVEN three running torch processes, the first with empty bcc probes (perf-event uprobes, for
     # its pid) on every function kvtrace probes, as in the overhead benchmark
     from benchlib import empty_probes
-    from kvtrace.sources.discovery import Discovery
+    from kvtrace.sources.bpf.discovery import Discovery
 
     workers = [torch_worker() for _ in range(3)]
     for worker in workers:

@@ -17,7 +17,7 @@ from cuda_stubs import Workload
 from harness import TracingHarness, require_tracing_here
 from kvtrace.model.depth import BlocksMode, Depth
 from kvtrace.model.events import Api, Kind, Layer, ObjectKind
-from kvtrace.sources.discovery import FileId
+from kvtrace.sources.bpf.discovery import FileId
 from test_torch_blocks import FREES, MALLOCS, manifest_parts
 from torch_stubs import BLOCKS_SEGMENTS, build_torch_stub
 

@@ -17,7 +17,7 @@ from harness import TracingHarness, require_tracing_here
 from kvtrace.model.blocks import fragmentation, segments_of
 from kvtrace.model.events import Api, Kind, Layer, ObjectKind
 from kvtrace.model.ledger import Ledger, TotalsKey
-from kvtrace.sources.discovery import FileId
+from kvtrace.sources.bpf.discovery import FileId
 from torch_stubs import (
     BLOCKS_DEVICE0_FREES,
     BLOCKS_DEVICE0_MALLOCS,

@@ -10,10 +10,13 @@ from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import TotalsKey
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
+from kvtrace.sources.bpf.discovery import Discovery, FileId, Target
 from kvtrace.sources.bpf.kernel_ledger import KernelLedger
 from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull, ProbeSettings, RingReader
+from kvtrace.sources.bpf.selection import Selection
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
-from kvtrace.sources.discovery import FileId, Target
+from kvtrace.sources.bpf.stack_names import StackNames
+from kvtrace.sources.bpf.targets import AttachPolicy, Targets
 
 GONE_PID = 4194999  # above the largest pid_max Linux allows: never a running process
 
@@ -182,8 +185,8 @@ def test_a_chosen_process_whose_exit_the_probes_reported_is_left_to_that_event(m
     alive = {GONE_PID: True}
     monkeypatch.setattr(source_module.psutil, "pid_exists", lambda pid: alive.get(pid, False))
     tracer = BpfSource(Session(), BpfOptions(pids={GONE_PID}, tracked_read_seconds=3600))
-    tracer._selected.add(GONE_PID)
     probes = tracer.probes = TrackedProbes({GONE_PID})
+    tracer._selected.add(GONE_PID)
     tracer.sweep_exited()
     probes.tracked.clear()  # the probes sent its exit and untracked it
     alive[GONE_PID] = False
@@ -259,90 +262,12 @@ def test_an_event_that_cannot_be_decoded_is_counted_told_as_lost_and_resyncs():
     assert tracer.probes.ledger_reads == 1 and session.ledger.pids() == set()
 
 
-class UnreadableProbes(CountingProbes):
-    def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
-        raise LibraryUnreadable(f"cannot read the function offsets of {path}")
+class LibraryProbes:
+    """What the attach targets ask of BpfProbes: libraries attached and detached by key, `quota` at most."""
 
-
-def test_a_library_that_cannot_be_attached_is_refused_and_the_agent_goes_on():
-    session = Session()
-    tracer = BpfSource(session, BpfOptions())
-    tracer.probes = UnreadableProbes()
-    target = Target(FileId(1, 2), "/opt/lib/libcudart.so.12", ("cudaMalloc",))
-    tracer._attach(target)
-    assert tracer.refused[target.path] == "attaching failed: cannot read the function offsets of " + target.path
-    assert target.file_id not in tracer._attached_targets  # not kept as attached, not tried per pid
-    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
-    assert not status.up
-
-
-class HalfAttachingProbes(CountingProbes):
-    """The kernel refuses one function's probes (another tracer's probe there names a different
-    semaphore: ref_ctr_offset mismatch, EINVAL) and takes the others."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: set[int] = set()
-
-    def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
-        self.live.add(pid)
-        if pid != 4000:  # another process's probes go in whole
-            self.refused_symbols = {}
-            return list(symbols)
-        self.refused_symbols = {"cudaMalloc": "cannot attach a uprobe_multi link: EINVAL"}
-        return [symbol for symbol in symbols if symbol != "cudaMalloc"]
-
-    def attached_pids(self, path: str) -> set[int]:
-        return set(self.live)
-
-    def torch_attached_pids(self, key) -> set[int]:
-        return set()
-
-
-def test_functions_the_kernel_refused_make_the_library_unhealthy_by_name():
-    # GIVEN a library whose cudaMalloc the kernel refuses to probe for pid 4000
-    session = Session()
-    tracer = BpfSource(session, BpfOptions(pids={4000}))
-    tracer.probes = HalfAttachingProbes()
-    tracer._per_pid_attach = True
-    tracer._selected.add(4000)
-    target = Target(FileId(1, 2), "/opt/lib/libcudart.so.12", ("cudaMalloc", "cudaFree", "cudaMallocHost"))
-    # WHEN it is attached
-    tracer._attach(target)
-    # THEN the library stays attached (two of three functions are probed), and its health says which
-    # function is blind, for whom and why, where `kvtrace doctor` and GetAgentInfo read it
-    assert target.file_id in tracer._attached_targets
-    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
-    assert not status.up
-    assert status.reason == ("1 of 3 functions not probed for pid 4000, e.g. cudaMalloc: "
-                             "cannot attach a uprobe_multi link: EINVAL")
-    # AND once the library goes in whole (for another process, or again), it is healthy again
-    tracer._attach_for(target, 4001)
-    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
-    assert status.up
-
-
-def _entry(pid: int, obj: int, address: int, size_bytes: int):
-    key = abi.RawLedgerKey(pid=pid, layer=Layer.DRIVER.value, object=obj, address=address)
-    value = abi.RawLedgerValue(size_bytes=size_bytes, timestamp_ns=1, api=Api.cuMemAlloc_v2.value,
-                               memory=Memory.DEVICE.value, device=0)
-    return key, value
-
-
-def test_a_ledger_entry_that_cannot_be_decoded_is_left_out_of_the_resync_alone():
-    good = _entry(4000, ObjectKind.ALLOCATION.value, 0x1000, 4096)
-    bad = _entry(4000, 200, 0x2000, 8192)  # no such object kind
-    tracer = BpfSource(Session(), BpfOptions())
-    tracer.probes = CountingProbes([bad, good])
-    tracer.resync()
-    assert [(e.key.address, e.size_bytes) for e in tracer.session.outstanding()] == [(0x1000, 4096)]
-
-
-class LibraryProbes(CountingProbes):
-    """Attaches and detaches libraries by key, as BpfProbes does; `quota` libraries at most."""
+    refused_symbols: dict[str, str] = {}
 
     def __init__(self, quota: int | None = None) -> None:
-        super().__init__()
         self.live: dict = {}
         self.detached: list = []
         self.quota = quota
@@ -368,55 +293,122 @@ class LibraryProbes(CountingProbes):
         return 0.0
 
 
+class UnreadableProbes(LibraryProbes):
+    def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
+        raise LibraryUnreadable(f"cannot read the function offsets of {path}")
+
+
+def test_a_library_that_cannot_be_attached_is_refused_and_the_agent_goes_on():
+    session, targets = _targets(UnreadableProbes())
+    target = Target(FileId(1, 2), "/opt/lib/libcudart.so.12", ("cudaMalloc",))
+    targets.attach(target)
+    assert targets.refused[target.path] == "attaching failed: cannot read the function offsets of " + target.path
+    assert target.file_id not in targets.attached  # not kept as attached, not tried per pid
+    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
+    assert not status.up
+
+
+class HalfAttachingProbes(LibraryProbes):
+    """The kernel refuses one function's probes (another tracer's probe there names a different
+    semaphore: ref_ctr_offset mismatch, EINVAL) and takes the others."""
+
+    def attach(self, path: str, symbols, pid: int = -1, key=None) -> list[str]:
+        super().attach(path, symbols, pid, key)
+        if pid != 4000:  # another process's probes go in whole
+            self.refused_symbols = {}
+            return list(symbols)
+        self.refused_symbols = {"cudaMalloc": "cannot attach a uprobe_multi link: EINVAL"}
+        return [symbol for symbol in symbols if symbol != "cudaMalloc"]
+
+
+def test_functions_the_kernel_refused_make_the_library_unhealthy_by_name():
+    # GIVEN a library whose cudaMalloc the kernel refuses to probe for pid 4000 (-p 4000: probes of its own)
+    session, targets = _targets(HalfAttachingProbes(), pids={4000}, per_pid=True)
+    target = Target(FileId(1, 2), "/opt/lib/libcudart.so.12", ("cudaMalloc", "cudaFree", "cudaMallocHost"))
+    # WHEN it is attached
+    targets.attach(target)
+    # THEN the library stays attached (two of three functions are probed), and its health says which
+    # function is blind, for whom and why, where `kvtrace doctor` and GetAgentInfo read it
+    assert target.file_id in targets.attached
+    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
+    assert not status.up
+    assert status.reason == ("1 of 3 functions not probed for pid 4000, e.g. cudaMalloc: "
+                             "cannot attach a uprobe_multi link: EINVAL")
+    # AND once the library goes in whole (for another process, or again), it is healthy again
+    targets._attach_for(target, 4001)
+    (status,) = [c for c in session.components() if c.name == f"attach:{target.path}"]
+    assert status.up
+
+
+def _entry(pid: int, obj: int, address: int, size_bytes: int):
+    key = abi.RawLedgerKey(pid=pid, layer=Layer.DRIVER.value, object=obj, address=address)
+    value = abi.RawLedgerValue(size_bytes=size_bytes, timestamp_ns=1, api=Api.cuMemAlloc_v2.value,
+                               memory=Memory.DEVICE.value, device=0)
+    return key, value
+
+
+def test_a_ledger_entry_that_cannot_be_decoded_is_left_out_of_the_resync_alone():
+    good = _entry(4000, ObjectKind.ALLOCATION.value, 0x1000, 4096)
+    bad = _entry(4000, 200, 0x2000, 8192)  # no such object kind
+    tracer = BpfSource(Session(), BpfOptions())
+    tracer.probes = CountingProbes([bad, good])
+    tracer.resync()
+    assert [(e.key.address, e.size_bytes) for e in tracer.session.outstanding()] == [(0x1000, 4096)]
+
+
 def _library(number: int, pid: int) -> Target:
     target = Target(FileId(1, number), f"/home/u/copy{number}/libcudart.so.12", ("cudaMalloc",))
     target.pids.add(pid)
     return target
 
 
-def _sourced(probes, **options) -> tuple[Session, BpfSource]:
+def _targets(probes, pids=(), **policy) -> tuple[Session, Targets]:
+    """Attach targets as BpfSource makes them, following every process or the chosen `pids`."""
     session = Session()
-    tracer = BpfSource(session, BpfOptions(**options))
-    tracer.probes = probes
-    return session, tracer
+    selection = Selection(probes, BpfOptions(pids=set(pids)))
+    selection.pids.update(pids)
+    return session, Targets(probes, session, Discovery(), selection, StackNames(probes, session),
+                            AttachPolicy(**policy))
 
 
 def test_a_library_replaced_at_the_same_path_is_attached_again():
     # GIVEN libcudart attached, then replaced in place (pip install -U: a new inode at that path)
     probes = LibraryProbes()
-    _, tracer = _sourced(probes)
+    _, targets = _targets(probes)
     old, new = _library(7, GONE_PID), _library(7, GONE_PID)
     new.file_id = FileId(1, 8)
-    tracer._attach(old)
+    targets.attach(old)
     # WHEN a process maps the new file
-    tracer._attach(new)
+    targets.attach(new)
     # THEN both files have probes: attachments are per (device, inode), not per path
     assert set(probes.live) == {FileId(1, 7), FileId(1, 8)}
 
 
 def test_libraries_beyond_the_limit_wait_and_unused_ones_make_room():
-    # GIVEN a limit of 3 libraries, all three mapped by a live process (this one)
+    # GIVEN a source with a limit of 3 libraries, all three mapped by a live process (this one)
     probes = LibraryProbes()
-    session, tracer = _sourced(probes, max_libraries=3)
+    session = Session()
+    tracer = BpfSource(session, BpfOptions(max_libraries=3))
+    tracer.probes = probes
+    targets = tracer.targets
     me = os.getpid()
     for number in range(3):
-        tracer._attach(_library(number, me))
+        targets.attach(_library(number, me))
     # WHEN a fourth arrives
     waiting = _library(3, me)
-    tracer.discovery.targets[waiting.file_id] = waiting
-    tracer._attach(waiting)
+    targets.discovery.targets[waiting.file_id] = waiting
+    targets.attach(waiting)
     # THEN it is refused for now: counted, named by the libraries component, found again later
-    assert FileId(1, 3) not in probes.live and tracer.libraries_refused == 1
-    assert waiting.file_id not in tracer.discovery.targets  # the next scan finds it again
+    assert FileId(1, 3) not in probes.live and targets.libraries_refused == 1
+    assert waiting.file_id not in targets.discovery.targets  # the next scan finds it again
     tracer._report(dict.fromkeys(abi.COUNTERS, 0))
     (status,) = [c for c in session.components() if c.name == "libraries"]
     assert not status.up and "copy3" in status.reason
     assert session.counters()["libraries_refused"] == 1 and session.counters()["libraries_attached"] == 3
     # WHEN the process of library 0 exits, and the fourth is found again
-    tracer._attached_targets[FileId(1, 0)].pids = {GONE_PID}
-    tracer.full_scan = lambda: None
-    tracer._over_limit.clear()
-    tracer._attach(waiting)
+    targets.attached[FileId(1, 0)].pids = {GONE_PID}
+    targets.over_limit.clear()
+    targets.attach(waiting)
     # THEN the unused library made room at once, and the fourth is attached
     assert probes.detached == [FileId(1, 0)] and FileId(1, 3) in probes.live
     tracer._report(dict.fromkeys(abi.COUNTERS, 0))
@@ -426,28 +418,28 @@ def test_libraries_beyond_the_limit_wait_and_unused_ones_make_room():
 
 def test_a_library_nobody_maps_loses_its_probes_after_the_idle_time():
     probes = LibraryProbes()
-    _, tracer = _sourced(probes, detach_idle_seconds=60)
-    tracer._attach(_library(1, GONE_PID))
-    tracer._detach_unused(now=1000.0)
+    _, targets = _targets(probes, detach_idle_seconds=60)
+    targets.attach(_library(1, GONE_PID))
+    targets.detach_unused(now=1000.0)
     assert probes.detached == []  # idle from now on
-    tracer._detach_unused(now=1059.0)
+    targets.detach_unused(now=1059.0)
     assert probes.detached == []
-    tracer._detach_unused(now=1060.0)
-    assert probes.detached == [FileId(1, 1)] and tracer.libraries_detached == 1
-    assert FileId(1, 1) not in tracer.discovery.targets  # mapped again later: attached again
+    targets.detach_unused(now=1060.0)
+    assert probes.detached == [FileId(1, 1)] and targets.libraries_detached == 1
+    assert FileId(1, 1) not in targets.discovery.targets  # mapped again later: attached again
 
 
 def test_bccs_probe_quota_makes_a_library_wait_not_fail_for_good():
     # GIVEN perf-event uprobes whose quota takes one library
     probes = LibraryProbes(quota=1)
-    _, tracer = _sourced(probes)
+    _, targets = _targets(probes)
     me = os.getpid()
-    tracer._attach(_library(1, me))
+    targets.attach(_library(1, me))
     second = _library(2, me)
-    tracer._attach(second)
+    targets.attach(second)
     # THEN the second waits (not refused for good, as a broken file is)
-    assert second.path not in tracer.refused and tracer.libraries_refused == 1
-    assert FileId(1, 2) in tracer._over_limit
+    assert second.path not in targets.refused and targets.libraries_refused == 1
+    assert FileId(1, 2) in targets.over_limit
 
 
 def test_task_storage_is_chosen_from_kernel_6_2_with_btf(tmp_path):
@@ -870,15 +862,14 @@ class DepthProbes(CountingProbes):
 
 def _depth_source(probes, pids=()):
     from kvtrace.model.depth import BlocksMode
-    from kvtrace.sources.discovery import FileId, Target
 
     source = BpfSource(Session(), BpfOptions(blocks=BlocksMode.AUTO, pids=set(pids)))
     source.probes = probes
-    source._selected = set(pids)  # as start() selects them
+    source.selection.pids.update(pids)  # as start() selects them
     torch_library = Target(FileId(1, 10), "/lib/libc10_cuda.so", (), {7, 8, 9}, torch_probes=("malloc-site",))
     cuda_library = Target(FileId(1, 11), "/lib/libcudart.so", ("cudaMalloc",), {7, 8, 9, 12})
-    source._attached_targets = {torch_library.file_id: torch_library, cuda_library.file_id: cuda_library}
-    source.discovery.targets = dict(source._attached_targets)
+    source.targets.attached = {torch_library.file_id: torch_library, cuda_library.file_id: cuda_library}
+    source.discovery.targets = dict(source.targets.attached)
     return source, torch_library.file_id
 
 
@@ -899,10 +890,10 @@ def test_who_can_be_raised_and_what_a_refusal_leaves():
     source.set_block_depths({7: Depth.BLOCKS, 8: Depth.FULL})
     assert probes.links[library] == {7}  # not tried again while 8 lives
     source._forget_process(8)
-    source._attached_targets[library].pids.add(8)  # a new process 8 maps it (a rescan found it)
+    source.targets.attached[library].pids.add(8)  # a new process 8 maps it (a rescan found it)
     source.set_block_depths({7: Depth.BLOCKS, 8: Depth.FULL})
     assert probes.links[library] == {7, 8}
-    source._torch_refused.add((library, -1))
+    source.targets.torch_refused.add((library, -1))
     assert source.deepenable_pids() == set()
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtrace.sources import discovery as discovery_module
 from kvtrace.sources import procfs
-from kvtrace.sources.discovery import Discovery, FileId, executable_mappings
+from kvtrace.sources.bpf import discovery as discovery_module
+from kvtrace.sources.bpf.discovery import Discovery, FileId, executable_mappings
 
 
 def maps_line(start: int, perms: str, path: Path) -> str:

@@ -45,8 +45,8 @@ from kvtrace.servers.api.requests import (
 )
 from kvtrace.servers.api.servicer import AgentServicer
 from kvtrace.servers.hub import EventFilter, EventHub, Subscription
-from kvtrace.sources import elf, procfs, usdt
-from kvtrace.sources.bpf import abi
+from kvtrace.sources import elf, procfs
+from kvtrace.sources.bpf import abi, usdt
 from kvtrace.sources.bpf.decode import Clock, UndecodableRecord, decode_event, decode_ledger_entry
 from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
 from kvtrace.sources.python import runtime, symbolize

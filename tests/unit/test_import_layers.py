@@ -73,3 +73,17 @@ def test_the_api_package_imports_one_way():
                 and not (source in API_ORDER and target in API_ORDER
                          and API_ORDER.index(target) < API_ORDER.index(source))]
     assert backward == []
+
+
+def test_the_bpf_wing_is_below_the_rest_of_sources_and_its_parts_below_its_source():
+    """Inside sources/: the shared readers (procfs, elf, python/, ...) never import the BPF wing (discovery and
+    usdt live in it), and the BPF source's parts (targets, stack naming, selection) are handed what they need
+    rather than importing the source that makes them."""
+    bpf = "kvtrace.sources.bpf"
+    upward = [f"{source} imports {target}" for source, target in imports()
+              if source.startswith("kvtrace.sources.") and not source.startswith(bpf + ".")
+              and (target == bpf or target.startswith(bpf + "."))]
+    parts = ("targets", "stack_names", "selection")
+    circular = [f"{source} imports {target}" for source, target in imports()
+                if source in {f"{bpf}.{part}" for part in parts} and target == f"{bpf}.source"]
+    assert upward == [] and circular == []

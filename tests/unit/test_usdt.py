@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from kvtrace.sources.usdt import ArgumentKind, Register, UsdtArgument, parse_argument, parse_arguments, read_usdt_probes
+from kvtrace.sources.bpf.usdt import (
+    ArgumentKind,
+    Register,
+    UsdtArgument,
+    parse_argument,
+    parse_arguments,
+    read_usdt_probes,
+)
 
 # torch_stubs builds on cuda_stubs, which the integration tests import from their own directory.
 INTEGRATION_DIR = Path(__file__).resolve().parents[1] / "integration"

@@ -198,13 +198,13 @@ def process_findings(pid: int) -> list:
     """What the agent would attach to in `pid`, and whether it gets Python stacks (and why not)."""
     import platform
 
+    from kvtrace.sources.bpf.discovery import Discovery
     from kvtrace.sources.bpf.loader import torch_site
     from kvtrace.sources.bpf.preflight import (
         Finding,
         process_has_seccomp_filter,
         uretprobe_seccomp_risk,
     )
-    from kvtrace.sources.discovery import Discovery
     from kvtrace.sources.python.runtime import NoPython, inspect_python
 
     name = f"pid {pid}"

@@ -25,9 +25,9 @@ from kvtrace.model.events import Api
 from kvtrace.sources.bpf import abi, links
 from kvtrace.sources.bpf.btf import VMLINUX_BTF
 from kvtrace.sources.bpf.symbols import TORCH_PROGRAM, entry_function, return_function
+from kvtrace.sources.bpf.usdt import ArgumentKind, UsdtProbe
 from kvtrace.sources.elf import function_file_offsets
 from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK
-from kvtrace.sources.usdt import ArgumentKind, UsdtProbe
 
 log = logging.getLogger(__name__)
 

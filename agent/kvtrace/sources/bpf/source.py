@@ -5,14 +5,15 @@ symbolized, and the batch handed to `Session.ingest_many` in order) and does the
 keeps attach targets and the ledger right: rescans processes that exec'd or mapped code, drops
 processes that exited, and resyncs the Session's ledger from the kernel's exact copy after events
 were lost. It reports its health, counters and attached libraries to the Session as it goes.
+
+Its parts are handed the probes at start: which pids are followed (selection.py), stack naming
+(stack_names.py) and the attach policy (targets.py); what is left here is the loop, the intake, the
+pacing of housekeeping, the exit sweeps and the reports.
 """
 from __future__ import annotations
 
-import glob
 import logging
 import mmap
-import os
-import platform
 import re
 import threading
 import time
@@ -24,11 +25,8 @@ import psutil
 from kvtrace.model.agent import AttachedLibrary
 from kvtrace.model.depth import BlocksMode, Depth
 from kvtrace.model.events import DEVICE_UNKNOWN, Event, EventRun, EventsLost, Kind, ObjectKind, StackStatus
-from kvtrace.model.gpus import cuda_visible_count
 from kvtrace.model.ledger import DEFAULT_MAX_READ_ENTRIES, Outstanding
-from kvtrace.model.stacks import Stack
 from kvtrace.session import Session
-from kvtrace.sources import procfs
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import (
     Clock,
@@ -38,18 +36,19 @@ from kvtrace.sources.bpf.decode import (
     event_run,
     stacks_in_chunk,
 )
+from kvtrace.sources.bpf.discovery import Discovery
 from kvtrace.sources.bpf.kernel_ledger import COUNTED_OBJECT_VALUES, KernelLedger, delete_entries
 from kvtrace.sources.bpf.loader import (
     POLL_BUDGET_EVENTS,
     BpfProbes,
-    ProbeQuotaFull,
     ProbeSettings,
     RingReader,
-    TorchProbesRefused,
     return_freed_heap,
 )
-from kvtrace.sources.discovery import Discovery, FileId, Target, same_file
-from kvtrace.sources.python.runtime import NoPython, PythonTarget, inspect_python
+from kvtrace.sources.bpf.selection import Selection
+from kvtrace.sources.bpf.stack_names import StackNames
+from kvtrace.sources.bpf.targets import DEFAULT_PREATTACH_GLOBS, AttachPolicy, Targets
+from kvtrace.sources.python.runtime import NoPython, PythonTarget
 from kvtrace.sources.python.symbolize import Symbolizer
 
 log = logging.getLogger(__name__)
@@ -77,16 +76,6 @@ BUSY_TURN_SECONDS = 0.01
 # Records read since the C heap last gave back what was freed: at the first idle turn after this many
 # (one malloc_trim call), the burst's freed memory leaves the agent's RSS.
 TRIM_AFTER_RECORDS = 100_000
-
-# Where CUDA libraries usually live: attached at start so that a late dlopen (the driver is loaded
-# when CUDA initialises) is traced from its first call.
-DEFAULT_PREATTACH_GLOBS = (
-    "/usr/lib/x86_64-linux-gnu/libcuda.so.*",
-    "/usr/lib64/libcuda.so.*",
-    "/usr/local/nvidia/lib64/libcuda.so.*",
-    "/usr/lib/wsl/lib/libcuda.so.*",
-    "/usr/local/cuda*/lib64/libcudart.so.*",
-)
 
 
 @dataclass
@@ -138,34 +127,18 @@ class BpfSource:
         self.discovery = Discovery()
         self.clock = Clock(session.clock_offset_ns)
         self._probes_factory = probes_factory
-        self.probes: BpfProbes | None = None
-        self.refused: dict[str, str] = {}  # path -> why it was not attached
-        self.python: dict[int, PythonTarget | NoPython] = {}  # per traced pid
+        self._loaded: BpfProbes | None = None
         self.python_stacks_down = ""  # why there are no Python stacks at all, "" when up
         self.torch_blocks_down = ""  # why PyTorch's allocator probes are not traced, "" when they are
-        self.symbolizer = Symbolizer()
-        self._stack_ids: dict[int, int] = {}  # kernel stack hash -> interned stack id
-        self._stack_ids_by_pid: dict[int, set[int]] = {}
+        # The parts that use the probes, made when the probes are set (see `probes`).
+        self.selection: Selection
+        self.stack_names: StackNames
+        self.targets: Targets
         self._batch: list[Event | EventRun] = []  # decoded in this poll, ingested after it
         # Held while the loop polls and keeps house; follow() takes it from other threads.
         self._lock = threading.Lock()
         self._pending: dict[int, list[float]] = {}  # pid -> monotonic times to rescan at
-        self._selected: set[int] = set()
         self._swept_exited: set[int] = set()  # selected pids whose exit sweep_exited has handled
-        # Following pids chosen at start (-p): probes go on those processes only, so that the others
-        # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
-        self._per_pid_attach = False
-        self.probe_sets_attached = 0  # probes.attach calls: once per library, or per library and process (-p)
-        self._attached_targets: dict[FileId, Target] = {}  # the libraries with probes in
-        self._preattached: set[FileId] = set()  # found by preattach_globs, not by a process
-        self._idle_since: dict[FileId, float] = {}  # attached libraries nobody maps: since when
-        self._over_limit: dict[FileId, str] = {}  # libraries waiting for a free place: their paths
-        # Processes whose CUDA start the agent may have missed (running before their library had
-        # probes): the device their threads use when never seen selecting one (None: device 0).
-        self.late_device: dict[int, int | None] = {}
-        self._starting = False
-        self.libraries_refused = 0  # attach attempts refused by the limit or bcc's probe quota
-        self.libraries_detached = 0
         self._missed_seen = 0  # events lost + block events unsent, as last seen
         self._records_since_trim = 0
         self._totals_ever_full = False  # the probes counted a change the totals map had no room for
@@ -186,18 +159,70 @@ class BpfSource:
         # A turn that takes this many records is behind: the poll budget, or half the ring if that is less.
         self._behind_records = min(POLL_BUDGET_EVENTS,
                                    self.options.settings.ringbuf_pages * mmap.PAGESIZE // RingReader.STRIDE // 2)
-        self._partly_blind: set[str] = set()  # libraries some of whose functions the kernel refused
         self._events_since_report = False
         self._next_resync_allowed = 0.0
-        # --blocks auto: the processes raised to BLOCKS or FULL, whose PyTorch probes are in (set_block_depths).
-        self._deep: dict[int, Depth] = {}
         self._quiet_blocks = False  # as the probes were told (KVT_CONFIG_QUIET_BLOCKS)
         self._undropped: set[int] = set()  # lowered processes whose blocks are still to leave the kernel's ledger
-        self._torch_refused: set[tuple[FileId, int]] = set()  # (library, pid) the kernel refused a PyTorch link
+
+    @property
+    def probes(self) -> BpfProbes | None:
+        """The loaded probes: None before start and after stop."""
+        return self._loaded
+
+    @probes.setter
+    def probes(self, probes: BpfProbes | None) -> None:
+        """Setting them (start, or a test's stand-in) hands them to the parts that use them, made here."""
+        self._loaded = probes
+        if probes is None:
+            return  # (the parts stay readable after stop, as what they found)
+        options = self.options
+        self.selection = Selection(probes, options)
+        self.stack_names = StackNames(probes, self.session)
+        # Following pids chosen at start (-p): probes go on those processes only, so that the others
+        # pay nothing (with inode-wide probes every process traps, and BPF drops what is filtered).
+        # A few chosen processes get probes of their own; more share one set per library, filtered in the
+        # kernel: attaching and detaching then cost per library, not per library and process (a link per
+        # process and library, each a grace period to take down).
+        per_pid = (bool(options.pids) and not options.only_selected and options.cmdline is None
+                   and len(options.pids) <= options.per_process_probes_max)
+        self.targets = Targets(probes, self.session, self.discovery, self.selection, self.stack_names, AttachPolicy(
+            max_libraries=options.max_libraries, detach_idle_seconds=options.detach_idle_seconds, per_pid=per_pid,
+            blocks=options.blocks, python_stacks=not self.python_stacks_down,
+            torch_blocks_down=self.torch_blocks_down))
+
+    # What the parts hold, read where it was read before (the kernel ledger's readers, tests, benches).
 
     @property
     def filtering(self) -> bool:
-        return bool(self.options.pids) or self.options.cmdline is not None or self.options.only_selected
+        return self.selection.filtering
+
+    @property
+    def _selected(self) -> set[int]:
+        return self.selection.pids
+
+    @property
+    def _stack_ids(self) -> dict[int, int]:
+        return self.stack_names.stack_ids
+
+    def _resolve_stack(self, pid: int, kernel_stack_id: int) -> int:
+        return self.stack_names.resolve(pid, kernel_stack_id)
+
+    @property
+    def python(self) -> dict[int, PythonTarget | NoPython]:
+        return self.stack_names.python
+
+    @property
+    def symbolizer(self) -> Symbolizer:
+        return self.stack_names.symbolizer
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """path -> why it was not attached"""
+        return self.targets.refused
+
+    @property
+    def late_device(self) -> dict[int, int | None]:
+        return self.targets.late_device
 
     def _probes(self) -> BpfProbes:
         if self.probes is None:
@@ -232,9 +257,8 @@ class BpfSource:
         if isinstance(comm, int):
             settings = replace(settings, task_comm_offset=comm)
         self.options.settings = settings
-        self.session.traced_only = self.filtering
         self.session.report_component("python_stacks", not self.python_stacks_down, self.python_stacks_down)
-        probes = self.probes = self._probes_factory(settings)
+        probes = self._probes_factory(settings)
         if self.options.blocks is BlocksMode.NEVER:
             self.torch_blocks_down = "PyTorch blocks disabled by configuration (--blocks never)"
         elif not probes.uprobe_links:
@@ -244,36 +268,19 @@ class BpfSource:
             # no such drop, so every process has its blocks traced.
             log.warning("--blocks auto needs the ledger in the kernel: PyTorch blocks traced in every process")
             self.options.blocks = BlocksMode.ALWAYS
+        self.probes = probes  # the parts are made with what was found above
+        self.session.traced_only = self.filtering
         self.session.report_component("torch_blocks", not self.torch_blocks_down, self.torch_blocks_down)
         probes.set_filter(self.filtering)
         probes.set_block_sample_bytes(self.options.block_sample_bytes)
-        # A few chosen processes get probes of their own (every other process pays nothing); more share
-        # one set per library, filtered in the kernel: attaching and detaching then cost per library, not
-        # per library and process (a link per process and library, each a grace period to take down).
-        self._per_pid_attach = (bool(self.options.pids) and not self.options.only_selected
-                                and self.options.cmdline is None
-                                and len(self.options.pids) <= self.options.per_process_probes_max)
         for pid in self.options.pids:
-            self._select(pid)
+            self.selection.select(pid)
         if self.options.ledger_in_kernel:
             self._keep_ledger_in_kernel(probes)
         self.session.set_block_readers_hook(self._on_block_readers)
         probes.open_rings(self._on_raw_events, self._on_notify)
-        # Running processes first: each one's Python runtime is found before any probe goes into
-        # it, so that an allocation caught in the middle of attaching still has its stack.
-        self._starting = True
-        try:
-            self.full_scan()
-        finally:
-            self._starting = False
-        for pattern in self.options.preattach_globs:
-            for path in sorted(glob.glob(pattern)):
-                if os.path.islink(path):
-                    continue  # the real file is matched too; attach by inode once
-                target = self.discovery.add_file(path)
-                if target is not None:
-                    self._preattached.add(target.file_id)
-                    self._attach(target)
+        self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
+        self.targets.first_scan(self.options.preattach_globs)
         self._report()
 
     def _keep_ledger_in_kernel(self, probes: BpfProbes) -> None:
@@ -293,7 +300,7 @@ class BpfSource:
                 self.probes.close()
             finally:
                 self.probes = None
-                self.symbolizer.close()  # the open /proc/PID/mem files
+                self.stack_names.close()
 
     def run_once(self, timeout_ms: int = 100) -> None:
         probes = self._probes()
@@ -340,16 +347,13 @@ class BpfSource:
         events come, once a second when idle)."""
         counters = dict(counters if counters is not None else self._probes().counters())
         counters["events_undecodable"] = self._undecodable
-        counters["libraries_attached"] = len(self._attached_targets)
-        counters["libraries_refused"] = self.libraries_refused
-        counters["libraries_detached"] = self.libraries_detached
-        counters["probe_sets_attached"] = self.probe_sets_attached  # per library, or per library and process
+        counters.update(self.targets.counters())
         self.session.report_counters(counters)
         self.session.report_libraries(self.attached_libraries())
-        waiting = sorted(self._over_limit.values())
+        waiting = sorted(self.targets.over_limit.values())
         self.session.report_component(
             "libraries", not waiting,
-            f"{len(waiting)} libraries wait for probes: {len(self._attached_targets)} attached, the limit "
+            f"{len(waiting)} libraries wait for probes: {len(self.targets.attached)} attached, the limit "
             f"(--max-libraries {self.options.max_libraries}) or bcc's probe quota is reached; "
             f"e.g. {waiting[0]}" if waiting else "")
         self.session.report_component("bpf", True, stale_after_seconds=STALLED_AFTER_SECONDS,
@@ -421,26 +425,9 @@ class BpfSource:
         now = time.monotonic()
         if raw.reason == abi.NOTIFY_EXEC:
             self.session.process_execed(raw.pid)
-            self._forget_python(raw.pid)
+            self.targets.forget_cuda_start(raw.pid)  # its code objects, runtime, mappings and CUDA are gone
+            self.stack_names.forget(raw.pid)
         self._pending[raw.pid] = [now + delay for delay in RESCAN_DELAYS_SECONDS]
-
-    def _resolve_stack(self, pid: int, kernel_stack_id: int) -> int:
-        """Kernel stack (raw frames) -> interned, symbolized stack id; 0 if it cannot be read."""
-        stack_id = self._stack_ids.get(kernel_stack_id)
-        if stack_id is not None:
-            return stack_id
-        raw = self._probes().read_stack(kernel_stack_id)
-        target = self.python.get(pid)
-        if raw is None or not isinstance(target, PythonTarget):
-            return 0
-        frames = self.symbolizer.symbolize(
-            pid, target.version, target.offsets,
-            [(frame.code, frame.instr) for frame in raw.frames[:raw.depth]],
-            code_type=target.code_type_address)
-        stack_id = self.session.intern_stack(Stack(tuple(frames), bool(raw.truncated)))
-        self._stack_ids[kernel_stack_id] = stack_id
-        self._stack_ids_by_pid.setdefault(pid, set()).add(kernel_stack_id)
-        return stack_id
 
     # ---- housekeeping ----
 
@@ -449,15 +436,16 @@ class BpfSource:
         for pid, due in list(self._pending.items()):
             if due and due[0] <= now:
                 due.pop(0)
-                self.scan_pid(pid)
+                self.targets.scan_pid(pid)
             if not due:
                 del self._pending[pid]
         if now >= self._next_full_scan:
-            self.full_scan()
+            self._next_full_scan = now + self.options.full_rescan_seconds
+            self.targets.full_scan()
         if now >= self._next_sweep:
             self._next_sweep = now + self.options.sweep_seconds
             self.sweep_exited()
-            self._detach_unused(now)
+            self.targets.detach_unused(now)
         if self._events_since_report or now >= self._next_report:
             # (counters read since the last report are reported at the busy pace even where no event
             # follows: a burst's last counts are out within BUSY_REPORT_SECONDS of its end, not a second)
@@ -485,220 +473,18 @@ class BpfSource:
             self._missed_seen = missed
             self._resync_due = True
 
-    def full_scan(self) -> None:
-        self._next_full_scan = time.monotonic() + self.options.full_rescan_seconds
-        self._over_limit.clear()  # what still waits for a place is refused again below
-        if self.options.only_selected or self.options.pids:
-            pids = sorted(self._selected)  # following chosen processes: look at nobody else
-        else:
-            pids = psutil.pids()
-        for pid in pids:
-            self.scan_pid(pid)
-        self.discovery.forget_other_pids(set(pids))
-
-    def scan_pid(self, pid: int) -> None:
-        try:
-            self._scan_pid(pid)
-        except (OSError, psutil.Error) as error:  # it exited or exec'd while we looked: next scan
-            log.debug("pid %d: scan failed: %s", pid, error)
-        except Exception:  # one odd process (a crafted or truncated file it maps) never stops the agent
-            log.exception("pid %d: scan failed; it is looked at again at the next scan", pid)
-
-    def _scan_pid(self, pid: int) -> None:
-        new = self.discovery.scan_pid(pid)
-        # The Python runtime first: a process already running (the agent attached late) calls
-        # CUDA as soon as the first probe is in, and its calls should carry stacks from the start.
-        if pid not in self.python and not self.python_stacks_down and self._maps_cuda(pid):
-            self._inspect_python(pid)
-        # The driver first: while the runtime's probes go in, its calls are seen as the driver
-        # allocations inside them (physical memory, counted); the other way round they would be
-        # runtime entries only, and their bytes missing from the device totals.
-        for target in sorted(new, key=lambda target: "cuMemAlloc_v2" not in target.symbols):
-            self._attach(target)
-        if pid not in self.late_device and (self._starting or any(target.symbols for target in new)):
-            self._note_late_start(pid)  # its CUDA may have started before these probes were in
-        if self.options.cmdline is not None and pid not in self._selected and self._maps_cuda(pid):
-            info = self.session.read_process(pid)
-            if info is not None and self.options.cmdline.search(info.title):
-                self._select(pid)
-
-    def _inspect_python(self, pid: int) -> None:
-        found = inspect_python(pid)
-        self.python[pid] = found
-        if isinstance(found, PythonTarget):
-            o = found.offsets
-            self._probes().set_python_target(pid, abi.RawPyTarget(
-                tss_key_address=found.tss_key_address, tstate_frame=o.tstate_frame,
-                cframe_frame=o.cframe_frame, frame_code=o.frame_code,
-                frame_previous=o.frame_previous, frame_instr=o.frame_instr,
-                frame_owner=o.frame_owner, frame_read_bytes=o.frame_read_bytes,
-                instr_is_lasti=0 if o.instr_is_pointer else 1, tstate_datastack=o.tstate_datastack))
-            log.info("pid %d: Python %d.%d stacks from %s", pid, *found.version, found.path)
-        else:
-            log.info("pid %d: no Python stacks: %s", pid, found.reason)
-
-    def _note_late_start(self, pid: int) -> None:
-        """A process that maps the CUDA driver before the agent's probes were in (the runtime loads
-        it when CUDA starts) may have selected a device unseen: its threads that never select one
-        in view are on device 0 only if it sees one GPU (CUDA_VISIBLE_DEVICES and the /dev/nvidiaN
-        of its root); with several, their device is unknown."""
-        if not any(pid in target.pids and "cuMemAlloc_v2" in target.symbols
-                   for target in self.discovery.targets.values()):
-            return
-        host_gpus = procfs.gpu_device_count(pid)
-        visible = (cuda_visible_count(procfs.environ_value(pid, "CUDA_VISIBLE_DEVICES"), host_gpus)
-                   if host_gpus is not None else None)
-        device = DEVICE_UNKNOWN if visible is None or visible > 1 else None
-        self.late_device[pid] = device
-        if device is not None:
-            self._probes().set_process_device(pid, device)
-            log.info("pid %d used CUDA before its probes were in and sees %s GPUs: the device of its "
-                     "threads that never select one is unknown", pid, visible if visible is not None else "how many")
-
-    def _maps_cuda(self, pid: int) -> bool:
-        return any(pid in target.pids for target in self.discovery.targets.values())
-
     def follow(self, pid: int) -> None:
         """Adds a process to the filter (and traces it now); used by tests and the API."""
         with self._lock:
-            self.options.pids.add(pid)
             probes = self._probes()
-            probes.set_filter(True)
-            self._select(pid)
-            if self._per_pid_attach:
-                for target in list(self._attached_targets.values()):
-                    self._attach_guarded(target, pid)
+            self.selection.choose(pid)  # (in the options' pids too)
+            self.targets.attach_for_pid(pid)
             # Take in what the rings hold first: an exec notification of this pid still queued
             # would otherwise be handled after scan_pid and forget the Python runtime just found.
             probes.poll(0)
             self._flush()
-            self.scan_pid(pid)
+            self.targets.scan_pid(pid)
             self._report()  # reads the targets the event loop changes: under the lock too
-
-    def _select(self, pid: int) -> None:
-        self._selected.add(pid)
-        self._probes().select_pid(pid)
-
-    def _attach(self, target: Target) -> None:
-        from kvtrace.sources.bpf.preflight import (
-            process_has_seccomp_filter,
-            uretprobe_seccomp_risk,
-        )
-
-        if uretprobe_seccomp_risk(platform.release()):
-            risky = [pid for pid in target.pids if process_has_seccomp_filter(pid)]
-            if risky:
-                self.refused[target.path] = (
-                    f"kernel {platform.release()} can kill seccomp-filtered processes on uretprobe "
-                    f"return (pids {sorted(risky)}); upgrade to 6.14+ to trace them")
-                log.warning("not attaching to %s: %s", target.path, self.refused[target.path])
-                self.session.report_component(f"attach:{target.path}", False, self.refused[target.path])
-                return
-        if target.file_id not in self._attached_targets and len(self._attached_targets) >= self.options.max_libraries:
-            self._detach_unused(time.monotonic(), waited_for=True)
-            if len(self._attached_targets) >= self.options.max_libraries:
-                self._wait_for_room(target, f"{self.options.max_libraries} libraries are attached (--max-libraries)")
-                return
-        self._attached_targets[target.file_id] = target
-        for pid in sorted(self._selected) if self._per_pid_attach else [-1]:
-            if not self._attach_guarded(target, pid):
-                break
-
-    def _wait_for_room(self, target: Target, why: str) -> None:
-        """Refuses a library for now: counted, said once, and found again by a later scan (one that
-        no longer fits may fit once an unused library is detached)."""
-        self.libraries_refused += 1
-        if target.file_id not in self._over_limit:
-            log.warning("not attaching to %s: %s", target.path, why)
-        self._over_limit[target.file_id] = target.path
-        self._attached_targets.pop(target.file_id, None)
-        self.discovery.targets.pop(target.file_id, None)
-
-    def _detach_unused(self, now: float, waited_for: bool = False) -> None:
-        """Takes the probes out of libraries no traced process maps: after detach_idle_seconds, or
-        at once when another library is waiting for the place (`waited_for`)."""
-        for file_id, target in list(self._attached_targets.items()):
-            if file_id in self._preattached and same_file(target.path, file_id):
-                continue
-            target.pids = {pid for pid in target.pids if psutil.pid_exists(pid)}
-            if target.pids:
-                self._idle_since.pop(file_id, None)
-                continue
-            since = self._idle_since.setdefault(file_id, now)
-            if waited_for or now - since >= self.options.detach_idle_seconds:
-                self._detach(file_id)
-
-    def _detach(self, file_id: FileId) -> None:
-        target = self._attached_targets.pop(file_id)
-        self._idle_since.pop(file_id, None)
-        self._preattached.discard(file_id)
-        self.discovery.targets.pop(file_id, None)  # a process that maps it later attaches it again
-        try:
-            seconds = self._probes().detach(file_id)
-        except Exception:  # a link that would not close: said, and the agent goes on
-            log.exception("detaching %s failed", target.path)
-            return
-        self.libraries_detached += 1
-        log.info("detached %s (no traced process maps it) in %.3f s", target.path, seconds)
-
-    def _attach_guarded(self, target: Target, pid: int) -> bool:
-        """_attach_for, where a library that fails (a file that cannot be read as it claimed, bcc
-        refusing) is refused, said in doctor and the log, and not tried again: the agent goes on."""
-        try:
-            self._attach_for(target, pid)
-            return True
-        except ProbeQuotaFull as error:
-            self._wait_for_room(target, str(error))
-            return False
-        except Exception as error:
-            log.exception("cannot attach to %s", target.path)
-            self._attached_targets.pop(target.file_id, None)
-            self.refused[target.path] = f"attaching failed: {error}"
-            self.session.report_component(f"attach:{target.path}", False, self.refused[target.path])
-            return False
-
-    def _attach_for(self, target: Target, pid: int) -> None:
-        """Probes on `target` for one process (pid) or all (-1), once."""
-        probes = self._probes()
-        whom = "every process" if pid == -1 else f"pid {pid}"
-        if target.symbols and pid not in probes.attached_pids(target.file_id):
-            attached = probes.attach(target.path, target.symbols, pid, key=target.file_id)
-            self.probe_sets_attached += 1
-            log.info("attached %d probes to %s for %s (mapped by pids %s)", len(attached), target.path,
-                     whom, sorted(target.pids))
-            if probes.refused_symbols:  # part of the library is blind: say so where health is read
-                symbol, why = next(iter(probes.refused_symbols.items()))
-                self._partly_blind.add(target.path)
-                self.session.report_component(
-                    f"attach:{target.path}", False,
-                    f"{len(probes.refused_symbols)} of {len(target.symbols)} functions not probed for {whom}, "
-                    f"e.g. {symbol}: {why}")
-            elif target.path in self._partly_blind:  # attached whole since (another pid, or again)
-                self._partly_blind.discard(target.path)
-                self.session.report_component(f"attach:{target.path}", True)
-        if self.options.blocks is BlocksMode.AUTO:
-            for deep_pid in sorted(self._deep.keys() & target.pids if pid == -1 else self._deep.keys() & {pid}):
-                self._attach_torch(target, deep_pid)
-        else:
-            self._attach_torch(target, pid)
-
-    def _attach_torch(self, target: Target, pid: int) -> None:
-        """PyTorch's allocator probes on `target` for one process (pid) or all (-1), once."""
-        probes = self._probes()
-        if not target.torch_probes or self.torch_blocks_down or pid in probes.torch_attached_pids(target.file_id):
-            return
-        if (target.file_id, pid) in self._torch_refused:
-            return  # refused before: not tried at every analysis again
-        whom = "every process" if pid == -1 else f"pid {pid}"
-        try:
-            sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
-        except TorchProbesRefused as error:
-            self._torch_refused.add((target.file_id, pid))
-            self.refused[target.path] = str(error)
-            log.warning("not tracing PyTorch's allocator in %s: %s", target.path, error)
-            self.session.report_component(f"attach:{target.path}", False, str(error))
-            return
-        log.info("attached PyTorch's allocator probes (%d sites) in %s for %s", len(sites), target.path, whom)
 
     # ---- depth per process (--blocks auto) ----
 
@@ -709,20 +495,15 @@ class BpfSource:
 
     def follows(self, pid: int) -> bool:
         """Whether the probes trace `pid` (every process, or one of those chosen)."""
-        return not self.filtering or pid in self._selected
+        return self.selection.follows(pid)
 
     def deepenable_pids(self) -> set[int]:
-        """The processes whose PyTorch blocks can be traced here: followed ones that map a library with
-        PyTorch's allocator probes, which the kernel did not refuse for them."""
-        if self.torch_blocks_down:
-            return set()
-        return {pid for file_id, target in self._attached_targets.items()
-                if target.torch_probes and (file_id, -1) not in self._torch_refused
-                for pid in target.pids if self.follows(pid) and (file_id, pid) not in self._torch_refused}
+        """The processes whose PyTorch blocks can be traced here (Targets.deepenable_pids)."""
+        return self.targets.deepenable_pids()
 
     def pytorch_pids(self) -> set[int]:
         """The processes that map a library with PyTorch's allocator probes, traceable or not."""
-        return {pid for target in self.discovery.targets.values() if target.torch_probes for pid in target.pids}
+        return self.targets.pytorch_pids()
 
     def set_block_depths(self, depths: Mapping[int, Depth]) -> None:
         """Makes the processes at BLOCKS or FULL in `depths` exactly the ones whose PyTorch probes are in
@@ -733,18 +514,16 @@ class BpfSource:
         it also attaches libraries a raised process mapped since."""
         with self._lock:
             probes = self._probes()
+            deep = self.targets.deep
             wanted = {pid: depth for pid, depth in depths.items() if depth >= Depth.BLOCKS and self.follows(pid)}
-            self._lower(sorted(self._deep.keys() - wanted.keys()))  # (and any lowering left to finish)
+            self._lower(sorted(deep.keys() - wanted.keys()))  # (and any lowering left to finish)
             for pid, depth in sorted(wanted.items()):
-                if self._deep.get(pid) is not depth:
+                if deep.get(pid) is not depth:
                     probes.set_block_full(pid, depth is Depth.FULL)
-                self._deep[pid] = depth
+                deep[pid] = depth
             if self.options.blocks is not BlocksMode.AUTO or self.torch_blocks_down:
                 return
-            for target in list(self._attached_targets.values()):
-                if target.torch_probes:
-                    for pid in sorted(wanted.keys() & target.pids):
-                        self._attach_torch(target, pid)
+            self.targets.attach_torch_of(wanted.keys())
 
     def _lower(self, pids: list[int]) -> None:
         """Back to SEGMENTS: their PyTorch links out first (no block of theirs can enter the ledger after), then
@@ -752,8 +531,8 @@ class BpfSource:
         for pid in pids:
             if self.options.blocks is BlocksMode.AUTO:
                 self._undropped.add(pid)  # first: whatever fails below, its blocks are dropped at a later call
-            del self._deep[pid]
-            self._detach_torch_of(pid)
+            del self.targets.deep[pid]
+            self.targets.detach_torch_of(pid)
         if self._undropped:
             # Their events still in the rings first, all of them (blocks allocated before the links closed): after
             # the drop they would add blocks whose frees never come.
@@ -766,19 +545,6 @@ class BpfSource:
             dropping = frozenset(self._undropped)
             self._drop_blocks_in_kernel(dropping)
             self._undropped -= dropping  # only once dropped: a pass that failed is made again at the next call
-
-    def _detach_torch_of(self, pid: int) -> None:
-        """No FULL mark, and (--blocks auto) no PyTorch link of `pid`'s own left. --blocks always keeps its
-        links: one for every process, or with -p one per chosen process, for as long as it is chosen."""
-        probes = self._probes()
-        probes.set_block_full(pid, False)
-        if self.options.blocks is not BlocksMode.AUTO:
-            return
-        for key in probes.torch_keys_of(pid):
-            try:
-                probes.detach_torch(key, pid)
-            except OSError:  # a link that would not close: said, and the agent goes on (the kernel drops it at exit)
-                log.exception("taking PyTorch's allocator probes out of pid %d failed", pid)
 
     def _drop_blocks_in_kernel(self, pids: frozenset[int]) -> None:
         """Deletes the PyTorch blocks of `pids` from the kernel's ledger; the agent stops counting them, and
@@ -835,24 +601,10 @@ class BpfSource:
         for pid in [pid for pid in {*self.late_device, *self.python} if not psutil.pid_exists(pid)]:
             self._forget_process(pid)
 
-    def _forget_python(self, pid: int) -> None:
-        """After exit or exec: its code objects, runtime and mappings are gone (and its CUDA)."""
-        if self.late_device.pop(pid, None) is not None:
-            self._probes().set_process_device(pid, None)
-        self.symbolizer.forget(pid)
-        for kernel_stack_id in self._stack_ids_by_pid.pop(pid, ()):
-            self._stack_ids.pop(kernel_stack_id, None)
-        if self.python.pop(pid, None) is not None:
-            self._probes().set_python_target(pid, None)
-
     def _forget_process(self, pid: int) -> None:
         self._undropped.discard(pid)  # its exit dropped everything it held
-        self._torch_refused = {refused for refused in self._torch_refused if refused[1] != pid}
-        if self._deep.pop(pid, None) is not None:
-            # Its links go with it (the kernel's breakpoints went with its memory); its blocks went with its exit.
-            self._detach_torch_of(pid)
-        self._forget_python(pid)
-        self.discovery.forget_pid(pid)
+        self.targets.forget_process(pid)
+        self.stack_names.forget(pid)
         if pid in self._selected and not self.options.pids:
             self._selected.discard(pid)
             self._probes().unselect_pid(pid)
@@ -925,18 +677,7 @@ class BpfSource:
     def attached_libraries(self) -> list[AttachedLibrary]:
         """The files with probes in, each with what is probed there (functions, and pytorch:malloc /
         pytorch:free for PyTorch's allocator) and the traced processes that map it."""
-        if self.probes is None:
-            return []
-        attached = self.probes.attached()
-        libraries = []
-        for target in self.discovery.targets.values():
-            names = list(attached.get(target.file_id, []))
-            if self.probes.torch_attached_pids(target.file_id):
-                names += sorted({f"{probe.provider}:{probe.name}" for probe in target.torch_probes})
-            if names:
-                libraries.append(AttachedLibrary(target.path, target.file_id.device, target.file_id.inode,
-                                                 tuple(names), frozenset(target.pids)))
-        return libraries
+        return [] if self.probes is None else self.targets.attached_libraries()
 
     def counters(self) -> dict[str, int]:
         return self._probes().counters()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from kvtrace.sources import procfs
 from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TORCH_PROBE_NAMES, TORCH_PROVIDER, TRIGGER_SYMBOLS
+from kvtrace.sources.bpf.usdt import UsdtProbe, read_usdt_probes
 from kvtrace.sources.elf import FUNCTION_TYPES, READ_ERRORS, find_symbols
-from kvtrace.sources.usdt import UsdtProbe, read_usdt_probes
 
 log = logging.getLogger(__name__)
 
