@@ -5,7 +5,8 @@ A Python process makes N cudaMalloc calls through the stub libcudart and keeps t
 and a driver allocation: 2 N entries in the kernel's ledger; --entries counts entries, so --entries
 400000 makes 200 000 calls). With --torch-blocks the workload is instead the stub PyTorch caching
 allocator holding --entries blocks of 512 B (plus two entries per 2 MiB segment): what memory-viz
-exports. The real `kvtrace agent -p PID` follows it (tests/agent_process.py); once the agent counts
+exports (the agent then runs with --blocks always). The real `kvtrace agent -p PID` follows it
+(tests/agent_process.py); once the agent counts
 every entry in the kernel (GetAgentInfo's ledger_entries_in_kernel), each step runs the real CLI as a
 subprocess, one after the other:
 
@@ -37,6 +38,7 @@ import collections
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -134,7 +136,8 @@ def run_step(name: str, cli_args: list[str], agent_pid: int, timeout: float, cou
             if time.monotonic() >= next_report:
                 next_report += PROGRESS_EVERY_SECONDS
                 elapsed = time.monotonic() - started
-                progress(f"[{name}] {elapsed:.0f} s: {rows} rows so far ({rows / elapsed:.0f} rows/s), "
+                counted = f"{rows} rows so far ({rows / elapsed:.0f} rows/s), " if count_lines else ""
+                progress(f"[{name}] {elapsed:.0f} s: {counted}"
                          f"agent RSS {rss.read() >> 10} MiB")
         rc = process.wait()
         seconds = time.monotonic() - started
@@ -246,6 +249,7 @@ def main() -> int:
                         help="one more argument for the agent (repeatable)")
     args = parser.parse_args()
     require_bpf()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM)"))  # the agent and workload stop too
     import kvtrace
     from kvtrace.client import AgentClient
 
@@ -263,8 +267,10 @@ def main() -> int:
                      "workload": "torch blocks" if args.torch_blocks else "cudaMalloc (runtime + driver entries)",
                      "steps": []}
     try:
+        # Blocks are traced at depth blocks only (--blocks auto deepens a process when its memory grows).
+        blocks = ["--blocks", "always"] if args.torch_blocks else []
         with AgentProcess(socket, "-p", str(target.pid), "--no-nvml", "--max-ledger-entries", str(max_entries),
-                          *args.agent_arg) as agent:
+                          *blocks, *args.agent_arg) as agent:
             agent_pid = agent.process.pid
             progress(f"agent {agent_pid} up; making {target.allocations} {target.what} in {target.pid}")
             started = time.monotonic()
