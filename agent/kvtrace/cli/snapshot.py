@@ -66,8 +66,9 @@ class SnapshotCommand:
         out = sys.stdout
         with connect(args) as agent:
             if output_format == "json":
-                for entry in agent.snapshot(pids=args.pid):
-                    out.write(json.dumps(outstanding_to_json_dict(entry), separators=(",", ":")) + "\n")
+                encode = json.JSONEncoder(separators=(",", ":")).encode
+                for page in agent.snapshot_pages(pids=args.pid):  # a page's lines in one write
+                    out.write("".join([encode(outstanding_to_json_dict(entry)) + "\n" for entry in page.allocations]))
                 return ExitCode.OK
             by_pid = defaultdict(list)
             titles: dict[int, tuple[str, str]] = {}
