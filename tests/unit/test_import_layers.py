@@ -10,6 +10,12 @@ LAYERS = (
     ("kvtrace", "kvtrace.errors", "kvtrace.human", "kvtrace.config", "kvtrace._proto", "kvtrace.model"),
     ("kvtrace.session",),
     ("kvtrace.sources", "kvtrace.analysis"),
+    # kvtrace.wire inside: the shared helpers at the bottom, the conversions, then the JSON forms built
+    # on them; the package's own __init__ (re-exports) on top, so no wire module imports it.
+    ("kvtrace.wire.common",),
+    ("kvtrace.wire.events", "kvtrace.wire.columns", "kvtrace.wire.depth", "kvtrace.wire.agent", "kvtrace.wire.vllm",
+     "kvtrace.wire.recordings"),
+    ("kvtrace.wire.json",),
     ("kvtrace.wire",),
     ("kvtrace.servers", "kvtrace.client", "kvtrace.reports"),
     ("kvtrace.daemon",),
