@@ -28,17 +28,13 @@ from kvtrace.model.ledger import LedgerCounts, TotalsKey
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
+from kvtrace.servers.metrics import METRIC_NAMES, METRICS, TITLE_MAX_CHARS, KvtraceCollector, metric_title
 from kvtrace.servers.prometheus import (
     DEFAULT_LISTEN,
-    METRIC_NAMES,
-    METRICS,
-    TITLE_MAX_CHARS,
-    KvtraceCollector,
     MetricsServer,
     MetricsSetupError,
     add_metrics_flags,
     check_listen,
-    metric_title,
     parse_listen,
 )
 from kvtrace.session import Session
