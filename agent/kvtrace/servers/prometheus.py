@@ -10,7 +10,6 @@ are command lines, and anyone who can reach the port can read them.
 """
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import logging
 import socket
@@ -110,12 +109,3 @@ class MetricsServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-
-
-# ---- command line (`kvtrace agent`) ----
-
-def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-listen", metavar="HOST:PORT", default=DEFAULT_LISTEN,
-                        help="serve Prometheus /metrics here (default: %(default)s; 'off': not at all)")
-    parser.add_argument("--metrics-allow-remote", action="store_true",
-                        help="allow a non-loopback --metrics-listen (the metrics carry process titles)")
