@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.servers.prometheus import METRICS
+from kvtrace.servers.metrics import METRICS
 from test_prometheus_promql import metric_names
 
 yaml = pytest.importorskip("yaml")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.servers.prometheus import METRICS
+from kvtrace.servers.metrics import METRICS
 from test_prometheus_promql import metric_names, variable_query_metric_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "packaging" / "grafana" / "kvtrace-dashboard.json"

@@ -10,14 +10,24 @@ LAYERS = (
     ("kvtrace", "kvtrace.errors", "kvtrace.human", "kvtrace.config", "kvtrace._proto", "kvtrace.model"),
     ("kvtrace.session",),
     ("kvtrace.sources", "kvtrace.analysis"),
+    # kvtrace.wire inside: the shared helpers at the bottom, the conversions, then the JSON forms built
+    # on them; the package's own __init__ (re-exports) on top, so no wire module imports it.
+    ("kvtrace.wire.common",),
+    ("kvtrace.wire.events", "kvtrace.wire.columns", "kvtrace.wire.depth", "kvtrace.wire.agent", "kvtrace.wire.vllm",
+     "kvtrace.wire.recordings"),
+    ("kvtrace.wire.json",),
     ("kvtrace.wire",),
+    # What the servers read (backend) and the metrics catalog and collector, below every exporter.
+    ("kvtrace.servers.backend", "kvtrace.servers.metrics"),
     ("kvtrace.servers", "kvtrace.client", "kvtrace.reports"),
     ("kvtrace.daemon",),
     ("kvtrace.cli",),
 )
 # Never importing each other: sources do not read analysis and analysis reads no source (it reads
-# the Session); what serves or reports reads the Session and the model, never a source's raw shapes.
+# the Session); what serves or reports reads the Session and the model, never a source's raw shapes;
+# the two metrics exporters share the catalog (servers.metrics), not each other.
 APART = (("kvtrace.sources", "kvtrace.analysis"), ("kvtrace.servers", "kvtrace.client"),
+         ("kvtrace.servers.prometheus", "kvtrace.servers.otlp"),
          *((reader, "kvtrace.sources") for reader in ("kvtrace.wire", "kvtrace.servers", "kvtrace.client",
                                                        "kvtrace.reports")))
 

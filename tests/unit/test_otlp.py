@@ -21,6 +21,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from fake_agent import FakeAgent, MiB, event
 from kvtrace import __version__
 from kvtrace.errors import ExitCode
+from kvtrace.servers.metrics import _SESSION_COUNTERS, METRIC_NAMES, KvtraceCollector
 from kvtrace.servers.otlp import (
     COMPONENT,
     STOP_SECONDS,
@@ -30,7 +31,6 @@ from kvtrace.servers.otlp import (
     require_sdk,
     resource_attributes,
 )
-from kvtrace.servers.prometheus import _SESSION_COUNTERS, METRIC_NAMES, KvtraceCollector
 from test_prometheus import TRACER_COUNTERS, WORKER, FakeSource
 
 POD = {"POD_NAME": "kvtrace-x7k2p", "POD_NAMESPACE": "kube-system", "NODE_NAME": "gpu-node-17"}

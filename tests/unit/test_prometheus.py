@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace import __version__
+from kvtrace.cli.agent import add_metrics_flags
 from kvtrace.model.agent import ComponentStatus
 from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.crosscheck import ProcessCrossCheck, TracerStatus
@@ -28,19 +29,8 @@ from kvtrace.model.ledger import LedgerCounts, TotalsKey
 from kvtrace.model.processes import ProcessInfo, ProcessTable
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
-from kvtrace.servers.prometheus import (
-    DEFAULT_LISTEN,
-    METRIC_NAMES,
-    METRICS,
-    TITLE_MAX_CHARS,
-    KvtraceCollector,
-    MetricsServer,
-    MetricsSetupError,
-    add_metrics_flags,
-    check_listen,
-    metric_title,
-    parse_listen,
-)
+from kvtrace.servers.metrics import METRIC_NAMES, METRICS, TITLE_MAX_CHARS, KvtraceCollector, metric_title
+from kvtrace.servers.prometheus import DEFAULT_LISTEN, MetricsServer, MetricsSetupError, check_listen, parse_listen
 from kvtrace.session import Session
 
 GiB = 1 << 30

@@ -6,7 +6,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtrace.servers.prometheus import METRICS, KvtraceCollector
+from kvtrace.servers.metrics import METRICS, KvtraceCollector
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 _ROW = re.compile(r"^\|\s*`(?P<name>kvtrace_\w+)`\s*\|(?P<type>[^|]*)\|(?P<unit>[^|]*)\|(?P<labels>[^|]*)\|"

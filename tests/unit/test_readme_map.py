@@ -15,7 +15,6 @@ SKIPPED = {"_proto", "probes", "__pycache__"}  # generated code; the probes' C (
 # Modules on their way to a new place, named in the map where they will be: old path -> new path.
 # Remove each once the branch that moves it has landed.
 MOVING = {
-    "wire.py": "wire/",  # wire.py split into the wire/ package
     "servers/api.py": "servers/api/",  # servers/api.py split into the servers/api/ package
     "sources/discovery.py": "sources/bpf/discovery.py",
     "sources/usdt.py": "sources/bpf/usdt.py",

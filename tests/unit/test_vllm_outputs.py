@@ -27,7 +27,7 @@ from kvtrace.model.depth import Depth, DepthCause, ProcessDepth, segments_only
 from kvtrace.model.findings import AnalysisSnapshot, ProcessGpu
 from kvtrace.model.ledger import LedgerCounts
 from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
-from kvtrace.servers.prometheus import KvtraceCollector
+from kvtrace.servers.metrics import KvtraceCollector
 from kvtrace.wire import (
     process_growth_to_proto,
     role_bytes_from_proto,

@@ -1,7 +1,7 @@
 """Acting on kvtrace's vLLM figures: the kvtrace-vllm alert group (packaging/prometheus/kvtrace-alerts.yml),
 the recording rules KEDA reads (kvtrace-recording.yml), the ScaledObject (packaging/keda/) and the
 Alertmanager routes (packaging/alertmanager/). Every file parses; every metric they read is one the agent
-exports (servers/prometheus.py METRICS) or a rule recorded here; promtool checks and unit-tests the rules;
+exports (servers/metrics.py METRICS) or a rule recorded here; promtool checks and unit-tests the rules;
 amtool checks the routes and where each alert goes. tests/unit/test_alerts.py runs the alerts' own
 promtool tests and checks every alert's annotations."""
 import re
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.model.vllm import FindingKind
-from kvtrace.servers.prometheus import METRICS
+from kvtrace.servers.metrics import METRICS
 from test_prometheus_promql import metric_names
 
 yaml = pytest.importorskip("yaml")

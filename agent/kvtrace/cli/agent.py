@@ -197,8 +197,6 @@ class AgentCommand:
                             help="rotated recordings kept besides FILE (default: %(default)s)")
         add_flight_flags(parser)
         add_api_flags(parser)
-        from kvtrace.servers.prometheus import add_metrics_flags
-
         add_metrics_flags(parser)
         from kvtrace.servers.otlp import add_otlp_flags
 
@@ -381,6 +379,16 @@ def add_flight_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flight-recorder", action="store_true",
                         help="keep no ring of recent events and write no dumps (on out-of-memory, a process "
                              "dying with GPU memory, a near time-to-OOM, SIGUSR1)")
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    """`kvtrace agent`'s Prometheus /metrics listener flags."""
+    from kvtrace.servers.prometheus import DEFAULT_LISTEN
+
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT", default=DEFAULT_LISTEN,
+                        help="serve Prometheus /metrics here (default: %(default)s; 'off': not at all)")
+    parser.add_argument("--metrics-allow-remote", action="store_true",
+                        help="allow a non-loopback --metrics-listen (the metrics carry process titles)")
 
 
 def flight_options_from_args(args: argparse.Namespace) -> FlightOptions | None:

@@ -3,11 +3,11 @@
     kvtrace agent --otlp-endpoint http://otel-collector:4317      # plaintext
     kvtrace agent --otlp-endpoint https://otel-collector:4317     # TLS
 
-Every `--otlp-interval-seconds` (default 15) the Prometheus collector (`KvtraceCollector`, plus the
-agent's own `process_*` metrics) is collected once, exactly as a scrape would, and each family is
-mapped to one OTLP metric of the same name: gauges to gauges, counters to monotonic cumulative sums
-(started when the agent process started), labels to attributes, values unchanged. Nothing is computed
-twice and the two outputs cannot drift.
+Every `--otlp-interval-seconds` (default 15) the metrics collector (kvtrace.servers.metrics'
+`KvtraceCollector`, plus the agent's own `process_*` metrics) is collected once, exactly as a scrape
+would, and each family is mapped to one OTLP metric of the same name: gauges to gauges, counters to
+monotonic cumulative sums (started when the agent process started), labels to attributes, values
+unchanged. Nothing is computed twice and the two outputs cannot drift.
 
 Why not the SDK's instruments (ObservableGauge, ObservableCounter)? Their callbacks run one per
 instrument, so a collection would read the state once per metric, and the SDK's aggregation adds
@@ -45,7 +45,7 @@ from prometheus_client.core import Metric as PrometheusFamily
 
 from kvtrace import __version__
 from kvtrace.servers.backend import AgentAnalysis, AgentState
-from kvtrace.servers.prometheus import METRICS, KvtraceCollector
+from kvtrace.servers.metrics import METRICS, KvtraceCollector
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData
