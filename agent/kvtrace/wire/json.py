@@ -7,6 +7,7 @@ never read JSON.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
@@ -96,6 +97,7 @@ def depth_message_to_json(message: service_pb2.ProcessDepthState) -> dict[str, A
     return depth_to_json(depth_from_proto(message))
 
 
+@functools.cache  # a few names, asked for several times per row of a snapshot of millions
 def wire_enum_name(enum_type, value: int) -> str | None:
     """The lower-case model name of a wire enum value ("runtime"); None for UNSPECIFIED (0)."""
     try:
@@ -105,21 +107,29 @@ def wire_enum_name(enum_type, value: int) -> str | None:
 
 
 def outstanding_to_json_dict(entry: service_pb2.OutstandingAllocation) -> dict:
-    """One outstanding object for `kvtrace snapshot --json`, named like the event JSON."""
-    return {
+    """One outstanding object for `kvtrace snapshot --json`, named like the event JSON (a snapshot prints
+    millions of these: each field read once)."""
+    object_kind = entry.object
+    row = {
         "pid": entry.pid, "tid": entry.tid, "comm": entry.comm, "title": entry.title,
         "container": entry.container, "layer": wire_enum_name(Layer, entry.layer),
-        "object": wire_enum_name(ObjectKind, entry.object), "memory": wire_enum_name(Memory, entry.memory),
+        "object": wire_enum_name(ObjectKind, object_kind), "memory": wire_enum_name(Memory, entry.memory),
         "api": entry.api_name, "size_bytes": entry.size_bytes, "address": entry.address,
         "device": entry.device, "timestamp_ns": entry.timestamp_ns,
         "caller_address": entry.caller_address, "stack_id": entry.stack_id,
-        **({"mapped_count": entry.mapped_count, "released": entry.released}
-           if entry.object == ObjectKind.VMM_HANDLE else {}),
-        **({"handle": entry.handle} if entry.object == ObjectKind.VMM_MAPPING else {}),
-        **({"stream": entry.stream, "sample_bytes": entry.sample_bytes, "sampled": entry.sampled,
-            "estimated_bytes": round(estimated_size(entry.size_bytes, entry.sample_bytes, entry.sampled))}
-           if entry.object == ObjectKind.BLOCK else {}),
     }
+    if object_kind == _VMM_HANDLE:
+        row["mapped_count"], row["released"] = entry.mapped_count, entry.released
+    elif object_kind == _VMM_MAPPING:
+        row["handle"] = entry.handle
+    elif object_kind == _BLOCK:
+        size_bytes, sample_bytes, sampled = entry.size_bytes, entry.sample_bytes, entry.sampled
+        row.update(stream=entry.stream, sample_bytes=sample_bytes, sampled=sampled,
+                   estimated_bytes=round(estimated_size(size_bytes, sample_bytes, sampled)))
+    return row
+
+
+_VMM_HANDLE, _VMM_MAPPING, _BLOCK = int(ObjectKind.VMM_HANDLE), int(ObjectKind.VMM_MAPPING), int(ObjectKind.BLOCK)
 
 
 def process_to_json_dict(process: service_pb2.Process) -> dict:
