@@ -12,6 +12,10 @@ sink in order. Sources also report their health, counters and attached libraries
 Readers (analysis, the gRPC server, /metrics) run on other threads: every read method returns a
 consistent copy taken under `lock`, never a live view. Writers hold the lock for a whole batch
 (`ingest_many`), so a copy waits at most one batch.
+
+Why this module is long (about 700 lines): it is the one entrance and the one place readers read; what is here
+is what must happen under its lock (the stores it holds live in model/: Ledger or KernelLedger, VllmStore,
+StackTable, ProcessTable, CrossCheck).
 """
 from __future__ import annotations
 

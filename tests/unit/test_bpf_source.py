@@ -12,7 +12,8 @@ from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.discovery import Discovery, FileId, Target
 from kvtrace.sources.bpf.kernel_ledger import KernelLedger
-from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull, ProbeSettings, RingReader
+from kvtrace.sources.bpf.loader import LibraryUnreadable, ProbeQuotaFull, ProbeSettings
+from kvtrace.sources.bpf.ring import RingReader
 from kvtrace.sources.bpf.selection import Selection
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 from kvtrace.sources.bpf.stack_names import StackNames

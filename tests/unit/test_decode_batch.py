@@ -7,7 +7,7 @@ import pytest
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind, StackStatus
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, UndecodableRecord, decode_event, decode_events
-from kvtrace.sources.bpf.loader import RingReader
+from kvtrace.sources.bpf.ring import RingReader
 
 CLOCK = Clock(offset_ns=1_000)
 

@@ -17,7 +17,7 @@ from kvtrace.servers.hub import EventFilter, EventHub, Lost
 from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import Clock, RawEvents, decode_events, event_run
-from kvtrace.sources.bpf.loader import RingReader
+from kvtrace.sources.bpf.ring import RingReader
 from kvtrace.wire import FixedColumnsBatch, events_from_columns, events_from_fixed_columns, runs_to_fixed_columns
 
 CLOCK = Clock(offset_ns=1_700_000_000_000_000_000)

@@ -9,6 +9,9 @@ were lost. It reports its health, counters and attached libraries to the Session
 Its parts are handed the probes at start: which pids are followed (selection.py), stack naming
 (stack_names.py) and the attach policy (targets.py); what is left here is the loop, the intake, the
 pacing of housekeeping, the exit sweeps and the reports.
+
+Why this module is long (about 690 lines): the loop and everything it paces (intake, exit sweeps, resyncs,
+lowering a process's depth, reports) share the loop's thread and lock; the parts that need neither are apart.
 """
 from __future__ import annotations
 
@@ -42,9 +45,9 @@ from kvtrace.sources.bpf.loader import (
     POLL_BUDGET_EVENTS,
     BpfProbes,
     ProbeSettings,
-    RingReader,
     return_freed_heap,
 )
+from kvtrace.sources.bpf.ring import RingReader
 from kvtrace.sources.bpf.selection import Selection
 from kvtrace.sources.bpf.stack_names import StackNames
 from kvtrace.sources.bpf.targets import DEFAULT_PREATTACH_GLOBS, AttachPolicy, Targets

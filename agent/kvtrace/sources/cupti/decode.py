@@ -23,6 +23,9 @@ and the process's live objects.
 
 The pid is the connection's (the kernel's SO_PEERCRED), never a message's. Anything malformed raises
 protocol.ProtocolError; the records made before it stay in `finish()`'s result.
+
+Why this module is long (about 780 lines): one state per traced process (the joins waiting for their half,
+the heap of records held for order, the live objects), which every part of the decoding reads and changes.
 """
 from __future__ import annotations
 

@@ -42,6 +42,10 @@ Never harmful to the target:
 
 Standard library only at import (this runs in the user's Python, in every process of the run); cupti is
 imported when subscribing.
+
+Why this module is long (about 1 200 lines): it is imported into every Python process of a run, and may import
+only the standard library and two small kvtrace modules (tests/unit/test_cupti_tracer.py holds the list); what
+it needs cannot live in the package's other rooms without bringing them into the user's program.
 """
 from __future__ import annotations
 

@@ -25,6 +25,9 @@ unchanged; kvtrace's own part runs after, inside `try`, and a part that fails on
 (logger "kvtrace.vllm") and switches itself off. Sends never block (a non-blocking datagram socket):
 with no agent or a full queue the message is dropped and counted. No network, no threads other than
 the reporter, standard library only at import (this module is imported in every vLLM process).
+
+Why this module is long (about 700 lines): it is imported into every vLLM process and may import only the
+standard library (a test holds it); its helpers cannot live in the package's other rooms.
 """
 from __future__ import annotations
 
