@@ -120,10 +120,12 @@ def snapshot_dict(segments: Iterable[VizSegment]) -> dict[str, Any]:
     # output is the same for the same input.
     pending: list[list[tuple[int, int, dict[str, Any]]]] = [[] for _ in range(device_count)]
     out_segments = []
+    frames_of = _FramesCache()  # blocks of one stack share its frames (a million blocks, a few stacks)
     for segment in ordered:
-        out_segments.append(_segment_dict(segment))
+        out_segments.append(_segment_dict(segment, frames_of))
         for block in segment.blocks:
-            pending[segment.device].append((block.timestamp_ns, block.address, _alloc_entry(segment, block)))
+            pending[segment.device].append((block.timestamp_ns, block.address,
+                                            _alloc_entry(segment, block, frames_of)))
     device_traces = [[entry for _, _, entry in sorted(entries, key=lambda e: (e[0], e[1]))] for entries in pending]
     return {"segments": out_segments, "device_traces": device_traces}
 
@@ -164,7 +166,8 @@ def block_size_bytes(requested_bytes: int) -> int:
     return max(BLOCK_GRANULARITY_BYTES, -(-requested_bytes // BLOCK_GRANULARITY_BYTES) * BLOCK_GRANULARITY_BYTES)
 
 
-def _segment_dict(segment: VizSegment) -> dict[str, Any]:
+def _segment_dict(segment: VizSegment, frames_of: Callable[[tuple[VizFrame, ...]], list[dict[str, Any]]]
+                  ) -> dict[str, Any]:
     """One entry of ``segments``: the blocks (live and gaps) and the totals PyTorch reports."""
     live = sorted(segment.blocks, key=lambda block: block.address)
     _check_blocks(segment, live)
@@ -183,7 +186,7 @@ def _segment_dict(segment: VizSegment) -> dict[str, Any]:
                 "size": size,
                 "requested_size": block.requested_bytes,
                 "state": "active_allocated",
-                "frames": _frames(block.frames),
+                "frames": frames_of(block.frames),
             }
         )
         cursor = block.address + size
@@ -214,7 +217,8 @@ def _inactive_block(address: int, size: int) -> dict[str, Any]:
     return {"address": address, "size": size, "requested_size": 0, "state": "inactive", "frames": []}
 
 
-def _alloc_entry(segment: VizSegment, block: VizBlock) -> dict[str, Any]:
+def _alloc_entry(segment: VizSegment, block: VizBlock,
+                 frames_of: Callable[[tuple[VizFrame, ...]], list[dict[str, Any]]]) -> dict[str, Any]:
     """The trace entry PyTorch records when it hands out a block; its size is the requested size,
     as PyTorch records it."""
     return {
@@ -223,13 +227,20 @@ def _alloc_entry(segment: VizSegment, block: VizBlock) -> dict[str, Any]:
         "size": block.requested_bytes,
         "stream": block.stream or segment.stream,
         "time_us": block.timestamp_ns // 1000,
-        "frames": _frames(block.frames),
+        "frames": frames_of(block.frames),
     }
 
 
-def _frames(frames: Sequence[VizFrame]) -> list[dict[str, Any]]:
-    """Frames in torch's shape, keeping the order given (innermost first)."""
-    return [{"filename": frame.file, "line": frame.line, "name": frame.function} for frame in frames]
+class _FramesCache(dict):
+    """Frames in torch's shape, keeping the order given (innermost first), made once per stack: the blocks of one
+    stack share the list (the pickle then stores it once; the viewer and PyTorch's tools only read it)."""
+
+    def __call__(self, frames: tuple[VizFrame, ...]) -> list[dict[str, Any]]:
+        found = self.get(frames)
+        if found is None:
+            found = self[frames] = [{"filename": frame.file, "line": frame.line, "name": frame.function}
+                                    for frame in frames]
+        return found
 
 
 def _describe(segment: VizSegment) -> str:
@@ -275,17 +286,22 @@ def viz_segments(segments: Iterable[Segment], stack_of: Callable[[int], Stack | 
     A segment traced on an unknown device (the agent attached after the thread chose it) takes the
     device PyTorch reported for the blocks in it; one with no block either is put on device 0."""
     converted = []
+    not_sampled = (VizFrame(NOT_SAMPLED_FRAME, "", 0),)
+    frames_by_stack: dict[int, tuple[VizFrame, ...]] = {0: ()}  # each stack's frames made once
     for segment in segments:
         device = segment.device
         if device < 0:
             device = next((block.device for block in segment.blocks if block.device >= 0), 0)
         blocks = []
         for block in segment.blocks:
-            stack = stack_of(block.stack_id) if block.stack_id else None
-            frames = tuple(VizFrame(frame.function, frame.file, frame.line) for frame in stack.frames) \
-                if stack is not None else ()
+            frames = frames_by_stack.get(block.stack_id)
+            if frames is None:
+                stack = stack_of(block.stack_id)
+                frames = frames_by_stack[block.stack_id] = tuple(
+                    VizFrame(frame.function, frame.file, frame.line) for frame in stack.frames) \
+                    if stack is not None else ()
             if block.sample_bytes and not block.sampled:
-                frames = (VizFrame(NOT_SAMPLED_FRAME, "", 0),)
+                frames = not_sampled
             blocks.append(VizBlock(block.key.address, block.size_bytes, block.timestamp_ns, frames, block.stream))
         # A segment's stream is not traced (cudaMalloc has none): 0; each block has its own.
         converted.append(VizSegment(device, segment.address, segment.size_bytes, 0, tuple(blocks),

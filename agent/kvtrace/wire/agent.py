@@ -62,14 +62,23 @@ def outstanding_to_proto(entry: Outstanding, process: ProcessInfo | None) -> ser
 
 def outstanding_from_proto(entry: service_pb2.OutstandingAllocation) -> Outstanding:
     """The model entry of a snapshot's wire entry (raises ValueError for an enum this client does
-    not know: a newer agent)."""
-    return Outstanding(
-        key=LedgerKey(entry.pid, Layer(entry.layer), ObjectKind(entry.object), entry.address),
-        size_bytes=entry.size_bytes, timestamp_ns=entry.timestamp_ns, device=entry.device, api=Api(entry.api),
-        memory=Memory(entry.memory), tid=entry.tid, caller_address=entry.caller_address,
-        mapped_count=entry.mapped_count, released=entry.released, handle=entry.handle,
-        stack_id=entry.stack_id, stream=entry.stream, sample_bytes=entry.sample_bytes,
-        sampled=entry.sampled and entry.sample_bytes != 0)
+    not know: a newer agent). A memory-viz export reads a million of these: enums by table, fields
+    positional, in Outstanding's order."""
+    try:
+        key = LedgerKey(entry.pid, _LAYERS[entry.layer], _OBJECTS[entry.object], entry.address)
+        api, memory = _APIS[entry.api], _MEMORIES[entry.memory]
+    except KeyError as unknown:
+        raise ValueError(f"an enum value this client does not know: {unknown}") from None
+    sample_bytes = entry.sample_bytes
+    return Outstanding(key, entry.size_bytes, entry.timestamp_ns, entry.device, api, memory, entry.tid,
+                       entry.caller_address, entry.mapped_count, entry.released, entry.handle, entry.stack_id,
+                       entry.stream, sample_bytes, entry.sampled and sample_bytes != 0)
+
+
+_LAYERS = {int(member): member for member in Layer}
+_OBJECTS = {int(member): member for member in ObjectKind}
+_APIS = {int(member): member for member in Api}
+_MEMORIES = {int(member): member for member in Memory}
 
 
 def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
