@@ -478,8 +478,11 @@ class Session:
 
     def replace_ledger(self, ledger: LedgerStore) -> None:
         """Another store keeps the ledger from now on (the BPF source's KernelLedger while its probes are loaded,
-        a plain Ledger again when they go); give it before the first event it must see."""
+        a plain Ledger again when they go); give it before the first event it must see. The counters of calls,
+        frees and failures go on from the store it replaces (they are /metrics counters: never reset)."""
         with self.lock:
+            if ledger is not self.ledger:
+                ledger.carry_counters(self.ledger)
             self.ledger = ledger
 
     def forget_process(self, pid: int) -> None:

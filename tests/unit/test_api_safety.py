@@ -218,6 +218,15 @@ def test_group_socket_snapshot_is_redacted_and_its_page_tokens_hide_addresses(mo
     for page in pages[:-1]:  # a token names a listing and a page, nothing of the ledger
         cursor, _, number = page.next_page_token.partition(".")
         assert len(cursor) == 16 and number.isdigit()
+    # a listing of the admin socket is no listing of the group socket's (each socket keeps its own)
+    with served(backend) as (server, _):
+        group, admin = group_stub(server), admin_stub(server)
+        admin_page = admin.GetSnapshot(service_pb2.GetSnapshotRequest(pids=[200], page_size=50), timeout=10)
+        assert admin_page.next_page_token
+        with pytest.raises(grpc.RpcError) as refused:
+            group.GetSnapshot(service_pb2.GetSnapshotRequest(pids=[200], page_size=50,
+                                                             page_token=admin_page.next_page_token), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_group_socket_processes_suspects_growth_and_info_are_redacted(monkeypatch):

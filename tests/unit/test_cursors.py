@@ -1,7 +1,7 @@
 """A listing goes through the ledger once however many pages a client takes (servers/cursors.py)."""
 import pytest
 
-from kvtrace.servers.cursors import CursorLost, Cursors
+from kvtrace.servers.cursors import CursorLost, CursorMismatch, Cursors
 
 
 class Pass:
@@ -52,7 +52,7 @@ def test_lost_stale_foreign_and_crowded_out_tokens_say_so():
     now = [0.0]
     cursors: Cursors[int] = Cursors(max_open=2, idle_seconds=60, monotonic=lambda: now[0])
     _, token = cursors.page("", "f", Pass(30), 10)
-    with pytest.raises(ValueError, match="other processes"):
+    with pytest.raises(CursorMismatch, match="other processes"):
         cursors.page(token, "g", Pass(30), 10)  # the same listing with other filters
     with pytest.raises(CursorLost):
         cursors.page("0123456789abcdef.1", "f", Pass(30), 10)  # no such listing
@@ -70,3 +70,20 @@ def test_lost_stale_foreign_and_crowded_out_tokens_say_so():
     with pytest.raises(CursorLost):
         cursors.page(idle, "f", Pass(30), 10)  # idle for a minute
     assert cursors.lost_total == 5
+
+
+def test_a_pass_that_breaks_closes_its_listing():
+    """The maps went with the probes while a listing was open: the page fails, and so does every later one (list
+    again), never an empty last page that would pass for the end of the listing."""
+    def broken():
+        yield from range(15)
+        raise OSError("the map is gone")
+
+    cursors: Cursors[int] = Cursors()
+    first, token = cursors.page("", "f", broken, 10)
+    assert first == list(range(10)) and token
+    with pytest.raises(OSError):
+        cursors.page(token, "f", broken, 10)
+    with pytest.raises(CursorLost):
+        cursors.page(token, "f", broken, 10)  # the retry
+    assert cursors.open_count() == 0

@@ -411,3 +411,23 @@ def test_the_ledger_left_when_the_probes_go_keeps_the_agents_objects_and_none_of
     assert [entry.key.object for entry in plain.entries()] == [ObjectKind.VMM_HANDLE]
     assert plain.totals() == {TotalsKey(1, 0, Layer.VMM, Memory.DEVICE): (4 * MiB, 1)}
     assert plain.allocations_total[(1, Layer.DRIVER)] == 1
+
+
+def test_counters_go_on_across_tracing_switched_off_and_on_again():
+    """The off switch gives the Session a plain Ledger (detached) and tracing on again a new KernelLedger: the
+    counters of calls, frees and failures (/metrics counters, never reset) go on from where they were."""
+    failed = Event(kind=Kind.ALLOC_FAILED, api=Api.cuMemAlloc_v2, pid=2, tid=2, timestamp_ns=0,
+                   layer=Layer.DRIVER, object=ObjectKind.ALLOCATION, memory=Memory.DEVICE, error_code=2)
+    kernel = Kernel()
+    session = Session()
+    session.ingest(failed)
+    session.replace_ledger(counted(kernel))  # tracing on
+    session.ingest(kernel.alloc(1, Layer.DRIVER, 0x1000, MiB))
+    session.ingest(failed)
+    first = session.ledger
+    assert isinstance(first, KernelLedger)
+    session.replace_ledger(first.detached())  # off
+    session.replace_ledger(counted(Kernel()))  # on again
+    counts = session.ledger_counts()
+    assert counts.failures_total == {(Api.cuMemAlloc_v2, 2): 2}
+    assert counts.allocations_total == {(1, Layer.DRIVER): 1}

@@ -14,11 +14,7 @@ PACKAGE = ROOT / "agent" / "kvtrace"
 SKIPPED = {"_proto", "probes", "__pycache__"}  # generated code; the probes' C (a link to /probes)
 # Modules on their way to a new place, named in the map where they will be: old path -> new path.
 # Remove each once the branch that moves it has landed.
-MOVING = {
-    "servers/api.py": "servers/api/",  # servers/api.py split into the servers/api/ package
-    "sources/discovery.py": "sources/bpf/discovery.py",
-    "sources/usdt.py": "sources/bpf/usdt.py",
-}
+MOVING: dict[str, str] = {}
 _ENTRY = re.compile(r"^(?P<indent>(?:  )+)(?P<name>[A-Za-z_][\w]*(?:/|\.py))(?:\s|$)")
 
 
@@ -92,3 +88,14 @@ def test_every_module_is_in_the_map():
     missing = [module for module in modules
                if not named(entries, module) and not (module in MOVING and named(entries, MOVING[module]))]
     assert missing == [], f"README.md's map of agent/kvtrace does not name these modules: {missing}"
+
+
+def test_the_map_names_only_what_exists():
+    """The other way round: no entry, and no `module.py` in a package's description, names a room that is gone."""
+    entries = readme_map()
+    gone = [path for path in entries if path and not (PACKAGE / path).exists()]
+    for package, text in entries.items():
+        if package.endswith("/") or package == "":
+            gone += [f"{package}{name}" for name in re.findall(r"(?<![\w/.])(\w+\.py)\b", text)
+                     if not (PACKAGE / package / name).exists()]
+    assert gone == []

@@ -140,6 +140,10 @@ class LedgerStore(Protocol):
         """What the store counts of itself (for `kvtrace doctor` and /metrics), by name."""
         ...
 
+    def carry_counters(self, previous: LedgerStore) -> None:
+        """Goes on counting where `previous` (the store this one replaces) left off: calls, frees, failures."""
+        ...
+
 
 class Ledger:
     """Outstanding objects and their totals, built from events, every object kept here (a replay, `kvtrace
@@ -324,6 +328,13 @@ class Ledger:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def carry_counters(self, previous: LedgerStore) -> None:
+        self.allocations_total, self.frees_total = previous.allocations_total, previous.frees_total
+        self.failures_total = previous.failures_total
+        if isinstance(previous, Ledger):
+            self.implicit_frees_total, self.unknown_frees_total = \
+                previous.implicit_frees_total, previous.unknown_frees_total
 
     def pids(self) -> set[int]:
         return {key.pid for key in self._entries} | {key.pid for key in self._counts}

@@ -4,12 +4,16 @@ A page used to be found by going through the whole ledger again for the entries 
 listing of N entries in pages of P cost N²/P entries read, and where the kernel keeps the ledger, each of those
 was decoded from its maps (about 700 rows/s at 400 000 entries). A cursor instead keeps one pass open: the first
 page starts it (LedgerStore.stream: a moment's view, read as it goes), each next page takes the following
-entries from the same pass, and the token says which cursor and which page. Memory stays bounded: a pass holds
-what the store reads at once (one chunk of the kernel's map), a cursor remembers its last page to answer a
-client that asks for it again (a retry), at most MAX_OPEN cursors are open and an idle one closes after
-IDLE_SECONDS. Pages come in the order the ledger is read (no order across pages is promised), each entry once;
-entries allocated or freed while the listing goes on may or may not be in it, as in any snapshot of a ledger
-that changes while it is read.
+entries from the same pass, and the token says which cursor and which page. Memory stays bounded: a pass over
+the kernel's ledger holds one chunk of its map at a time; over a plain Ledger (a replay, `kvtrace run`,
+--no-ledger-in-kernel) it holds a list of references to the entries that were live when it started (8 bytes
+each, and what was freed since stays alive until the listing closes). A cursor remembers its last page to
+answer a client that asks for it again (a retry); at most MAX_OPEN cursors are open, and one idle for
+IDLE_SECONDS is closed at the next request. Pages come in the order the ledger is read (no order across pages
+is promised), each entry once; entries allocated or freed while the listing goes on may or may not be in it, as
+in any snapshot of a ledger that changes while it is read. (On kernels before 5.6, without batched map reads,
+bcc walks the map key by key, and a walk whose key was freed meanwhile starts over: an entry may then come
+twice.) A pass that fails (the maps went with the probes) closes its listing: the next page is CursorLost.
 """
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ IDLE_SECONDS = 60.0
 
 class CursorLost(Exception):
     """The token names no open listing (closed when idle or crowded out, from another agent, or not a token)."""
+
+
+class CursorMismatch(Exception):
+    """The token names a listing that selects other processes or layers than the request."""
 
 
 @dataclass
@@ -82,15 +90,20 @@ class Cursors(Generic[T]):
                 self._open.move_to_end(cursor_id)
             cursor = found
             if cursor.filters != filters:
-                raise ValueError("the page token belongs to a listing of other processes or layers")
+                raise CursorMismatch("the page token belongs to a listing of other processes or layers")
         with cursor.lock:
             cursor.used_monotonic = self._monotonic()
             if sequence == cursor.sequence - 1:  # asked again (a retry): the same page
                 page, more = cursor.last_page, cursor.last_more
             elif sequence == cursor.sequence:
-                page, cursor.ahead = cursor.ahead, []
-                page.extend(entry for _, entry in zip(range(page_size - len(page)), cursor.entries, strict=False))
-                cursor.ahead = [entry for _, entry in zip(range(1), cursor.entries, strict=False)]
+                try:
+                    page = cursor.ahead + [entry for _, entry in zip(range(page_size - len(cursor.ahead)),
+                                                                     cursor.entries, strict=False)]
+                    cursor.ahead = [entry for _, entry in zip(range(1), cursor.entries, strict=False)]
+                except BaseException:  # the pass is broken: its listing cannot go on whole
+                    with self._lock:
+                        self._open.pop(cursor_id, None)
+                    raise
                 more = bool(cursor.ahead)
                 cursor.sequence += 1
                 cursor.last_page, cursor.last_more = page, more

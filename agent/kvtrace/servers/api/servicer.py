@@ -59,7 +59,7 @@ from kvtrace.servers.api.requests import (
 )
 from kvtrace.servers.api.slots import StreamSlots
 from kvtrace.servers.backend import AgentAnalysis, AgentState
-from kvtrace.servers.cursors import CursorLost, Cursors
+from kvtrace.servers.cursors import CursorLost, CursorMismatch, Cursors
 from kvtrace.servers.hub import EventHub, Lost, QueueItem, flatten
 from kvtrace.wire import (
     FixedColumnsBatch,
@@ -312,8 +312,12 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                 f"{self._listings.idle_seconds:.0f} s without a page, when {self._listings.max_open} newer ones "
                 "are open, or when the agent restarts; or it is no token of this agent's): list again from the "
                 "first page"))
-        except ValueError as error:
+        except CursorMismatch as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"page_token: {error}")
+        except (OSError, ValueError) as error:  # the pass broke (maps gone with the probes): its listing is closed
+            log.warning("a snapshot listing stopped: %s", error)
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"reading the ledger failed ({error}); list again from the first page")
         processes: dict[int, ProcessInfo | None] = {}
         allocations = []
         for entry in page:

@@ -127,6 +127,8 @@ class KernelLedger(Ledger):
             taken = decode_totals(self._maps.take_totals(pid)) if device is None else {}
             self._adjust(dropped, -1)
             if device is not None:  # (after an exit, the pid's counters are gone)
+                # (on the source's thread, not under the Session's lock: a Counter's += is one step; nothing
+                # in the agent reads this one but tests, after the fact)
                 for totals, (_, count) in dropped.items():
                     self.implicit_frees_total[totals.pid] += count
             self._adjust(taken, 1)
@@ -243,12 +245,11 @@ class KernelLedger(Ledger):
         return {"ledger_entries_in_kernel": self.counted_entries(), "ledger_reads_refused": self.reads_refused_total}
 
     def detached(self) -> Ledger:
-        """A plain Ledger with what is kept here (VMM objects, counters): the probes and their maps are going."""
+        """A plain Ledger with what is kept here (VMM objects, and the counters): the probes and their maps are
+        going."""
         ledger = Ledger()
         ledger._entries, ledger._bytes, ledger._counts = self._entries, self._bytes, self._counts
-        for name in ("allocations_total", "frees_total", "implicit_frees_total", "unknown_frees_total",
-                     "failures_total"):
-            setattr(ledger, name, getattr(self, name))
+        ledger.carry_counters(self)
         return ledger
 
 

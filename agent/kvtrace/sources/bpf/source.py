@@ -530,7 +530,7 @@ class BpfSource:
 
     def _lower(self, pids: list[int]) -> None:
         """Back to SEGMENTS: their PyTorch links out first (no block of theirs can enter the ledger after), then
-        every block of theirs out of the kernel's ledger (one pass for all), uncounted from the agent's totals."""
+        every block of theirs out of the kernel's ledger and its totals (KernelLedger.drop_blocks, one pass for all)."""
         for pid in pids:
             if self.options.blocks is BlocksMode.AUTO:
                 self._undropped.add(pid)  # first: whatever fails below, its blocks are dropped at a later call
