@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -20,7 +19,7 @@ from kvtrace.model.blocks import Segment, segments_of
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Layer
 from kvtrace.model.ledger import Outstanding, holds_device_memory
-from kvtrace.wire import depths_by_pid, outstanding_from_proto, outstanding_to_json_dict
+from kvtrace.wire import depths_by_pid, outstanding_from_proto, outstanding_json_line
 
 EPILOG = """examples:
   kvtrace snapshot               # every process, largest objects first; blocks inside their segments
@@ -69,9 +68,8 @@ class SnapshotCommand:
         out = sys.stdout
         with connect(args) as agent, _collector_paused():
             if output_format == "json":
-                encode = json.JSONEncoder(separators=(",", ":")).encode
                 for page in agent.snapshot_pages(pids=args.pid):  # a page's lines in one write
-                    out.write("".join([encode(outstanding_to_json_dict(entry)) + "\n" for entry in page.allocations]))
+                    out.write("".join([outstanding_json_line(entry) + "\n" for entry in page.allocations]))
                 return ExitCode.OK
             by_pid = defaultdict(list)
             titles: dict[int, tuple[str, str]] = {}
