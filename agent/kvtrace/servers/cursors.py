@@ -27,8 +27,10 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-# Open listings at once: the next one closes the least recently used (its client gets "start again").
-MAX_OPEN = 16
+# Open listings at once: the next one closes the least recently used (its client gets "start again"). Each holds
+# its last page for a retry (up to 10 000 entries, about 300 bytes each) and a chunk of the map it reads: about
+# 3 MB at most, 25 MB for all of them, whether their clients read on or went away.
+MAX_OPEN = 8
 # A listing nobody asked a page of for this long is closed.
 IDLE_SECONDS = 60.0
 
