@@ -9,7 +9,9 @@ stops the agent. The same process throughout: only tracing differs. The control 
 no blocks (`--blocks never`), not no agent: a busy process beside keeps the CPUs out of deep idle, and
 a launch-bound loop ran 10-35 % faster with one than alone on the H100.
 
-Roles (cost = 1 - tokens/s / control's tokens/s of the same round; medians over rounds):
+Roles (cost = 1 - tokens/s / control's tokens/s of the same round; medians over rounds; the same runs are also
+reported by the workload's own CPU a token, user + system, and system alone: a uprobe's trap and its BPF program
+are kernel time on the workload's behalf, which idle states and scheduling move less than wall-clock tokens/s):
   control  `kvtrace agent -p PID --blocks never`
   floor    the same as control, a second time: its "cost" is the noise floor of the round
   auto     `kvtrace agent -p PID` as shipped: --blocks auto; nothing raises this healthy loop, so it stays
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 for _path in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "gpu" / "workloads", ROOT / "agent"):
@@ -67,6 +70,42 @@ GOALS = {"auto": 0.01, "blocks": 0.03}
 BLOCK_COUNTERS = ("blocks_sampled", "blocks_not_sampled", "stack_walks", "events_submitted")
 
 
+class CpuSeconds(NamedTuple):
+    user: float
+    system: float  # the kernel's time on the workload's behalf: where a uprobe's trap and its BPF program count
+
+    def __sub__(self, other):  # type: ignore[override]
+        return CpuSeconds(self.user - other.user, self.system - other.system)
+
+
+def cpu_seconds(pids: list[int]) -> CpuSeconds:
+    """User and system CPU of the processes (all their threads, /proc/PID/stat fields 14 and 15)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    user = system = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        user, system = user + int(fields[11]), system + int(fields[12])
+    return CpuSeconds(user / ticks, system / ticks)
+
+
+class Run(NamedTuple):
+    tokens: int
+    seconds: float
+    cpu: CpuSeconds  # the workload's, during the run
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def cpu_us_per_token(self) -> float:
+        return (self.cpu.user + self.cpu.system) * 1e6 / self.tokens
+
+    @property
+    def system_us_per_token(self) -> float:
+        return self.cpu.system * 1e6 / self.tokens
+
+
 class TorchLoop:
     """The torch worker's generation loop."""
 
@@ -85,12 +124,13 @@ class TorchLoop:
     def record_history(self, mode: str | None) -> None:
         self.worker.send(op="record_history", enabled=mode is not None, mode=mode)
 
-    def run(self) -> float:
-        """tokens/s of one run, after a short one (the agent's first stacks are symbolized meanwhile)."""
+    def run(self) -> Run:
+        """One run, after a short one (the agent's first stacks are symbolized meanwhile)."""
         self.worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256, new_tokens=8, calls=1)
+        before = cpu_seconds(self.pids())
         answer = self.worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256,
                                   new_tokens=self.args.new_tokens, calls=self.args.calls)
-        return answer["tokens"] / answer["seconds"]
+        return Run(answer["tokens"], answer["seconds"], cpu_seconds(self.pids()) - before)
 
     def close(self) -> None:
         self.worker.process.kill()
@@ -118,17 +158,18 @@ class VllmEngineLoop:
     def agent_args(self) -> tuple[str, ...]:
         return ("--vllm-socket", str(self.plugin_socket))
 
-    def run(self) -> float:
+    def run(self) -> Run:
+        before = cpu_seconds(self.pids())
         answer = json.loads(self.engine.command(f"throughput {self.args.prompts} {self.args.new_tokens}", "throughput"))
-        return answer["tokens_per_second"]
+        return Run(answer["tokens"], answer["seconds"], cpu_seconds(self.pids()) - before)
 
     def close(self) -> None:
         self.engine.close()
 
 
 def one_run(workload, role: str, directory: Path, settle_seconds: float,
-            agent_cpus: set[int] | None = None) -> tuple[float, dict[str, int]]:
-    """tokens/s of one run under the role's agent, and the agent's counters after it. The run starts
+            agent_cpus: set[int] | None = None) -> tuple[Run, dict[str, int]]:
+    """One run under the role's agent, and the agent's counters after it. The run starts
     `settle_seconds` after the agent said it traces: its start-up (reading libraries, compiling, the first
     analyses) is not what an agent left running costs."""
     pids = [arg for pid in workload.pids() for arg in ("-p", str(pid))]
@@ -139,13 +180,13 @@ def one_run(workload, role: str, directory: Path, settle_seconds: float,
         time.sleep(settle_seconds)
         if role in RECORDER_MODES:
             workload.record_history(RECORDER_MODES[role])
-        rate = workload.run()
+        run = workload.run()
         counters = agent.counters()
     finally:
         if role in RECORDER_MODES:
             workload.record_history(None)
         agent.stop()
-    return rate, counters
+    return run, counters
 
 
 def main() -> int:
@@ -182,18 +223,24 @@ def main() -> int:
         for pid in workload.pids():
             pin(pid, args.pin_workload)
         tokens_per_second: dict[str, list[float]] = {role: [] for role in roles}
+        cpu_per_token: dict[str, list[float]] = {role: [] for role in roles}  # µs of the workload's CPU a token
+        system_per_token: dict[str, list[float]] = {role: [] for role in roles}  # of which in the kernel
         counters: dict[str, list[dict[str, int]]] = {role: [] for role in roles}
         try:
             for round_index in range(args.rounds):
                 for role in rotated(roles, round_index):
-                    rate, seen = one_run(workload, role, Path(directory), args.settle_seconds, args.pin_agents)
-                    tokens_per_second[role].append(rate)
+                    run, seen = one_run(workload, role, Path(directory), args.settle_seconds, args.pin_agents)
+                    tokens_per_second[role].append(run.tokens_per_second)
+                    cpu_per_token[role].append(run.cpu_us_per_token)
+                    system_per_token[role].append(run.system_us_per_token)
                     counters[role].append({name: seen.get(name, 0) for name in BLOCK_COUNTERS})
                 progress(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
                     f"{role} {values[-1]:.0f}" for role, values in tokens_per_second.items()) + " tokens/s")
         finally:
             workload.close()
     results["tokens_per_second"] = tokens_per_second
+    results["cpu_us_per_token"] = cpu_per_token
+    results["system_us_per_token"] = system_per_token
     results["counters"] = counters
     report(results)
     if args.json_out:
@@ -226,6 +273,23 @@ def report(results: dict) -> None:
         rounds = " ".join(f"{value * 100:+.1f}" for value in cost[role])
         last = ", ".join(f"{k} {v}" for k, v in results["counters"][role][-1].items() if v)
         print(f"   {role:<8} {median(tps[role]):>9.0f} {measured * 100:>7.2f}%  [{rounds}] {last}{verdict}")
+    # The same runs by the workload's own CPU a token: a uprobe's trap and its BPF program are the kernel's time on
+    # the workload's behalf (system), which wall-clock noise (idle states, scheduling) moves less than tokens/s.
+    for name, key in (("CPU a token", "cpu_us_per_token"), ("of it in the kernel", "system_us_per_token")):
+        per_token = results.get(key)
+        if not per_token or not all(per_token.values()):
+            continue
+        extra = {role: [v / c - 1 if c else 0.0 for v, c in zip(per_token[role], per_token["control"], strict=True)]
+                 for role in roles[1:]}
+        results[f"{key}_cost"] = {role: median(values) for role, values in extra.items()}
+        spread = max((abs(value) for value in extra.get("floor", [])), default=None)
+        print(f"   {name} (µs; cost = role / control - 1, medians of rounds; floor's rounds reach "
+              f"{'-' if spread is None else f'{spread * 100:.1f} %'}):")
+        print(f"   {'control':<8} {median(per_token['control']):>9.2f}")
+        for role in roles[1:]:
+            rounds = " ".join(f"{value * 100:+.1f}" for value in extra[role])
+            role_cost = results[f"{key}_cost"][role]
+            print(f"   {role:<8} {median(per_token[role]):>9.2f} {role_cost * 100:>7.2f}%  [{rounds}]")
 
 
 if __name__ == "__main__":
