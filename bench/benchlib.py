@@ -224,13 +224,15 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
-def pin(pid: int, cpus: set[int] | None) -> None:
-    """Every thread of `pid` (threads it makes later inherit it) onto `cpus`; None leaves it alone."""
-    if not cpus:
-        return
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(task.name), cpus)
+def set_masks(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of each process on `cpus` (threads they make later inherit it; one that cannot be is an
+    error, not a silent no-op)."""
+    for pid in pids:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
 
 
 def median(values) -> float:

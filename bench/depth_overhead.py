@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 for _path in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "gpu" / "workloads", ROOT / "agent"):
     sys.path.insert(0, str(_path))
@@ -52,7 +54,7 @@ for _path in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "gpu" / "workload
 from worker_client import TorchWorker  # noqa: E402
 
 from agent_process import AgentProcess  # noqa: E402
-from benchlib import code_version, median, parse_cpus, pin, progress, require_bpf, rotated  # noqa: E402
+from benchlib import code_version, median, parse_cpus, progress, require_bpf, rotated, set_masks  # noqa: E402
 from vllm_overhead import Engine, plugin_site  # noqa: E402
 
 ROLES = ("control", "floor", "auto", "blocks", "full", "history", "state")
@@ -74,24 +76,18 @@ class CpuSeconds(NamedTuple):
     user: float
     system: float  # the kernel's time on the workload's behalf: where a uprobe's trap and its BPF program count
 
-    def __sub__(self, other):  # type: ignore[override]
-        return CpuSeconds(self.user - other.user, self.system - other.system)
-
 
 def cpu_seconds(pids: list[int]) -> CpuSeconds:
-    """User and system CPU of the processes (all their threads, /proc/PID/stat fields 14 and 15)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    user = system = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        user, system = user + int(fields[11]), system + int(fields[12])
-    return CpuSeconds(user / ticks, system / ticks)
+    """User and system CPU of the processes, all their threads."""
+    times = [psutil.Process(pid).cpu_times() for pid in pids]
+    return CpuSeconds(sum(t.user for t in times), sum(t.system for t in times))
 
 
 class Run(NamedTuple):
     tokens: int
     seconds: float
-    cpu: CpuSeconds  # the workload's, during the run
+    cpu_before: CpuSeconds  # the workload's, around the run
+    cpu_after: CpuSeconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -99,11 +95,11 @@ class Run(NamedTuple):
 
     @property
     def cpu_us_per_token(self) -> float:
-        return (self.cpu.user + self.cpu.system) * 1e6 / self.tokens
+        return (sum(self.cpu_after) - sum(self.cpu_before)) * 1e6 / self.tokens
 
     @property
     def system_us_per_token(self) -> float:
-        return self.cpu.system * 1e6 / self.tokens
+        return (self.cpu_after.system - self.cpu_before.system) * 1e6 / self.tokens
 
 
 class TorchLoop:
@@ -130,7 +126,7 @@ class TorchLoop:
         before = cpu_seconds(self.pids())
         answer = self.worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256,
                                   new_tokens=self.args.new_tokens, calls=self.args.calls)
-        return Run(answer["tokens"], answer["seconds"], cpu_seconds(self.pids()) - before)
+        return Run(answer["tokens"], answer["seconds"], before, cpu_seconds(self.pids()))
 
     def close(self) -> None:
         self.worker.process.kill()
@@ -161,7 +157,7 @@ class VllmEngineLoop:
     def run(self) -> Run:
         before = cpu_seconds(self.pids())
         answer = json.loads(self.engine.command(f"throughput {self.args.prompts} {self.args.new_tokens}", "throughput"))
-        return Run(answer["tokens"], answer["seconds"], cpu_seconds(self.pids()) - before)
+        return Run(answer["tokens"], answer["seconds"], before, cpu_seconds(self.pids()))
 
     def close(self) -> None:
         self.engine.close()
@@ -175,7 +171,8 @@ def one_run(workload, role: str, directory: Path, settle_seconds: float,
     pids = [arg for pid in workload.pids() for arg in ("-p", str(pid))]
     agent = AgentProcess(directory / f"{role}.sock", *pids, "--no-nvml", *getattr(workload, "agent_args", tuple)(),
                          *AGENT_FLAGS[role])
-    pin(agent.process.pid, agent_cpus)
+    if agent_cpus:
+        set_masks([agent.process.pid], agent_cpus)
     try:
         time.sleep(settle_seconds)
         if role in RECORDER_MODES:
@@ -220,8 +217,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvtrace-depth-") as directory:
         progress(f"starting the {args.workload} workload (model load + warm-up)")
         workload = TorchLoop(args) if args.workload == "torch" else VllmEngineLoop(args, Path(directory))
-        for pid in workload.pids():
-            pin(pid, args.pin_workload)
+        if args.pin_workload:
+            set_masks(workload.pids(), args.pin_workload)
         tokens_per_second: dict[str, list[float]] = {role: [] for role in roles}
         cpu_per_token: dict[str, list[float]] = {role: [] for role in roles}  # µs of the workload's CPU a token
         system_per_token: dict[str, list[float]] = {role: [] for role in roles}  # of which in the kernel

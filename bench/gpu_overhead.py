@@ -45,7 +45,16 @@ for _path in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "gpu" / "workload
 from worker_client import TorchWorker  # noqa: E402
 
 from agent_process import AgentProcess  # noqa: E402
-from benchlib import CpuMeter, code_version, empty_probes, median, progress, require_bpf, rotated  # noqa: E402
+from benchlib import (  # noqa: E402
+    CpuMeter,
+    code_version,
+    empty_probes,
+    median,
+    progress,
+    require_bpf,
+    rotated,
+    set_masks,
+)
 
 PAIR_GOAL_RATIO = 1.5
 NOSTACKS_PAIR_GOAL_RATIO = 1.25
@@ -100,16 +109,6 @@ def attach_empty_probes(pids: list[int]):
 def masks(pid: int) -> dict[int, set[int]]:
     """The CPUs each thread of `pid` may run on."""
     return {int(task): os.sched_getaffinity(int(task)) for task in os.listdir(f"/proc/{pid}/task")}
-
-
-def set_masks(pids: list[int], cpus: set[int]) -> None:
-    """Every thread of each process on `cpus` (one that cannot be is an error, not a silent no-op)."""
-    for pid in pids:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.sched_setaffinity(int(task), cpus)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                pass
 
 
 def restore_masks(pid: int, by_thread: dict[int, set[int]]) -> None:
