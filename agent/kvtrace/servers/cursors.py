@@ -17,6 +17,7 @@ twice.) A pass that fails (the maps went with the probes) closes its listing: th
 """
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
@@ -50,7 +51,6 @@ class _Cursor(Generic[T]):
     ahead: list[T] = field(default_factory=list)  # the entry read to know that another page follows
     sequence: int = 0  # pages sent
     last_page: list[T] = field(default_factory=list)
-    last_more: bool = False
     used_monotonic: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)  # one page at a time per listing
 
@@ -70,8 +70,8 @@ class Cursors(Generic[T]):
              page_size: int) -> tuple[list[T], str]:
         """The next `page_size` entries of the listing `token` names ("": a new listing, `start()` its pass),
         and the token of the page after ("" when this was the last). A token for a page already sent is
-        answered with that page again; CursorLost where the token names no open listing, ValueError where it
-        names one that selects something else than `filters`."""
+        answered with that page again; CursorLost where the token names no open listing, CursorMismatch where
+        it names one that selects something else than `filters`."""
         if not token:
             cursor_id, sequence = secrets.token_hex(8), 0
             cursor: _Cursor[T] = _Cursor(filters, iter(start()), used_monotonic=self._monotonic())
@@ -96,22 +96,21 @@ class Cursors(Generic[T]):
         with cursor.lock:
             cursor.used_monotonic = self._monotonic()
             if sequence == cursor.sequence - 1:  # asked again (a retry): the same page
-                page, more = cursor.last_page, cursor.last_more
+                page = cursor.last_page
             elif sequence == cursor.sequence:
                 try:
-                    page = cursor.ahead + [entry for _, entry in zip(range(page_size - len(cursor.ahead)),
-                                                                     cursor.entries, strict=False)]
-                    cursor.ahead = [entry for _, entry in zip(range(1), cursor.entries, strict=False)]
+                    page = cursor.ahead + list(itertools.islice(cursor.entries, page_size - len(cursor.ahead)))
+                    cursor.ahead = list(itertools.islice(cursor.entries, 1))
                 except BaseException:  # the pass is broken: its listing cannot go on whole
                     with self._lock:
                         self._open.pop(cursor_id, None)
                     raise
-                more = bool(cursor.ahead)
                 cursor.sequence += 1
-                cursor.last_page, cursor.last_more = page, more
+                cursor.last_page = page
             else:
                 self.lost_total += 1
                 raise CursorLost(token)
+            more = bool(cursor.ahead)  # (the page asked for is the last one sent: ahead is what follows it)
         # A listing that has sent its last page stays open (idle) for a retry of that page, holding that page only.
         return page, f"{cursor_id}.{sequence + 1}" if more else ""
 
