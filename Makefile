@@ -14,7 +14,7 @@ SPEEDSCOPE_VERSION := 1.25.0
 NPM_FROM_DISTRIBUTION := command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  apt-get install -y -qq --no-install-recommends npm >/dev/null; }
 
-.PHONY: setup run test test-unit test-integration test-gpu lint proto-release bench install-service promtool speedscope clean
+.PHONY: setup run test test-unit test-integration test-gpu lint proto-release bench install-service promtool speedscope pythons clean
 
 setup: $(STAMP)
 	@# tracefs does not survive a reboot; the rest does.
@@ -60,14 +60,19 @@ proto-release: $(BUF)
 run: setup
 	$(KVTRACE) agent $(ARGS)
 
-test: setup promtool speedscope
+test: setup promtool speedscope pythons
 	$(PYTHON) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
-test-unit: setup promtool speedscope
+test-unit: setup promtool speedscope pythons
 	$(PYTHON) -m pytest tests/unit $(PYTEST_ARGS)
 
-test-integration: setup
+test-integration: setup pythons
 	$(PYTHON) -m pytest tests/integration $(PYTEST_ARGS)
+
+# CPython 3.14 and 3.15 (each also free-threaded) for the stack tests, built once from Debian's source
+# packages where missing (tests/pythons/build.sh; about two minutes each on two cores). Not for `make run`.
+pythons:
+	bash tests/pythons/build.sh
 
 # On the GPU machine (torch there): see tests/gpu/README.md.
 test-gpu:

@@ -99,7 +99,9 @@
                                            * their events say KVT_STACK_NOT_SAMPLED (ledger exact all the same) */
 #define KVT_COUNTER_BLOCKS_QUIET     17 /* block events not sent because nobody reads them whole
                                          * (KVT_CONFIG_QUIET_BLOCKS): no loss, the ledger is exact */
-#define KVT_COUNTER_COUNT            18
+#define KVT_COUNTER_STACK_THREAD_LISTS 18 /* thread states looked up in the interpreter's list (3.15+: no
+                                            * pthread key): once per thread, and again when its state changed */
+#define KVT_COUNTER_COUNT            19
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -188,8 +190,16 @@ struct kvt_py_target {
     u8 instr_is_lasti;    /* 3.10: a 4-byte int f_lasti instead of a pointer */
     u8 reserved;
     s16 tstate_datastack; /* PyThreadState.datastack_chunk, _top, _limit (3.11+); -1: none (3.10) */
-    u16 reserved2;
+    s16 tstate_base_frame; /* 3.15+: PyThreadState.base_frame, the interpreter's own frame under every
+                            * thread's chain, where the walk ends without reading it; -1: none */
     u32 reserved3;
+    /* 3.15+, where no pthread key leads to a thread's state (tss_key_address 0): &_PyRuntime.interpreters.head
+     * in the target, and the fields that find the calling thread's state in that interpreter's list */
+    u64 interpreters_head_address;
+    s16 interp_threads_head; /* PyInterpreterState.threads.head */
+    s16 tstate_prev;
+    s16 tstate_next;
+    s16 tstate_thread_id;    /* PyThreadState.thread_id: pthread_self(), the thread's fs base on glibc */
 };
 
 struct kvt_frame {

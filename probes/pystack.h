@@ -1,4 +1,5 @@
-/* pystack.h — the calling thread's CPython frames, walked inside the probe (3.10-3.13).
+/* pystack.h — the calling thread's CPython frames, walked inside the probe (3.10-3.15, and the
+ * free-threaded builds of 3.14 and 3.15).
  *
  * Per process, user space registers where its thread states are and how to walk its frames
  * (py_targets, from sources/python/offsets.py); the walk records (code object, instruction) per
@@ -42,6 +43,12 @@ struct kvt_datastack {
 /* Bytes of the thread state read at once: from its frame pointer to its data stack fields
  * (3.11-3.13: 184 to 264 bytes), one read where two would do. */
 #define KVT_TSTATE_READ_MAX 512
+
+/* Frame owners from this one up are entry shims (FRAME_OWNED_BY_CSTACK on 3.12-3.13; _BY_INTERPRETER
+ * and _BY_CSTACK on 3.14; _BY_INTERPRETER on 3.15), and the tag bits of a 3.14+ _PyStackRef
+ * (sources/python/offsets.py says the same). */
+#define KVT_PY_OWNER_SHIM_FROM 3
+#define KVT_PY_REF_TAG_BITS 7
 
 /* The walk is one program of its own, walk_stack (kvtrace.bpf.c), that the allocation probes
  * tail-call: the verifier then checks one copy of it, not one per probe (with the data-stack reads
@@ -89,20 +96,100 @@ struct kvt_scratch {
 BPF_PERCPU_ARRAY(scratch, struct kvt_scratch, 1);
 
 
-/* The calling thread's PyThreadState: glibc keeps pthread_getspecific(key) for keys < 32 in the
- * thread descriptor, which fs points to. The GIL is usually released around CUDA calls, so
- * "the current thread state" of the runtime would be NULL; the TSS slot is not. */
-static __always_inline u64 python_thread_state(struct kvt_py_target *target) {
+/* The calling thread's fs base: glibc's thread descriptor (pthread_self()), 0 where unknown. */
+static __always_inline u64 current_fsbase(void) {
     if (KVT_TASK_FSBASE_OFFSET < 0)
-        return 0;
-    s32 key = -1;
-    bpf_probe_read_user(&key, sizeof(key), (void *)target->tss_key_address);
-    if (key < 0 || key >= 32)
         return 0;
     struct task_struct *task = (struct task_struct *)bpf_get_current_task();
     u64 fsbase = 0;
     bpf_probe_read_kernel(&fsbase, sizeof(fsbase), (void *)task + KVT_TASK_FSBASE_OFFSET);
+    return fsbase;
+}
+
+/* 3.15+: where each thread's state was found in its interpreter's list, by thread (pid_tgid). A thread
+ * with none (a native thread, or one whose state was deleted) is kept as `missing_head`, the list's head
+ * when it was looked through: threads are only ever put at the head, so while the head is that one the
+ * thread still has none and the list is not walked again. */
+struct kvt_py_thread {
+    u64 tstate;
+    u64 missing_head;
+};
+BPF_TABLE("lru_hash", u64, struct kvt_py_thread, py_threads, KVT_MAX_THREADS);
+
+/* Python threads of an interpreter looked through for the calling one. */
+#define KVT_MAX_PY_THREADS 256
+
+static __always_inline u64 py_threads_head(struct kvt_py_target *target) {
+    u64 interp = 0, head = 0;
+    if (bpf_probe_read_user(&interp, sizeof(interp), (void *)target->interpreters_head_address) != 0 || !interp)
+        return 0;
+    bpf_probe_read_user(&head, sizeof(head), (void *)(interp + target->interp_threads_head));
+    return head;
+}
+
+/* Whether `tstate` is a live thread state of the thread at `fsbase`: its thread_id is that thread, and it is
+ * still linked into its interpreter's list (a state is unlinked before it is freed, so a freed one, or its
+ * memory reused by another thread's, fails here). */
+static __always_inline int py_thread_state_holds(struct kvt_py_target *target, u64 tstate, u64 fsbase) {
+    u64 thread_id = 0, prev = 0, link = 0;
+    if (bpf_probe_read_user(&thread_id, sizeof(thread_id), (void *)(tstate + target->tstate_thread_id)) != 0 ||
+        thread_id != fsbase ||
+        bpf_probe_read_user(&prev, sizeof(prev), (void *)(tstate + target->tstate_prev)) != 0)
+        return 0;
+    if (prev == 0)
+        link = py_threads_head(target);
+    else if (bpf_probe_read_user(&link, sizeof(link), (void *)(prev + target->tstate_next)) != 0)
+        return 0;
+    return link == tstate;
+}
+
+/* 3.15+: the calling thread's state, from what was found before when it still holds, else from the
+ * interpreter's list (only the newest interpreter's: threads of other subinterpreters get no stack). */
+static __always_inline u64 listed_thread_state(struct kvt_py_target *target, u64 fsbase) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    struct kvt_py_thread *known = py_threads.lookup(&pid_tgid);
+    u64 head = 0;
+    if (known) {
+        if (known->tstate && py_thread_state_holds(target, known->tstate, fsbase))
+            return known->tstate;
+        head = py_threads_head(target);
+        if (!known->tstate && known->missing_head == head)
+            return 0;
+    } else {
+        head = py_threads_head(target);
+    }
+    count(KVT_COUNTER_STACK_THREAD_LISTS);
+    struct kvt_py_thread found = {.tstate = 0, .missing_head = head};
+    u64 tstate = head;
+    for (int i = 0; i < KVT_MAX_PY_THREADS && tstate; i++) {
+        u64 thread_id = 0, next = 0;
+        if (bpf_probe_read_user(&thread_id, sizeof(thread_id), (void *)(tstate + target->tstate_thread_id)) != 0 ||
+            bpf_probe_read_user(&next, sizeof(next), (void *)(tstate + target->tstate_next)) != 0)
+            break;
+        if (thread_id == fsbase) {
+            found.tstate = tstate;
+            break;
+        }
+        tstate = next;
+    }
+    py_threads.update(&pid_tgid, &found);
+    return found.tstate;
+}
+
+/* The calling thread's PyThreadState. Up to 3.14 through the pthread key of the GIL state API: glibc keeps
+ * pthread_getspecific(key) for keys < 32 in the thread descriptor, which fs points to; the GIL is usually
+ * released around CUDA calls, so "the current thread state" of the runtime would be NULL, the TSS slot is
+ * not. 3.15 keeps that state in a C thread-local instead (_Py_tss_gilstate, whose place no exported symbol
+ * gives): the thread is found in its interpreter's list of thread states by its thread_id. */
+static __always_inline u64 python_thread_state(struct kvt_py_target *target) {
+    u64 fsbase = current_fsbase();
     if (fsbase == 0)
+        return 0;
+    if (target->tss_key_address == 0)
+        return target->interpreters_head_address ? listed_thread_state(target, fsbase) : 0;
+    s32 key = -1;
+    bpf_probe_read_user(&key, sizeof(key), (void *)target->tss_key_address);
+    if (key < 0 || key >= 32)
         return 0;
     u64 tstate = 0;
     bpf_probe_read_user(&tstate, sizeof(tstate),
@@ -178,6 +265,7 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
     count(KVT_COUNTER_STACK_WALKS);
     u64 walk_number = ++s->walks_started;
     u64 frame = 0;
+    u64 base_frame = 0; /* 3.15+: the chain's last frame, the interpreter's own: not read */
     struct kvt_datastack datastack = {};
     s32 frame_at = target->tstate_frame;
     s32 datastack_at = target->tstate_datastack - frame_at; /* from the frame pointer on */
@@ -192,6 +280,9 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         u32 at = datastack_at & (KVT_TSTATE_READ_MAX - 8);
         datastack.chunk = *(u64 *)(s->tstate + at);
         datastack.limit = *(u64 *)(s->tstate + at + 16);
+        s32 base_at = target->tstate_base_frame - frame_at;
+        if (target->tstate_base_frame >= 0 && base_at >= 0 && base_at < datastack_at && (base_at & 7) == 0)
+            base_frame = *(u64 *)(s->tstate + (base_at & (KVT_TSTATE_READ_MAX - 8)));
     } else if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(tstate + frame_at)) != 0) {
         *status = KVT_STACK_READ_ERROR;
         return 0;
@@ -218,16 +309,23 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
     s->stack.depth = 0;
     s->window_start = s->window_end = 0;
     for (int i = 0; i < KVT_MAX_WALK_STEPS && frame != 0; i++) {
+        if (frame == base_frame) {
+            frame = 0;
+            break;
+        }
         u8 *bytes = frame_bytes(s, frame, read_bytes, datastack.chunk, datastack.limit);
         if (!bytes)
             break;
-        u64 code = read_u64_at(bytes, code_at);
+        /* 3.14+: a tagged reference (_PyStackRef, the low bits say how it is counted); objects are 8-byte
+         * aligned in every version, so masking them off leaves earlier versions' plain pointers as they are */
+        u64 code = read_u64_at(bytes, code_at) & ~(u64)KVT_PY_REF_TAG_BITS;
         u64 previous = read_u64_at(bytes, previous_at);
         u64 instr = read_u64_at(bytes, instr_at);
         if (instr_is_lasti)
             instr = (u32)instr;
         u8 owner = owner_at >= 0 ? bytes[owner_at & (KVT_FRAME_READ_MAX - 1)] : 0;
-        if (owner == 3 || code == 0) { /* FRAME_OWNED_BY_CSTACK: an entry shim, not Python code */
+        /* owned by the C stack (3.12+) or the interpreter (3.14+): an entry shim, not Python code */
+        if (owner >= KVT_PY_OWNER_SHIM_FROM || code == 0) {
             frame = previous;
             continue;
         }

@@ -50,7 +50,7 @@ from kvtrace.sources.bpf import abi, usdt
 from kvtrace.sources.bpf.decode import Clock, UndecodableRecord, decode_event, decode_ledger_entry
 from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
 from kvtrace.sources.python import runtime, symbolize
-from kvtrace.sources.python.offsets import OFFSETS
+from kvtrace.sources.python.offsets import FREE_THREADED_OFFSETS, OFFSETS
 
 settings.register_profile(
     "kvtrace-ci", max_examples=150, deadline=timedelta(milliseconds=500), derandomize=True,
@@ -394,6 +394,8 @@ def test_any_note_descriptor_decodes_or_is_malformed(descriptor: bytes, address_
 # ---- Python frames ---------------------------------------------------------------------------
 
 VERSIONS = sorted(OFFSETS)
+# Every build's offsets (default and free-threaded): what the readers are given.
+BUILDS = [*OFFSETS.values(), *FREE_THREADED_OFFSETS.values()]
 
 
 @given(st.sampled_from(VERSIONS), st.binary(max_size=300), I32, st.integers(-10, 1 << 20))
@@ -433,8 +435,8 @@ class _Memory:
 
 def _unicode_object(offsets, length: int, state: int, payload: bytes) -> bytes:
     header = bytearray(offsets.sizeof_ascii_object + 32)
-    struct.pack_into("<q", header, symbolize.UNICODE_LENGTH, length)
-    struct.pack_into("<I", header, symbolize.UNICODE_STATE, state)
+    struct.pack_into("<q", header, offsets.object_type + symbolize.UNICODE_LENGTH_AFTER_TYPE, length)
+    struct.pack_into("<I", header, offsets.object_type + symbolize.UNICODE_STATE_AFTER_TYPE, state)
     return bytes(header[:offsets.sizeof_ascii_object]) + payload
 
 
@@ -442,12 +444,11 @@ _KIND_STATES = st.builds(lambda kind, compact, ascii_, ready: kind << 2 | compac
                          st.integers(0, 7), st.integers(0, 1), st.integers(0, 1), st.integers(0, 1))
 
 
-@given(st.sampled_from(VERSIONS), st.integers(0, 300), _KIND_STATES, st.binary(max_size=600)
-       | st.binary(max_size=MEMORY_BYTES))
-@example((3, 12), 2, 1 << 2 | 1 << 5 | 1 << 6, b"\xff\xfe")  # "ASCII" flagged, bytes are not ASCII
-@example((3, 12), 1, 4 << 2 | 1 << 5, b"\xff\xff\xff\xff")  # a 4-byte code point beyond U+10FFFF
-def test_any_str_object_decodes_or_is_unreadable(version, length: int, state: int, payload: bytes) -> None:
-    offsets = OFFSETS[version]
+@given(st.sampled_from(BUILDS), st.integers(0, 300), _KIND_STATES | _KIND_STATES.map(lambda state: state << 6),
+       st.binary(max_size=600) | st.binary(max_size=MEMORY_BYTES))
+@example(OFFSETS[(3, 12)], 2, 1 << 2 | 1 << 5 | 1 << 6, b"\xff\xfe")  # "ASCII" flagged, bytes are not ASCII
+@example(OFFSETS[(3, 12)], 1, 4 << 2 | 1 << 5, b"\xff\xff\xff\xff")  # a 4-byte code point beyond U+10FFFF
+def test_any_str_object_decodes_or_is_unreadable(offsets, length: int, state: int, payload: bytes) -> None:
     memory = _Memory(_unicode_object(offsets, length, state, payload))
     try:
         text = symbolize.read_unicode(memory, BASE, offsets)  # type: ignore[arg-type]
@@ -459,7 +460,8 @@ def test_any_str_object_decodes_or_is_unreadable(version, length: int, state: in
 @given(st.binary(min_size=8, max_size=MEMORY_BYTES), st.integers(0, 1 << 22))
 def test_any_bytes_object_reads_or_is_unreadable(data: bytes, max_bytes: int) -> None:
     try:
-        contents = symbolize.read_bytes_object(_Memory(data), BASE, max_bytes)  # type: ignore[arg-type]
+        contents = symbolize.read_bytes_object(_Memory(data), BASE, max_bytes,  # type: ignore[arg-type]
+                                               OFFSETS[(3, 12)])
     except MemoryReadError:
         return
     assert len(contents) <= max_bytes
@@ -474,11 +476,11 @@ def fake_process() -> Iterator[tuple[Path, Path]]:
         yield Path(directory), Path(directory) / "42" / "mem"
 
 
-@given(st.sampled_from(VERSIONS), st.binary(min_size=0, max_size=MEMORY_BYTES),
+@given(st.sampled_from(BUILDS), st.binary(min_size=0, max_size=MEMORY_BYTES),
        st.lists(st.integers(0, MEMORY_BYTES // 8 - 1), max_size=6),
        st.lists(st.tuples(st.integers(0, MEMORY_BYTES) | U64, st.integers(0, MEMORY_BYTES) | U64), max_size=5),
        st.sampled_from([0, BASE]))
-def test_any_process_memory_symbolizes_to_frames(fake_process, version, data: bytes, pointer_slots,
+def test_any_process_memory_symbolizes_to_frames(fake_process, offsets, data: bytes, pointer_slots,
                                                  frames, code_type: int) -> None:
     proc, mem_file = fake_process
     memory = bytearray(data.ljust(MEMORY_BYTES, b"\0"))
@@ -491,31 +493,32 @@ def test_any_process_memory_symbolizes_to_frames(fake_process, version, data: by
     raw = [(BASE + code if code < MEMORY_BYTES else code, BASE + instr if instr < MEMORY_BYTES else instr)
            for code, instr in frames]
     try:
-        result = symbolizer.symbolize(42, version, OFFSETS[version], raw, code_type)
-        result += symbolizer.symbolize(42, version, OFFSETS[version], raw, code_type)  # the cached path
+        result = symbolizer.symbolize(42, offsets.version, offsets, raw, code_type)
+        result += symbolizer.symbolize(42, offsets.version, offsets, raw, code_type)  # the cached path
     finally:
         symbolizer.close()
     assert len(result) == 2 * len(raw)
     assert all(frame is UNKNOWN_FRAME or isinstance(frame, Frame) for frame in result)
 
 
-@given(st.binary(min_size=0, max_size=MEMORY_BYTES), st.integers(0, MEMORY_BYTES) | U64)
-def test_any_type_object_gives_members_or_unreadable(data: bytes, type_offset: int) -> None:
+@given(st.sampled_from(BUILDS), st.binary(min_size=0, max_size=MEMORY_BYTES), st.integers(0, MEMORY_BYTES) | U64)
+def test_any_type_object_gives_members_or_unreadable(offsets, data: bytes, type_offset: int) -> None:
     address = BASE + type_offset if type_offset < MEMORY_BYTES else type_offset
     try:
-        members = runtime._members(_Memory(data), address)  # type: ignore[arg-type]
+        members = runtime._members(_Memory(data), address, offsets)  # type: ignore[arg-type]
     except MemoryReadError:
         return
     assert all(isinstance(name, str) and isinstance(offset, int) for name, offset in members.items())
 
 
-@given(st.sampled_from(VERSIONS), st.binary(max_size=MEMORY_BYTES) | st.binary(max_size=520).map(
-    lambda words: b"xdebugpy" + words))
-def test_any_debug_offsets_check_or_unreadable(version, data: bytes) -> None:
+@given(st.sampled_from([offsets for offsets in BUILDS if offsets.version >= (3, 13)]),
+       st.binary(max_size=MEMORY_BYTES) | st.binary(max_size=1040).map(lambda words: b"xdebugpy" + words))
+def test_any_debug_offsets_check_or_unreadable(offsets, data: bytes) -> None:
     try:
-        problem = runtime._check_debug_offsets(_Memory(data), BASE, OFFSETS[version])  # type: ignore[arg-type]
+        words = runtime._debug_offsets(_Memory(data), BASE)  # type: ignore[arg-type]
     except MemoryReadError:
         return
+    problem = runtime._check_debug_offsets(words, offsets) if words is not None else "no cookie"
     assert problem is None or isinstance(problem, str)
 
 

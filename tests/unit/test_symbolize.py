@@ -1,4 +1,5 @@
-"""Stack symbolization against live interpreters: pyenv CPython 3.10–3.13 targets record their own
+"""Stack symbolization against live interpreters: CPython 3.10–3.15 targets, 3.14 and 3.15 also
+free-threaded (tests/interpreters.py), record their own
 frames, the test reads them back through /proc/PID/mem and must get exactly the same (function,
 file, line). Line tables are checked instruction by instruction against co_positions / co_lines,
 the native symbolizer against libc's own symbols."""
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from interpreters import LABELS, interpreter, offsets_of, version_of
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame, NativeFrame, Stack, StackTable
 from kvtrace.sources.native import NativeSymbolizer
 from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
@@ -25,8 +27,7 @@ from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK, GLIBC_SPECIF
 from kvtrace.sources.python.symbolize import Symbolizer, UnsupportedPythonError, line_for_offset, read_unicode
 from kvtrace.wire import frame_to_json
 
-PYENV_VERSIONS = Path("/root/.pyenv/versions")
-TARGET_VERSIONS = [(3, 10), (3, 11), (3, 12), (3, 13)]
+TARGET_VERSIONS = sorted({version_of(label) for label in LABELS})
 CHILD_TIMEOUT_SECONDS = 60
 
 # The probe-like target. It walks its own thread's frames from the thread state exactly as the BPF
@@ -38,6 +39,7 @@ import ctypes, json, sys, threading
 
 O = json.loads(sys.argv[1])
 IS_3_10 = sys.version_info[:2] == (3, 10)
+FREE_THREADED = O["code_tlbc"] >= 0
 U64 = ctypes.c_uint64.from_address
 I32 = ctypes.c_int32.from_address
 U8 = ctypes.c_uint8.from_address
@@ -56,12 +58,25 @@ def probe_walk():
         frame = U64(frame + O["cframe_frame"]).value
     walked = []
     while frame:
-        if O["frame_owner"] < 0 or U8(frame + O["frame_owner"]).value != 3:
+        # 3.14+: the code object is a tagged reference; owners from 3 up are entry shims
+        code = U64(frame + O["frame_code"]).value & ~7
+        if O["frame_owner"] < 0 or U8(frame + O["frame_owner"]).value < 3 and code:
             read_instr = I32 if IS_3_10 else U64
-            walked.append([U64(frame + O["frame_code"]).value,
-                           read_instr(frame + O["frame_instr"]).value])
+            walked.append([code, read_instr(frame + O["frame_instr"]).value])
         frame = U64(frame + O["frame_previous"]).value
     return walked[2:]  # less probe_walk() and record()
+
+
+def in_copy(code, instr):
+    """Free-threaded builds: an instruction pointer is into its thread's copy of the bytecode
+    (co_tlbc); as an offset into whichever copy holds it, to compare with f_lasti."""
+    size = U64(code + O["object_size"]).value * 2
+    copies = U64(code + O["code_tlbc"]).value
+    for index in range(U64(copies).value):
+        base = U64(copies + 8 + 8 * index).value
+        if base and base <= instr < base + size:
+            return instr - base
+    return None
 
 
 def record():
@@ -72,17 +87,31 @@ def record():
         code = frame.f_code
         # The C field f_lasti counts 2-byte code units on 3.10; frame.f_lasti is in bytes on all.
         instr = frame.f_lasti // 2 if IS_3_10 else id(code) + O["code_bytecode"] + frame.f_lasti
-        raw.append([id(code), instr])
+        raw.append([id(code), frame.f_lasti if FREE_THREADED else instr])
         expected.append([getattr(code, "co_qualname", code.co_name), code.co_filename,
                          frame.f_lineno])
         frame = frame.f_back
-    STACKS.append({"walked": walked, "raw": raw, "expected": expected})
+    offsets = [[code, in_copy(code, instr)] for code, instr in walked] if FREE_THREADED else walked
+    # frames whose instruction is in another copy than co_code_adaptive (a thread's own, co_tlbc)
+    elsewhere = sum(offset != instr - code - O["code_bytecode"]
+                    for (code, instr), (_, offset) in zip(walked, offsets)) if FREE_THREADED else 0
+    STACKS.append({"walked": walked, "walked_offsets": offsets, "raw": raw, "expected": expected,
+                   "in_thread_copies": elsewhere})
 
 
 def thread_state_checks():
-    """The TSS key path the probe takes to the thread state, for this thread."""
+    """The path the probe takes to this thread's state: the TSS key, or (3.15+) the interpreter's list."""
     tstate = ctypes.pythonapi.PyThreadState_Get()
     runtime = ctypes.addressof(ctypes.c_char.in_dll(ctypes.pythonapi, "_PyRuntime"))
+    if O["runtime_tss"] < 0:
+        listed = U64(U64(runtime + O["runtime_interpreters_head"]).value + O["interp_threads_head"])
+        found = []
+        while listed.value:
+            state = listed.value
+            if U64(state + O["tstate_thread_id"]).value == LIBC.pthread_self():
+                found.append(state)
+            listed = U64(state + O["tstate_next"])
+        return {"list": found == [tstate]}
     key = ctypes.c_uint32.from_address(runtime + O["runtime_tss"] + 4).value
     specific = U64(LIBC.pthread_self() + O["glibc_specific"] + key * O["glibc_entry"] + 8).value
     return {"tss": LIBC.pthread_getspecific(key) == tstate, "glibc": specific == tstate}
@@ -224,16 +253,6 @@ if __name__ == "__main__":
 '''
 
 
-def pyenv_python(version: tuple[int, int]) -> Path:
-    """The newest pyenv CPython of this minor version, or skip saying where it was looked for."""
-    candidates = sorted(PYENV_VERSIONS.glob(f"{version[0]}.{version[1]}.*/bin/python3"),
-                        key=lambda path: [int(part) for part in path.parts[-3].split(".")
-                                          if part.isdigit()])
-    if not candidates:
-        pytest.skip(f"no pyenv CPython {version[0]}.{version[1]} under {PYENV_VERSIONS}")
-    return candidates[-1]
-
-
 def require_readable_memory(pid: int, address: int) -> None:
     try:
         with ProcessMemory(pid) as mem:
@@ -242,30 +261,40 @@ def require_readable_memory(pid: int, address: int) -> None:
         pytest.skip(f"cannot read /proc/{pid}/mem ({error}); needs root or ptrace access")
 
 
-def offsets_argument(version: tuple[int, int]) -> str:
-    offsets = OFFSETS[version]
+def offsets_argument(offsets) -> str:
     fields = ("tstate_frame", "cframe_frame", "frame_code", "frame_previous", "frame_instr",
-              "frame_owner", "code_bytecode", "runtime_tss")
+              "frame_owner", "code_bytecode", "runtime_tss", "code_tlbc", "object_size",
+              "runtime_interpreters_head", "interp_threads_head", "tstate_next", "tstate_thread_id")
     values = {name: getattr(offsets, name) for name in fields}
     values["glibc_specific"] = GLIBC_SPECIFIC_1STBLOCK
     values["glibc_entry"] = GLIBC_SPECIFIC_ENTRY_SIZE
     return json.dumps(values)
 
 
-@pytest.fixture(params=TARGET_VERSIONS, ids=lambda version: f"{version[0]}.{version[1]}")
-def version(request) -> tuple[int, int]:
+@pytest.fixture(params=LABELS)
+def label(request) -> str:
     return request.param
 
 
 @pytest.fixture
-def target(version, tmp_path):
+def version(label) -> tuple[int, int]:
+    return version_of(label)
+
+
+@pytest.fixture
+def offsets(label):
+    return offsets_of(label)
+
+
+@pytest.fixture
+def target(label, offsets, tmp_path):
     """A live target (see TARGET_SCRIPT) in a directory with a non-ASCII name: (process, its
     report)."""
-    python = pyenv_python(version)
+    python = interpreter(label)
     script = tmp_path / "träger_分配" / "target.py"
     script.parent.mkdir()
     script.write_text(TARGET_SCRIPT, encoding="utf-8")
-    process = subprocess.Popen([str(python), "-I", str(script), offsets_argument(version)],
+    process = subprocess.Popen([str(python), "-I", str(script), offsets_argument(offsets)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -281,23 +310,29 @@ def target(version, tmp_path):
         process.communicate(timeout=CHILD_TIMEOUT_SECONDS)
 
 
-def test_probe_walk_matches_the_interpreter(target, version):
+def test_probe_walk_matches_the_interpreter(target, label, version):
     """The offsets table walks the same frames, with the same instruction values, as
     sys._getframe shows; the TSS key leads to this thread's state. (Checks pyoffsets.py.)"""
     _, report = target
-    assert report["checks"] == {"tss": True, "glibc": True}
+    assert report["checks"] == ({"list": True} if version >= (3, 15) else {"tss": True, "glibc": True})
     for stack in report["stacks"]:
-        assert stack["walked"] == stack["raw"]
+        assert stack["walked_offsets"] == stack["raw"]
+    in_copies = [stack["in_thread_copies"] for stack in report["stacks"]]
+    print(f"frames in a thread's own copy of the bytecode, per stack: {in_copies}")
+    if label.endswith("t"):  # the worker thread runs its own copies: the walk must find them
+        assert in_copies[2] > 0 and in_copies[3] > 0, in_copies
+    else:
+        assert in_copies == [0] * 4
 
 
-def test_symbolized_stacks_equal_the_targets_own(target, version):
+def test_symbolized_stacks_equal_the_targets_own(target, version, offsets):
     process, report = target
     symbolizer = Symbolizer()
     stacks = report["stacks"]
     # main thread: two records from größe, then the worker thread's two
     assert len(stacks) == 4
     for stack in stacks:
-        frames = symbolizer.symbolize(process.pid, version, OFFSETS[version],
+        frames = symbolizer.symbolize(process.pid, version, offsets,
                                       [tuple(pair) for pair in stack["walked"]])
         assert [[frame.function, frame.file, frame.line] for frame in frames] == stack["expected"]
     functions = [frame[0] for frame in stacks[0]["expected"]]
@@ -314,27 +349,27 @@ def test_symbolized_stacks_equal_the_targets_own(target, version):
     assert symbolizer.unreadable == 0 and symbolizer.replaced == 0
 
 
-def test_read_unicode_every_layout(target, version):
+def test_read_unicode_every_layout(target, offsets):
     """Compact ASCII, latin-1, UCS-2, UCS-4, empty, str subclasses (non-compact), lone and paired
     surrogates."""
     process, report = target
     with ProcessMemory(process.pid) as mem:
         for address, code_points in report["strings"]:
-            assert read_unicode(mem, address, OFFSETS[version]) == "".join(map(chr, code_points))
+            assert read_unicode(mem, address, offsets) == "".join(map(chr, code_points))
 
 
-def test_exited_process_gives_unknown_frames(target, version):
+def test_exited_process_gives_unknown_frames(target, version, offsets):
     process, report = target
     symbolizer = Symbolizer()
     raw = [tuple(pair) for pair in report["stacks"][0]["walked"]]
-    assert UNKNOWN_FRAME not in symbolizer.symbolize(process.pid, version, OFFSETS[version], raw)
+    assert UNKNOWN_FRAME not in symbolizer.symbolize(process.pid, version, offsets, raw)
     process.kill()
     process.wait()
     # Cached, but the fingerprints cannot be checked any more: unknown, not a stale guess.
-    assert symbolizer.symbolize(process.pid, version, OFFSETS[version], raw) == \
+    assert symbolizer.symbolize(process.pid, version, offsets, raw) == \
         [UNKNOWN_FRAME] * len(raw)
     symbolizer.forget(process.pid)
-    assert symbolizer.symbolize(process.pid, version, OFFSETS[version], raw) == \
+    assert symbolizer.symbolize(process.pid, version, offsets, raw) == \
         [UNKNOWN_FRAME] * len(raw)
 
 
@@ -349,8 +384,8 @@ def check_line_tables(version: tuple[int, int], tables: list[dict]) -> None:
     assert checked_offsets > 10_000
 
 
-def test_line_tables_of_each_version(version, tmp_path):
-    python = pyenv_python(version)
+def test_line_tables_of_each_version(label, version, tmp_path):
+    python = interpreter(label)
     script = tmp_path / "line_tables.py"
     script.write_text(LINE_TABLE_SCRIPT, encoding="utf-8")
     result = subprocess.run([str(python), "-I", str(script)], capture_output=True, text=True,
@@ -385,7 +420,7 @@ def test_unsupported_versions_are_refused():
     with pytest.raises(UnsupportedPythonError):
         line_for_offset((3, 9), b"", 1, 0)
     with pytest.raises(UnsupportedPythonError):
-        line_for_offset((3, 14), b"", 1, 0)
+        line_for_offset((3, 16), b"", 1, 0)
     with pytest.raises(UnsupportedPythonError):
         Symbolizer().symbolize(os.getpid(), (3, 9), OFFSETS[(3, 10)], [])
     with pytest.raises(UnsupportedPythonError):  # offsets of another version

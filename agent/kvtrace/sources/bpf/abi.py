@@ -102,8 +102,13 @@ class RawPyTarget(ctypes.Structure):
         ("instr_is_lasti", ctypes.c_uint8),
         ("reserved", ctypes.c_uint8),
         ("tstate_datastack", ctypes.c_int16),
-        ("reserved2", ctypes.c_uint16),
+        ("tstate_base_frame", ctypes.c_int16),
         ("reserved3", ctypes.c_uint32),
+        ("interpreters_head_address", ctypes.c_uint64),
+        ("interp_threads_head", ctypes.c_int16),
+        ("tstate_prev", ctypes.c_int16),
+        ("tstate_next", ctypes.c_int16),
+        ("tstate_thread_id", ctypes.c_int16),
     ]
 
 
@@ -125,7 +130,7 @@ class RawStack(ctypes.Structure):
 COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "returns_unpaired",
             "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced", "stack_walks",
             "stack_windows", "stack_frame_reads", "stack_walker_missing", "stack_walks_preempted",
-            "totals_full", "blocks_sampled", "blocks_not_sampled", "blocks_quiet")
+            "totals_full", "blocks_sampled", "blocks_not_sampled", "blocks_quiet", "stack_thread_lists")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
 CONFIG_PROCESS_GENERATION = 2

@@ -39,7 +39,11 @@ class StackNames:
                 cframe_frame=o.cframe_frame, frame_code=o.frame_code,
                 frame_previous=o.frame_previous, frame_instr=o.frame_instr,
                 frame_owner=o.frame_owner, frame_read_bytes=o.frame_read_bytes,
-                instr_is_lasti=0 if o.instr_is_pointer else 1, tstate_datastack=o.tstate_datastack))
+                instr_is_lasti=0 if o.instr_is_pointer else 1, tstate_datastack=o.tstate_datastack,
+                interpreters_head_address=found.interpreters_head_address,
+                interp_threads_head=o.interp_threads_head, tstate_prev=o.tstate_prev,
+                tstate_next=o.tstate_next, tstate_thread_id=o.tstate_thread_id,
+                tstate_base_frame=o.tstate_base_frame))
 
     def resolve(self, pid: int, kernel_stack_id: int) -> int:
         """Kernel stack (raw frames) -> interned, symbolized stack id; 0 if it cannot be read."""

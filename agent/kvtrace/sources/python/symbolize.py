@@ -2,7 +2,8 @@
 
 The probe walks a thread's CPython frames inside the uprobe and records, per frame, the raw pair
 (code object address, instruction value): on 3.10 the frame's `f_lasti` (an index in 2-byte code
-units), on 3.11+ the address of the current instruction (`prev_instr`, `instr_ptr` on 3.13).
+units), on 3.11+ the address of the current instruction (`prev_instr`, `instr_ptr` on 3.13+; on a
+free-threaded build in the running thread's own copy of the bytecode, found through `co_tlbc`).
 Here those pairs become (qualified name, file, line) by reading the code objects out of the live
 process through /proc/PID/mem (sources/native.py does the same for native return addresses).
 
@@ -18,9 +19,15 @@ from pathlib import Path
 
 from kvtrace.model.stacks import UNKNOWN_FRAME, Frame
 from kvtrace.sources.procfs import PROC, MemoryReadError, ProcessMemory
-from kvtrace.sources.python.offsets import NOT_PRESENT, PyOffsets
+from kvtrace.sources.python.offsets import (
+    FREE_THREADED_OFFSETS,
+    NOT_PRESENT,
+    OFFSETS,
+    SUPPORTED_BUILDS,
+    PyOffsets,
+)
 
-SUPPORTED_VERSIONS = ((3, 10), (3, 11), (3, 12), (3, 13))
+SUPPORTED_VERSIONS = tuple(sorted(set(OFFSETS) | set(FREE_THREADED_OFFSETS)))
 
 # Bounds on what is read for one name or line table, so that a garbage pointer cannot make us read
 # megabytes. Real names are short; the largest line tables are a few KiB.
@@ -31,21 +38,22 @@ MAX_LINETABLE_BYTES = 1 << 20
 # torn read could give any number.
 MAX_CACHED_OFFSETS_PER_CODE = 4096
 
-# PyObject / PyVarObject header: ob_refcnt, ob_type, ob_size (3.10–3.13, default GIL build).
-OB_TYPE = 8
-OB_SIZE = 16
-# PyBytesObject: the header, ob_shash, then the bytes.
-BYTES_DATA = 32
+# Object headers: ob_type at offsets.object_type (8; 24 on free-threaded builds), then a PyVarObject's
+# ob_size (offsets.object_size). PyBytesObject: that header, ob_shash, then the bytes.
+BYTES_DATA_AFTER_SIZE = 16
+
+# Bytecode copies per code object looked through on a free-threaded build (one per thread that ran it).
+MAX_BYTECODE_COPIES = 4096
 
 # PyASCIIObject (Include/cpython/unicodeobject.h): header, length, hash, then `state`, a 32-bit
-# bitfield whose low bits are the same on 3.10–3.13: interned:2, kind:3, compact:1, ascii:1.
-# Bit 7 is `ready` on 3.10/3.11 and `statically_allocated` on 3.12+.
-UNICODE_LENGTH = 16
-UNICODE_STATE = 32
+# bitfield: interned:2, kind:3, compact:1, ascii:1 on a default build (3.10–3.15); free-threaded builds
+# make `interned` a whole byte, so the bits after it start at bit 8. Bit 7 is `ready` on 3.10/3.11 (and
+# `statically_allocated` on 3.12+).
+UNICODE_LENGTH_AFTER_TYPE = 8
+UNICODE_STATE_AFTER_TYPE = 24
 STATE_KIND_SHIFT = 2
+STATE_KIND_SHIFT_FREE_THREADED = 8
 STATE_KIND_MASK = 0b111
-STATE_COMPACT = 1 << 5
-STATE_ASCII = 1 << 6
 STATE_READY_BEFORE_3_12 = 1 << 7
 
 
@@ -57,7 +65,7 @@ def _check_version(version: tuple[int, ...]) -> tuple[int, int]:
     minor_version = (version[0], version[1])
     if minor_version not in SUPPORTED_VERSIONS:
         raise UnsupportedPythonError(
-            f"CPython {version[0]}.{version[1]} is not supported (3.10 to 3.13 are)")
+            f"CPython {version[0]}.{version[1]} is not supported ({SUPPORTED_BUILDS} are)")
     return minor_version
 
 
@@ -77,12 +85,15 @@ def read_unicode(mem: ProcessMemory, address: int, offsets: PyOffsets) -> str:
     and non-compact (str subclasses, legacy API: a pointer to the characters). A 3.10/3.11 string
     that is not ready (wchar_t only) is refused: code objects never hold one.
     """
-    header = mem.read(address, UNICODE_STATE + 4)
-    length_chars = int.from_bytes(header[UNICODE_LENGTH:UNICODE_LENGTH + 8], "little")
-    state = int.from_bytes(header[UNICODE_STATE:UNICODE_STATE + 4], "little")
-    kind_bytes = (state >> STATE_KIND_SHIFT) & STATE_KIND_MASK
-    is_compact = bool(state & STATE_COMPACT)
-    is_ascii = bool(state & STATE_ASCII)
+    length_at = offsets.object_type + UNICODE_LENGTH_AFTER_TYPE
+    state_at = offsets.object_type + UNICODE_STATE_AFTER_TYPE
+    header = mem.read(address, state_at + 4)
+    length_chars = int.from_bytes(header[length_at:length_at + 8], "little")
+    state = int.from_bytes(header[state_at:state_at + 4], "little")
+    kind_shift = STATE_KIND_SHIFT_FREE_THREADED if offsets.free_threaded else STATE_KIND_SHIFT
+    kind_bytes = (state >> kind_shift) & STATE_KIND_MASK
+    is_compact = bool(state & 1 << (kind_shift + 3))
+    is_ascii = bool(state & 1 << (kind_shift + 4))
     if kind_bytes not in (1, 2, 4) or (is_ascii and kind_bytes != 1):
         raise MemoryReadError(f"not a ready str at {address:#x} (state {state:#x})")
     if offsets.version < (3, 12) and not state & STATE_READY_BEFORE_3_12:
@@ -111,12 +122,13 @@ def read_unicode(mem: ProcessMemory, address: int, offsets: PyOffsets) -> str:
     return "".join(map(chr, code_points))
 
 
-def read_bytes_object(mem: ProcessMemory, address: int, max_bytes: int) -> bytes:
+def read_bytes_object(mem: ProcessMemory, address: int, max_bytes: int, offsets: PyOffsets) -> bytes:
     """The contents of the bytes object at `address`."""
-    size_bytes = mem.read_i64(address + OB_SIZE)
+    size_bytes = mem.read_i64(address + offsets.object_size)
     if not 0 <= size_bytes <= max_bytes:
         raise MemoryReadError(f"bytes at {address:#x}: implausible size {size_bytes}")
-    return mem.read(address + BYTES_DATA, size_bytes) if size_bytes else b""
+    data_at = address + offsets.object_size + BYTES_DATA_AFTER_SIZE
+    return mem.read(data_at, size_bytes) if size_bytes else b""
 
 
 # --- line tables -----------------------------------------------------------------------------
@@ -226,12 +238,13 @@ class _CodeFingerprint:
     filename_address: int
     name_address: int  # co_qualname on 3.11+, co_name on 3.10
     linetable_address: int
+    code_units: int  # Py_SIZE(code): the bytecode's length in 2-byte units
 
 
 def _fingerprint_span(offsets: PyOffsets) -> tuple[int, int]:
     """(start, size) of the one read that covers every fingerprint field."""
-    fields = [OB_TYPE, offsets.code_firstlineno, offsets.code_filename, offsets.code_name,
-              offsets.code_linetable]
+    fields = [offsets.object_type, offsets.object_size, offsets.code_firstlineno, offsets.code_filename,
+              offsets.code_name, offsets.code_linetable]
     if offsets.code_qualname != NOT_PRESENT:
         fields.append(offsets.code_qualname)
     start = min(fields)
@@ -249,9 +262,9 @@ def _read_fingerprint(mem: ProcessMemory, offsets: PyOffsets,
 
     has_qualname = offsets.code_qualname != NOT_PRESENT
     name_offset = offsets.code_qualname if has_qualname else offsets.code_name
-    return _CodeFingerprint(field_at(OB_TYPE), field_at(offsets.code_firstlineno, 4),
+    return _CodeFingerprint(field_at(offsets.object_type), field_at(offsets.code_firstlineno, 4),
                             field_at(offsets.code_filename), field_at(name_offset),
-                            field_at(offsets.code_linetable))
+                            field_at(offsets.code_linetable), field_at(offsets.object_size))
 
 
 @dataclass(slots=True)
@@ -261,6 +274,7 @@ class _CodeEntry:
     file: str
     linetable: bytes
     frames_by_offset: dict[int, Frame] = field(default_factory=dict)
+    bytecode_copies: tuple[int, ...] = ()  # free-threaded: where each thread's copy of the bytecode is
 
 
 class Symbolizer:
@@ -355,6 +369,11 @@ class Symbolizer:
 
         if offsets.instr_is_pointer:
             byte_offset = instruction - (code_address + offsets.code_bytecode)
+            if offsets.code_tlbc != NOT_PRESENT and not 0 <= byte_offset < entry.fingerprint.code_units * 2:
+                in_copy = _offset_in_copy(mem, offsets, code_address, entry, instruction)
+                if in_copy is None:  # in no copy of this code's bytecode: its line is not known
+                    return Frame(entry.function, entry.file, 0)
+                byte_offset = in_copy
         else:
             byte_offset = instruction * 2  # 3.10 f_lasti counts 2-byte code units
         frame = entry.frames_by_offset.get(byte_offset)
@@ -367,9 +386,36 @@ class Symbolizer:
         return frame
 
 
+def _offset_in_copy(mem: ProcessMemory, offsets: PyOffsets, code_address: int, entry: _CodeEntry,
+                    instruction: int) -> int | None:
+    """A free-threaded build's frame points into its thread's own copy of the bytecode (co_tlbc, the
+    copies made when threads specialise it): the offset into whichever copy holds the instruction, read
+    again when none of those known does (a new thread's copy). None when none holds it."""
+    size_bytes = entry.fingerprint.code_units * 2
+    for attempt in range(2):
+        for base in entry.bytecode_copies:
+            if 0 <= instruction - base < size_bytes:
+                return instruction - base
+        if attempt == 0:
+            try:
+                entry.bytecode_copies = _bytecode_copies(mem, offsets, code_address)
+            except MemoryReadError:
+                break
+    return None
+
+
+def _bytecode_copies(mem: ProcessMemory, offsets: PyOffsets, code_address: int) -> tuple[int, ...]:
+    array_address = mem.read_u64(code_address + offsets.code_tlbc)
+    count = mem.read_i64(array_address)
+    if not 0 < count <= MAX_BYTECODE_COPIES:
+        raise MemoryReadError(f"code object at {code_address:#x}: implausible co_tlbc size {count}")
+    data = mem.read(array_address + 8, count * 8)
+    return tuple(base for base in array.array("Q", data) if base)
+
+
 def _read_code(mem: ProcessMemory, offsets: PyOffsets,
                fingerprint: _CodeFingerprint) -> _CodeEntry:
     function = read_unicode(mem, fingerprint.name_address, offsets)
     file = read_unicode(mem, fingerprint.filename_address, offsets)
-    linetable = read_bytes_object(mem, fingerprint.linetable_address, MAX_LINETABLE_BYTES)
+    linetable = read_bytes_object(mem, fingerprint.linetable_address, MAX_LINETABLE_BYTES, offsets)
     return _CodeEntry(fingerprint, function, file, linetable)
