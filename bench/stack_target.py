@@ -1,6 +1,6 @@
 """Target for stack_overhead.py: times stub cudaMalloc+cudaFree pairs at a given Python stack depth.
 
-Runs under any CPython 3.10-3.13 with no imports beyond the standard library.
+Runs under any CPython 3.10-3.15 (free-threaded too) with no imports beyond the standard library.
 Usage: python3 stack_target.py /path/to/libcudart.so.12
 Protocol (the manifest protocol of tests/integration/stubs/manifest.h, repeated): prints
 `ready <pid>`; then for each stdin line `run FRAMES PAIRS` it calls cudaMalloc(1 MiB)+cudaFree

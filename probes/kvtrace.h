@@ -200,6 +200,9 @@ struct kvt_py_target {
     s16 tstate_prev;
     s16 tstate_next;
     s16 tstate_thread_id;    /* PyThreadState.thread_id: pthread_self(), the thread's fs base on glibc */
+    s16 tstate_interp;       /* PyThreadState.interp */
+    u16 reserved4;
+    u32 reserved5;
 };
 
 struct kvt_frame {

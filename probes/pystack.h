@@ -40,8 +40,8 @@ struct kvt_datastack {
     u64 limit;
 };
 
-/* Bytes of the thread state read at once: from its frame pointer to its data stack fields
- * (3.11-3.13: 184 to 264 bytes), one read where two would do. */
+/* Bytes of the thread state read at once: from its start to its data stack fields (3.11-3.15: 256 to 320
+ * bytes), one read where several would do. */
 #define KVT_TSTATE_READ_MAX 512
 
 /* Frame owners from this one up are entry shims (FRAME_OWNED_BY_CSTACK on 3.12-3.13; _BY_INTERPRETER
@@ -127,37 +127,10 @@ static __always_inline u64 py_threads_head(struct kvt_py_target *target) {
     return head;
 }
 
-/* Whether `tstate` is a live thread state of the thread at `fsbase`: its thread_id is that thread, and it is
- * still linked into its interpreter's list (a state is unlinked before it is freed, so a freed one, or its
- * memory reused by another thread's, fails here). */
-static __always_inline int py_thread_state_holds(struct kvt_py_target *target, u64 tstate, u64 fsbase) {
-    u64 thread_id = 0, prev = 0, link = 0;
-    if (bpf_probe_read_user(&thread_id, sizeof(thread_id), (void *)(tstate + target->tstate_thread_id)) != 0 ||
-        thread_id != fsbase ||
-        bpf_probe_read_user(&prev, sizeof(prev), (void *)(tstate + target->tstate_prev)) != 0)
-        return 0;
-    if (prev == 0)
-        link = py_threads_head(target);
-    else if (bpf_probe_read_user(&link, sizeof(link), (void *)(prev + target->tstate_next)) != 0)
-        return 0;
-    return link == tstate;
-}
-
-/* 3.15+: the calling thread's state, from what was found before when it still holds, else from the
- * interpreter's list (only the newest interpreter's: threads of other subinterpreters get no stack). */
-static __always_inline u64 listed_thread_state(struct kvt_py_target *target, u64 fsbase) {
-    u64 pid_tgid = bpf_get_current_pid_tgid();
-    struct kvt_py_thread *known = py_threads.lookup(&pid_tgid);
-    u64 head = 0;
-    if (known) {
-        if (known->tstate && py_thread_state_holds(target, known->tstate, fsbase))
-            return known->tstate;
-        head = py_threads_head(target);
-        if (!known->tstate && known->missing_head == head)
-            return 0;
-    } else {
-        head = py_threads_head(target);
-    }
+/* 3.15+: the calling thread's state, looked up in the interpreter's list (only the newest interpreter's:
+ * threads of other subinterpreters get no stack), and kept for the thread (the walk checks it still holds
+ * each time, thread_state_holds). */
+static __always_inline u64 find_thread_state(struct kvt_py_target *target, u64 fsbase, u64 pid_tgid, u64 head) {
     count(KVT_COUNTER_STACK_THREAD_LISTS);
     struct kvt_py_thread found = {.tstate = 0, .missing_head = head};
     u64 tstate = head;
@@ -180,13 +153,24 @@ static __always_inline u64 listed_thread_state(struct kvt_py_target *target, u64
  * pthread_getspecific(key) for keys < 32 in the thread descriptor, which fs points to; the GIL is usually
  * released around CUDA calls, so "the current thread state" of the runtime would be NULL, the TSS slot is
  * not. 3.15 keeps that state in a C thread-local instead (_Py_tss_gilstate, whose place no exported symbol
- * gives): the thread is found in its interpreter's list of thread states by its thread_id. */
-static __always_inline u64 python_thread_state(struct kvt_py_target *target) {
-    u64 fsbase = current_fsbase();
-    if (fsbase == 0)
-        return 0;
-    if (target->tss_key_address == 0)
-        return target->interpreters_head_address ? listed_thread_state(target, fsbase) : 0;
+ * gives): the thread is found in its interpreter's list of thread states by its thread_id, once, and kept
+ * (*kept is then set: the caller checks it still holds). */
+static __always_inline u64 python_thread_state(struct kvt_py_target *target, u64 fsbase, u8 *kept) {
+    *kept = 0;
+    if (target->tss_key_address == 0) {
+        if (!target->interpreters_head_address)
+            return 0;
+        u64 pid_tgid = bpf_get_current_pid_tgid();
+        struct kvt_py_thread *known = py_threads.lookup(&pid_tgid);
+        if (known && known->tstate) {
+            *kept = 1;
+            return known->tstate;
+        }
+        u64 head = py_threads_head(target);
+        if (known && known->missing_head == head)
+            return 0; /* none when last looked, and no thread has been added since */
+        return find_thread_state(target, fsbase, pid_tgid, head);
+    }
     s32 key = -1;
     bpf_probe_read_user(&key, sizeof(key), (void *)target->tss_key_address);
     if (key < 0 || key >= 32)
@@ -239,6 +223,33 @@ static __always_inline u8 *frame_bytes(struct kvt_scratch *s, u64 frame, u32 rea
     return s->frame;
 }
 
+/* A pointer-sized field of the thread state read into s->tstate (its first `span` bytes); 0 where the layout
+ * has none (a negative offset) or it lies beyond. */
+static __always_inline u64 tstate_field(struct kvt_scratch *s, s32 offset, s32 span) {
+    if (offset < 0 || offset + 8 > span || (offset & 7) != 0)
+        return 0;
+    return *(u64 *)(s->tstate + (offset & (KVT_TSTATE_READ_MAX - 8)));
+}
+
+/* 3.15+: whether the kept state `tstate`, read into s->tstate, is still the calling thread's: its thread_id
+ * is this thread, and it is still linked into its interpreter's list (a state is unlinked before it is
+ * freed, so a freed one, or its memory reused by another thread's, fails here): one read. */
+static __always_inline int thread_state_holds(struct kvt_py_target *target, struct kvt_scratch *s, u64 tstate,
+                                              u64 fsbase, s32 span) {
+    if (tstate_field(s, target->tstate_thread_id, span) != fsbase)
+        return 0;
+    u64 prev = tstate_field(s, target->tstate_prev, span);
+    u64 link = 0;
+    if (prev != 0)
+        bpf_probe_read_user(&link, sizeof(link), (void *)(prev + target->tstate_next));
+    else { /* the newest thread: the head of its interpreter's list */
+        u64 interp = tstate_field(s, target->tstate_interp, span);
+        if (interp)
+            bpf_probe_read_user(&link, sizeof(link), (void *)(interp + target->interp_threads_head));
+    }
+    return link == tstate;
+}
+
 /* Frames read per walk: 3.12+ put an entry frame owned by the C stack (skipped, not counted) under
  * the first Python frame of every C -> Python call, so up to one per Python frame, plus one read
  * to see whether a frame is left beyond KVT_MAX_FRAMES. */
@@ -251,7 +262,9 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         *status = KVT_STACK_NOT_PYTHON;
         return 0;
     }
-    u64 tstate = python_thread_state(target);
+    u64 fsbase = current_fsbase();
+    u8 kept = 0;
+    u64 tstate = fsbase ? python_thread_state(target, fsbase, &kept) : 0;
     if (tstate == 0) {
         *status = KVT_STACK_NO_THREAD_STATE;
         return 0;
@@ -262,33 +275,39 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         *status = KVT_STACK_READ_ERROR;
         return 0;
     }
-    count(KVT_COUNTER_STACK_WALKS);
     u64 walk_number = ++s->walks_started;
     u64 frame = 0;
     u64 base_frame = 0; /* 3.15+: the chain's last frame, the interpreter's own: not read */
     struct kvt_datastack datastack = {};
-    s32 frame_at = target->tstate_frame;
-    s32 datastack_at = target->tstate_datastack - frame_at; /* from the frame pointer on */
-    if (target->tstate_datastack >= 0 && datastack_at >= 0 &&
-        datastack_at < KVT_TSTATE_READ_MAX - (s32)sizeof(datastack) && (datastack_at & 7) == 0) {
+    s32 datastack_at = target->tstate_datastack;
+    if (datastack_at >= 0 && datastack_at < KVT_TSTATE_READ_MAX - (s32)sizeof(datastack) && (datastack_at & 7) == 0) {
+        /* 3.11+: the thread state from its start to its data stack fields in one read, which holds the
+         * frame pointer and, on 3.15, what tells whether a kept state still holds */
         u32 size = datastack_at + sizeof(datastack);
-        if (bpf_probe_read_user(s->tstate, size & (KVT_TSTATE_READ_MAX - 1), (void *)(tstate + frame_at)) != 0) {
+        if (bpf_probe_read_user(s->tstate, size & (KVT_TSTATE_READ_MAX - 1), (void *)tstate) != 0) {
             *status = KVT_STACK_READ_ERROR;
             return 0;
         }
-        frame = *(u64 *)s->tstate;
+        if (kept && !thread_state_holds(target, s, tstate, fsbase, datastack_at)) {
+            /* not this thread's any more (deleted, or made again elsewhere): look again */
+            u64 pid_tgid = bpf_get_current_pid_tgid();
+            tstate = find_thread_state(target, fsbase, pid_tgid, py_threads_head(target));
+            if (tstate == 0 ||
+                bpf_probe_read_user(s->tstate, size & (KVT_TSTATE_READ_MAX - 1), (void *)tstate) != 0) {
+                *status = tstate ? KVT_STACK_READ_ERROR : KVT_STACK_NO_THREAD_STATE;
+                return 0;
+            }
+        }
+        frame = tstate_field(s, target->tstate_frame, datastack_at);
         u32 at = datastack_at & (KVT_TSTATE_READ_MAX - 8);
         datastack.chunk = *(u64 *)(s->tstate + at);
         datastack.limit = *(u64 *)(s->tstate + at + 16);
-        s32 base_at = target->tstate_base_frame - frame_at;
-        if (target->tstate_base_frame >= 0 && base_at >= 0 && base_at < datastack_at && (base_at & 7) == 0)
-            base_frame = *(u64 *)(s->tstate + (base_at & (KVT_TSTATE_READ_MAX - 8)));
-    } else if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(tstate + frame_at)) != 0) {
+        base_frame = tstate_field(s, target->tstate_base_frame, datastack_at);
+    } else if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(tstate + target->tstate_frame)) != 0) {
         *status = KVT_STACK_READ_ERROR;
         return 0;
-    } else if (target->tstate_datastack >= 0) {
-        bpf_probe_read_user(&datastack, sizeof(datastack), (void *)(tstate + target->tstate_datastack));
     }
+    count(KVT_COUNTER_STACK_WALKS);
     if (target->cframe_frame >= 0 && frame != 0)
         bpf_probe_read_user(&frame, sizeof(frame), (void *)(frame + target->cframe_frame));
     u32 read_bytes = target->frame_read_bytes;

@@ -36,12 +36,12 @@ def offsets_of(label: str) -> PyOffsets:
     return offsets
 
 
-def interpreter(label: str) -> Path:
-    """The interpreter of this label; skips the calling test where this machine has none."""
+def find_interpreter(label: str) -> Path | str:
+    """The interpreter of this label, or why this machine has none (with the fix)."""
     if label in BUILT_RELEASES:
         path = BUILT / BUILT_RELEASES[label] / "python"
         if not (path.parent / ".kvtrace-built").exists():
-            pytest.skip(f"CPython {label} is not built here (no {path}): `make pythons` builds it")
+            return f"CPython {label} is not built here (no {path}): `make pythons` builds it"
         return path
     found = []
     for candidate in PYENV_VERSIONS.glob(f"{label}.*/bin/python3"):
@@ -49,5 +49,13 @@ def interpreter(label: str) -> Path:
         if patch.isdigit():  # 3.13.0, not 3.13.0t (free-threaded) or 3.13-dev
             found.append((int(patch), candidate))
     if not found:
-        pytest.skip(f"CPython {label} is not installed here (no {PYENV_VERSIONS}/{label}.N/bin/python3)")
+        return f"CPython {label} is not installed here (no {PYENV_VERSIONS}/{label}.N/bin/python3)"
     return max(found)[1]
+
+
+def interpreter(label: str) -> Path:
+    """The interpreter of this label; skips the calling test where this machine has none."""
+    found = find_interpreter(label)
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found

@@ -59,6 +59,7 @@ class PyOffsets:
     tstate_prev: int = NOT_PRESENT
     tstate_next: int = NOT_PRESENT
     tstate_thread_id: int = NOT_PRESENT
+    tstate_interp: int = NOT_PRESENT
     # 3.15+: PyThreadState.base_frame, the frame under every thread's chain (the interpreter's, not code)
     tstate_base_frame: int = NOT_PRESENT
 
@@ -117,7 +118,7 @@ OFFSETS = {
                        code_filename=112, code_name=120, code_qualname=128, code_linetable=136,
                        code_bytecode=208, runtime_tss=NOT_PRESENT, sizeof_ascii_object=40,
                        tstate_datastack=256, runtime_interpreters_head=936, interp_threads_head=7336,
-                       tstate_prev=0, tstate_next=8, tstate_thread_id=176, tstate_base_frame=80),
+                       tstate_prev=0, tstate_next=8, tstate_thread_id=176, tstate_interp=16, tstate_base_frame=80),
 }
 
 # Free-threaded builds (3.14t, 3.15t), by minor version.
@@ -133,7 +134,7 @@ FREE_THREADED_OFFSETS: dict[tuple[int, int], PyOffsets] = {
                        code_bytecode=232, runtime_tss=NOT_PRESENT, sizeof_ascii_object=56,
                        tstate_datastack=256, free_threaded=True, object_type=24, code_tlbc=224,
                        runtime_interpreters_head=936, interp_threads_head=7336, tstate_prev=0,
-                       tstate_next=8, tstate_thread_id=176, tstate_base_frame=80),
+                       tstate_next=8, tstate_thread_id=176, tstate_interp=16, tstate_base_frame=80),
 }
 
 

@@ -131,6 +131,7 @@ _DEBUG_CHECKED = {
     "thread_state.prev": "tstate_prev",
     "thread_state.next": "tstate_next",
     "thread_state.thread_id": "tstate_thread_id",
+    "thread_state.interp": "tstate_interp",
     "thread_state.base_frame": "tstate_base_frame",
 }
 _DEBUG_INDEX = {
@@ -149,7 +150,8 @@ _DEBUG_INDEX = {
               "code_object.co_code_adaptive": 47, "code_object.co_tlbc": 48, "pyobject.ob_type": 50,
               "unicode_object.asciiobject_size": 79},
     (3, 15): {"runtime_state.interpreters_head": 4, "interpreter_state.threads_head": 8,
-              "thread_state.prev": 22, "thread_state.next": 23, "thread_state.thread_id": 29,
+              "thread_state.prev": 22, "thread_state.next": 23, "thread_state.interp": 24,
+              "thread_state.thread_id": 29,
               "thread_state.base_frame": 26,
               "thread_state.current_frame": 25, "thread_state.datastack_chunk": 31,
               "interpreter_frame.previous": 39, "interpreter_frame.executable": 40,
