@@ -71,8 +71,8 @@ test-integration: setup pythons
 
 # CPython 3.14 and 3.15 (each also free-threaded) for the stack tests, built once from Debian's source
 # packages where missing (tests/pythons/build.sh; about two minutes each on two cores). Not for `make run`.
-pythons:
-	bash tests/pythons/build.sh
+pythons: setup
+	KVTRACE_VENV_PYTHON=$(PYTHON) bash tests/pythons/build.sh
 
 # On the GPU machine (torch there): see tests/gpu/README.md.
 test-gpu:

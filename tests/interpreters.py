@@ -36,6 +36,14 @@ def offsets_of(label: str) -> PyOffsets:
     return offsets
 
 
+def pytest_for_builds() -> Path:
+    """pytest (the version this one is) installed for every interpreter here; skips where it is not."""
+    path = BUILT / f"pytest-{pytest.__version__}"
+    if not (path / ".kvtrace-built").exists():
+        pytest.skip(f"no pytest {pytest.__version__} for the interpreters (no {path}): `make pythons` installs it")
+    return path
+
+
 def find_interpreter(label: str) -> Path | str:
     """The interpreter of this label, or why this machine has none (with the fix)."""
     if label in BUILT_RELEASES:

@@ -9,6 +9,10 @@
 # written only after its interpreter ran: a later call skips what is built (a second or two), and an
 # interrupted build is redone. About two minutes a build on two cores.
 #
+# Then pytest, the version the project's .venv has, for these and pyenv's interpreters (pure Python, installed
+# with the .venv's pip into $KVTRACE_PYTHONS/pytest-VERSION, with what it needs on 3.10 too), so that the code that runs inside a traced
+# program (the vLLM plugin, `kvtrace run`'s tracer) is tested by each of them: tests/unit/test_builds_in_process.py.
+#
 # Why these releases: they are the newest whose source the mirror serves (the newer ones listed in its
 # indexes answer 404); the probes check every offset they use against the interpreter's own
 # _Py_DebugOffsets, so a patch release that moved a field would fail closed, not give wrong stacks.
@@ -96,3 +100,21 @@ for line in "${BUILDS[@]}"; do
   # shellcheck disable=SC2086  # the configure flags are words
   build $line
 done
+
+VENV_PYTHON=${KVTRACE_VENV_PYTHON:-.venv/bin/python}
+if [[ -x $VENV_PYTHON ]]; then
+  version=$("$VENV_PYTHON" -c 'import pytest; print(pytest.__version__)')
+  target="$ROOT/pytest-$version"
+  if [[ ! -f $target/.kvtrace-built ]]; then
+    say "installing pytest $version for the interpreters into $target"
+    rm -rf "$target"
+    "$VENV_PYTHON" -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+      --target "$target" "pytest==$version" exceptiongroup tomli 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+    "$VENV_PYTHON" -c "import sys; sys.path.insert(0, '$target'); import pytest" \
+      || { say "pytest $version did not install into $target" >&2; exit 1; }
+    touch "$target/.kvtrace-built"
+  fi
+else
+  say "no $VENV_PYTHON: run make setup first (pytest for the interpreters comes from its pip)" >&2
+  exit 1
+fi

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from interpreters import LABELS, interpreter
 from kvtrace.cli import run as run_module
 from kvtrace.cli.main import main
 from kvtrace.daemon import Daemon, DaemonOptions
@@ -521,11 +522,13 @@ FAKE_WORKLOAD = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not (FAKE_CUPTI_DIR / "cupti").is_dir(), reason="no fake cupti-python in tests/fake_cupti")
-def test_kvtrace_run_with_the_real_tracer_on_a_fake_cupti(tmp_path):
-    """The tracer of tracer.py, started by boot/sitecustomize.py (--eager: no torch), on tests/fake_cupti."""
+@pytest.mark.parametrize("label", LABELS)
+def test_kvtrace_run_with_the_real_tracer_on_a_fake_cupti(tmp_path, label):
+    """The tracer of tracer.py, started by boot/sitecustomize.py (--eager: no torch), on tests/fake_cupti, in a
+    program run by each CPython build (tests/interpreters.py)."""
     recording = tmp_path / "fake.kvtrace"
     child = subprocess.run([sys.executable, "-m", "kvtrace.cli.main", "run", "--eager", "-o", str(recording), "--",
-                            sys.executable, "-c", FAKE_WORKLOAD], capture_output=True, text=True, timeout=60,
+                            interpreter(label), "-c", FAKE_WORKLOAD], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_CUPTI_DIR), AGENT_ROOT])})
     assert child.returncode == 0, child.stderr
     va, kept, *addresses = map(int, child.stdout.split())
@@ -562,14 +565,15 @@ FAKE_TORCH_WORKLOAD = textwrap.dedent("""
 
 @pytest.mark.skipif(not (FAKE_CUPTI_DIR / "cupti").is_dir(), reason="no fake cupti-python in tests/fake_cupti")
 @pytest.mark.parametrize("blocks", ["always", "never"])
-def test_kvtrace_run_names_the_holders_of_blocks_not_the_code_that_grew_the_cache(tmp_path, blocks):
+@pytest.mark.parametrize("label", LABELS)
+def test_kvtrace_run_names_the_holders_of_blocks_not_the_code_that_grew_the_cache(tmp_path, blocks, label):
     """GIVEN a (fake) torch program whose cache grows in grow_cache() and whose 23 kept 1 MiB blocks are carved
     out of it by keep_activation(), WHEN `kvtrace run -o` records it, THEN `kvtrace leaks --input` ranks
     keep_activation first with exactly those 23 blocks, at depth full (PyTorch's recorder read at the exit);
     with --blocks never it can only name grow_cache, and says the process is at segments."""
     recording = tmp_path / "blocks.kvtrace"
     child = subprocess.run([sys.executable, "-m", "kvtrace.cli.main", "run", "--blocks", blocks, "-o", str(recording),
-                            "--", sys.executable, "-c", FAKE_TORCH_WORKLOAD], capture_output=True, text=True,
+                            "--", interpreter(label), "-c", FAKE_TORCH_WORKLOAD], capture_output=True, text=True,
                            timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                [str(FAKE_CUPTI_DIR), str(FAKE_CUPTI_DIR / "fake_torch"), AGENT_ROOT])})
     assert child.returncode == 0, child.stderr

@@ -382,7 +382,10 @@ def test_without_cupti_python_the_status_names_the_install(receiver, fake_torch,
     (12, 'pip install "cupti-python==12.*" (CUDA 12)'),  # no extra for it
     (0, "pip install 'kvtrace[cupti13]' for CUDA 13; for another CUDA major N, pip install \"cupti-python==N.*\"")])
 def test_the_install_hint_follows_the_cuda_major(cuda_major, says):
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # 3.10 (tests/unit/test_builds_in_process.py): its backport
+        import tomli as tomllib  # type: ignore[no-redef]
 
     assert tracer.install_hint(cuda_major) == f"install it into the program's Python: {says}"
     extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[

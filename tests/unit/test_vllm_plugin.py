@@ -675,7 +675,10 @@ def test_importing_the_plugin_loads_nothing_heavy():
 
 
 def test_the_entry_point_is_declared():
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # 3.10 (tests/unit/test_builds_in_process.py): its backport
+        import tomli as tomllib  # type: ignore[no-redef]
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["vllm.general_plugins"] == {"kvtrace": "kvtrace.sources.vllm.plugin:register"}
