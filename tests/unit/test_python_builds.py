@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from interpreters import LABELS, interpreter, is_free_threaded, version_of
+from kvtrace.cli.doctor import process_findings
 from kvtrace.sources.elf import find_symbols
 from kvtrace.sources.python import runtime
 from kvtrace.sources.python.offsets import NOT_PRESENT
@@ -57,6 +58,12 @@ def inspected(pid: int) -> PythonTarget | NoPython:
     return found
 
 
+def doctor_says(pid: int) -> str:
+    """What `kvtrace doctor --pid` says of the process's Python."""
+    [finding] = [f for f in process_findings(pid) if f.name.endswith(" python")]
+    return finding.message
+
+
 def supported(pid: int) -> PythonTarget:
     found = inspected(pid)
     assert isinstance(found, PythonTarget), found
@@ -74,6 +81,9 @@ def test_each_supported_build_is_recognised_with_its_offsets(running):
         assert found.tss_key_address == 0 and found.interpreters_head_address != 0
     else:
         assert found.tss_key_address != 0 and found.offsets.runtime_interpreters_head == NOT_PRESENT
+    said = doctor_says(process.pid)
+    build = " (free-threaded)" if is_free_threaded(label) else ""
+    assert said == f"Python {label}{build} stacks from {found.path}", said
 
 
 @pytest.mark.parametrize("running", ["3.15", "3.13"], indirect=True)
@@ -84,6 +94,7 @@ def test_an_unknown_version_fails_closed_with_a_reason(running):
     found = inspected(process.pid)
     assert isinstance(found, NoPython), found
     assert "Python 3.16 is not supported (3.10, 3.11, 3.12, 3.13, 3.14, 3.15, 3.14t, 3.15t are)" in found.reason
+    assert doctor_says(process.pid) == f"no Python stacks: {found.reason}"
 
 
 @pytest.mark.parametrize("running", ["3.14", "3.14t", "3.15", "3.15t"], indirect=True)

@@ -246,8 +246,9 @@ def process_findings(pid: int) -> list:
         findings.append(Finding(f"{name} python", True, f"no Python stacks: {python.reason}",
                                 warning=True))
     else:
-        findings.append(Finding(f"{name} python", True, f"Python {python.version[0]}."
-                                f"{python.version[1]} stacks from {python.path}"))
+        build = " (free-threaded)" if python.offsets.free_threaded else ""
+        findings.append(Finding(f"{name} python", True,
+                                f"Python {python.offsets.label}{build} stacks from {python.path}"))
     if uretprobe_seccomp_risk(platform.release()) and process_has_seccomp_filter(pid):
         findings.append(Finding(f"{name} seccomp", True, "seccomp-filtered on a kernel whose "
                                 "uretprobes can kill it: the agent will not attach here", warning=True))

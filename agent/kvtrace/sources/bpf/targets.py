@@ -146,7 +146,7 @@ class Targets:
         found = inspect_python(pid)
         self._stack_names.add_python(pid, found)
         if isinstance(found, PythonTarget):
-            log.info("pid %d: Python %d.%d stacks from %s", pid, *found.version, found.path)
+            log.info("pid %d: Python %s stacks from %s", pid, found.offsets.label, found.path)
         else:
             log.info("pid %d: no Python stacks: %s", pid, found.reason)
 
