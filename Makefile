@@ -70,7 +70,7 @@ test-integration: setup pythons
 	$(PYTHON) -m pytest tests/integration $(PYTEST_ARGS)
 
 # CPython 3.14 and 3.15 (each also free-threaded) for the stack tests, built once from Debian's source
-# packages where missing (tests/pythons/build.sh; about two minutes each on two cores). Not for `make run`.
+# packages where missing (tests/pythons/build.sh; two to six minutes each on two cores). Not for `make run`.
 pythons: setup
 	KVTRACE_VENV_PYTHON=$(PYTHON) bash tests/pythons/build.sh
 

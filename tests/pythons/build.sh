@@ -7,7 +7,7 @@
 #
 # Where: $KVTRACE_PYTHONS (default /var/cache/kvtrace/pythons), one folder per build, each with a stamp
 # written only after its interpreter ran: a later call skips what is built (a second or two), and an
-# interrupted build is redone. About two minutes a build on two cores.
+# interrupted build is redone. Two to six minutes a build on two cores (bench/RESULTS.md §P).
 #
 # Then pytest, the version the project's .venv has, for these and pyenv's interpreters (pure Python, installed
 # with the .venv's pip into $KVTRACE_PYTHONS/pytest-VERSION, with what it needs on 3.10 too), so that the code that runs inside a traced
@@ -79,7 +79,7 @@ build() { # label package version sha256 [configure flags]
   fi
   need_packages
   local tarball; tarball=$(fetch_source "$package" "$version" "$sha")
-  say "building CPython $label (about two minutes on two cores; log: $dir/build.log)"
+  say "building CPython $label (two to six minutes on two cores; log: $dir/build.log)"
   local started=$SECONDS
   rm -rf "$dir" && mkdir -p "$dir"
   tar xJf "$tarball" -C "$dir" --strip-components=1
