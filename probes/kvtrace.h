@@ -201,7 +201,7 @@ struct kvt_py_target {
     s16 tstate_next;
     s16 tstate_thread_id;    /* PyThreadState.thread_id: pthread_self(), the thread's fs base on glibc */
     s16 tstate_interp;       /* PyThreadState.interp */
-    u16 reserved4;
+    s16 interp_next;         /* PyInterpreterState.next: subinterpreters' threads are looked for too */
     u32 reserved5;
 };
 

@@ -107,44 +107,62 @@ static __always_inline u64 current_fsbase(void) {
 }
 
 /* 3.15+: where each thread's state was found in its interpreter's list, by thread (pid_tgid). A thread
- * with none (a native thread, or one whose state was deleted) is kept as `missing_head`, the list's head
- * when it was looked through: threads are only ever put at the head, so while the head is that one the
- * thread still has none and the list is not walked again. */
+ * with none (a native thread, or one whose state was deleted) is kept as `missing_heads`, what the lists'
+ * heads were when they were looked through: threads are only ever put at a head, so while the heads are
+ * those the thread still has none and the lists are not walked again. */
 struct kvt_py_thread {
     u64 tstate;
-    u64 missing_head;
+    u64 missing_heads;
 };
 BPF_TABLE("lru_hash", u64, struct kvt_py_thread, py_threads, KVT_MAX_THREADS);
 
-/* Python threads of an interpreter looked through for the calling one. */
+/* Interpreters, and Python threads of each, looked through for the calling thread. */
+#define KVT_MAX_PY_INTERPRETERS 4
 #define KVT_MAX_PY_THREADS 256
 
-static __always_inline u64 py_threads_head(struct kvt_py_target *target) {
-    u64 interp = 0, head = 0;
-    if (bpf_probe_read_user(&interp, sizeof(interp), (void *)target->interpreters_head_address) != 0 || !interp)
-        return 0;
-    bpf_probe_read_user(&head, sizeof(head), (void *)(interp + target->interp_threads_head));
-    return head;
+/* The heads of the interpreters' thread lists, folded into one value that changes when any of them does. */
+static __always_inline u64 py_threads_heads(struct kvt_py_target *target) {
+    u64 interp = 0, heads = 0;
+    bpf_probe_read_user(&interp, sizeof(interp), (void *)target->interpreters_head_address);
+    for (int j = 0; j < KVT_MAX_PY_INTERPRETERS && interp; j++) {
+        u64 head = 0;
+        bpf_probe_read_user(&head, sizeof(head), (void *)(interp + target->interp_threads_head));
+        heads = (heads ^ head) * 0x100000001b3ULL;
+        if (bpf_probe_read_user(&interp, sizeof(interp), (void *)(interp + target->interp_next)) != 0)
+            break;
+    }
+    return heads;
 }
 
-/* 3.15+: the calling thread's state, looked up in the interpreter's list (only the newest interpreter's:
- * threads of other subinterpreters get no stack), and kept for the thread (the walk checks it still holds
- * each time, thread_state_holds). */
-static __always_inline u64 find_thread_state(struct kvt_py_target *target, u64 fsbase, u64 pid_tgid, u64 head) {
+/* 3.15+: the calling thread's state, looked up in the interpreters' lists (the newest few: threads of
+ * interpreters beyond KVT_MAX_PY_INTERPRETERS get no stack), and kept for the thread (the walk checks it
+ * still holds each time, thread_state_holds). A thread that has a state in several interpreters (it ran
+ * code in a subinterpreter) gets the oldest interpreter's, the main one's, as the GIL state API's pthread
+ * key gives up to 3.14. */
+static __always_inline u64 find_thread_state(struct kvt_py_target *target, u64 fsbase, u64 pid_tgid) {
     count(KVT_COUNTER_STACK_THREAD_LISTS);
-    struct kvt_py_thread found = {.tstate = 0, .missing_head = head};
-    u64 tstate = head;
-    for (int i = 0; i < KVT_MAX_PY_THREADS && tstate; i++) {
-        u64 thread_id = 0, next = 0;
-        if (bpf_probe_read_user(&thread_id, sizeof(thread_id), (void *)(tstate + target->tstate_thread_id)) != 0 ||
-            bpf_probe_read_user(&next, sizeof(next), (void *)(tstate + target->tstate_next)) != 0)
-            break;
-        if (thread_id == fsbase) {
-            found.tstate = tstate;
-            break;
+    struct kvt_py_thread found = {.tstate = 0, .missing_heads = 0};
+    u64 interp = 0, heads = 0;
+    bpf_probe_read_user(&interp, sizeof(interp), (void *)target->interpreters_head_address);
+    for (int j = 0; j < KVT_MAX_PY_INTERPRETERS && interp; j++) {
+        u64 tstate = 0;
+        bpf_probe_read_user(&tstate, sizeof(tstate), (void *)(interp + target->interp_threads_head));
+        heads = (heads ^ tstate) * 0x100000001b3ULL;
+        for (int i = 0; i < KVT_MAX_PY_THREADS && tstate; i++) {
+            u64 thread_id = 0, next = 0;
+            if (bpf_probe_read_user(&thread_id, sizeof(thread_id), (void *)(tstate + target->tstate_thread_id)) != 0 ||
+                bpf_probe_read_user(&next, sizeof(next), (void *)(tstate + target->tstate_next)) != 0)
+                break;
+            if (thread_id == fsbase) {
+                found.tstate = tstate; /* an older interpreter's, further on, replaces it */
+                break;
+            }
+            tstate = next;
         }
-        tstate = next;
+        if (bpf_probe_read_user(&interp, sizeof(interp), (void *)(interp + target->interp_next)) != 0)
+            break;
     }
+    found.missing_heads = heads;
     py_threads.update(&pid_tgid, &found);
     return found.tstate;
 }
@@ -166,10 +184,9 @@ static __always_inline u64 python_thread_state(struct kvt_py_target *target, u64
             *kept = 1;
             return known->tstate;
         }
-        u64 head = py_threads_head(target);
-        if (known && known->missing_head == head)
+        if (known && known->missing_heads == py_threads_heads(target))
             return 0; /* none when last looked, and no thread has been added since */
-        return find_thread_state(target, fsbase, pid_tgid, head);
+        return find_thread_state(target, fsbase, pid_tgid);
     }
     s32 key = -1;
     bpf_probe_read_user(&key, sizeof(key), (void *)target->tss_key_address);
@@ -291,7 +308,7 @@ static __always_inline u64 walk_python_stack(u32 pid, u64 *status) {
         if (kept && !thread_state_holds(target, s, tstate, fsbase, datastack_at)) {
             /* not this thread's any more (deleted, or made again elsewhere): look again */
             u64 pid_tgid = bpf_get_current_pid_tgid();
-            tstate = find_thread_state(target, fsbase, pid_tgid, py_threads_head(target));
+            tstate = find_thread_state(target, fsbase, pid_tgid);
             if (tstate == 0 ||
                 bpf_probe_read_user(s->tstate, size & (KVT_TSTATE_READ_MAX - 1), (void *)tstate) != 0) {
                 *status = tstate ? KVT_STACK_READ_ERROR : KVT_STACK_NO_THREAD_STATE;

@@ -78,6 +78,21 @@ def test_threads_whose_state_comes_and_goes_get_exactly_their_own_stacks(label, 
         assert CALLS + 3 <= deltas["stack_thread_lists"] <= 2 * CALLS + 3
 
 
+@pytest.mark.parametrize("label", [label for label in LABELS if version_of(label) >= (3, 14)])
+def test_threads_beside_a_subinterpreter_get_exactly_their_own_stacks(label, session_tracer, stub_build,
+                                                                      native_threads):
+    """A subinterpreter made first (3.14+): the newest interpreter, whose list 3.15 looks at first. The main
+    thread (which has a state in both: it ran code in the subinterpreter) and a new thread get their own
+    stacks, the main interpreter's."""
+    _, calls, events, stacks, deltas = run_target(session_tracer, interpreter(label), stub_build, native_threads,
+                                                  "beside_subinterpreter")
+    assert len(calls) == len(events) == 2 * CALLS
+    for call in calls:
+        stack = stacks[call["address"]]
+        assert stack is not None and [[f.function, f.file, f.line] for f in stack.frames] == call["expected"]
+    assert deltas["stack_walks"] == 2 * CALLS
+
+
 @pytest.mark.parametrize("label", [label for label in LABELS if version_of(label) >= (3, 15)])
 @pytest.mark.parametrize("case", ["native", "main"])
 def test_a_thread_is_looked_up_in_the_list_once(label, case, session_tracer, stub_build, native_threads):

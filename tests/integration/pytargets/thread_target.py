@@ -8,7 +8,9 @@ Cases (CALLS allocations each, their own size per case):
 - callback: a C thread calls a Python function through ctypes CALLS times; ctypes makes it a thread state
   for each call and deletes it after, so each call's state is a new one;
 - churn: CALLS Python threads, one after another, each allocates once and ends;
-- main: the main thread allocates CALLS times, after all of that.
+- main: the main thread allocates CALLS times, after all of that;
+- beside_subinterpreter (3.14+): a subinterpreter is made (the newest interpreter, whose thread list is looked
+  at first), then the main thread and a new thread allocate CALLS times each.
 Protocol: `ready <pid>`, a line on stdin, one JSON line per call, `done`, then waits for stdin to close.
 """
 import ctypes
@@ -19,7 +21,7 @@ import threading
 
 CALLS = 23
 KiB = 1024
-CASES = ("native", "callback", "churn", "main")
+CASES = ("native", "callback", "churn", "main", "beside_subinterpreter")
 
 
 def size_of(case):
@@ -80,6 +82,21 @@ def main_thread(lib, helper):
         allocate(lib, "main")
 
 
+def beside_subinterpreter(lib, helper):
+    from concurrent import interpreters  # 3.14+
+
+    subinterpreter = interpreters.create()
+    try:
+        subinterpreter.exec("import ctypes")
+        for _ in range(CALLS):
+            allocate(lib, "beside_subinterpreter")
+        thread = threading.Thread(target=lambda: [allocate(lib, "beside_subinterpreter") for _ in range(CALLS)])
+        thread.start()
+        thread.join()
+    finally:
+        subinterpreter.close()
+
+
 def main(argv):
     lib = ctypes.CDLL(argv[1])
     helper = ctypes.CDLL(argv[2])
@@ -88,7 +105,8 @@ def main(argv):
     cases = argv[argv.index("--cases") + 1].split(",") if "--cases" in argv else list(CASES)
     print(f"ready {os.getpid()}", flush=True)
     sys.stdin.readline()
-    run = {"native": native, "callback": callback, "churn": churn, "main": main_thread}
+    run = {"native": native, "callback": callback, "churn": churn, "main": main_thread,
+           "beside_subinterpreter": beside_subinterpreter}
     for case in cases:
         run[case](lib, helper)
     print("done", flush=True)

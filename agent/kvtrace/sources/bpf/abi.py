@@ -110,7 +110,7 @@ class RawPyTarget(ctypes.Structure):
         ("tstate_next", ctypes.c_int16),
         ("tstate_thread_id", ctypes.c_int16),
         ("tstate_interp", ctypes.c_int16),
-        ("reserved4", ctypes.c_uint16),
+        ("interp_next", ctypes.c_int16),
         ("reserved5", ctypes.c_uint32),
     ]
 

@@ -43,6 +43,7 @@ class StackNames:
                 interpreters_head_address=found.interpreters_head_address,
                 interp_threads_head=o.interp_threads_head, tstate_prev=o.tstate_prev,
                 tstate_next=o.tstate_next, tstate_thread_id=o.tstate_thread_id, tstate_interp=o.tstate_interp,
+                interp_next=o.interp_next,
                 tstate_base_frame=o.tstate_base_frame))
 
     def resolve(self, pid: int, kernel_stack_id: int) -> int:

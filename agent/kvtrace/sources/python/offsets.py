@@ -52,14 +52,15 @@ class PyOffsets:
     # free-threaded: PyCodeObject.co_tlbc, a _PyCodeArray {Py_ssize_t size; char *entries[size]} of the
     # per-thread copies of the bytecode (entries[0] is co_code_adaptive itself)
     code_tlbc: int = NOT_PRESENT
-    # 3.15+: _PyRuntime.interpreters.head, PyInterpreterState.threads.head, and a PyThreadState's links and
-    # thread_id (pthread_self()), by which the probe finds the calling thread's state
+    # 3.15+: _PyRuntime.interpreters.head, PyInterpreterState.threads.head and .next, and a PyThreadState's
+    # links and thread_id (pthread_self()), by which the probe finds the calling thread's state
     runtime_interpreters_head: int = NOT_PRESENT
     interp_threads_head: int = NOT_PRESENT
     tstate_prev: int = NOT_PRESENT
     tstate_next: int = NOT_PRESENT
     tstate_thread_id: int = NOT_PRESENT
     tstate_interp: int = NOT_PRESENT
+    interp_next: int = NOT_PRESENT
     # 3.15+: PyThreadState.base_frame, the frame under every thread's chain (the interpreter's, not code)
     tstate_base_frame: int = NOT_PRESENT
 
@@ -117,7 +118,7 @@ OFFSETS = {
                        frame_previous=8, frame_instr=56, frame_owner=74, code_firstlineno=68,
                        code_filename=112, code_name=120, code_qualname=128, code_linetable=136,
                        code_bytecode=208, runtime_tss=NOT_PRESENT, sizeof_ascii_object=40,
-                       tstate_datastack=256, runtime_interpreters_head=936, interp_threads_head=7336,
+                       tstate_datastack=256, runtime_interpreters_head=936, interp_threads_head=7336, interp_next=7264,
                        tstate_prev=0, tstate_next=8, tstate_thread_id=176, tstate_interp=16, tstate_base_frame=80),
 }
 
@@ -133,7 +134,7 @@ FREE_THREADED_OFFSETS: dict[tuple[int, int], PyOffsets] = {
                        code_filename=128, code_name=136, code_qualname=144, code_linetable=152,
                        code_bytecode=232, runtime_tss=NOT_PRESENT, sizeof_ascii_object=56,
                        tstate_datastack=256, free_threaded=True, object_type=24, code_tlbc=224,
-                       runtime_interpreters_head=936, interp_threads_head=7336, tstate_prev=0,
+                       runtime_interpreters_head=936, interp_threads_head=7336, interp_next=7264, tstate_prev=0,
                        tstate_next=8, tstate_thread_id=176, tstate_interp=16, tstate_base_frame=80),
 }
 
