@@ -215,7 +215,7 @@ def test_a_user_past_its_share_is_refused_counted_and_named(short_dir):
         assert listener.open_connections == 2 and listener.shares.held == {os.getuid(): 2}
         wait_for(lambda: session.counters().get(f"share_refused/cupti_connections/{me}") == 3)
         [component] = [c for c in session.components() if c.name == "cupti"]
-        assert component.up and f"holds 2 connections, its share of 2" in component.reason
+        assert component.up and "holds 2 connections, its share of 2" in component.reason
         for client in [*clients, *refused]:
             client.close()
         wait_for(lambda: listener.open_connections == 0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fake_agent import event
-
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
 from kvtrace.analysis.vllm import VllmAnalysis, VllmOptions
 from kvtrace.model.ledger import ledger_view

@@ -11,8 +11,8 @@ from pathlib import Path
 from kvtrace.cli.flags import positive_pid
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
-from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX
 from kvtrace.human import printable
+from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX
 
 EPILOG = """examples:
   sudo kvtrace doctor          # run it as the agent would run: root sees what the agent sees
