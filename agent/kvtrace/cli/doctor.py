@@ -149,7 +149,7 @@ def agent_findings(args: argparse.Namespace) -> list:
     for name, count in sorted(info.counters.items()):
         if name.startswith(SHARE_COUNTER_PREFIX) and count:  # a user at its share: that user alone was refused
             resource, user = name[len(SHARE_COUNTER_PREFIX):].split("/", 1)
-            findings.append(Finding(f"agent {resource}", True, f"{count} refused to user {user} at its share "
+            findings.append(Finding(f"agent {resource} share", True, f"{count} refused to user {user} at its share "
                                     f"({_SHARES.get(resource, resource)}); the others kept theirs", warning=True))
     return findings
 

@@ -162,7 +162,13 @@ class AgentServer:
     def _report_shares(self) -> None:
         """Streams refused and evicted per socket, and the users over their share of the group socket's
         connections: counted (/metrics), and named in the `api` component's reason (doctor)."""
-        shares = self.group_slots.connections.shares if self.group_slots.connections is not None else None
+        connections = self.group_slots.connections
+        if connections is not None:  # also between calls: a burst of connections is caught within a second
+            try:
+                connections.enforce()
+            except Exception:
+                log.debug("holding the group socket's shares failed", exc_info=True)
+        shares = connections.shares if connections is not None else None
         counters = {f"streams_{what}_{slots.name}": getattr(slots, f"{what}_total")
                     for slots in (self.slots, self.group_slots) for what in ("evicted", "refused", "probes")}
         if shares is not None:

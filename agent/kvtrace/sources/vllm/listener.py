@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 COMPONENT = "vllm_plugin"
 SOCKET_MODE = 0o666  # any local process may report, about itself only (see the module's docstring)
 DIRECTORY_MODE = 0o755  # a directory the listener creates: others must reach the socket inside
-MAX_MESSAGES_PER_SECOND_PER_PID = 50  # the plugin sends about 1 a second (protocol.REPORT_INTERVAL_SECONDS)
+MAX_MESSAGES_PER_SECOND_PER_PID = 10  # the plugin sends about 1 a second (protocol.REPORT_INTERVAL_SECONDS)
 MAX_SENDERS = 256  # live processes followed at once; a vLLM host has a few per GPU
 MAX_SENDERS_PER_USER = 32  # of those, one user's (by the kernel's uid): the rest are the other users' reserve
 SILENT_SECONDS = 30.0  # a sender silent this long gives its place to its user's newcomer
@@ -259,6 +259,7 @@ class VllmListener:
         self._reach = ""  # why others cannot reach the socket ("" when they can), in the component's reason
         self._reported_reason: str | None = None
         self._next_sweep = 0.0
+        self._next_full_sweep = 0.0
         self._next_report = 0.0
         self._next_warning = 0.0
         self._socket: socket.socket | None = None
@@ -406,8 +407,9 @@ class VllmListener:
         after a sender gave way (`_evict`). False (counted against the user, named) otherwise."""
         if self.shares.admits(uid):
             return True
-        if len(self._senders) >= self.max_senders or self.shares.held[uid] >= self.shares.per_user:
-            self._sweep()  # the gone give their places first
+        if now >= self._next_full_sweep:  # the gone give their places first (once a second: a flood costs no sweeps)
+            self._next_full_sweep = now + 1.0
+            self._sweep()
             if self.shares.admits(uid):
                 return True
         victim = self._victim(pid, uid, now)
