@@ -236,11 +236,12 @@ def test_root_tails_on_the_admin_socket_while_nobody_fills_the_group_socket(reac
         time.sleep(1.5)
         first_wait = time.monotonic() - started
         tail_alive = tail.poll() is None
-        counters = agent.counters()
         tail.terminate()
         _, tail_err = tail.communicate(timeout=10)
         ended = int(hogs.stdout.readline())
         hogs.wait(timeout=30)
+        time.sleep(1.5)  # the API's figures reach the Session with its next health poll
+        counters = agent.counters()
         metrics = metrics_of(agent)
         doctor = kvtrace("doctor", "--socket", str(socket))
     print(f"\nroot's tail alive {first_wait:.1f} s after it started; nobody's streams ended: {ended} of 64")
