@@ -191,3 +191,14 @@ def test_an_impostor_is_kept_apart_labelled_and_raises_no_finding():
     assert {engine.engine_pid: engine.plugin for engine in engines} == {100: True, 777: False}
     assert {finding.engine_pid for finding in findings} == {100}
     assert [sender.label for sender in analysis.untrusted] == ["(untrusted) VLLM::EngineCore"]
+
+
+def test_the_group_socket_is_not_told_other_users_untrusted_pids():
+    from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+    from kvtrace.servers.api.redaction import redact_info
+
+    message = service_pb2.GetAgentInfoResponse()
+    message.components.add(name="vllm_senders", up=True, reason="1 plugin senders not tied to vLLM: pid 777 ...")
+    message.components.add(name="vllm_plugin", up=True, reason="23 refused for want of a share (nobody 23)")
+    redacted = {component.name: component.reason for component in redact_info(message).components}
+    assert redacted == {"vllm_senders": "", "vllm_plugin": "23 refused for want of a share (nobody 23)"}
