@@ -11,8 +11,12 @@ is named (untrusted) by doctor; nobody's refusals are counted in /metrics and na
 
 GIVEN the agent with nobody in its group, WHEN nobody opens 64 idle event streams on the group socket,
 THEN root's `tail` on the admin socket gets its events at once, nobody keeps at most its share of connections
-(the rest shut down, counted and named), and nobody's idle streams that do not read are found and ended when
-the group socket's slots are wanted.
+(the rest shut down, counted and named).
+
+GIVEN the agent's CUPTI socket (`kvtrace run`), WHEN nobody holds 80 connections, THEN nobody keeps its share of
+64, the rest are refused, counted and named, and root still connects.
+
+(Streams that do not read on a quiet host, found by their probe: tests/unit/test_stream_slots.py, real gRPC.)
 """
 import grp
 import json
@@ -257,3 +261,40 @@ def agent_command() -> list[str]:
     from agent_process import KVTRACE
 
     return list(KVTRACE)
+
+
+def test_nobodys_cupti_connections_take_its_share_and_root_still_connects(reachable):
+    """`kvtrace run`'s socket (any local user may connect): nobody's 80 connections take its share of 64, the
+    other 16 are refused, counted and named; root's connection is taken."""
+    holder = reachable / "holder.py"
+    holder.write_text(textwrap.dedent("""
+        import socket, sys, time
+        held = []
+        for _ in range(int(sys.argv[2])):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(sys.argv[1])
+            held.append(sock)
+        print("connected", flush=True)
+        time.sleep(float(sys.argv[3]))
+    """))
+    cupti = reachable / "cupti.sock"
+    with AgentProcess(reachable / "kvtrace.sock", "--no-nvml", "--tracing", "off", "--cupti-socket",
+                      str(cupti)) as agent:
+        nobody = as_nobody(sys.executable, str(holder), str(cupti), "80", "8", stdout=subprocess.PIPE)
+        assert nobody.stdout.readline().strip() == "connected"
+        import socket as sockets
+
+        with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as root:
+            root.connect(str(cupti))
+            deadline = time.monotonic() + 10
+            while True:
+                counters = agent.counters()
+                if counters.get("cupti_connections_open") == 65 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            doctor = kvtrace("doctor", "--socket", str(agent.socket))
+        nobody.kill()
+        nobody.wait()
+    assert counters["cupti_connections_open"] == 65  # nobody's 64 and root's
+    assert counters["share_refused/cupti_connections/nobody"] == 16
+    assert "16 refused to user nobody at its share" in doctor.stdout
