@@ -252,8 +252,9 @@ def test_root_tails_on_the_admin_socket_while_nobody_fills_the_group_socket(reac
     assert tail_alive, tail_err
     assert "RESOURCE_EXHAUSTED" not in tail_err
     shut = counters.get("share_refused/group_connections/nobody", 0)
-    assert shut == 60 and ended >= 60, (shut, ended)  # 4 connections (its share) of 64 remain
-    assert 'kvtrace_share_refused_total{resource="group_connections",user="nobody"} 60.0' in metrics
+    # Exactly its share of 4 streams' connections remain; a channel that reconnects is shut again (counted).
+    assert ended == 60 and shut >= 60, (shut, ended)
+    assert f'kvtrace_share_refused_total{{resource="group_connections",user="nobody"}} {float(shut)}' in metrics
     assert "refused to user nobody at its share" in doctor.stdout
 
 
