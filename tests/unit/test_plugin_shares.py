@@ -75,7 +75,7 @@ def test_a_user_at_its_share_is_refused_and_the_others_keep_their_places():
 
 
 def test_refused_users_beyond_the_named_ones_count_as_other():
-    shares = UserShares("group_streams", capacity=4, per_user=1)
+    shares = UserShares("group_connections", capacity=4, per_user=1)
     for uid in range(10_000, 10_000 + MAX_NAMED_USERS + 5):
         shares.refuse(uid)
     assert len(shares.counters()) == MAX_NAMED_USERS + 1

@@ -109,7 +109,7 @@ TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full"
                    "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
                    "events_undecodable": 2, "libraries_attached": 3, "libraries_refused": 29, "libraries_detached": 26,
                    "flight_dumps": 3, "flight_dump_failures": 1, "resyncs": 1,
-                   "share_refused/vllm_senders/alice": 115, "share_refused/group_streams/other": 3,
+                   "share_refused/vllm_senders/alice": 115, "share_refused/group_connections/other": 3,
                    "vllm_senders_evicted": 1, "vllm_untrusted_senders": 1}
 
 
@@ -308,7 +308,7 @@ def test_exact_values_for_a_synthetic_snapshot():
     assert samples(families, "kvtrace_ledger_full_total") == {(): 0}
     assert samples(families, "kvtrace_unknown_frees_total") == {(): 11}
     assert samples(families, "kvtrace_share_refused_total") == {  # issue 31: the user at its share, named
-        labels(resource="vllm_senders", user="alice"): 115, labels(resource="group_streams", user="other"): 3}
+        labels(resource="vllm_senders", user="alice"): 115, labels(resource="group_connections", user="other"): 3}
     assert samples(families, "kvtrace_vllm_messages_received_total") == {(): 40}
     assert samples(families, "kvtrace_vllm_messages_rejected_total") == {(): 2}
     assert samples(families, "kvtrace_events_undecodable_total") == {(): 2}

@@ -116,7 +116,6 @@ _AGENT_COUNTERS = {
 # What a user at its share was refused (model/user_shares.py's resources).
 _SHARES = {"vllm_senders": "its vLLM plugin reports were dropped unread",
            "cupti_connections": "its `kvtrace run` tracers' connections were closed",
-           "group_streams": "its event streams on the group socket were refused",
            "group_connections": "its connections to the group socket were closed"}
 
 

@@ -36,7 +36,7 @@ class UserShares:
     least) are their reserve. The caller counts holders in and out (`take`, `give_back`) and asks `admits`
     before taking; `refuse` counts a refusal against the user."""
 
-    resource: str  # what the places are, in the metric's label and messages: "vllm_senders", "group_streams"
+    resource: str  # what the places are, in the metric's label and messages: "vllm_senders", "group_connections"
     capacity: int
     per_user: int
     noun: str = "places"  # "senders", "connections", "streams": how a message names one place

@@ -238,9 +238,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "finding; the vllm_senders component (kvtrace doctor) names them."),
     MetricSpec("kvtrace_share_refused_total", "counter", "refusals", ("resource", "user"),
                "Places refused to a user at its share (issue 31): resource vllm_senders (plugin senders), "
-               "cupti_connections (kvtrace run's tracers), group_streams and group_connections (the API's group "
-               "socket). Only that user is degraded; the others keep their reserve. user: the first 8 users "
-               "refused by name, the rest as other."),
+               "cupti_connections (kvtrace run's tracers), group_connections (the API's group socket: a user's "
+               "connections beyond its share are shut down). Only that user is degraded; the others keep their "
+               "reserve. user: the first 8 users refused by name, the rest as other."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
