@@ -202,3 +202,13 @@ def test_the_group_socket_is_not_told_other_users_untrusted_pids():
     message.components.add(name="vllm_plugin", up=True, reason="23 refused for want of a share (nobody 23)")
     redacted = {component.name: component.reason for component in redact_info(message).components}
     assert redacted == {"vllm_senders": "", "vllm_plugin": "23 refused for want of a share (nobody 23)"}
+
+
+def test_nvmls_list_of_gpu_processes_ties_an_engine_with_tracing_off():
+    view = VllmView()
+    view.schedulers[100] = SchedulerReport(100, T0 * NS, 1000, 990, 0, 0, 30, 20, ())
+    analysis = VllmAnalysis()
+    analysis.update(view, {}, {}, {}, T0 * NS, 0)
+    assert [sender.pid for sender in analysis.untrusted] == [100]
+    engines, _ = analysis.update(view, {}, {}, {}, (T0 + 1) * NS, NS, gpu_pids={100})
+    assert [(engine.engine_pid, engine.plugin) for engine in engines] == [(100, True)] and analysis.untrusted == ()

@@ -49,7 +49,8 @@ def vllm_tie(pid: int, processes: Mapping[int, ProcessInfo], traced_pids: Collec
     script's process), or its title (/proc) is a vLLM engine's and a `VLLM::Worker*` holding traced memory has
     it on its parent chain (an EngineCore whose model runs in its workers). A plugin report is only a claim
     (any local process may send one): it counts as an engine's only from a process tied so.
-    `traced_pids`: the processes holding traced device memory now."""
+    `traced_pids`: the processes holding GPU memory now, by the probes' ledger or NVML's list of processes
+    using a GPU (the driver's word: an engine is tied with tracing off too)."""
     if pid in traced_pids:
         return ""
     info = processes.get(pid)
