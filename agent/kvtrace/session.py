@@ -647,10 +647,11 @@ class Session:
         with self.lock:
             return self._vllm.view()
 
-    def forget_vllm(self, pid: int) -> None:
-        """The vLLM plugin's records of `pid` go (the listener no longer follows it); its traced memory stays."""
+    def forget_vllm(self, pid: int, keep_layout: bool = False) -> bool:
+        """The vLLM plugin's records of `pid` go (the listener no longer follows it); its traced memory stays.
+        `keep_layout`: its KV-cache layout stays (sent once: it outlives the sender's place). True when one is kept."""
         with self.lock:
-            self._vllm.forget(pid)
+            return self._vllm.forget(pid, keep_layout)
 
     def forget_vllm_metrics(self, url: str) -> None:
         """A /metrics URL no longer scraped (its API server is gone)."""

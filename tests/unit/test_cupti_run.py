@@ -200,6 +200,31 @@ def test_an_unknown_message_type_is_a_protocol_error(listening):
     wait_for(lambda: listener.protocol_errors == 1)
 
 
+def test_a_user_past_its_share_is_refused_counted_and_named(short_dir):
+    """Issue 31: one user's flood of `kvtrace run`s takes its share only (the kernel's uid, SO_PEERCRED)."""
+    import pwd
+
+    session = Session()
+    listener = CuptiListener(session, str(short_dir / "c.sock"), max_connections=8, max_connections_per_user=2)
+    assert listener.start()
+    me = pwd.getpwuid(os.getuid()).pw_name
+    try:
+        clients = [connect(listener.path, hello()) for _ in range(2)]
+        wait_for(lambda: listener.open_connections == 2)
+        refused = [connect(listener.path, hello()) for _ in range(3)]
+        wait_for(lambda: listener.refused == 3)
+        assert listener.open_connections == 2 and listener.shares.held == {os.getuid(): 2}
+        wait_for(lambda: session.counters().get(f"share_refused/cupti_connections/{me}") == 3)
+        [component] = [c for c in session.components() if c.name == "cupti"]
+        assert component.up and "holds 2 connections, its share of 2" in component.reason
+        for client in [*clients, *refused]:
+            client.close()
+        wait_for(lambda: listener.open_connections == 0)
+        assert listener.shares.total == 0  # places given back
+    finally:
+        listener.stop()
+
+
 def test_connections_past_the_bound_are_refused_and_counted(short_dir):
     session = Session()
     listener = CuptiListener(session, str(short_dir / "c.sock"), max_connections=2)

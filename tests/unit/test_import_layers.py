@@ -74,7 +74,7 @@ def test_neighbours_that_must_not_know_each_other():
 # Within servers/api/ (its __init__ says which module holds what) each module imports only the ones
 # before it here: what checks requests and what redacts know nothing of the service or its sockets.
 API_ORDER = tuple(f"kvtrace.servers.api.{name}"
-                  for name in ("requests", "redaction", "slots", "servicer", "listeners", "server"))
+                  for name in ("requests", "redaction", "peers", "slots", "servicer", "listeners", "server"))
 
 
 def test_the_api_package_imports_one_way():

@@ -108,7 +108,9 @@ TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full"
                    "unknown_frees": 11, "vllm_messages_received": 40, "vllm_messages_rejected": 2,
                    "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
                    "events_undecodable": 2, "libraries_attached": 3, "libraries_refused": 29, "libraries_detached": 26,
-                   "flight_dumps": 3, "flight_dump_failures": 1, "resyncs": 1}
+                   "flight_dumps": 3, "flight_dump_failures": 1, "resyncs": 1,
+                   "share_refused/vllm_senders/alice": 115, "share_refused/group_connections/other": 3,
+                   "vllm_senders_evicted": 1, "vllm_untrusted_senders": 1}
 
 
 @dataclass
@@ -305,6 +307,8 @@ def test_exact_values_for_a_synthetic_snapshot():
     assert samples(families, "kvtrace_events_lost_total") == {(): 23}
     assert samples(families, "kvtrace_ledger_full_total") == {(): 0}
     assert samples(families, "kvtrace_unknown_frees_total") == {(): 11}
+    assert samples(families, "kvtrace_share_refused_total") == {  # issue 31: the user at its share, named
+        labels(resource="vllm_senders", user="alice"): 115, labels(resource="group_connections", user="other"): 3}
     assert samples(families, "kvtrace_vllm_messages_received_total") == {(): 40}
     assert samples(families, "kvtrace_vllm_messages_rejected_total") == {(): 2}
     assert samples(families, "kvtrace_events_undecodable_total") == {(): 2}
@@ -338,7 +342,8 @@ def test_every_declared_metric_is_exported_with_its_type_help_and_labels():
 
 
 ALLOWED_LABELS = {"pid", "title", "gpu", "layer", "memory", "window", "api", "error_code", "component",
-                  "uuid", "version", "role", "state", "source", "kind", "result"}
+                  "uuid", "version", "role", "state", "source", "kind", "result",
+                  "resource", "user"}  # kvtrace_share_refused_total: at most 8 users by name, then "other"
 
 
 def test_no_label_carries_an_address_or_a_stack():

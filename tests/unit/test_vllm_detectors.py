@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fake_agent import event
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer
 from kvtrace.analysis.vllm import VllmAnalysis, VllmOptions
 from kvtrace.model.ledger import ledger_view
@@ -53,7 +54,8 @@ class Host:
     processes: dict[int, ProcessInfo]
     options: dict = field(default_factory=dict)
     view: VllmView = field(default_factory=VllmView)
-    traced: dict[tuple[int, int], int] = field(default_factory=dict)
+    # The engine holds traced memory: its plugin's reports count (model/vllm.py's vllm_tie; test_plugin_shares).
+    traced: dict[tuple[int, int], int] = field(default_factory=lambda: {(100, 0): GiB})
     roles: dict[tuple[int, int], dict[Role, int]] = field(default_factory=dict)
     second: float = 0.0
 
@@ -377,6 +379,7 @@ def test_the_analyzer_publishes_engines_and_findings():
     session = Session(ProcessTable(known.get))
     session.processes.get(100)  # the agent reads a process when it first sees it
     analyzer = Analyzer(session, AnalysisOptions(vllm=VllmOptions(held_after_finish_seconds=5)))
+    session.ingest(event(pid=100, size=GiB))  # the engine holds traced memory: its reports count (vllm_tie)
     session.ingest(SchedulerReport(100, T0 * NS, 1000, 990, 0, 0, 10, 0,
                                    (KvRequest("r1", RequestState.ABORTED, 10, 6.0),)))
     snapshot = analyzer.update(ledger_view(session.ledger, T0 * NS, 0, with_entries=False))

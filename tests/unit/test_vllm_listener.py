@@ -281,9 +281,9 @@ def test_the_default_rate_limit_lets_the_plugins_rate_through():
 
 
 def test_no_set_of_senders_keeps_an_engine_out_and_what_is_kept_stays_bounded(short_dir):
-    """Garbage takes no place; with every place taken by live processes, the one silent longest gives its
-    place and its records to a new good sender (seen in review: 256 idle processes sending garbage once
-    locked every engine out)."""
+    """Garbage takes no place; with every place taken by live processes that report, a newcomer is refused
+    (counted); one silent SILENT_SECONDS gives its place and its records to a new good sender (seen in review:
+    256 idle processes sending garbage once locked every engine out). Issue 31's shares per user: test_plugin_shares."""
     session = Session()
     listener = VllmListener(session, str(short_dir / "vllm.sock"), max_senders=2)
     good = json.dumps(scheduler_message()).encode()
@@ -292,9 +292,12 @@ def test_no_set_of_senders_keeps_an_engine_out_and_what_is_kept_stays_bounded(sh
     assert listener.rejected == 2 and listener._senders == {}
     listener.handle_datagram(good, os.getppid())
     listener.handle_datagram(good, 1)  # alive: not freed by a sweep
-    listener.handle_datagram(good, os.getpid())  # every place taken: the longest silent (os.getppid()) goes
+    listener.handle_datagram(good, os.getpid())  # every place taken by senders that report: refused
+    assert set(listener._senders) == {os.getppid(), 1} and listener.rejected == 3
+    listener._senders[os.getppid()].last_seen -= listener_module.SILENT_SECONDS
+    listener.handle_datagram(good, os.getpid())  # the silent one (os.getppid()) gives its place
     assert set(session.vllm_view().schedulers) == {1, os.getpid()}
-    assert set(listener._senders) == {1, os.getpid()} and listener.rejected == 2
+    assert set(listener._senders) == {1, os.getpid()} and listener.rejected == 3 and listener.evicted == 1
 
 
 def test_a_sender_that_exits_is_forgotten_with_its_records(short_dir):

@@ -47,7 +47,7 @@ from kvtrace.model.events import PHYSICAL_LAYERS, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport, LeakSuspect, ProcessGpu
 from kvtrace.model.gpus import NvmlSample, nvml_index_for_cuda_ordinal
 from kvtrace.model.ledger import LedgerView, Outstanding, pids_with_blocks
-from kvtrace.model.vllm import Role, VllmView
+from kvtrace.model.vllm import Role, UntrustedSender, VllmView
 from kvtrace.session import Session
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class Analyzer:
         self._role_memo = RoleMemo()
         self._vllm = VllmAnalysis(options.vllm)
         self._vllm_marks: tuple[dict[int, int], dict[int, int]] = ({}, {})  # layouts', sleeps' timestamps
+        self._untrusted_reason = ""  # the component is reported once a sender is untrusted, and after
         self._roles_again_ns = 0  # monotonic: a second role sample after the vLLM plugin said memory moved
 
     def tick(self) -> None:
@@ -172,14 +173,29 @@ class Analyzer:
             if self._roles_again_ns > now_ns:
                 self._next_site_sample_ns = min(self._next_site_sample_ns, self._roles_again_ns)
         engines, findings = self._vllm.update(vllm_view, self.session.known_processes(), traced, self._role_bytes,
-                                              view.wall_ns, now_ns)
+                                              view.wall_ns, now_ns, {pid for pid, _ in nvml_used})
         self.latest = AnalysisSnapshot(
             timestamp_ns=view.wall_ns, gpus=sample.gpus if sample else (),
             processes=self._rows(view, traced, nvml_used, sample), suspects=self._suspects,
-            nvml_timestamp_ns=sample.timestamp_ns if sample else 0, vllm_engines=engines, vllm_findings=findings)
+            nvml_timestamp_ns=sample.timestamp_ns if sample else 0, vllm_engines=engines, vllm_findings=findings,
+            vllm_untrusted=self._vllm.untrusted)
+        self._report_untrusted(self._vllm.untrusted)
         self.session.report_component("analysis", True, stale_after_seconds=STALE_AFTER_SECONDS,
                                       stale_reason="no analysis for a minute (the agent loop is stuck)")
         return self.latest
+
+    def _report_untrusted(self, untrusted: tuple[UntrustedSender, ...]) -> None:
+        """Plugin senders not tied to vLLM, counted and named by the `vllm_senders` component (doctor shows it)."""
+        reason = ""
+        if untrusted:
+            named = "; ".join(f"pid {sender.pid} {sender.label}: {sender.reason}" for sender in untrusted[:3])
+            more = f" and {len(untrusted) - 3} more" if len(untrusted) > 3 else ""
+            reason = (f"{len(untrusted)} plugin senders not tied to vLLM, their reports kept apart (no engine, "
+                      f"no finding): {named}{more}")
+        if reason != self._untrusted_reason:
+            self._untrusted_reason = reason
+            self.session.report_component("vllm_senders", True, reason)
+            self.session.report_counters({"vllm_untrusted_senders": len(untrusted)})
 
     def leak_report(self, pids: Collection[int] = (), min_age_seconds: float | None = None,
                     limit: int | None = None, wall_ns: int | None = None) -> LeakReport:

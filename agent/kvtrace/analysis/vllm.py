@@ -5,9 +5,15 @@ requests look like (the plugin's reports, else the API server's /metrics), and t
         ──VllmAnalysis.update (every analysis tick)──▶ (VllmEngine, ...), (VllmFinding, ...)
 
 Engines are found by title and parentage (model/processes.py): `VLLM::EngineCore[_DP<n>]` (or any
-process that sends SchedulerReports, the scheduler's owner) is an engine; the `VLLM::Worker*` processes
+process tied to vLLM that sends SchedulerReports, the scheduler's owner) is an engine; the `VLLM::Worker*` processes
 whose parent chain reaches it are its workers (with one GPU the model runs in EngineCore itself). Its
 API server is its parent, when that parent is scraped for /metrics or titled `VLLM::APIServer*`.
+
+Trust what the kernel says, not the sender: the plugin's reports are claims any local process can make. They
+count as an engine's only from a sender the kernel ties to vLLM (model/vllm.py's vllm_tie: its title, its
+traced GPU memory, its parent chain); the others are kept apart as UntrustedSenders (`untrusted` after each
+update), never an engine, never a finding (issue 31: a process with no GPU memory once raised the critical
+blocks_held_after_finish about "1.0 TiB" of KV tensors).
 
 The detectors (defaults are the issue's seeds; each finding says the figures and the next step):
 - BLOCKS_HELD_AFTER_FINISH: requests finished or aborted more than N s ago still holding blocks (the
@@ -25,7 +31,7 @@ The detectors (defaults are the issue's seeds; each finding says the figures and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from kvtrace.analysis.growth import NS_PER_SECOND, SHORT_WINDOW_SECONDS, SlidingFit, WindowIncrease
@@ -41,12 +47,14 @@ from kvtrace.model.vllm import (
     KvRequest,
     Role,
     SchedulerReport,
+    UntrustedSender,
     VllmEngine,
     VllmFinding,
     VllmMetricsSample,
     VllmView,
     data_parallel_rank,
     vllm_part,
+    vllm_tie,
 )
 
 MiB = 1 << 20
@@ -118,12 +126,15 @@ class VllmAnalysis:
     def __init__(self, options: VllmOptions | None = None) -> None:
         self.options = options if options is not None else VllmOptions()
         self._states: dict[int, _EngineState] = {}  # engine pid -> state
+        self.untrusted: tuple[UntrustedSender, ...] = ()  # as of the last update: senders kept apart
 
     def update(self, view: VllmView, processes: Mapping[int, ProcessInfo], traced: Mapping[tuple[int, int], int],
                role_bytes: Mapping[tuple[int, int], Mapping[Role, int]], now_wall_ns: int, now_monotonic_ns: int,
-               ) -> tuple[tuple[VllmEngine, ...], tuple[VllmFinding, ...]]:
+               gpu_pids: Collection[int] = ()) -> tuple[tuple[VllmEngine, ...], tuple[VllmFinding, ...]]:
         """Engines and findings now. `traced`: (pid, device) -> traced physical bytes this tick;
-        `role_bytes`: (pid, device) -> bytes by role at the last site sample."""
+        `role_bytes`: (pid, device) -> bytes by role at the last site sample; `gpu_pids`: processes NVML lists
+        on a GPU. The plugin's records of senders not tied to vLLM are left out, and kept in `untrusted`."""
+        view = self._trusted(view, processes, traced, gpu_pids)
         members = _engines_and_workers(view, processes)
         for pid in [pid for pid in self._states if pid not in members]:
             del self._states[pid]  # the engine is gone: its state goes too
@@ -151,6 +162,27 @@ class VllmAnalysis:
             engines.append(engine)
             findings.extend(engine_findings)
         return tuple(engines), tuple(findings)
+
+    def _trusted(self, view: VllmView, processes: Mapping[int, ProcessInfo],
+                 traced: Mapping[tuple[int, int], int], gpu_pids: Collection[int]) -> VllmView:
+        """The view of senders tied to vLLM; the others go to `untrusted`."""
+        senders = view.senders()
+        if not senders:
+            self.untrusted = ()
+            return view
+        traced_pids = {pid for (pid, _), size_bytes in traced.items() if size_bytes > 0} | set(gpu_pids)
+        untrusted = []
+        for pid in sorted(senders):
+            reason = vllm_tie(pid, processes, traced_pids)
+            if reason:
+                info = processes.get(pid)
+                layout = view.layouts.get(pid)
+                claimed = sum(end - start for start, end in kv_ranges_of(
+                    (tensor.address, tensor.size_bytes) for tensor in layout.tensors)) if layout is not None else 0
+                untrusted.append(UntrustedSender(pid, info.title if info is not None else "", reason, claimed,
+                                                 pid in view.schedulers))
+        self.untrusted = tuple(untrusted)
+        return view.without({sender.pid for sender in untrusted})
 
     def _engine(self, pid: int, workers: tuple[int, ...], view: VllmView, processes: Mapping[int, ProcessInfo],
                 traced_by_pid: Mapping[int, int], role_bytes: Mapping[tuple[int, int], Mapping[Role, int]],

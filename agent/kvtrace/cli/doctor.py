@@ -12,6 +12,7 @@ from kvtrace.cli.flags import positive_pid
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import printable
+from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX
 
 EPILOG = """examples:
   sudo kvtrace doctor          # run it as the agent would run: root sees what the agent sees
@@ -107,7 +108,15 @@ _AGENT_COUNTERS = {
                    "off until they exit; restart with a larger --max-totals",
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",
+    "vllm_untrusted_senders": "processes send vLLM plugin reports kvtrace cannot tie to vLLM (no traced GPU "
+                              "memory): kept apart, no finding; the vllm_senders component names them",
 }
+
+
+# What a user at its share was refused (model/user_shares.py's resources).
+_SHARES = {"vllm_senders": "its vLLM plugin reports were dropped unread",
+           "cupti_connections": "its `kvtrace run` tracers' connections were closed",
+           "group_connections": "its connections to the group socket were closed"}
 
 
 def agent_findings(args: argparse.Namespace) -> list:
@@ -129,12 +138,18 @@ def agent_findings(args: argparse.Namespace) -> list:
             info = agent.info()
     except CommandError as error:
         return [Finding("agent", True, f"no running agent answers: {error}", warning=True)]
-    findings = [Finding(f"agent {component.name}", True, "up" if component.up else f"DOWN: {component.reason}",
-                        warning=not component.up)
+    findings = [Finding(f"agent {component.name}", True,
+                        (f"up: {component.reason}" if component.reason else "up") if component.up
+                        else f"DOWN: {component.reason}", warning=not component.up)
                 for component in sorted(info.components, key=lambda component: component.name)]
     for name, meaning in _AGENT_COUNTERS.items():
         if info.counters.get(name, 0):
             findings.append(Finding(f"agent {name}", True, f"{info.counters[name]} {meaning}", warning=True))
+    for name, count in sorted(info.counters.items()):
+        if name.startswith(SHARE_COUNTER_PREFIX) and count:  # a user at its share: that user alone was refused
+            resource, user = name[len(SHARE_COUNTER_PREFIX):].split("/", 1)
+            findings.append(Finding(f"agent {resource} share", True, f"{count} refused to user {user} at its share "
+                                    f"({_SHARES.get(resource, resource)}); the others kept theirs", warning=True))
     return findings
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.gpus import GpuMemory
 from kvtrace.model.stacks import NativeFrame, Stack
-from kvtrace.model.vllm import Role, VllmEngine, VllmFinding
+from kvtrace.model.vllm import Role, UntrustedSender, VllmEngine, VllmFinding
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ class AnalysisSnapshot:
     nvml_timestamp_ns: int = 0  # when the NVML figures (gpus, nvml_used_bytes) were sampled; 0: none
     vllm_engines: tuple[VllmEngine, ...] = ()
     vllm_findings: tuple[VllmFinding, ...] = ()
+    # Plugin senders kvtrace cannot tie to vLLM: kept apart, no engine, no finding (analysis/vllm.py).
+    vllm_untrusted: tuple[UntrustedSender, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ import dataclasses
 import enum
 import re
 from collections import deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+
+from kvtrace.model.processes import ProcessInfo
 
 # vLLM titles its processes `<prefix>::<part>[_<suffix>]` with setproctitle: VLLM::EngineCore,
 # VLLM::EngineCore_DP1, VLLM::Worker_TP0, VLLM::APIServer_0; the prefix is VLLM unless vLLM's
@@ -35,6 +38,39 @@ def data_parallel_rank(title: str) -> str | None:
     """The data-parallel rank in an engine's title (VLLM::EngineCore_DP1 -> "1"), vLLM's `engine` label."""
     match = _DATA_PARALLEL_RANK.match(title.strip())
     return match.group(1) if match else None
+
+
+MAX_PARENT_DEPTH = 8  # a worker's parent chain is walked this far looking for its engine
+
+
+def vllm_tie(pid: int, processes: Mapping[int, ProcessInfo], traced_pids: Collection[int]) -> str:
+    """"" when what the kernel says ties `pid` to vLLM, else why not, one line: it holds traced GPU memory
+    itself (an engine whose model runs in it, whatever its title: offline inference runs the scheduler in the
+    script's process), or its title (/proc) is a vLLM engine's and a `VLLM::Worker*` holding traced memory has
+    it on its parent chain (an EngineCore whose model runs in its workers). A plugin report is only a claim
+    (any local process may send one): it counts as an engine's only from a process tied so.
+    `traced_pids`: the processes holding GPU memory now, by the probes' ledger or NVML's list of processes
+    using a GPU (the driver's word: an engine is tied with tracing off too)."""
+    if pid in traced_pids:
+        return ""
+    info = processes.get(pid)
+    if info is None:
+        return "it holds no traced GPU memory and kvtrace does not know its title"
+    if vllm_part(info.title) != ENGINE:
+        return "it holds no traced GPU memory and its title is not a vLLM engine's"
+    for worker in traced_pids:
+        other = processes.get(worker)
+        if other is None or vllm_part(other.title) != WORKER:
+            continue
+        parent = other.parent_pid
+        for _ in range(MAX_PARENT_DEPTH):
+            if not parent or parent == pid:
+                break
+            above = processes.get(parent)
+            parent = above.parent_pid if above is not None else 0
+        if parent == pid:
+            return ""
+    return "it holds no traced GPU memory, and no vLLM worker that does descends from it"
 
 
 class Role(enum.IntEnum):
@@ -184,6 +220,18 @@ class VllmView:
     sleeps: dict[int, tuple[SleepReport, ...]] = field(default_factory=dict)  # pid -> recent, oldest first
     metrics: dict[str, VllmMetricsSample] = field(default_factory=dict)  # url -> latest scrape
 
+    def without(self, pids: Collection[int]) -> VllmView:
+        """The view less the plugin's records of `pids` (senders not tied to vLLM: kept apart)."""
+        if not pids:
+            return self
+        return VllmView({pid: layout for pid, layout in self.layouts.items() if pid not in pids},
+                        {pid: report for pid, report in self.schedulers.items() if pid not in pids},
+                        {pid: reports for pid, reports in self.sleeps.items() if pid not in pids}, self.metrics)
+
+    def senders(self) -> set[int]:
+        """Every pid the plugin's records came from."""
+        return set(self.layouts) | set(self.schedulers) | set(self.sleeps)
+
 
 # Sleep/wake reports kept per process, oldest first (analysis reads the latest; `kvtrace vllm --json` and
 # tests see a process's last few transitions).
@@ -221,11 +269,14 @@ class VllmStore:
         else:
             raise TypeError(f"not a vLLM record: {type(record).__name__}")
 
-    def forget(self, pid: int) -> None:
-        """The plugin's records of `pid` go (its process exited, or the listener no longer follows it)."""
-        self._layouts.pop(pid, None)
+    def forget(self, pid: int, keep_layout: bool = False) -> bool:
+        """The plugin's records of `pid` go (its process exited, or the listener no longer follows it); with
+        `keep_layout` its KV-cache layout stays. True when a layout is kept."""
+        if not keep_layout:
+            self._layouts.pop(pid, None)
         self._schedulers.pop(pid, None)
         self._sleeps.pop(pid, None)
+        return pid in self._layouts
 
     def forget_metrics(self, url: str) -> None:
         self._metrics.pop(url, None)
@@ -267,6 +318,23 @@ class VllmFinding:
     # SLEEP_RESIDUE: bytes still held by role after the engine slept, and by CuMemAllocator tag.
     held_by_role: dict[Role, int] = field(default_factory=dict)
     held_by_tag: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UntrustedSender:
+    """A process whose plugin reports kvtrace cannot tie to vLLM (vllm_tie): kept apart from the engines, never
+    the subject of a finding, labelled (untrusted) wherever it is named."""
+
+    pid: int
+    title: str  # as the Session knows it ("" : unknown, a process that traced nothing)
+    reason: str  # why it is not tied: vllm_tie's words
+    kv_tensor_bytes: int = 0  # what its layout claims
+    scheduler: bool = False  # it sent scheduler reports
+
+    @property
+    def label(self) -> str:
+        """How reports and the title label name it: "(untrusted) TITLE", or "(untrusted)" alone."""
+        return f"(untrusted) {self.title}" if self.title else "(untrusted)"
 
 
 @dataclass(frozen=True)

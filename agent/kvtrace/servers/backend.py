@@ -68,6 +68,14 @@ class AgentState(Protocol):
         """events_submitted, events_lost, ledger_full, unknown_frees, events_seen, resyncs, ..."""
         ...
 
+    def report_counters(self, counters: dict[str, int]) -> None:
+        """The API's own counters (streams refused and evicted, users at their share), beside the sources'."""
+        ...
+
+    def report_component(self, name: str, up: bool, reason: str = "") -> None:
+        """The API's own health: up, and degraded for whom (a user at its share) in `reason`."""
+        ...
+
     def process_titles(self) -> dict[int, str]:
         """pid -> full process title of the processes the agent knows (alive)."""
         ...

@@ -35,6 +35,7 @@ from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.ledger import LedgerCounts
 from kvtrace.model.processes import redact_title
+from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX
 from kvtrace.model.vllm import FindingKind
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 
@@ -228,6 +229,18 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_vllm_messages_rejected_total", "counter", "messages", (),
                "Plugin reports the agent dropped: malformed, too large, from a sender over its rate "
                "limit, or without credentials (a plugin of another kvtrace version?); the agent log says why."),
+    MetricSpec("kvtrace_vllm_senders_evicted_total", "counter", "senders", (),
+               "Plugin senders that gave their place to a newcomer of their user (silent 30 s, or a stranger to "
+               "vLLM making room for a traced vLLM process); an engine's KV layout stays."),
+    MetricSpec("kvtrace_vllm_untrusted_processes", "gauge", "processes", (),
+               "Processes sending vLLM plugin reports that kvtrace cannot tie to vLLM (no traced GPU memory of "
+               "their own or of their workers): their reports are kept apart, make no engine and raise no "
+               "finding; the vllm_senders component (kvtrace doctor) names them."),
+    MetricSpec("kvtrace_share_refused_total", "counter", "refusals", ("resource", "user"),
+               "Places refused to a user at its share (issue 31): resource vllm_senders (plugin senders), "
+               "cupti_connections (kvtrace run's tracers), group_connections (the API's group socket: a user's "
+               "connections beyond its share are shut down). Only that user is degraded; the others keep their "
+               "reserve. user: the first 8 users refused by name, the rest as other."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
@@ -249,6 +262,8 @@ _SESSION_COUNTERS = {
     "kvtrace_unknown_frees_total": "unknown_frees",
     "kvtrace_vllm_messages_received_total": "vllm_messages_received",
     "kvtrace_vllm_messages_rejected_total": "vllm_messages_rejected",
+    "kvtrace_vllm_senders_evicted_total": "vllm_senders_evicted",
+    "kvtrace_vllm_untrusted_processes": "vllm_untrusted_senders",
     "kvtrace_block_events_unsent_total": "blocks_unsent",
     "kvtrace_block_stacks_sampled_total": "blocks_sampled",
     "kvtrace_block_stacks_not_sampled_total": "blocks_not_sampled",
@@ -357,6 +372,10 @@ class KvtraceCollector:
         for name, key in _SESSION_COUNTERS.items():
             if key in counters:
                 families[name].add_metric([], counters[key])
+        refused = families["kvtrace_share_refused_total"]
+        for key, value in sorted(counters.items()):
+            if key.startswith(SHARE_COUNTER_PREFIX):  # "<resource>/<user>": bounded by model/user_shares.py
+                refused.add_metric(key[len(SHARE_COUNTER_PREFIX):].split("/", 1), value)
         calls = families["kvtrace_crosscheck_calls_total"]
         for (api, result), value in sorted(read("cross-check", lambda: self.state.cross_check_totals(), {}).items()):
             calls.add_metric([_api_name(api), result], value)

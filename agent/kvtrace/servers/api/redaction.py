@@ -102,7 +102,7 @@ def redact_info(message: service_pb2.GetAgentInfoResponse) -> service_pb2.GetAge
 
 
 # Components whose reasons name files of other users (the admin socket has them whole).
-_REASONS_WITH_PATHS = frozenset({"libraries"})
+_REASONS_WITH_PATHS = frozenset({"libraries", "vllm_senders"})  # vllm_senders: other users' pids and titles
 
 
 def redact_growth(message: service_pb2.GetGrowthResponse) -> service_pb2.GetGrowthResponse:

@@ -46,8 +46,21 @@ class ServerLimits:
     # Concurrent StreamEvents calls, all endpoints together. When all are taken, the stream that has
     # not read for longest is ended (if that is at least evict_stalled_seconds) for the new one;
     # otherwise the new one gets RESOURCE_EXHAUSTED.
+    # Each socket has its own (issue 31: the admin socket never waits behind the group socket).
     max_streams: int = 64
     evict_stalled_seconds: float = 10.0
+    # With every slot taken, streams quiet this long are probed (slots.py): probe_bytes of filler, more than
+    # gRPC's windows and the socket's buffers absorb (measured: about 5 MiB), so a stream that does not read
+    # blocks; blocked probe_stall_seconds it is ended for the new one, which waits up to probe_wait_seconds.
+    probe_quiet_seconds: float = 10.0
+    probe_bytes: int = 16 << 20
+    probe_stall_seconds: float = 2.0
+    probe_wait_seconds: float = 4.0
+    max_probes: int = 8  # streams probed at once, the quiet longest first
+    probe_again_seconds: float = 60.0  # a stream that passed a probe (it reads) is not probed again sooner
+    # The group socket's shares per user (peers.py): connections, and streams a connection may carry.
+    max_group_connections_per_user: int = 4
+    max_streams_per_connection: int = 4
     max_receive_message_bytes: int = 4 << 20
     batch_max_events: int = 512  # events per StreamEventsResponse
     # ... with EVENT_ENCODING_COLUMNS (~25 bytes an event). Each response costs the stream's thread a

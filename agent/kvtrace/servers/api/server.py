@@ -1,6 +1,6 @@
 """AgentServer: the agent's gRPC endpoints, started and stopped as one.
 
-It makes one servicer per view over one hub and one set of stream slots, and serves them: the group
+It makes one servicer per view over one hub, each with its own stream slots, and serves them: the group
 socket (redacted), the admin socket and TCP with mutual TLS (full detail), each a grpc.Server of its
 own so that reflection cannot leak onto TCP. It keeps grpc health in step with the agent's, and on
 stop ends the streams and removes the socket files it made. The daemon needs only this module; a
@@ -30,6 +30,7 @@ from kvtrace.servers.api.listeners import (
     prepare_socket_path,
     socket_group_id,
 )
+from kvtrace.servers.api.peers import ConnectionShares
 from kvtrace.servers.api.redaction import VIEW_FULL, VIEW_REDACTED
 from kvtrace.servers.api.requests import ServerLimits
 from kvtrace.servers.api.servicer import AgentServicer
@@ -44,7 +45,7 @@ SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 
 class AgentServer:
     """The gRPC endpoints of the agent: the group socket (redacted), the admin socket (full detail)
-    and TCP with mTLS (full detail) when configured. One hub and one set of stream slots for all."""
+    and TCP with mTLS (full detail) when configured. One hub; stream slots per socket."""
 
     def __init__(self, state: AgentState, analysis: AgentAnalysis, config: ApiConfig,
                  limits: ServerLimits = ServerLimits(), max_queued_events: int | None = None,
@@ -54,9 +55,15 @@ class AgentServer:
         self.hub = EventHub(max_queued_events) if max_queued_events else EventHub()
         self.config = config
         self.limits = limits
-        self.slots = StreamSlots(limits)
+        # Slots of their own per socket: the admin socket (and TCP) never waits behind the group socket, where
+        # each user holds a share of the connections (peers.py).
+        self.slots = StreamSlots(limits, "admin")
+        self.group_slots = StreamSlots(limits, "group", ConnectionShares(str(config.socket),
+                                                                         limits.max_group_connections_per_user))
         self.servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_FULL, self.slots, flight)
-        self.redacted_servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_REDACTED, self.slots, flight)
+        self.redacted_servicer = AgentServicer(state, analysis, self.hub, limits, VIEW_REDACTED, self.group_slots,
+                                               flight)
+        self._shares_reason = ""  # the api component is reported once a user is over its share
         self.health = health.HealthServicer()
         self.tcp_port: int | None = None
         self._servers: list[grpc.Server] = []
@@ -66,11 +73,13 @@ class AgentServer:
 
     def _new_server(self, servicer: AgentServicer, reflection_enabled: bool) -> grpc.Server:
         workers = self.limits.max_streams + self.limits.extra_workers
+        options: list[tuple[str, int]] = [("grpc.max_receive_message_length", self.limits.max_receive_message_bytes),
+                                          ("grpc.so_reuseport", 0)]
+        if servicer.view == VIEW_REDACTED:  # a user's share of the group's streams: its connections x this
+            options.append(("grpc.max_concurrent_streams", self.limits.max_streams_per_connection))
         server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtrace-grpc"),
-            maximum_concurrent_rpcs=workers,
-            options=[("grpc.max_receive_message_length", self.limits.max_receive_message_bytes),
-                     ("grpc.so_reuseport", 0)])
+            maximum_concurrent_rpcs=workers, options=options)
         service_grpc.add_AgentServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if reflection_enabled:
@@ -148,6 +157,32 @@ class AgentServer:
     def _poll_health(self) -> None:
         while not self._stop_polling.wait(self.limits.health_poll_seconds):
             self._set_health(self._state_healthy())
+            self._report_shares()
+
+    def _report_shares(self) -> None:
+        """Streams refused and evicted per socket, and the users over their share of the group socket's
+        connections: counted (/metrics), and named in the `api` component's reason (doctor)."""
+        connections = self.group_slots.connections
+        # Also between calls (a burst of connections is caught within a second), while the group socket serves
+        # streams: a scan reads /proc/net/unix, 65 ms with 5 000 sockets, too much to pay every second for nothing.
+        if connections is not None and len(self.group_slots):
+            try:
+                connections.enforce()
+            except Exception:
+                log.debug("holding the group socket's shares failed", exc_info=True)
+        shares = connections.shares if connections is not None else None
+        counters = {f"streams_{what}_{slots.name}": getattr(slots, f"{what}_total")
+                    for slots in (self.slots, self.group_slots) for what in ("evicted", "refused", "probes")}
+        if shares is not None:
+            counters.update(shares.counters())
+        try:
+            self.state.report_counters(counters)
+            reason = shares.describe() if shares is not None else ""
+            if reason != self._shares_reason:
+                self._shares_reason = reason
+                self.state.report_component("api", True, f"group socket: {reason}" if reason else "")
+        except Exception:  # the figures are not worth the poller
+            log.debug("reporting the API's shares failed", exc_info=True)
 
     def stop(self, grace_seconds: float = 5.0) -> None:
         """Stops accepting calls, ends the event streams (UNAVAILABLE), and waits up to

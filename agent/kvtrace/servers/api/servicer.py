@@ -57,7 +57,7 @@ from kvtrace.servers.api.requests import (
     compile_title_regex,
     stream_filter,
 )
-from kvtrace.servers.api.slots import StreamSlots
+from kvtrace.servers.api.slots import PROBE_MESSAGE_BYTES, StreamSlots, probe_response
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 from kvtrace.servers.cursors import CursorLost, CursorMismatch, Cursors
 from kvtrace.servers.hub import EventHub, Lost, QueueItem, flatten
@@ -108,6 +108,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         self.view = view
         self._redacted = view == VIEW_REDACTED
         self._slots = slots if slots is not None else StreamSlots(limits)
+        self._probe = probe_response(view)  # a probe's filler (slots.py): an empty response to any reader
         # Snapshot listings open on this socket (a token of the other socket's is no token here).
         self._listings: Cursors[Outstanding] = Cursors()
         self.stopping = threading.Event()
@@ -120,9 +121,10 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         subscription = self._hub.subscribe(event_filter)
         if not self._slots.open(subscription, context):
             self._hub.unsubscribe(subscription)
+            other = " (root: the admin socket has slots of its own)" if self._redacted else ""
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the agent already serves {self._limits.max_streams} event streams (its limit), "
-                          "all of them reading")
+                          f"the agent already serves {self._limits.max_streams} event streams on this socket (its "
+                          f"limit), all of them reading{other}")
         context.add_callback(subscription.close)  # a cancel or an expired deadline wakes the reader
         sent_stacks: set[int] = set()
         titles = TitleRedactor() if self._redacted else None
@@ -141,6 +143,12 @@ class AgentServicer(service_grpc.AgentServiceServicer):
                 items = subscription.read_batches(batch_max_events, wait_seconds)
                 if items:
                     yield from responses(items, sent_stacks, titles)
+                    self._slots.sent(subscription)
+                probe_bytes = self._slots.probe_due(subscription)
+                if probe_bytes:  # does the client read? A stream that does not blocks here and is ended
+                    for _ in range(probe_bytes // PROBE_MESSAGE_BYTES):
+                        yield self._probe
+                    self._slots.probe_done(subscription)
             if self.stopping.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the kvtrace agent is shutting down")
             if subscription.evicted_reason:  # ended for a new stream (StreamSlots), not completed
@@ -354,6 +362,8 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         info.counters["subscribers"] = self._hub.subscriber_count()
         info.counters["subscribers_parked"] = self._hub.parked_count()
         info.counters["streams_evicted"] = self._slots.evicted_total
+        info.counters["streams_refused"] = self._slots.refused_total
+        info.counters["stream_probes"] = self._slots.probes_total
         info.counters["events_published"] = self._hub.published_total
         response = info_to_proto(info)
         response.view = self.view

@@ -11,7 +11,10 @@ itself: its pid is the kernel's (SO_PEERCRED, read at accept, as the agent's pid
 message's, so a process can make kvtrace believe wrong things about its own memory only. `kvtrace run
 --output` binds its own socket in a private 0700 directory instead.
 
-What a process can cost is bounded: at most MAX_CONNECTIONS connections (more are refused, counted), each
+What a process can cost is bounded: at most MAX_CONNECTIONS connections, MAX_CONNECTIONS_PER_USER of them one
+user's (the kernel's uid, SO_PEERCRED: one user's flood of `kvtrace run`s leaves the others their places; more
+are refused, counted and named: kvtrace_share_refused_total{resource="cupti_connections"}, the component's
+reason), each
 read is at most READ_BYTES, a message at most protocol.MAX_BODY_BYTES, and a decoder's joins, held records,
 stacks and live objects are bounded (decode.py). Anything malformed closes that connection only, counted
 (cupti_protocol_errors); the thread never stops for one, and never blocks on a socket (non-blocking,
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from kvtrace.model.crosscheck import TracerStatus
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Event, EventsLost, StackStatus
+from kvtrace.model.user_shares import UserShares
 from kvtrace.session import Record, Session
 from kvtrace.sources import unix_socket
 from kvtrace.sources.cupti import protocol
@@ -45,6 +49,8 @@ COMPONENT = "cupti"
 SOCKET_MODE = 0o666  # any local process may report, about itself only (see the module's docstring)
 DIRECTORY_MODE = 0o755  # a directory the listener creates: others must reach the socket inside
 MAX_CONNECTIONS = 256  # traced processes connected at once
+MAX_CONNECTIONS_PER_USER = 64  # of those, one user's: the rest are the other users' reserve
+SHARE_RESOURCE = "cupti_connections"
 MAX_PROCESSES_KEPT = 4096  # what each process said, kept for `kvtrace run`'s summary
 READ_BYTES = 256 << 10  # one read of one connection: the others get their turn
 ACCEPTS_PER_TURN = 64
@@ -86,6 +92,7 @@ class TracedProcess:
 class _Connection:
     sock: socket.socket
     pid: int
+    uid: int = 0  # the kernel's (SO_PEERCRED): whose share the connection is
     stream: protocol.Decoder = field(default_factory=protocol.Decoder)
     decoder: CuptiDecoder = field(init=False)
     stacks: dict[int, int] = field(default_factory=dict)  # the process's stack id -> the Session's
@@ -104,10 +111,16 @@ class CuptiListener:
     def __init__(self, session: Session, path: str = protocol.DEFAULT_AGENT_SOCKET,
                  max_connections: int = MAX_CONNECTIONS, socket_mode: int = SOCKET_MODE,
                  directory_mode: int = DIRECTORY_MODE, flag: str = "--cupti-socket",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_connections_per_user: int = MAX_CONNECTIONS_PER_USER) -> None:
         self.session = session
         self.path = path
         self.max_connections = max_connections
+        self.shares = UserShares(SHARE_RESOURCE, max_connections, min(max_connections_per_user, max_connections),
+                                 "connections")
+        self._reach = ""
+        self._reported_reason: str | None = None
+        self._failed = False
         self.socket_mode = socket_mode
         self.directory_mode = directory_mode
         self.flag = flag
@@ -138,10 +151,9 @@ class CuptiListener:
             log.warning("CUPTI tracers' reports are off: %s", error)
             self.session.report_component(COMPONENT, False, str(error))
             return False
-        reach = self._reach_warning() if self.socket_mode & 0o007 else ""
+        reach = self._reach = self._reach_warning() if self.socket_mode & 0o007 else ""
         if reach:
             log.warning("%s", reach)
-        self.session.report_component(COMPONENT, True, reach)
         self._report_counters()
         self._thread = threading.Thread(target=self._run, name="kvtrace-cupti-listener", daemon=True)
         self._thread.start()
@@ -209,6 +221,8 @@ class CuptiListener:
                     self._report_counters()
         except Exception:  # a bug: say so, and close what is open (its records kept) rather than die silently
             log.exception("the CUPTI listener failed")
+            self._reported_reason = None  # down stays down: no "up" over it
+            self._failed = True
             self.session.report_component(COMPONENT, False, "the listener's thread failed (see the agent's log)")
         finally:
             for connection in list(self._connections.values()):
@@ -229,18 +243,21 @@ class CuptiListener:
                 self._warn(f"cannot accept a CUPTI tracer's connection: {error.strerror}")
                 return
             try:
-                pid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
+                pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
             except OSError:
-                pid = 0
-            if pid <= 0 or len(self._connections) >= self.max_connections:
+                pid = uid = 0
+            if pid <= 0 or not self.shares.admits(uid):
                 self.refused += 1
+                if pid > 0:
+                    self.shares.refuse(uid)
                 self._warn(f"refused a CUPTI tracer's connection (pid {pid}): " + (
                     "its pid is not visible here (another pid namespace)" if pid <= 0
-                    else f"{self.max_connections} processes are connected already"))
+                    else self.shares.full_for(uid)))
                 sock.close()
                 continue
             sock.setblocking(False)
-            connection = _Connection(sock, pid, clock=self._clock)
+            connection = _Connection(sock, pid, uid, clock=self._clock)
+            self.shares.take(uid)
             self._connections[connection.fd] = connection
             self._selector.register(sock, selectors.EVENT_READ, connection)
             self.connections_total += 1
@@ -319,6 +336,7 @@ class CuptiListener:
             except (KeyError, ValueError):
                 pass
         connection.sock.close()
+        self.shares.give_back(connection.uid)
         decoder = connection.decoder
         try:
             outputs = decoder.finish()
@@ -412,4 +430,9 @@ class CuptiListener:
                 "cupti_stacks_refused": totals.stacks_refused}
 
     def _report_counters(self) -> None:
-        self.session.report_counters(self.counters())
+        self.session.report_counters({**self.counters(), **self.shares.counters()})
+        # Up, and when a user was refused at its share, who and why (doctor shows it).
+        reason = "; ".join(part for part in (self._reach, self.shares.describe()) if part)
+        if reason != self._reported_reason and not self._failed:
+            self._reported_reason = reason
+            self.session.report_component(COMPONENT, True, reason)

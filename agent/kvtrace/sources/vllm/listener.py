@@ -17,6 +17,17 @@ records). A bad message is dropped and counted (vllm_messages_rejected), never a
 receiving thread; the reason is logged at debug, and at most one warning a minute says messages are being
 dropped.
 
+Shares, not a common pool (issue 31): each user (the kernel's uid of the sender) may hold at most
+MAX_SENDERS_PER_USER of the places, so one user's flood of processes leaves the others' places alone. A
+newcomer over its user's share is dropped before its message is decoded (counted and named:
+kvtrace_share_refused_total{resource="vllm_senders"}, the component's reason), unless one of that user's
+own senders has been silent SILENT_SECONDS (the plugin reports every second: a silent one is no live
+engine's) or the newcomer is a traced process titled as vLLM's and the place is a stranger's: then that one
+gives its place. Its scheduler and sleep reports go, its KV layout stays while the process lives (the
+plugin sent it once; an engine's layout survives the eviction of its sender state). What a sender's
+reports mean is not decided here: analysis/vllm.py counts them as an engine's only when the kernel ties
+the sender to vLLM (model/vllm.py's vllm_tie).
+
 The socket's directory must be reachable (search permission) by the vLLM processes' user. It is a
 directory of its own (/run/kvtrace-vllm, 0755), apart from the API's /run/kvtrace (0750 root:kvtrace), so
 that vLLM processes, and pods that mount it, reach the plugin's socket and not the API sockets. A
@@ -35,7 +46,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace.model.user_shares import UserShares
 from kvtrace.model.vllm import (
+    ENGINE,
+    WORKER,
     KvCacheLayout,
     KvRequest,
     KvTensor,
@@ -43,6 +57,7 @@ from kvtrace.model.vllm import (
     SchedulerReport,
     SleepPool,
     SleepReport,
+    vllm_part,
 )
 from kvtrace.session import Session
 from kvtrace.sources import unix_socket
@@ -55,9 +70,13 @@ log = logging.getLogger(__name__)
 COMPONENT = "vllm_plugin"
 SOCKET_MODE = 0o666  # any local process may report, about itself only (see the module's docstring)
 DIRECTORY_MODE = 0o755  # a directory the listener creates: others must reach the socket inside
-MAX_MESSAGES_PER_SECOND_PER_PID = 50  # the plugin sends about 1 a second (protocol.REPORT_INTERVAL_SECONDS)
+MAX_MESSAGES_PER_SECOND_PER_PID = 10  # the plugin sends about 1 a second (protocol.REPORT_INTERVAL_SECONDS)
 MAX_SENDERS = 256  # live processes followed at once; a vLLM host has a few per GPU
+MAX_SENDERS_PER_USER = 32  # of those, one user's (by the kernel's uid): the rest are the other users' reserve
+SILENT_SECONDS = 30.0  # a sender silent this long gives its place to its user's newcomer
+SHARE_RESOURCE = "vllm_senders"
 SENDER_SWEEP_SECONDS = 5.0  # how often senders that are gone are forgotten
+REPORT_SECONDS = 0.25  # the component's reason is worded at most this often
 WARNING_INTERVAL_SECONDS = 60.0
 RECEIVE_BUFFER_BYTES = 4 << 20  # asked of the kernel (capped by net.core.rmem_max): bursts wait there
 POLL_SECONDS = 0.1  # the receiving thread looks at its stop flag this often
@@ -214,6 +233,7 @@ class _Sender:
     window_start: float  # monotonic start of the current one-second window
     count: int = 0
     last_seen: float = 0.0  # monotonic: its last report taken
+    uid: int = 0  # the kernel's (SCM_CREDENTIALS): whose share the place is
 
 
 class VllmListener:
@@ -221,17 +241,26 @@ class VllmListener:
 
     def __init__(self, session: Session, path: str = protocol.DEFAULT_SOCKET,
                  max_messages_per_second_per_pid: int = MAX_MESSAGES_PER_SECOND_PER_PID,
-                 max_senders: int = MAX_SENDERS, socket_mode: int = SOCKET_MODE) -> None:
+                 max_senders: int = MAX_SENDERS, socket_mode: int = SOCKET_MODE,
+                 max_senders_per_user: int = MAX_SENDERS_PER_USER) -> None:
         self.session = session
         self.path = path
         self.max_messages_per_second_per_pid = max_messages_per_second_per_pid
         self.max_senders = max_senders
+        self.shares = UserShares(SHARE_RESOURCE, max_senders, min(max_senders_per_user, max_senders), "senders")
+        self.evicted = 0  # senders that gave their place to a newcomer
         self.socket_mode = socket_mode
         self.received = 0  # every datagram read, good or not
         self.rejected = 0  # of those, dropped (bad, no credentials, over the rate, too many senders)
         self.last_rejection = ""
         self._senders: dict[int, _Sender] = {}
+        # Evicted senders whose KV layout the Session keeps while they live: pid -> start ticks (None: unknown).
+        self._layouts_kept: dict[int, int | None] = {}
+        self._reach = ""  # why others cannot reach the socket ("" when they can), in the component's reason
+        self._reported_reason: str | None = None
         self._next_sweep = 0.0
+        self._next_full_sweep = 0.0
+        self._next_report = 0.0
         self._next_warning = 0.0
         self._socket: socket.socket | None = None
         self._inode = 0  # of the socket file we bound: stop() removes only that one
@@ -249,10 +278,9 @@ class VllmListener:
             log.warning("vLLM plugin reports are off: %s", error)
             self.session.report_component(COMPONENT, False, str(error))
             return False
-        reach = self._reach_warning()
+        reach = self._reach = self._reach_warning()
         if reach:
             log.warning("%s", reach)
-        self.session.report_component(COMPONENT, True, reach)
         self._report_counters()
         self._thread = threading.Thread(target=self._run, name="kvtrace-vllm-listener", daemon=True)
         self._thread.start()
@@ -306,6 +334,7 @@ class VllmListener:
             try:
                 size, ancdata, flags, _ = sock.recvmsg_into([buffer], ancillary_size)
             except TimeoutError:
+                self._report_counters()
                 self._maybe_sweep()
                 continue
             except OSError as error:
@@ -322,8 +351,8 @@ class VllmListener:
             self._report_counters()
             self._maybe_sweep()
 
-    def handle_datagram(self, data: bytes, pid: int | None, truncated: bool = False) -> None:
-        """One datagram from `pid` (None: it came without credentials). For tests and `_run`."""
+    def handle_datagram(self, data: bytes, pid: int | None, truncated: bool = False, uid: int = 0) -> None:
+        """One datagram from `pid` of user `uid` (pid None: it came without credentials). For tests and `_run`."""
         self.received += 1
         if pid is None or pid <= 0:
             self._reject("no sender credentials (SCM_CREDENTIALS)", 0)
@@ -335,30 +364,33 @@ class VllmListener:
         sender = self._senders.get(pid)
         if sender is not None and not self._within_rate(sender, pid, now):
             return
+        if sender is None and not self._room_for(pid, uid, now):
+            return  # over its user's share: dropped before any decoding (a flood costs a read and a count)
         try:
             record = decode_message(data, pid, time.time_ns())
         except MessageError as error:
             self._reject(str(error), pid)
             return
         if sender is None:  # a place only for a process whose report is good
-            sender = self._follow(pid, now)
+            sender = self._follow(pid, uid, now)
         sender.last_seen = now
         self.session.ingest(record)
 
     def _handle(self, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
         pid = None
+        uid = 0
         for level, kind, payload in ancdata:
             if level != socket.SOL_SOCKET:
                 continue
             if kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
-                pid = _UCRED.unpack_from(payload)[0]
+                pid, uid, _ = _UCRED.unpack_from(payload)
             elif kind == socket.SCM_RIGHTS:  # descriptors someone passed: never kept open
                 for fd in struct.unpack(f"{len(payload) // 4}i", payload[:len(payload) // 4 * 4]):
                     try:
                         os.close(fd)
                     except OSError:
                         pass
-        self.handle_datagram(data, pid, truncated=bool(flags & socket.MSG_TRUNC))
+        self.handle_datagram(data, pid, truncated=bool(flags & socket.MSG_TRUNC), uid=uid)
 
     def _within_rate(self, sender: _Sender, pid: int, now: float) -> bool:
         """The per-pid rate limit: False (counted) for a message beyond it."""
@@ -370,25 +402,73 @@ class VllmListener:
             return False
         return True
 
-    def _follow(self, pid: int, now: float) -> _Sender:
-        """A place for a new sender. With every place taken (after forgetting the gone), the one silent
-        longest gives its place and its records: no set of processes can keep an engine out, and what the
-        Session keeps stays bounded by max_senders."""
-        if len(self._senders) >= self.max_senders:
+    def _room_for(self, pid: int, uid: int, now: float) -> bool:
+        """Whether a new sender of `uid` may have a place: within its user's share with room in the pool, or
+        after a sender gave way (`_evict`). False (counted against the user, named) otherwise."""
+        if self.shares.admits(uid):
+            return True
+        if now >= self._next_full_sweep:  # the gone give their places first (once a second: a flood costs no sweeps)
+            self._next_full_sweep = now + 1.0
             self._sweep()
-        if len(self._senders) >= self.max_senders:
-            silent = min(self._senders, key=lambda known: self._senders[known].last_seen)
-            del self._senders[silent]
-            self.session.forget_vllm(silent)
-            log.debug("vLLM plugin: %d processes report; pid %d, silent longest, was forgotten", self.max_senders,
-                      silent)
-        sender = self._senders[pid] = _Sender(start_ticks(pid), now, count=1)
+            if self.shares.admits(uid):
+                return True
+        victim = self._victim(pid, uid, now)
+        if victim is not None:
+            self._evict(victim)
+            return True
+        self.shares.refuse(uid)
+        self._reject(self.shares.full_for(uid) or "no place", pid, count_only=True)
+        return False
+
+    def _victim(self, pid: int, uid: int, now: float) -> int | None:
+        """Who gives a place to `pid` of `uid`: the longest silent of its user's own senders (of anyone's when
+        the pool is full but the user is within its share), if silent SILENT_SECONDS; else, for a newcomer the
+        kernel ties to vLLM (traced, titled), the longest silent of those senders that are not."""
+        own = self.shares.held[uid] >= self.shares.per_user
+        candidates = [(sender.last_seen, known) for known, sender in self._senders.items()
+                      if not own or sender.uid == uid]
+        if not candidates:
+            return None
+        last_seen, silent = min(candidates)
+        if now - last_seen >= SILENT_SECONDS:
+            return silent
+        if not self._traced_vllm(pid):
+            return None
+        strangers = [(seen, known) for seen, known in candidates if not self._traced_vllm(known)]
+        return min(strangers)[1] if strangers else None
+
+    def _traced_vllm(self, pid: int) -> bool:
+        """The Session traces `pid` (it allocated GPU memory under the probes) and its title is vLLM's engine or
+        worker's: a cheap look (no /proc read), for who may take a stranger's place."""
+        info = self.session.process(pid)
+        return info is not None and vllm_part(info.title) in (ENGINE, WORKER)
+
+    def _evict(self, pid: int) -> None:
+        """`pid` gives its place: its scheduler and sleep reports go; its KV layout stays while it lives."""
+        sender = self._senders.pop(pid)
+        self.shares.give_back(sender.uid)
+        self.evicted += 1
+        if self.session.forget_vllm(pid, keep_layout=True):
+            self._layouts_kept[pid] = sender.start_ticks
+            while len(self._layouts_kept) > self.max_senders:  # bounded: the oldest kept layout goes
+                oldest = next(iter(self._layouts_kept))
+                del self._layouts_kept[oldest]
+                if oldest not in self._senders:
+                    self.session.forget_vllm(oldest)
+        log.debug("vLLM plugin: pid %d (uid %d) gave its place to a newcomer", pid, sender.uid)
+
+    def _follow(self, pid: int, uid: int, now: float) -> _Sender:
+        """A place for a new sender (`_room_for` made sure there is one)."""
+        self._layouts_kept.pop(pid, None)
+        sender = self._senders[pid] = _Sender(start_ticks(pid), now, count=1, uid=uid)
+        self.shares.take(uid)
         return sender
 
-    def _reject(self, reason: str, pid: int) -> None:
+    def _reject(self, reason: str, pid: int, count_only: bool = False) -> None:
         self.rejected += 1
         self.last_rejection = f"pid {pid}: {reason}" if pid else reason
-        log.debug("dropped a vLLM plugin message: %s", self.last_rejection)
+        if not count_only:  # a flood's refusals: counted, no log record each
+            log.debug("dropped a vLLM plugin message: %s", self.last_rejection)
         now = time.monotonic()
         if now >= self._next_warning:
             self._next_warning = now + WARNING_INTERVAL_SECONDS
@@ -397,7 +477,18 @@ class VllmListener:
 
     def _report_counters(self) -> None:
         self.session.report_counters({"vllm_messages_received": self.received,
-                                      "vllm_messages_rejected": self.rejected})
+                                      "vllm_messages_rejected": self.rejected,
+                                      "vllm_senders_evicted": self.evicted, **self.shares.counters()})
+        # Up, and when a user was refused a place, who and why (doctor shows it): degraded for that user only.
+        # Worded a few times a second at most, not per message of a flood.
+        now = time.monotonic()
+        if now < self._next_report and self._reported_reason is not None:
+            return
+        self._next_report = now + REPORT_SECONDS
+        reason = "; ".join(part for part in (self._reach, self.shares.describe()) if part)
+        if reason != self._reported_reason:
+            self._reported_reason = reason
+            self.session.report_component(COMPONENT, True, reason)
 
     def _maybe_sweep(self) -> None:
         if time.monotonic() >= self._next_sweep:
@@ -413,10 +504,15 @@ class VllmListener:
             ticks = start_ticks(pid)
             if ticks is None or (sender.start_ticks is not None and ticks != sender.start_ticks):
                 gone.append((pid, ticks is None))
+        for pid, kept_ticks in list(self._layouts_kept.items()):
+            ticks = start_ticks(pid)
+            if ticks is None or (kept_ticks is not None and ticks != kept_ticks):
+                del self._layouts_kept[pid]
+                self.session.forget_vllm(pid)
         if not gone:
             return
         view = self.session.vllm_view()
         for pid, exited in gone:
-            del self._senders[pid]
+            self.shares.give_back(self._senders.pop(pid).uid)
             if exited and (pid in view.layouts or pid in view.schedulers or pid in view.sleeps):
                 self.session.forget_process(pid)
