@@ -35,7 +35,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import _scoped_probes_factory, code_version, progress, require_bpf  # noqa: E402
-from cuda_stubs import Workload, build_stubs  # noqa: E402
+from cuda_stubs import Workload, build_stubs_for_anyone  # noqa: E402
 from harness import CallSink  # noqa: E402
 from kvtrace.model.events import Api, Kind, Layer, Memory  # noqa: E402
 from kvtrace.model.processes import ProcessTable  # noqa: E402
@@ -67,11 +67,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     require_bpf()
-    work = Path(tempfile.mkdtemp(prefix="kvtrace-storm-"))
-    os.chmod(work, 0o755)  # nobody runs the storm from here
-    build = build_stubs(work)
-    for path in (work / "lib", work / "bin", *work.glob("*/*")):
-        os.chmod(path, 0o755)
+    build = build_stubs_for_anyone(Path(tempfile.mkdtemp(prefix="kvtrace-storm-")))  # nobody runs the storm
     session = Session(ProcessTable(procfs.read_process))
     exits = [0]
     root_events: list = []
@@ -188,8 +184,13 @@ def main() -> None:
     else:
         print("root process: its calls never returned")
     drained = state["drained"]
-    print(f"phantom objects of gone pids: 0 after {drained:.2f} s" if drained is not None else
-          f"phantom objects of gone pids: still some after {args.drain_seconds:g} s (the loop did not get there)")
+    if drained is not None:
+        print(f"phantom objects of gone pids: 0 after {drained:.2f} s")
+    else:
+        phantoms = [(process.pid, [(total.layer.name, total.object_count) for total in process.totals])
+                    for process in session.processes_holding_memory() if not psutil.pid_exists(process.pid)]
+        print(f"phantom objects of gone pids: still after {args.drain_seconds:g} s: {len(phantoms)} pids, e.g. "
+              f"{phantoms[:5]}")
     print(f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
     if not loop_thread.is_alive() or drained is not None:
         stop.set()

@@ -407,7 +407,16 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
     import ctypes
 
     from kvtrace.sources.bpf import abi
-    from kvtrace.sources.bpf.decode import _LEDGER_KEY, _LEDGER_VALUE, decode_totals, doomed_in_chunk, stacks_in_chunk
+    from kvtrace.sources.bpf.decode import (
+        _LEDGER_KEY,
+        _LEDGER_VALUE,
+        chunk_objects,
+        chunk_stack_ids,
+        decode_totals,
+        doomed_in_chunk,
+        gone_in_chunk,
+        stacks_in_chunk,
+    )
 
     raw = [((7, 2, 1, 0, 0xA000 + i), (MiB, 5 + i, 0, 0, 8, i % 2, 20, 1, 0, 0, 0, 0, 30 + i)) for i in range(5)]
     raw.append(((7, 3, 2, 0, 0x55), (MiB, 5, 0, 0, 8, 0, 40, 1, 0, 0, 0, 0, 0)))  # a VMM handle: not counted
@@ -421,6 +430,15 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
         (_LEDGER_KEY.pack(*raw[2][0]), TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE), MiB),
         (_LEDGER_KEY.pack(*raw[5][0]), None, MiB)]  # 0xA004 is newer than the event; odd ones on device 1
     assert list(stacks_in_chunk(keys, values, counted_values, {7})) == [(7, 30 + i) for i in range(5)]
+    # Gone processes, each with its own exit time: pid 7's entries at most 7 old, pid 8's at most 5 old
+    gone = gone_in_chunk(keys, values, {7: 7, 8: 5, 9: 100}, counted_values)
+    assert [(raw_key, pid, totals, size) for raw_key, pid, totals, size in gone] == [
+        (_LEDGER_KEY.pack(*raw[index][0]), pid, TotalsKey(pid, device, Layer.DRIVER, Memory.DEVICE), MiB)
+        for index, pid, device in ((0, 7, 0), (1, 7, 1), (2, 7, 0))] + [
+        (_LEDGER_KEY.pack(*raw[5][0]), 7, None, MiB), (_LEDGER_KEY.pack(*raw[6][0]), 8,
+                                                      TotalsKey(8, 0, Layer.DRIVER, Memory.DEVICE), MiB)]
+    assert gone_in_chunk(keys, values, {9: 100}, counted_values) == []  # no gone pid here: nothing unpacked
+    assert chunk_objects(keys) == {1, 2} and chunk_stack_ids(values) == {0, 30, 31, 32, 33, 34}
     assert ctypes.sizeof(abi.RawTotalsKey) == 16 and ctypes.sizeof(abi.RawTotalsValue) == 16
     totals = [(abi.RawTotalsKey(pid=7, device=1, layer=2, memory=1), abi.RawTotalsValue(size_bytes=3 * MiB, count=3)),
               (abi.RawTotalsKey(pid=8, device=0, layer=4, memory=1), abi.RawTotalsValue(size_bytes=-512, count=-1)),

@@ -107,6 +107,10 @@ _AGENT_COUNTERS = {
                    "off until they exit; restart with a larger --max-totals",
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",
+    "event_loop_late_turns": "turns of the agent's event loop came more than a second late (events waited; "
+                             "`kvtrace ps` lagged): the agent counts the longest gap (event_loop_longest_gap_ms)",
+    "flight_dumps_partial": "flight recorder dumps that left objects out (the ledger was larger than "
+                            "--max-read-entries): `kvtrace flight` says what each left out",
 }
 
 

@@ -33,6 +33,8 @@ from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import (
     Clock,
+    chunk_objects,
+    chunk_stack_ids,
     decode_events,
     decode_ledger_chunk,
     decode_ledger_entry,
@@ -657,9 +659,14 @@ class BpfSource:
         unnamed: dict[int, int] = {}  # kernel stack id -> a pid: allocations whose events were lost
         started = time.monotonic()
         for keys, values in self._probes().iter_ledger_chunks():
-            for pid, kernel_stack_id in stacks_in_chunk(keys, values, COUNTED_OBJECT_VALUES, wanted):
-                if kernel_stack_id not in self._stack_ids:
-                    unnamed.setdefault(kernel_stack_id, pid)
+            # Only chunks with a stack not named yet, or an object kept here, are unpacked entry by entry: a
+            # resync of millions of named allocations costs their system calls and a few C calls a chunk.
+            if not (chunk_stack_ids(values) - self._stack_ids.keys()).issubset({0}):
+                for pid, kernel_stack_id in stacks_in_chunk(keys, values, COUNTED_OBJECT_VALUES, wanted):
+                    if kernel_stack_id not in self._stack_ids:
+                        unnamed.setdefault(kernel_stack_id, pid)
+            if _KEPT_OBJECT_VALUES.isdisjoint(chunk_objects(keys)):
+                continue
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _KEPT_OBJECT_VALUES, wanted):
                 if kernel_stack_id:
                     entry.stack_id = self._resolve_stack(entry.key.pid, kernel_stack_id)
