@@ -14,8 +14,10 @@ with all 13 MiB (`kvtrace ps` reads the same); after the storm, how long until n
 (phantoms); the kernel totals map's keys; this process's RSS before and after. --profile prints where the
 loop's time went (cProfile, top 25 by cumulative time).
 
-Run as root: .venv/bin/python bench/exit_storm.py [--seconds 20] [--rate 650] [--held 0] [--drain-seconds 120]
-                                                  [--profile]
+With --exec each child execs the workload first (a new program that loads the libraries: the agent rescans it).
+
+Run as root: .venv/bin/python bench/exit_storm.py [--seconds 20] [--rate 650] [--exec] [--held 0]
+                                                  [--drain-seconds 120] [--profile]
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--rate", type=float, default=650.0, help="children a second at most (0: as fast as it can)")
+    parser.add_argument("--exec", action="store_true", help="each child execs the workload (a new program) first")
     parser.add_argument("--held", type=int, default=0, help="allocations a root process holds first")
     parser.add_argument("--drain-seconds", type=float, default=120.0)
     parser.add_argument("--profile", action="store_true")
@@ -112,7 +115,8 @@ def main() -> None:
     storm = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                               str(build.workload), "storm", str(args.seconds)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, KVT_STORM_PER_SECOND=str(args.rate)))
+                             env=dict(os.environ, KVT_STORM_PER_SECOND=str(args.rate),
+                                      **({"KVT_STORM_EXEC": "1"} if args.exec else {})))
     assert storm.stdout is not None and storm.stdin is not None
     storm.stdout.readline()  # ready
     storm.stdin.write("go\n\n")  # go, and the line it waits for after its own
@@ -164,7 +168,8 @@ def main() -> None:
     ongoing = time.monotonic() - last_turn[0]
     longest = max([*gaps, ongoing])
     rss_after = me.memory_info().rss
-    print(f"\n{code_version()}; {os.cpu_count()} CPUs; storm {args.seconds} s as uid {NOBODY}, "
+    print(f"\n{code_version()}; {os.cpu_count()} CPUs; storm {args.seconds} s as uid {NOBODY}"
+          f"{' (each child execs)' if args.exec else ''}, "
           f"root holding {args.held} allocations")
     print(f"children forked: {children} ({children / (storm_ended - storm_started):.0f}/s); exits seen {exits[0]}")
     print(f"loop: {len(gaps)} turns, longest gap {longest:.3f} s (the turn in progress: {ongoing:.3f} s), "

@@ -23,7 +23,8 @@
  *   hold     13 cudaMalloc (1 MiB), then waits to be killed.
  *   storm S  for S seconds, forks short-lived children (KVT_STORM_IN_FLIGHT at once, 8 by default; at most
  *            KVT_STORM_PER_SECOND a second if set), each one cudaMalloc (1 MiB) held at its _exit(0): a storm
- *            of exits of processes holding memory.
+ *            of exits of processes holding memory. KVT_STORM_EXEC=1: each child execs `workload once` instead
+ *            (a new program loading the libraries, making that one call).
  *            No per-call manifest, one line instead: {"storm_children": N}.
  *   leader_exits  2 cudaMalloc (1 MiB); the main thread starts a thread and ends (pthread_exit). That
  *            thread, once the main one is a zombie, makes 3 cudaMalloc (1 MiB) and writes the
@@ -312,6 +313,7 @@ static void scenario_storm(unsigned long seconds) {
     const char *rate_text = getenv("KVT_STORM_PER_SECOND");
     unsigned long in_flight = in_flight_text ? strtoul(in_flight_text, NULL, 10) : 8, running = 0, children = 0;
     double per_second = rate_text ? strtod(rate_text, NULL) : 0.0;
+    int exec_children = getenv("KVT_STORM_EXEC") != NULL;
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
     for (;;) {
@@ -329,6 +331,10 @@ static void scenario_storm(unsigned long seconds) {
         if (!over && running < in_flight && ahead_ns <= 0) {
             pid_t child = fork();
             if (child == 0) {
+                if (exec_children) {
+                    execl("/proc/self/exe", "workload", "once", (char *)NULL);
+                    _exit(127);
+                }
                 void *pointer = NULL;
                 _exit(cudaMalloc(&pointer, MiB) == 0 ? 0 : 1);
             }
@@ -401,11 +407,15 @@ static const struct {
 };
 
 static void usage(void) {
-    fprintf(stderr, "usage: workload counts|devices|vmm|context|hold|leader_exits | workload loop|leak|storm N\n");
+    fprintf(stderr, "usage: workload counts|devices|vmm|context|hold|leader_exits|once | workload loop|leak|storm N\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "once") == 0) { /* a storm's exec'd child: no protocol, no manifest */
+        void *pointer = NULL;
+        return cudaMalloc(&pointer, MiB) == 0 ? 0 : 1;
+    }
     if (argc < 2)
         usage();
     for (size_t i = 0; i < sizeof(scenarios) / sizeof(scenarios[0]); i++) {
