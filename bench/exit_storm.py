@@ -51,8 +51,8 @@ ROOT_CALLS = 13
 
 def phantom_objects(session: Session) -> int:
     """Objects the Session lists for pids that are gone (what `kvtrace ps` would show for them)."""
-    return sum(total.object_count for process in session.processes_holding_memory() if not psutil.pid_exists(process.pid)
-               for total in process.totals)
+    return sum(total.object_count for process in session.processes_holding_memory()
+               if not psutil.pid_exists(process.pid) for total in process.totals)
 
 
 def listed_bytes(session: Session, pid: int) -> int:
@@ -205,6 +205,12 @@ def main() -> None:
             print(f"events seen {counters['events_seen']}, lost {counters.get('events_lost', 0)}; totals map full "
                   f"{counters.get('totals_full', 0)}; ledger full {counters.get('ledger_full', 0)}; kernel totals keys "
                   f"{len(source.probes.read_totals()) if source.probes else -1}")
+            store = source.kernel_store
+            print("kept per pid: " + ", ".join(f"{name} {len(kept)}" for name, kept in (
+                ("processes", session.processes.known()), ("kernel keys", store._kernel_keys if store else {}),
+                ("adjustments", store._adjustments if store else {}), ("gone", store._gone if store else {}),
+                ("allocation counters", session.ledger.allocations_total), ("python", source.python),
+                ("late device", source.late_device), ("native frames", session._native_frames))))
             if profiler is not None:
                 pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
             if holder is not None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import pytest
 

@@ -107,7 +107,8 @@ TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full"
                    "ledger_entries_in_kernel": 4_000, "ledger_reads_refused": 2,
                    "unknown_frees": 11, "vllm_messages_received": 40, "vllm_messages_rejected": 2,
                    "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
-                   "events_undecodable": 2, "event_loop_late_turns": 1, "libraries_attached": 3, "libraries_refused": 29, "libraries_detached": 26,
+                   "events_undecodable": 2, "event_loop_late_turns": 1, "libraries_attached": 3,
+                   "libraries_refused": 29, "libraries_detached": 26,
                    "flight_dumps": 3, "flight_dump_failures": 1, "resyncs": 1}
 
 
