@@ -265,6 +265,32 @@ def test_exit_and_context_destroy_take_out_exactly_what_the_agent_deleted():
     assert kernel.chunk_reads == reads
 
 
+def test_an_exit_whose_keys_no_event_named_leaves_nothing_behind():
+    """A process's allocation whose event was lost, and its quiet PyTorch blocks (no event), on keys no event named:
+    its exit cannot take those totals by name; the scan that deletes its entries names them, and they go too."""
+    kernel = Kernel()
+    ledger = counted(kernel)
+    ledger._alive = lambda pid: False  # (pid 5 is gone, and no process takes the pid)
+    assert ledger.counted_entries() == 0  # the first read of all, before anything happened
+    ledger.apply(kernel.alloc(5, Layer.DRIVER, 0x1000, MiB))
+    kernel.alloc(5, Layer.DRIVER, 0x2000, MiB, device=3)  # lost
+    for i in range(7):
+        kernel.alloc(5, Layer.TORCH, 0x1000 + i * 512, 512, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc)  # quiet
+    ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=5, tid=5, timestamp_ns=10))
+    ledger.drop(5, before_wall_ns=10)
+    assert len(kernel.totals_map) == 2  # the two keys no event named are still there ...
+    ledger.collect(1.0)
+    assert kernel.totals_map == {} and kernel.ledger.entries() == []  # ... until the scan named them
+    assert ledger.totals() == {} and ledger._adjustments == {} and ledger.gone_pending() == 0
+    # AND where a read of all the totals comes first (a report), the keys go at that read
+    ledger.apply(kernel.alloc(6, Layer.DRIVER, 0x1000, MiB))
+    kernel.alloc(6, Layer.TORCH, 0x1000, 512, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc)  # quiet
+    ledger.drop(6, before_wall_ns=10)
+    assert ledger.pids() == set() and kernel.totals_map == {}  # taken by that read, and not shown
+    ledger.collect(1.0)
+    assert kernel.ledger.entries() == [] and ledger._adjustments == {} and ledger.gone_pending() == 0
+
+
 def test_blocks_of_lowered_processes_leave_the_kernel_and_the_totals():
     kernel = Kernel()
     ledger = counted(kernel)

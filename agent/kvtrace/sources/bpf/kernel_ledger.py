@@ -60,7 +60,7 @@ BLOCK_OBJECT_VALUES = frozenset({ObjectKind.BLOCK.value})
 TOTALS_MAX_AGE_NS = 1_000_000_000
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where counted objects live
 _ALL_TIME_NS = 2**64 - 1
-_new_tuple = tuple.__new__  # a TotalsKey made for every allocation's event at half a NamedTuple call's cost
+_new_tuple = tuple.__new__  # a TotalsKey at half a NamedTuple call's cost (each key a run of events names)
 
 
 class KernelMaps(Protocol):
@@ -142,36 +142,46 @@ class KernelLedger(Ledger):
     def apply_many(self, events: Iterable[Event]) -> None:
         """apply() of each event, in order, at less cost: an allocation or free of an allocation or block only
         adds to its pid's calls here (the probes changed the kernel's entry and totals), in one pass."""
-        allocations, frees, keys_of = self.allocations_total, self.frees_total, self._kernel_keys
+        allocations, frees = self.allocations_total, self.frees_total
         alloc, free, counted = Kind.ALLOC, Kind.FREE, COUNTED_OBJECTS
+        named: set[tuple[int, int, Layer, Memory]] = set()  # the totals keys the run's allocations name
         self._totals_read_ns = None  # first: a run that stops at a bad event has changed the totals too
-        for event in events:
-            kind = event.kind
-            if (kind is alloc or kind is free) and event.object in counted and event.memory is not None \
-                    and event.layer is not None:
-                pid, layer = event.pid, event.layer
-                (allocations if kind is alloc else frees)[pid, layer] += 1
-                keys = keys_of.get(pid)  # (a free names its key too: one taken at an exit is made again by it)
-                if keys is None:
-                    keys = keys_of.setdefault(pid, set())
-                keys.add(_new_tuple(TotalsKey, (pid, event.device, layer, event.memory)))
-            else:
-                self.apply(event)
+        try:
+            for event in events:
+                kind = event.kind
+                if kind is alloc and event.object in counted and event.memory is not None and event.layer is not None:
+                    allocations[event.pid, event.layer] += 1
+                    named.add((event.pid, event.device, event.layer, event.memory))
+                elif kind is free and event.object in counted and event.memory is not None \
+                        and event.layer is not None:
+                    frees[event.pid, event.layer] += 1
+                else:
+                    self.apply(event)
+        finally:
+            self._name_keys(named)
+
+    def _name_keys(self, named: Iterable[tuple[int, int, Layer, Memory]]) -> None:
+        """The kernel's totals keys these (pid, device, layer, memory) name, known from now (an exit takes them)."""
+        kernel_keys = self._kernel_keys
+        for key in named:
+            keys = kernel_keys.get(key[0])
+            if keys is None:
+                keys = kernel_keys.setdefault(key[0], set())
+            keys.add(_new_tuple(TotalsKey, key))
 
     def _on_alloc(self, event: Event) -> None:
         if event.object in COUNTED_OBJECTS:  # the kernel keeps the entry and its totals
             layer, _, memory = placed(event)
             self.allocations_total[(event.pid, layer)] += 1
-            self._kernel_keys.setdefault(event.pid, set()).add(TotalsKey(event.pid, event.device, layer, memory))
+            self._name_keys(((event.pid, event.device, layer, memory),))
             self._totals_read_ns = None
             return
         super()._on_alloc(event)
 
     def _on_free(self, event: Event) -> None:
         if event.object in COUNTED_OBJECTS:  # the probe sends FREE only for an entry its ledger held
-            layer, _, memory = placed(event)
+            layer, _, _ = placed(event)
             self.frees_total[(event.pid, layer)] += 1
-            self._kernel_keys.setdefault(event.pid, set()).add(TotalsKey(event.pid, event.device, layer, memory))
             self._totals_read_ns = None
             return
         super()._on_free(event)
@@ -255,6 +265,12 @@ class KernelLedger(Ledger):
                     continue
                 del self._gone[pid]
                 self._gone_befores = None
+                # Keys no event named (lost, or a quiet PyTorch block's) and no read of all found since: known now,
+                # from the entries deleted and what the agent had taken out of them (a key a reused pid's free made
+                # again), and taken as the exit took the others (or they would count for ever).
+                unnamed = [raw_totals_key(key) for key in {*gone.dropped, *gone.adjusted} if key not in gone.taken]
+                if unnamed:
+                    _add(gone.taken, decode_totals(self._maps.take_totals(unnamed)))
                 left: dict[TotalsKey, list[int]] = {}
                 _add(left, gone.taken)
                 _add(left, gone.adjusted)
