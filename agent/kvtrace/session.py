@@ -348,7 +348,11 @@ class Session:
 
     def _ingest_event(self, event: Event, sinks: list[Sink]) -> None:
         """One event that is not part of a run: attributed, and a process exit watched before its drop."""
-        self._attribute(event)
+        if event.kind is Kind.PROCESS_EXIT:
+            if not event.title:  # as last read: the process is gone (a zombie's cmdline is empty), and exits come
+                _label(event, self.processes.cached(event.pid))  # in storms: no /proc read for each
+        else:
+            self._attribute(event)
         self.events_total += 1
         if event.kind is Kind.PROCESS_EXIT:
             event.freed_bytes = self.ledger.physical_device_bytes(event.pid)
