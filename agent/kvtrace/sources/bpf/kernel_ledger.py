@@ -30,7 +30,7 @@ from typing import Protocol
 
 import psutil
 
-from kvtrace.model.events import PHYSICAL_LAYERS, Event, Kind, Layer, Memory, ObjectKind
+from kvtrace.model.events import Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import (
     DEFAULT_MAX_READ_ENTRIES,
     Ledger,
@@ -85,7 +85,7 @@ class _Gone:
 
     before_ns: int  # kernel clock: its entries are those at most this old (a process that took the pid keeps its own)
     before_wall_ns: int  # the same, on the agent's clock (entries as decoded)
-    until_pass: int  # the scan of the ledger that must end before every one of its entries is known deleted
+    until_scan: int  # the scan of the ledger that must end before every one of its entries is known deleted
     taken: dict[TotalsKey, list[int]] = field(default_factory=dict)  # its totals as they left the kernel
     adjusted: dict[TotalsKey, list[int]] = field(default_factory=dict)  # what the agent had taken out of them
     dropped: dict[TotalsKey, list[int]] = field(default_factory=dict)  # its entries deleted so far
@@ -214,7 +214,7 @@ class KernelLedger(Ledger):
                 gone = self._gone[pid] = _Gone(before_ns, before_wall_ns, self._scans_begun + 1)
             gone.before_ns = max(gone.before_ns, before_ns)
             gone.before_wall_ns = max(gone.before_wall_ns, before_wall_ns)
-            gone.until_pass = self._scans_begun + 1
+            gone.until_scan = self._scans_begun + 1
             self._gone_befores = None
             keys = self._kernel_keys.pop(pid, set())
             _add(gone.taken, decode_totals(self._maps.take_totals([raw_totals_key(key) for key in keys])))
@@ -261,7 +261,7 @@ class KernelLedger(Ledger):
         the dead one's entries deleted and what the agent had taken out itself)."""
         with self._lock:
             for pid, gone in list(self._gone.items()):
-                if gone.until_pass > scan:
+                if gone.until_scan > scan:
                     continue
                 del self._gone[pid]
                 self._gone_befores = None
@@ -367,15 +367,9 @@ class KernelLedger(Ledger):
         return _summed(self._counted_totals(), super().totals())
 
     def totals_of(self, pid: int) -> dict[TotalsKey, tuple[int, int]]:
-        """totals() of one process (an exit's freed bytes): its own keys read, not everyone's."""
+        """totals() of one process (an exit's freed bytes, physical_device_bytes(pid)): its own keys read, not
+        everyone's."""
         return _summed(self._counted_totals_of(pid), super().totals_of(pid))
-
-    def physical_device_bytes(self, pid: int | None = None, device: int | None = None) -> int:
-        if pid is None:
-            return super().physical_device_bytes(pid, device)
-        return sum(size_bytes for key, (size_bytes, _) in self.totals_of(pid).items()
-                   if key.layer in PHYSICAL_LAYERS and key.memory is Memory.DEVICE
-                   and (device is None or key.device == device))
 
     def pids(self) -> set[int]:
         return super().pids() | {key.pid for key in self._counted_totals()}
