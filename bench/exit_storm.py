@@ -22,10 +22,12 @@ Run as root: .venv/bin/python bench/exit_storm.py [--seconds 20] [--rate 650] [-
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import json
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,7 +72,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     require_bpf()
-    build = build_stubs_for_anyone(Path(tempfile.mkdtemp(prefix="kvtrace-storm-")))  # nobody runs the storm
+    work = Path(tempfile.mkdtemp(prefix="kvtrace-storm-"))
+    atexit.register(shutil.rmtree, work, True)
+    build = build_stubs_for_anyone(work)  # nobody runs the storm from there
     session = Session(ProcessTable(procfs.read_process))
     exits = [0]
     root_events: list = []
