@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from kvtrace.model.events import Api, Event, Kind
 from kvtrace.model.processes import ProcessTable
 from kvtrace.session import Session
 from kvtrace.sources import procfs
+from kvtrace.sources.bpf.loader import BpfProbes, ProbeSettings
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 
 
@@ -47,12 +49,27 @@ class CallSink:
         pass
 
 
+def probes_only_under(lib_dir: Path) -> Callable[[ProbeSettings], BpfProbes]:
+    """BpfProbes that attach only to libraries under `lib_dir`: a whole-host tracer in a test that the
+    processes of other tests on this machine (with stub libraries of their own) do not reach."""
+    prefix = str(Path(lib_dir).resolve()) + os.sep
+
+    class ProbesUnder(BpfProbes):
+        def attach(self, path, symbols, pid=-1, key=None):
+            if not os.path.realpath(path).startswith(prefix):
+                return []
+            return super().attach(path, symbols, pid, key=key)
+
+    return ProbesUnder
+
+
 class TracingHarness:
-    def __init__(self, pids: Iterable[int] = (), **options) -> None:
+    def __init__(self, pids: Iterable[int] = (), probes_factory: Callable[[ProbeSettings], BpfProbes] = BpfProbes,
+                 **options) -> None:
         self.events: list[Event] = []
         self.session = Session(ProcessTable(procfs.read_process))
         self.session.add_sink(CallSink(self.events.append))
-        self.source = BpfSource(self.session, BpfOptions(pids=set(pids), **options))
+        self.source = BpfSource(self.session, BpfOptions(pids=set(pids), **options), probes_factory=probes_factory)
         self.source.start()
 
     def pump(self, seconds: float) -> None:

@@ -46,6 +46,7 @@ from kvtrace.model.ledger import (
     Ledger,
     LedgerCounts,
     LedgerKey,
+    LedgerReadRefused,
     LedgerResynced,
     LedgerStore,
     LedgerView,
@@ -142,7 +143,7 @@ class Session:
         self.traced_only = False  # a source follows chosen processes only (NVML's others are left out)
         self.started_wall_seconds = time.time()  # processes started before hold memory it never saw
         self._native_names = native_names
-        self._native_frames: dict[tuple[int, int], NativeFrame] = {}
+        self._native_frames: dict[int, dict[int, NativeFrame]] = {}  # pid -> address -> frame
         # Guards _native_frames only: servers name callers from their threads while the event loop
         # forgets exited processes. Symbolizing (reading a library) happens outside it.
         self._native_lock = threading.Lock()
@@ -216,11 +217,15 @@ class Session:
             self._set_sinks(sinks)
             return checkpoint
 
-    def checkpoint_locked(self) -> SessionCheckpoint:
+    def checkpoint_locked(self, pids: Collection[int] | None = None) -> SessionCheckpoint:
         """A copy of the ledger and the processes known, now; call it holding `lock` (sinks do). Sinks
         asking at the same point of the stream (several recordings after a resync) share one copy. Where the
         kernel keeps the allocations they are read from it, here under the lock (the copy must be of this
-        point of the stream), at most --max-read-entries: LedgerReadRefused over it."""
+        point of the stream), at most --max-read-entries: LedgerReadRefused over it. With `pids`, only their
+        entries (none for no pids): the part a flight dump keeps of a ledger too large to copy whole."""
+        if pids is not None:
+            entries = [copy.copy(entry) for entry in self.ledger.entries(pids)] if pids else []
+            return SessionCheckpoint(self.wall_clock_ns(), entries, dict(self.processes.known()))
         position = (self.events_total, self.resyncs_total, len(self._sinks))
         shared = self._checkpoint_shared() if self._checkpoint_position == position else None
         if shared is not None:
@@ -229,6 +234,11 @@ class Session:
         checkpoint = SessionCheckpoint(self.wall_clock_ns(), entries, dict(self.processes.known()))
         self._checkpoint_position, self._checkpoint_shared = position, weakref.ref(checkpoint)
         return checkpoint
+
+    def checkpoint_refused(self) -> LedgerReadRefused | None:
+        """What a checkpoint copied now would meet (None: it would be made): for health that tells before."""
+        with self.lock:
+            return self.ledger.copy_refused()
 
     def remove_sink(self, sink: Sink) -> None:
         with self.lock:
@@ -338,7 +348,11 @@ class Session:
 
     def _ingest_event(self, event: Event, sinks: list[Sink]) -> None:
         """One event that is not part of a run: attributed, and a process exit watched before its drop."""
-        self._attribute(event)
+        if event.kind is Kind.PROCESS_EXIT:
+            if not event.title:  # as last read: the process is gone (a zombie's cmdline is empty), and exits come
+                _label(event, self.processes.cached(event.pid))  # in storms: no /proc read for each
+        else:
+            self._attribute(event)
         self.events_total += 1
         if event.kind is Kind.PROCESS_EXIT:
             event.freed_bytes = self.ledger.physical_device_bytes(event.pid)
@@ -408,8 +422,7 @@ class Session:
         self._vllm.forget(pid)
         with self._native_lock:
             self._native_forgets += 1
-            for key in [key for key in self._native_frames if key[0] == pid]:
-                del self._native_frames[key]
+            self._native_frames.pop(pid, None)
         if self._native_names is not None:
             self._native_names.forget(pid)
 
@@ -592,15 +605,14 @@ class Session:
         """(module, symbol, offset) of the native code at `address` in `pid`; cached."""
         if not address or self._native_names is None:
             return None
-        key = (pid, address)
         with self._native_lock:
-            frame = self._native_frames.get(key)
+            frame = self._native_frames.get(pid, {}).get(address)
             forgets = self._native_forgets
         if frame is None:
             frame = self._native_names.symbolize(pid, address)
             with self._native_lock:
                 if self._native_forgets == forgets:
-                    self._native_frames[key] = frame
+                    self._native_frames.setdefault(pid, {})[address] = frame
         return frame
 
     def processes_holding_memory(self) -> list[TrackedProcess]:

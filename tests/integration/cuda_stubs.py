@@ -151,6 +151,17 @@ def build_stubs(out_dir: Path) -> StubBuild:
                      static_libc=static_libc)
 
 
+def build_stubs_for_anyone(out_dir: Path) -> StubBuild:
+    """build_stubs into `out_dir`, readable and runnable by every user (an unprivileged attacker's
+    processes load them: tests run them as nobody with setpriv)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build = build_stubs(out_dir)
+    for path in (out_dir, *out_dir.rglob("*")):
+        path.chmod(0o755)
+    return build
+
+
 @pytest.fixture(scope="session")
 def stub_build(tmp_path_factory: pytest.TempPathFactory) -> StubBuild:
     """The stubs, built once per session (import this fixture into a test module or conftest)."""

@@ -48,7 +48,10 @@ class CountingProbes:
     def read_totals(self) -> list:
         return []
 
-    def take_totals(self, pid: int) -> list:
+    def totals_of(self, keys) -> list:
+        return []
+
+    def take_totals(self, keys) -> list:
         return []
 
     def tracked_pids(self) -> set[int]:
@@ -547,9 +550,15 @@ class KernelTotalsProbes(CountingProbes):
                  abi.RawTotalsValue(size_bytes=size, count=count))
                 for (pid, device, layer, memory), (size, count) in self.totals.items()]
 
-    def take_totals(self, pid: int) -> list:
-        taken = [(key, value) for key, value in self.read_totals() if key.pid == pid]
-        self.totals = {key: value for key, value in self.totals.items() if key[0] != pid}
+    def totals_of(self, keys) -> list:
+        wanted = {(key.pid, key.device, key.layer, key.memory) for key in keys}
+        return [(key, value) for key, value in self.read_totals()
+                if (key.pid, key.device, key.layer, key.memory) in wanted]
+
+    def take_totals(self, keys) -> list:
+        taken = self.totals_of(keys)
+        for key, _ in taken:
+            del self.totals[key.pid, key.device, key.layer, key.memory]
         return taken
 
     def close(self) -> float:
@@ -563,12 +572,13 @@ def _driver_entry(pid, address, timestamp_ns, size=1 << 20, device=0):
                                memory=Memory.DEVICE.value))
 
 
-def _counting_source(probes) -> BpfSource:
+def _counting_source(probes, alive=frozenset({7, 8})) -> BpfSource:
     """A source whose Session keeps the ledger in the kernel, as start() sets it up."""
     session = Session()
     tracer = BpfSource(session, BpfOptions())
     tracer.probes = probes
     tracer._keep_ledger_in_kernel(probes)
+    tracer.kernel_store._alive = lambda pid: pid in alive
     return tracer
 
 
@@ -585,8 +595,9 @@ def test_an_exit_takes_out_what_the_agent_deleted_and_the_pids_totals_and_keeps_
     tracer = _counting_source(probes)
     ledger = tracer.session.ledger
     assert ledger.physical_device_bytes(7) == 3 * MiB
-    # WHEN the agent drops what the exit freed
+    # WHEN the agent drops what the exit freed (its entries deleted by the scan the loop's next turn makes)
     tracer._drop_in_kernel(7, tracer.clock.wall_ns(100))
+    tracer.kernel_store.collect(1.0)
     # THEN only the reused pid's allocation is left, the kernel has no totals of pid 7, and the agent keeps
     # the one it took with them; pid 8 is untouched
     assert ledger.physical_device_bytes(7) == MiB and tracer.kernel_store.counted_entries({7}) == 1
@@ -594,6 +605,7 @@ def test_an_exit_takes_out_what_the_agent_deleted_and_the_pids_totals_and_keeps_
     # AND when the reused pid exits too, nothing of pid 7 is left anywhere
     probes.items = [_driver_entry(7, 0xD, 200)]
     tracer._drop_in_kernel(7, tracer.clock.wall_ns(300))
+    tracer.kernel_store.collect(1.0)
     assert ledger.physical_device_bytes(7) == 0 and 7 not in ledger.pids() and ledger._adjustments == {}
 
 

@@ -20,6 +20,7 @@ from kvtrace.config import ApiConfig
 from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
 from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, ProcessGpu
+from kvtrace.model.ledger import Ledger, LedgerReadRefused
 from kvtrace.model.stacks import Frame, Stack
 from kvtrace.reports.flight import FlightOptions, FlightRecorder
 from kvtrace.reports.recording import RecordingReader
@@ -514,3 +515,83 @@ def test_a_dump_keeps_each_process_depth_as_it_stood_at_the_dump(tmp_path, recor
     (path,) = written(recorder)
     # THEN its replay at the trigger says so, for `kvtrace leaks --input DUMP` to tell
     assert replay(path).session.process_depths() == {200: depth}
+
+
+# ---- 6: a ledger too large to copy, a storm of deaths (issue 31) ----
+
+class CappedLedger(Ledger):
+    """A ledger that refuses to copy more than `read_limit` entries at once, as the kernel's does (KernelLedger,
+    --max-read-entries)."""
+
+    read_limit = 30
+
+    def copy_refused(self, pids=()):
+        count = len(self.kept(pids))
+        return LedgerReadRefused(count, self.read_limit) if count > self.read_limit else None
+
+    def entries(self, pids=()):
+        refused = self.copy_refused(pids)
+        if refused is not None:
+            raise refused
+        return self.kept(pids)
+
+
+def flight_status(agent: FakeAgent):
+    (status,) = [status for status in agent.session.components() if status.name == "flight_recorder"]
+    return status
+
+
+def test_a_ledger_too_large_to_copy_still_dumps_every_event_of_the_window_and_says_what_it_left_out(
+        tmp_path, recorders):
+    # GIVEN a ledger over what may be copied at once: pid 200's 23 allocations and pid 300's 11 (34 > 30)
+    agent = FakeAgent()
+    agent.session.replace_ledger(CappedLedger())
+    recorder = recorders(agent, tmp_path)
+    start = time.time_ns() - 60 * NS
+    leaky(agent, start)
+    agent.apply(*[event(pid=300, address=0x900000000 + index * MiB, ts=start + index * NS) for index in range(11)])
+    # THEN the recorder's health says, before any dump, that a dump would leave objects out, with the figures
+    recorder.report_health()
+    status = flight_status(agent)
+    assert not status.up
+    assert "the ledger's 34 allocations and blocks are more than --max-read-entries 30" in status.reason
+    # WHEN pid 200 fails out of memory, and an operator asks for a dump
+    agent.apply(out_of_memory(start + 40 * NS))
+    recorder.request(REQUEST, "look")
+    oom, request = sorted(written(recorder), key=lambda path: header_of(path).trigger.kind)
+    # THEN both are written with every event of the window (34 allocations, the failure), and say what they left out
+    for path in (oom, request):
+        assert len(allocation_events(path)) == 34 and len(allocation_events(path, Kind.ALLOC_FAILED)) == 1
+    assert header_of(oom).trigger.left_out == (
+        "the ledger's 34 allocations and blocks are more than --max-read-entries 30: the checkpoints hold pid 200's "
+        "23 objects only (every event of the window is here; a free in it of another process's older object "
+        "replays as unknown)")
+    assert header_of(request).trigger.left_out.endswith(": the checkpoints hold no objects (every event of the "
+                                                         "window is here; a free in it of an older object replays "
+                                                         "as unknown)")
+    # AND the OOM's dump replays to what pid 200 held at the trigger; nothing failed, two dumps left objects out
+    assert [len(checkpoint.allocations) for checkpoint in checkpoints_of(oom)] == [0, 23]
+    assert {entry[0].pid for entry in ledger_of(replay(oom).session)} == {200}
+    assert len(ledger_of(replay(oom).session)) == 23
+    assert (recorder.dumps_total, recorder.dumps_partial_total, recorder.dump_failures_total) == (2, 2, 0)
+    assert agent.session.counters()["flight_dumps_partial"] == 2
+    # AND once the ledger fits again, the recorder is up
+    agent.apply(*[event(kind=Kind.FREE, pid=300, address=0x900000000 + index * MiB, ts=start + 50 * NS)
+                  for index in range(11)])
+    recorder.report_health()
+    assert flight_status(agent).up
+
+
+def test_a_storm_of_deaths_holding_memory_dumps_a_few_times_not_once_each(tmp_path, recorders):
+    from kvtrace.reports.flight import MAX_DUMPS_PER_KIND
+
+    # GIVEN 13 processes, each holding 1 MiB
+    agent = FakeAgent()
+    recorder = recorders(agent, tmp_path)
+    start = time.time_ns() - 60 * NS
+    agent.apply(*[event(pid=1000 + index, address=0x100000 + index * MiB, ts=start) for index in range(13)])
+    # WHEN each dies with status 1 within the cooldown
+    agent.apply(*[process_exit(1000 + index, start + NS + index, 1 << 8) for index in range(13)])
+    # THEN only MAX_DUMPS_PER_KIND of them dump (each copies the ledger), the others are counted
+    assert len(written(recorder)) == MAX_DUMPS_PER_KIND == 4
+    assert recorder.dumps_suppressed_total == 13 - 4

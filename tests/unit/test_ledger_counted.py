@@ -28,6 +28,7 @@ class Kernel:
         self.totals_map: dict[TotalsKey, list[int]] = {}
         self.chunk_reads = 0
         self.totals_reads = 0
+        self.key_lookups = 0
 
     def _probe_changes(self, pid, device, layer, memory, size, count) -> None:
         total = self.totals_map.setdefault(TotalsKey(pid, device, layer, memory), [0, 0])
@@ -97,10 +98,19 @@ class Kernel:
         self.totals_reads += 1
         return self._raw_totals(self.totals_map.items())
 
-    def take_totals(self, pid):
-        taken = {key: total for key, total in self.totals_map.items() if key.pid == pid}
-        for key in taken:
-            del self.totals_map[key]
+    @staticmethod
+    def _key(raw) -> TotalsKey:
+        return TotalsKey(raw.pid, raw.device, Layer(raw.layer), Memory(raw.memory))
+
+    def totals_of(self, raw_keys):
+        self.key_lookups += len(raw_keys)
+        return self._raw_totals([(self._key(raw), self.totals_map[self._key(raw)]) for raw in raw_keys
+                                 if self._key(raw) in self.totals_map])
+
+    def take_totals(self, raw_keys):
+        self.key_lookups += len(raw_keys)
+        taken = {self._key(raw): self.totals_map.pop(self._key(raw)) for raw in raw_keys
+                 if self._key(raw) in self.totals_map}
         return self._raw_totals(taken.items())
 
     def kernel_totals(self) -> dict:
@@ -168,19 +178,25 @@ def test_lost_events_leave_the_totals_exact_and_a_read_is_reused_until_something
     monkeypatch.setattr(kernel_ledger_module, "TOTALS_MAX_AGE_NS", 10**15)  # no read gets old meanwhile
     kernel = Kernel()
     ledger = counted(kernel)
+    assert ledger.physical_device_bytes(1) == 0 and kernel.totals_reads == 1  # the first read: of all (keys unknown)
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x9000, MiB))
-    assert ledger.physical_device_bytes(1) == MiB
     reads = kernel.totals_reads
-    assert ledger.physical_device_bytes(1) == MiB and ledger.counted_entries() == 1
-    assert kernel.totals_reads == reads  # nothing changed since: the last read serves
+    assert ledger.physical_device_bytes(1) == MiB  # one process's, by the one key its event named
+    assert kernel.totals_reads == reads and kernel.key_lookups == 1
+    assert ledger.counted_entries() == 1 and ledger.counted_entries() == 1
+    assert kernel.totals_reads == reads + 1  # nothing changed since: the last read of all serves
     for i in range(5):
         kernel.alloc(1, Layer.DRIVER, 0x1000 + i, MiB)  # events lost: the ledger never saw them
     kernel.free(1, Layer.DRIVER, 0x9000)  # and this free's too
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0xA000, MiB))  # an event read again after
     assert ledger.physical_device_bytes(1) == 6 * MiB
-    kernel.alloc(1, Layer.DRIVER, 0xB000, MiB)  # lost, and no event after it
+    kernel.alloc(1, Layer.DRIVER, 0xB000, MiB, device=1)  # lost, on a device no event of pid 1 named
+    ledger.note_events_lost()  # (the source, as the probes' loss counter goes up)
+    assert ledger.physical_device_bytes(1) == 7 * MiB  # a read of all names that key
+    assert ledger.physical_device_bytes(1, device=1) == MiB
+    kernel.alloc(1, Layer.DRIVER, 0xC000, MiB)  # lost, and no event after it
     monkeypatch.setattr(kernel_ledger_module, "TOTALS_MAX_AGE_NS", 0)
-    assert ledger.physical_device_bytes(1) == 7 * MiB  # read again once the last read is too old
+    assert ledger.counted_entries() == 8  # read again once the last read is too old
     assert ledger.totals() == kernel.ledger.totals()
 
 
@@ -223,15 +239,56 @@ def test_exit_and_context_destroy_take_out_exactly_what_the_agent_deleted():
     assert ledger.physical_device_bytes(1) == MiB and ledger.implicit_frees_total[1] == 1
     ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=1, tid=1, timestamp_ns=6))
     ledger.apply(kernel.alloc(1, Layer.DRIVER, 0x4000, MiB, ts=7))  # a new process with that pid, at once
-    ledger.drop(1, before_wall_ns=6)  # the exit's, older than 6; the pid's totals leave the kernel
-    assert ledger.physical_device_bytes(1) == MiB and ledger.physical_device_bytes(2) == MiB
+    lookups, reads = kernel.key_lookups, kernel.totals_reads
+    ledger.drop(1, before_wall_ns=6)  # the exit's: the pid's totals leave the kernel at once, its entries wait
     assert kernel.totals_map.get(TotalsKey(1, 0, Layer.DRIVER, Memory.DEVICE)) is None
+    assert kernel.key_lookups - lookups == 2 and kernel.totals_reads == reads  # its two keys, not everyone's
+    # The dead process's bytes and entries never show (the new one's earlier ones wait for the scan to end).
+    assert ledger.physical_device_bytes(1) == 0 and ledger.physical_device_bytes(2) == MiB
+    assert [entry.key.address for entry in ledger.entries({1})] == [0x4000]
+    assert ledger.find(LedgerKey(1, Layer.DRIVER, ObjectKind.ALLOCATION, 0x1000)) is None
+    reads = kernel.chunk_reads
+    assert ledger.gone_pending() == 1
+    ledger.collect(1.0)  # a whole scan of the ledger: the dead process's entries are deleted
+    assert ledger.gone_pending() == 0 and kernel.chunk_reads == reads + 1
+    assert kernel.ledger.get(LedgerKey(1, Layer.DRIVER, ObjectKind.ALLOCATION, 0x1000)) is None
+    assert ledger.physical_device_bytes(1) == MiB and ledger.physical_device_bytes(2) == MiB
     assert ledger.totals() == kernel.ledger.totals()
     ledger.apply(kernel.free(1, Layer.DRIVER, 0x4000))  # the new process frees it: the probe's change
     ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=1, tid=1, timestamp_ns=9))
     ledger.drop(1, before_wall_ns=9)
+    ledger.collect(1.0)
     assert ledger.physical_device_bytes(1) == 0 and 1 not in ledger.pids()
-    assert ledger._adjustments == {}  # nothing is left behind per exited process
+    assert ledger._adjustments == {} and kernel.totals_map.keys() == {TotalsKey(2, 0, Layer.DRIVER, Memory.DEVICE)}
+    reads = kernel.chunk_reads
+    ledger.collect(1.0)  # nothing gone: no scan
+    assert kernel.chunk_reads == reads
+
+
+def test_an_exit_whose_keys_no_event_named_leaves_nothing_behind():
+    """A process's allocation whose event was lost, and its quiet PyTorch blocks (no event), on keys no event named:
+    its exit cannot take those totals by name; the scan that deletes its entries names them, and they go too."""
+    kernel = Kernel()
+    ledger = counted(kernel)
+    ledger._alive = lambda pid: False  # (pid 5 is gone, and no process takes the pid)
+    assert ledger.counted_entries() == 0  # the first read of all, before anything happened
+    ledger.apply(kernel.alloc(5, Layer.DRIVER, 0x1000, MiB))
+    kernel.alloc(5, Layer.DRIVER, 0x2000, MiB, device=3)  # lost
+    for i in range(7):
+        kernel.alloc(5, Layer.TORCH, 0x1000 + i * 512, 512, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc)  # quiet
+    ledger.apply(Event(kind=Kind.PROCESS_EXIT, api=Api.process_exit, pid=5, tid=5, timestamp_ns=10))
+    ledger.drop(5, before_wall_ns=10)
+    assert len(kernel.totals_map) == 2  # the two keys no event named are still there ...
+    ledger.collect(1.0)
+    assert kernel.totals_map == {} and kernel.ledger.entries() == []  # ... until the scan named them
+    assert ledger.totals() == {} and ledger._adjustments == {} and ledger.gone_pending() == 0
+    # AND where a read of all the totals comes first (a report), the keys go at that read
+    ledger.apply(kernel.alloc(6, Layer.DRIVER, 0x1000, MiB))
+    kernel.alloc(6, Layer.TORCH, 0x1000, 512, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc)  # quiet
+    ledger.drop(6, before_wall_ns=10)
+    assert ledger.pids() == set() and kernel.totals_map == {}  # taken by that read, and not shown
+    ledger.collect(1.0)
+    assert kernel.ledger.entries() == [] and ledger._adjustments == {} and ledger.gone_pending() == 0
 
 
 def test_blocks_of_lowered_processes_leave_the_kernel_and_the_totals():
@@ -376,7 +433,16 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
     import ctypes
 
     from kvtrace.sources.bpf import abi
-    from kvtrace.sources.bpf.decode import _LEDGER_KEY, _LEDGER_VALUE, decode_totals, doomed_in_chunk, stacks_in_chunk
+    from kvtrace.sources.bpf.decode import (
+        _LEDGER_KEY,
+        _LEDGER_VALUE,
+        chunk_objects,
+        chunk_stack_ids,
+        decode_totals,
+        doomed_in_chunk,
+        gone_in_chunk,
+        stacks_in_chunk,
+    )
 
     raw = [((7, 2, 1, 0, 0xA000 + i), (MiB, 5 + i, 0, 0, 8, i % 2, 20, 1, 0, 0, 0, 0, 30 + i)) for i in range(5)]
     raw.append(((7, 3, 2, 0, 0x55), (MiB, 5, 0, 0, 8, 0, 40, 1, 0, 0, 0, 0, 0)))  # a VMM handle: not counted
@@ -390,6 +456,15 @@ def test_the_kernels_totals_and_what_an_exit_drops_are_decoded_from_raw_entries(
         (_LEDGER_KEY.pack(*raw[2][0]), TotalsKey(7, 0, Layer.DRIVER, Memory.DEVICE), MiB),
         (_LEDGER_KEY.pack(*raw[5][0]), None, MiB)]  # 0xA004 is newer than the event; odd ones on device 1
     assert list(stacks_in_chunk(keys, values, counted_values, {7})) == [(7, 30 + i) for i in range(5)]
+    # Gone processes, each with its own exit time: pid 7's entries at most 7 old, pid 8's at most 5 old
+    gone = gone_in_chunk(keys, values, {7: 7, 8: 5, 9: 100}, counted_values)
+    assert [(raw_key, pid, totals, size) for raw_key, pid, totals, size in gone] == [
+        (_LEDGER_KEY.pack(*raw[index][0]), pid, TotalsKey(pid, device, Layer.DRIVER, Memory.DEVICE), MiB)
+        for index, pid, device in ((0, 7, 0), (1, 7, 1), (2, 7, 0))] + [
+        (_LEDGER_KEY.pack(*raw[5][0]), 7, None, MiB), (_LEDGER_KEY.pack(*raw[6][0]), 8,
+                                                      TotalsKey(8, 0, Layer.DRIVER, Memory.DEVICE), MiB)]
+    assert gone_in_chunk(keys, values, {9: 100}, counted_values) == []  # no gone pid here: nothing unpacked
+    assert chunk_objects(keys) == {1, 2} and chunk_stack_ids(values) == {0, 30, 31, 32, 33, 34}
     assert ctypes.sizeof(abi.RawTotalsKey) == 16 and ctypes.sizeof(abi.RawTotalsValue) == 16
     totals = [(abi.RawTotalsKey(pid=7, device=1, layer=2, memory=1), abi.RawTotalsValue(size_bytes=3 * MiB, count=3)),
               (abi.RawTotalsKey(pid=8, device=0, layer=4, memory=1), abi.RawTotalsValue(size_bytes=-512, count=-1)),

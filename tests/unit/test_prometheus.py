@@ -107,7 +107,8 @@ TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full"
                    "ledger_entries_in_kernel": 4_000, "ledger_reads_refused": 2,
                    "unknown_frees": 11, "vllm_messages_received": 40, "vllm_messages_rejected": 2,
                    "returns_unpaired": 0, "filtered": 7, "events_seen": 99_980,
-                   "events_undecodable": 2, "libraries_attached": 3, "libraries_refused": 29, "libraries_detached": 26,
+                   "events_undecodable": 2, "event_loop_late_turns": 1, "libraries_attached": 3,
+                   "libraries_refused": 29, "libraries_detached": 26,
                    "flight_dumps": 3, "flight_dump_failures": 1, "resyncs": 1,
                    "share_refused/vllm_senders/alice": 115, "share_refused/group_connections/other": 3,
                    "vllm_senders_evicted": 1, "vllm_untrusted_senders": 1}
@@ -312,6 +313,7 @@ def test_exact_values_for_a_synthetic_snapshot():
     assert samples(families, "kvtrace_vllm_messages_received_total") == {(): 40}
     assert samples(families, "kvtrace_vllm_messages_rejected_total") == {(): 2}
     assert samples(families, "kvtrace_events_undecodable_total") == {(): 2}
+    assert samples(families, "kvtrace_event_loop_late_turns_total") == {(): 1}
     assert samples(families, "kvtrace_component_up") == {
         labels(component="analysis"): 1, labels(component="bpf"): 1, labels(component="exporter"): 1,
         labels(component="nvml"): 1, labels(component="python_stacks"): 1}

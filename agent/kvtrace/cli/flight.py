@@ -58,6 +58,8 @@ class FlightCommand:
             print(f"{wall_time(trigger.timestamp_ns)}  {trigger_name(trigger.kind):<11} "
                   f"{human_bytes(dump.size_bytes):>10}  {printable(dump.path)}", file=out)
             print(f"    {printable(trigger.reason)}", file=out)
+            if trigger.left_out:
+                print(f"    left out: {printable(trigger.left_out)}", file=out)
         return ExitCode.OK
 
 
@@ -65,4 +67,5 @@ def dump_to_json(dump) -> dict:
     trigger = dump.trigger
     return {"path": dump.path, "size_bytes": dump.size_bytes, "event_count": dump.event_count,
             "trigger": trigger_name(trigger.kind), "timestamp_ns": trigger.timestamp_ns, "pid": trigger.pid,
-            "device": trigger.device, "reason": trigger.reason, "window_seconds": trigger.window_seconds}
+            "device": trigger.device, "reason": trigger.reason, "window_seconds": trigger.window_seconds,
+            "left_out": trigger.left_out}

@@ -132,6 +132,10 @@ class LedgerStore(Protocol):
         """Every live entry of `pids`, as a list (LedgerReadRefused over read_limit)."""
         ...
 
+    def copy_refused(self, pids: Collection[int] = ()) -> LedgerReadRefused | None:
+        """What entries(pids) would raise now (None: it would copy them): health that tells before a copy fails."""
+        ...
+
     def find(self, key: LedgerKey) -> Outstanding | None:
         """One live entry, from any thread; None if it is not there."""
         ...
@@ -155,6 +159,10 @@ class Ledger:
         self._entries: dict[LedgerKey, Outstanding] = {}
         self._bytes: dict[TotalsKey, int] = defaultdict(int)
         self._counts: dict[TotalsKey, int] = defaultdict(int)
+        # Per pid: its totals keys and how many entries it holds, so that an exit costs what its process held,
+        # not the size of the ledger.
+        self._keys_of: dict[int, set[TotalsKey]] = {}
+        self._held: Counter[int] = Counter()
         self.allocations_total: Counter[tuple[int, Layer]] = Counter()
         self.frees_total: Counter[tuple[int, Layer]] = Counter()
         self.implicit_frees_total: Counter[int] = Counter()  # per pid: objects dropped by exit/destroy
@@ -204,20 +212,32 @@ class Ledger:
             self._remove(old)
         self._entries[entry.key] = entry
         pid, layer, object_kind, _ = entry.key
+        self._held[pid] += 1
         if object_kind in _MEMORY_OBJECTS:
             totals = _new_tuple(TotalsKey, (pid, entry.device, layer, entry.memory))
+            if totals not in self._counts:
+                self._keys_of.setdefault(pid, set()).add(totals)
             self._bytes[totals] += entry.size_bytes
             self._counts[totals] += 1
 
     def _remove(self, entry: Outstanding) -> None:
         del self._entries[entry.key]
         pid, layer, object_kind, _ = entry.key
+        held = self._held[pid] - 1
+        if held:
+            self._held[pid] = held
+        else:
+            del self._held[pid]
         if object_kind in _MEMORY_OBJECTS:
             totals = _new_tuple(TotalsKey, (pid, entry.device, layer, entry.memory))
             self._bytes[totals] -= entry.size_bytes
             self._counts[totals] -= 1
             if self._counts[totals] == 0:
                 del self._bytes[totals], self._counts[totals]
+                keys = self._keys_of[pid]
+                keys.discard(totals)
+                if not keys:
+                    del self._keys_of[pid]
 
     def _on_alloc(self, event: Event) -> None:
         layer, object_kind, memory = placed(event)
@@ -271,6 +291,8 @@ class Ledger:
 
     def drop_process(self, pid: int, before_ns: int, device: int | None = None) -> int:
         """Implicit frees: drops the pid's entries older than `before_ns` (on `device` if given)."""
+        if pid not in self._held:  # (most exits, where the kernel keeps the allocations: no look at the others')
+            return 0
         doomed = [e for e in self._entries.values()
                   if e.key.pid == pid and e.timestamp_ns <= before_ns
                   and (device is None or e.device == device)]
@@ -282,15 +304,18 @@ class Ledger:
     def forget_counters(self, pid: int) -> None:
         """After the process is gone: its per-pid counters go too, or a host that runs many short
         CUDA processes would grow the agent without end. Its entries are dropped by drop_process."""
-        for counter in (self.allocations_total, self.frees_total, self.unknown_frees_total):  # (pid, ...)
-            for key in [key for key in counter if key[0] == pid]:
-                del counter[key]
+        for layer in Layer:  # each (pid, ...) key by name: an exit costs the same however many processes there are
+            self.allocations_total.pop((pid, layer), None)
+            self.frees_total.pop((pid, layer), None)
+        for api in Api:
+            self.unknown_frees_total.pop((pid, api), None)
         self.implicit_frees_total.pop(pid, None)
 
     def resync(self, entries: Iterable[Outstanding]) -> None:
         """Replaces the outstanding set with an exact copy (the kernel's), keeping known stacks."""
         old = self._entries
         self._entries, self._bytes, self._counts = {}, defaultdict(int), defaultdict(int)
+        self._keys_of, self._held = {}, Counter()
         for entry in entries:
             previous = old.pop(entry.key, None)  # dropped as it is replaced: one copy at a time
             if previous is not None and previous.timestamp_ns == entry.timestamp_ns and not entry.stack_id:
@@ -319,6 +344,9 @@ class Ledger:
         """Every live entry of `pids`, as a new list: here every entry is kept, and a copy needs no limit."""
         return self.kept(pids)
 
+    def copy_refused(self, pids: Collection[int] = ()) -> LedgerReadRefused | None:
+        return None
+
     def find(self, key: LedgerKey) -> Outstanding | None:
         return self._entries.get(key)
 
@@ -343,11 +371,15 @@ class Ledger:
         """(bytes, count) of memory-holding objects per (pid, device, layer, memory)."""
         return {key: (self._bytes[key], self._counts[key]) for key in self._bytes}
 
+    def totals_of(self, pid: int) -> dict[TotalsKey, tuple[int, int]]:
+        """totals() of one process, read without going through the others'."""
+        return {key: (self._bytes[key], self._counts[key]) for key in self._keys_of.get(pid, ())}
+
     def outstanding_bytes(self, pid: int | None = None, device: int | None = None,
                           layers: Iterable[Layer] | None = None,
                           memory: Memory | None = Memory.DEVICE) -> int:
         wanted = set(layers) if layers is not None else None
-        return sum(size for key, (size, _) in self.totals().items()
+        return sum(size for key, (size, _) in (self.totals() if pid is None else self.totals_of(pid)).items()
                    if (pid is None or key.pid == pid) and (device is None or key.device == device)
                    and (wanted is None or key.layer in wanted)
                    and (memory is None or key.memory == memory))

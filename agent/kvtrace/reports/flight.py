@@ -16,6 +16,12 @@ replay rebuilds the window; the last one makes the state at the trigger exact wh
 between (an allocation from before the window freed inside it, a VMM handle mapped inside it).
 Reports read a dump at its trigger unless asked for another time.
 
+A ledger larger than --max-read-entries is not copied whole (issue 31): the dump still holds every event of
+the window, its checkpoints hold the trigger's process's objects only (or none), and its trigger's `left_out`
+says so with the figures; the recorder's health says it before any dump (down, with the figure, while a dump
+would leave objects out). Deaths come in storms (any user can start thousands of processes that exit
+holding memory): one kind of trigger dumps at most MAX_DUMPS_PER_KIND times per cooldown, whichever processes.
+
 The ring holds model records, not encoded frames: appending costs a reference (this runs under the
 Session's lock for every event); encoding happens only when a dump is written, on its own thread.
 """
@@ -50,6 +56,8 @@ _TIMESTAMP_NS = operator.attrgetter("timestamp_ns")
 
 # Dumps copied and waiting for the writer, at most: each holds a copy of the ledger.
 MAX_PENDING_DUMPS = 4
+# Dumps of one trigger kind per cooldown, whatever their processes (the signal and the API call: no limit).
+MAX_DUMPS_PER_KIND = 4
 # (trigger kind, pid) cooldowns kept before the ones past their cooldown are forgotten.
 MAX_COOLDOWNS_KEPT = 1024
 # Signals that stop a process on purpose: its end with memory held is no death to dump.
@@ -124,12 +132,16 @@ class FlightRecorder:
         # The newest time the ring let go of (evicted, or cleared at a resync); None while it holds all.
         self._let_go_ns: int | None = None
         self._last_dump_monotonic: dict[tuple[int, int], float] = {}  # (trigger kind, pid) -> last dump
+        self._recent_by_kind: dict[int, deque[float]] = {}  # trigger kind -> its dumps within the cooldown
         self._pending: queue.Queue[_Pending | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._dumps_lock = threading.Lock()  # guards the counters below, read by servers
         self.dumps_total = 0
         self.dump_failures_total = 0
+        self.dumps_partial_total = 0  # written with checkpoints that leave objects out (the ledger too large)
+        self.dumps_suppressed_total = 0  # not made: their kind dumped MAX_DUMPS_PER_KIND times within the cooldown
         self._written: dict[str, service_pb2.FlightDump] = {}  # path -> dump, of this agent's dumps
+        self._failures_reported = 0  # dump_failures_total at the last health report
 
     def start(self) -> None:
         self.options.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -225,6 +237,15 @@ class FlightRecorder:
         last = self._last_dump_monotonic.get(key)
         if trigger.kind not in _ALWAYS and last is not None and now - last < self.options.cooldown_seconds:
             return None
+        recent = self._recent_by_kind.setdefault(trigger.kind, deque())
+        while recent and now - recent[0] >= self.options.cooldown_seconds:
+            recent.popleft()
+        if trigger.kind not in _ALWAYS and len(recent) >= MAX_DUMPS_PER_KIND:  # a storm of deaths: a few dumps
+            with self._dumps_lock:
+                self.dumps_suppressed_total += 1
+            log.debug("flight recorder: %s: not dumped, %d %s dumps within %g s", trigger.reason, len(recent),
+                      trigger_name(trigger.kind), self.options.cooldown_seconds)
+            return None
         if self._pending.qsize() >= MAX_PENDING_DUMPS:  # the writer is behind: no more copies of the ledger
             with self._dumps_lock:
                 self.dump_failures_total += 1
@@ -235,15 +256,16 @@ class FlightRecorder:
             self._last_dump_monotonic = {kept: at for kept, at in self._last_dump_monotonic.items()
                                          if now - at < self.options.cooldown_seconds}
         self._last_dump_monotonic[key] = now
+        recent.append(now)
         # Stamped at the trigger, not at the copy (later): a replay asked for the trigger's time (--at)
         # stops at the first record after it, and would leave out the very checkpoint that makes it exact.
         try:
             copied = self.session.checkpoint_locked()
         except LedgerReadRefused as refused:
+            copied, trigger.left_out = self._partial_checkpoint_locked(trigger.pid, refused)
             with self._dumps_lock:
-                self.dump_failures_total += 1
-            log.warning("flight recorder: %s: not dumped: %s", trigger.reason, refused)
-            return None
+                self.dumps_partial_total += 1
+            log.warning("flight recorder: %s: %s", trigger.reason, trigger.left_out)
         end = SessionCheckpoint(trigger.timestamp_ns, copied.entries, copied.processes)
         records = list(self._ring)
         # Everything the window's events allocate is replayed from them: the first checkpoint holds the
@@ -262,10 +284,47 @@ class FlightRecorder:
         log.warning("flight recorder: %s: dumping the last %.0f s", trigger.reason, trigger.window_seconds)
         return pending
 
+    def _partial_checkpoint_locked(self, pid: int, refused: LedgerReadRefused) -> tuple[SessionCheckpoint, str]:
+        """The ledger is too large to copy whole: the trigger's process's objects if they fit (none else), and
+        a line that says what is left out, with the figures."""
+        why = (f"the ledger's {refused.entries:,} allocations and blocks are more than --max-read-entries "
+               f"{refused.limit:,}")
+        if pid:
+            try:
+                copied = self.session.checkpoint_locked((pid,))
+                return copied, (f"{why}: the checkpoints hold pid {pid}'s {len(copied.entries):,} objects only "
+                                "(every event of the window is here; a free in it of another process's older "
+                                "object replays as unknown)")
+            except LedgerReadRefused as also:
+                why = f"{why}, pid {pid}'s {also.entries:,} too"
+        return self.session.checkpoint_locked(()), (
+            f"{why}: the checkpoints hold no objects (every event of the window is here; a free in it of an "
+            "older object replays as unknown)")
+
     # ---- the agent's side ----
 
+    def report_health(self) -> None:
+        """Up while a dump would be whole; down, with the figure, while the ledger is too large to copy (a dump
+        then leaves objects out) or the last dump could not be written."""
+        refused = self.session.checkpoint_refused()
+        with self._dumps_lock:
+            failures = self.dump_failures_total
+        if refused is not None:
+            self.session.report_component("flight_recorder", False, (
+                f"a dump now would leave objects out: the ledger's {refused.entries:,} allocations and blocks are "
+                f"more than --max-read-entries {refused.limit:,} (its checkpoints would hold the trigger's process "
+                "only; every event of the window is kept): raise --max-read-entries (about 450 bytes of agent "
+                "memory each)"))
+        elif failures > self._failures_reported:
+            self.session.report_component("flight_recorder", False, (
+                f"{failures} dumps could not be written in {self.options.directory} (the agent log says why)"))
+        else:
+            self.session.report_component("flight_recorder", True)
+        self._failures_reported = failures
+
     def check(self, snapshot: AnalysisSnapshot | None) -> None:
-        """After an analysis: a forecast time-to-OOM under the threshold dumps."""
+        """After an analysis: the recorder's health, and a forecast time-to-OOM under the threshold dumps."""
+        self.report_health()
         threshold = self.options.time_to_oom_seconds
         if snapshot is None or threshold <= 0:
             return
@@ -345,7 +404,9 @@ class FlightRecorder:
             finally:
                 pending.done.set()
             self.session.report_counters({"flight_dumps": self.dumps_total,
-                                          "flight_dump_failures": self.dump_failures_total})
+                                          "flight_dump_failures": self.dump_failures_total,
+                                          "flight_dumps_partial": self.dumps_partial_total,
+                                          "flight_dumps_suppressed": self.dumps_suppressed_total})
 
     def _write(self, pending: _Pending) -> service_pb2.FlightDump:
         trigger = pending.trigger

@@ -202,6 +202,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Events the agent could not decode (probes and agent of different builds?): they are "
                "told to subscribers as lost and the ledger resyncs from the kernel's (at most once a "
                "second); reinstall so that both match."),
+    MetricSpec("kvtrace_event_loop_late_turns_total", "counter", "turns", (),
+               "Turns of the agent's event loop that started more than a second after the one before (the "
+               "loop reads the probes' events, drops what exited processes held, resyncs after loss): events "
+               "waited meanwhile and `kvtrace ps` lagged. `kvtrace doctor` names the longest gap."),
     MetricSpec("kvtrace_attached_libraries", "gauge", "libraries", (),
                "Libraries (files, by device and inode) with the agent's probes in."),
     MetricSpec("kvtrace_libraries_refused_total", "counter", "attempts", (),
@@ -271,6 +275,7 @@ _SESSION_COUNTERS = {
     "kvtrace_ledger_kernel_objects": "ledger_entries_in_kernel",
     "kvtrace_ledger_reads_refused_total": "ledger_reads_refused",
     "kvtrace_events_undecodable_total": "events_undecodable",
+    "kvtrace_event_loop_late_turns_total": "event_loop_late_turns",
     "kvtrace_attached_libraries": "libraries_attached",
     "kvtrace_libraries_refused_total": "libraries_refused",
     "kvtrace_libraries_detached_total": "libraries_detached",

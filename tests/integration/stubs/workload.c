@@ -21,6 +21,11 @@
  *            {"loop_pairs": N, "ns_per_pair": X}. KVT_LOOP_PAUSE_EVERY / KVT_LOOP_PAUSE_MS pace it.
  *   leak N   N cudaMalloc (1 MiB), never freed.
  *   hold     13 cudaMalloc (1 MiB), then waits to be killed.
+ *   storm S  for S seconds, forks short-lived children (KVT_STORM_IN_FLIGHT at once, 8 by default; at most
+ *            KVT_STORM_PER_SECOND a second if set), each one cudaMalloc (1 MiB) held at its _exit(0): a storm
+ *            of exits of processes holding memory. KVT_STORM_EXEC=1: each child execs `workload once` instead
+ *            (a new program loading the libraries, making that one call).
+ *            No per-call manifest, one line instead: {"storm_children": N}.
  *   leader_exits  2 cudaMalloc (1 MiB); the main thread starts a thread and ends (pthread_exit). That
  *            thread, once the main one is a zombie, makes 3 cudaMalloc (1 MiB) and writes the
  *            manifest; the process ends with it (exit status 7).
@@ -29,6 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "cuda_stub.h"
@@ -302,6 +308,48 @@ static void scenario_leak(unsigned long count) {
         runtime_malloc(MiB);
 }
 
+static void scenario_storm(unsigned long seconds) {
+    const char *in_flight_text = getenv("KVT_STORM_IN_FLIGHT");
+    const char *rate_text = getenv("KVT_STORM_PER_SECOND");
+    unsigned long in_flight = in_flight_text ? strtoul(in_flight_text, NULL, 10) : 8, running = 0, children = 0;
+    double per_second = rate_text ? strtod(rate_text, NULL) : 0.0;
+    int exec_children = getenv("KVT_STORM_EXEC") != NULL;
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        int over = now.tv_sec - start.tv_sec >= (time_t)seconds;
+        if (over && running == 0)
+            break;
+        double ahead_ns = per_second > 0 ? children * 1e9 / per_second
+                                               - ((now.tv_sec - start.tv_sec) * 1e9 + (now.tv_nsec - start.tv_nsec)) : 0;
+        if (!over && running < in_flight && ahead_ns > 0 && running == 0) {
+            struct timespec pause = {(time_t)(ahead_ns / 1e9), (long)((long long)ahead_ns % 1000000000LL)};
+            nanosleep(&pause, NULL);
+            continue;
+        }
+        if (!over && running < in_flight && ahead_ns <= 0) {
+            pid_t child = fork();
+            if (child == 0) {
+                if (exec_children) {
+                    execl("/proc/self/exe", "workload", "once", (char *)NULL);
+                    _exit(127);
+                }
+                void *pointer = NULL;
+                _exit(cudaMalloc(&pointer, MiB) == 0 ? 0 : 1);
+            }
+            if (child > 0) {
+                running++;
+                children++;
+                continue;
+            }
+        }
+        if (wait(NULL) > 0)
+            running--;
+    }
+    printf("{\"storm_children\": %lu}\n", children);
+}
+
 static void scenario_hold(unsigned long n) {
     (void)n;
     for (int i = 0; i < 13; i++)
@@ -355,14 +403,19 @@ static const struct {
     {"counts", scenario_counts, 0}, {"devices", scenario_devices, 0}, {"vmm", scenario_vmm, 0},
     {"context", scenario_context, 0}, {"loop", scenario_loop, 1}, {"leak", scenario_leak, 1},
     {"hold", scenario_hold, 0}, {"leader_exits", scenario_leader_exits, 0},
+    {"storm", scenario_storm, 1},
 };
 
 static void usage(void) {
-    fprintf(stderr, "usage: workload counts|devices|vmm|context|hold|leader_exits | workload loop|leak N\n");
+    fprintf(stderr, "usage: workload counts|devices|vmm|context|hold|leader_exits|once | workload loop|leak|storm N\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "once") == 0) { /* a storm's exec'd child: no protocol, no manifest */
+        void *pointer = NULL;
+        return cudaMalloc(&pointer, MiB) == 0 ? 0 : 1;
+    }
     if (argc < 2)
         usage();
     for (size_t i = 0; i < sizeof(scenarios) / sizeof(scenarios[0]); i++) {

@@ -4,7 +4,7 @@ from __future__ import annotations
 import struct
 import sys
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 from kvtrace.model.events import (
     AUX_FIELDS,
@@ -343,3 +343,36 @@ def doomed_in_chunk(keys: bytes, values: bytes, pids: frozenset[int], before_ns:
         totals = _totals_key(entry_pid, entry_device, layer, memory) if object_kind in counted else None
         doomed.append((keys[index * key_size:(index + 1) * key_size], totals, size_bytes))
     return doomed
+
+
+def gone_in_chunk(keys: bytes, values: bytes, befores: Mapping[int, int], counted: frozenset[int],
+                  ) -> list[tuple[bytes, int, TotalsKey | None, int]]:
+    """(raw key, pid, totals key, size) of the entries of gone processes in a chunk: those of a pid in
+    `befores` at most its `befores[pid]` old (kernel clock: what it held at its exit; a process that took the
+    pid since keeps its own). The pids are read first, in one C call, and only the gone ones' entries are
+    unpacked: a chunk costs what its gone entries are, not its size (a host holds millions of entries)."""
+    key_size, value_size = _LEDGER_KEY.size, _LEDGER_VALUE.size
+    pids = memoryview(keys).cast("I")[::key_size // 4].tolist()  # (pid is the key's first field)
+    if befores.keys().isdisjoint(pids):
+        return []
+    gone: list[tuple[bytes, int, TotalsKey | None, int]] = []
+    get = befores.get
+    for index in [index for index, pid in enumerate(pids) if get(pid) is not None]:
+        entry_pid, layer, object_kind, _, _ = _LEDGER_KEY.unpack_from(keys, index * key_size)
+        size_bytes, timestamp_ns, _, _, _, entry_device, _, memory, *_ = _LEDGER_VALUE.unpack_from(
+            values, index * value_size)
+        if timestamp_ns > befores[entry_pid]:
+            continue
+        totals = _totals_key(entry_pid, entry_device, layer, memory) if object_kind in counted else None
+        gone.append((keys[index * key_size:(index + 1) * key_size], entry_pid, totals, size_bytes))
+    return gone
+
+
+def chunk_objects(keys: bytes) -> set[int]:
+    """The object kinds (raw values) of a chunk's entries, read in one C call (the key's sixth byte)."""
+    return set(memoryview(keys)[5::_LEDGER_KEY.size])
+
+
+def chunk_stack_ids(values: bytes) -> set[int]:
+    """The kernel stack ids of a chunk's entries (0: none), read in one C call (the value's last field)."""
+    return set(memoryview(values).cast("Q")[_LEDGER_VALUE.size // 8 - 1::_LEDGER_VALUE.size // 8])

@@ -6,10 +6,15 @@ the maps when a report asks. What this module owns:
 - the agent's side of that bargain: a `Ledger` (model/ledger.py) for the objects that stay in the agent
   (VMM handles, reservations, mappings), the per-pid counters, and the kernel's maps read on demand, all
   behind the one `LedgerStore` interface the Session and every reader use;
-- what the agent itself takes out of the kernel's ledger (an exit's or a context destroy's entries, the
-  blocks of a process lowered to depth segments): deleted from the maps in one pass, and taken out of the
-  totals the agent reports in the same breath (`_adjustments`, under this object's own lock, which every
-  read of the totals takes: no reader sees the kernel's totals without what the agent deleted from them).
+- what the agent itself takes out of the kernel's ledger (a context destroy's entries, the blocks of a
+  process lowered to depth segments): deleted from the maps in one pass, and taken out of the totals the
+  agent reports in the same breath (`_adjustments`, under this object's own lock, which every read of the
+  totals takes: no reader sees the kernel's totals without what the agent deleted from them);
+- exits, which come in storms (issue 31): an exit costs what its process held, not the size of the maps.
+  Its totals leave the kernel at once, found by the keys its events named (`_kernel_keys`; a key no event named,
+  its event lost or a quiet PyTorch block's, is taken at the next read of all the totals); its entries are
+  hidden from every read at once and deleted by `collect`, a scan of the ledger that the source's loop
+  advances a few chunks a turn, for every process gone since it began (`_Gone`).
 
 The BPF source makes one while its probes are loaded (BpfSource.start) and gives the Session a plain
 `Ledger` again when they go (`detached`).
@@ -20,9 +25,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtrace.model.events import Event, Kind, Layer, ObjectKind
+import psutil
+
+from kvtrace.model.events import Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import (
     DEFAULT_MAX_READ_ENTRIES,
     Ledger,
@@ -33,7 +41,14 @@ from kvtrace.model.ledger import (
     placed,
 )
 from kvtrace.sources.bpf import abi
-from kvtrace.sources.bpf.decode import Clock, decode_ledger_chunk, decode_ledger_entry, decode_totals, doomed_in_chunk
+from kvtrace.sources.bpf.decode import (
+    Clock,
+    decode_ledger_chunk,
+    decode_ledger_entry,
+    decode_totals,
+    doomed_in_chunk,
+    gone_in_chunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +60,7 @@ BLOCK_OBJECT_VALUES = frozenset({ObjectKind.BLOCK.value})
 TOTALS_MAX_AGE_NS = 1_000_000_000
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where counted objects live
 _ALL_TIME_NS = 2**64 - 1
+_new_tuple = tuple.__new__  # a TotalsKey at half a NamedTuple call's cost (each key a run of events names)
 
 
 class KernelMaps(Protocol):
@@ -58,27 +74,66 @@ class KernelMaps(Protocol):
 
     def read_totals(self) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]: ...
 
-    def take_totals(self, pid: int) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]: ...
+    def totals_of(self, keys: Iterable[abi.RawTotalsKey]) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]: ...
+
+    def take_totals(self, keys: Iterable[abi.RawTotalsKey]) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]: ...
+
+
+@dataclass
+class _Gone:
+    """A process that exited, whose entries still wait in the kernel's ledger for `collect` to delete them."""
+
+    before_ns: int  # kernel clock: its entries are those at most this old (a process that took the pid keeps its own)
+    before_wall_ns: int  # the same, on the agent's clock (entries as decoded)
+    until_scan: int  # the scan of the ledger that must end before every one of its entries is known deleted
+    taken: dict[TotalsKey, list[int]] = field(default_factory=dict)  # its totals as they left the kernel
+    adjusted: dict[TotalsKey, list[int]] = field(default_factory=dict)  # what the agent had taken out of them
+    dropped: dict[TotalsKey, list[int]] = field(default_factory=dict)  # its entries deleted so far
+
+
+def _add(sums: dict[TotalsKey, list[int]], totals: Mapping[TotalsKey, tuple[int, int] | list[int]],
+         sign: int = 1) -> None:
+    for key, (size_bytes, count) in totals.items():
+        total = sums.setdefault(key, [0, 0])
+        total[0] += sign * size_bytes
+        total[1] += sign * count
+
+
+def raw_totals_key(key: TotalsKey) -> abi.RawTotalsKey:
+    return abi.RawTotalsKey(pid=key.pid, device=key.device, layer=int(key.layer), memory=int(key.memory))
 
 
 class KernelLedger(Ledger):
     """A LedgerStore whose allocations and blocks are the kernel's: `maps` are the probes', `clock` turns
     their times into the agent's, `stack_ids` maps a kernel stack id to the stack the agent named (read
     only), `followed()` the pids the agent follows (empty: every process), and `totals_ever_full()` whether
-    the kernel's totals map ever refused a key (then an empty total no longer proves an empty ledger)."""
+    the kernel's totals map ever refused a key (then an empty total no longer proves an empty ledger), and
+    `alive(pid)` whether a process holds the pid now."""
 
     def __init__(self, maps: KernelMaps, clock: Clock, stack_ids: Mapping[int, int],
                  followed: Callable[[], frozenset[int]], totals_ever_full: Callable[[], bool] = lambda: False,
-                 read_limit: int = DEFAULT_MAX_READ_ENTRIES) -> None:
+                 read_limit: int = DEFAULT_MAX_READ_ENTRIES, alive: Callable[[int], bool] = psutil.pid_exists) -> None:
         super().__init__()
+        self._alive = alive
         self._maps, self._clock, self._stack_ids = maps, clock, stack_ids
         self._followed, self._totals_ever_full = followed, totals_ever_full
         self.read_limit = read_limit
         self.reads_refused_total = 0
-        # What the agent took out of the kernel's ledger or totals itself, and the last sum of the kernel's
-        # totals with it; guarded by _lock (a deletion runs on the source's thread, reports on theirs).
+        # What the agent took out of the kernel's ledger or totals itself (per pid), and the last sum of the
+        # kernel's totals with it; guarded by _lock (a deletion runs on the source's thread, reports on theirs).
         self._lock = threading.Lock()
-        self._adjustments: dict[TotalsKey, list[int]] = {}
+        self._adjustments: dict[int, dict[TotalsKey, list[int]]] = {}
+        # The kernel's totals keys of each live process, as its events and the reads of all the totals named
+        # them: an exit takes its own without reading everyone's. Filled on the source's thread (events) and
+        # under _lock (reads); False in _keys_complete: events were lost since the last read of all.
+        self._kernel_keys: dict[int, set[TotalsKey]] = {}
+        self._keys_complete = False  # (until the first read of all: the maps may hold what no event named yet)
+        # Processes gone whose entries `collect` is deleting; the scan it advances, and the scans begun.
+        self._gone: dict[int, _Gone] = {}
+        self._gone_befores: dict[int, int] | None = None  # pid -> before_ns, as the scan reads them (None: stale)
+        self._scan: Iterator[tuple[bytes, bytes]] | None = None
+        self._scans_begun = 0
+        self.gone_entries_deleted_total = 0
         self._totals_cache: dict[TotalsKey, tuple[int, int]] = {}
         self._totals_read_ns: int | None = None  # monotonic; None: read again at the next use
 
@@ -89,19 +144,36 @@ class KernelLedger(Ledger):
         adds to its pid's calls here (the probes changed the kernel's entry and totals), in one pass."""
         allocations, frees = self.allocations_total, self.frees_total
         alloc, free, counted = Kind.ALLOC, Kind.FREE, COUNTED_OBJECTS
+        named: set[tuple[int, int, Layer, Memory]] = set()  # the totals keys the run's allocations name
         self._totals_read_ns = None  # first: a run that stops at a bad event has changed the totals too
-        for event in events:
-            kind = event.kind
-            if (kind is alloc or kind is free) and event.object in counted and event.memory is not None \
-                    and event.layer is not None:
-                (allocations if kind is alloc else frees)[event.pid, event.layer] += 1
-            else:
-                self.apply(event)
+        try:
+            for event in events:
+                kind = event.kind
+                if kind is alloc and event.object in counted and event.memory is not None and event.layer is not None:
+                    allocations[event.pid, event.layer] += 1
+                    named.add((event.pid, event.device, event.layer, event.memory))
+                elif kind is free and event.object in counted and event.memory is not None \
+                        and event.layer is not None:
+                    frees[event.pid, event.layer] += 1
+                else:
+                    self.apply(event)
+        finally:
+            self._name_keys(named)
+
+    def _name_keys(self, named: Iterable[tuple[int, int, Layer, Memory]]) -> None:
+        """The kernel's totals keys these (pid, device, layer, memory) name, known from now (an exit takes them)."""
+        kernel_keys = self._kernel_keys
+        for key in named:
+            keys = kernel_keys.get(key[0])
+            if keys is None:
+                keys = kernel_keys.setdefault(key[0], set())
+            keys.add(_new_tuple(TotalsKey, key))
 
     def _on_alloc(self, event: Event) -> None:
         if event.object in COUNTED_OBJECTS:  # the kernel keeps the entry and its totals
-            layer, _, _ = placed(event)
+            layer, _, memory = placed(event)
             self.allocations_total[(event.pid, layer)] += 1
+            self._name_keys(((event.pid, event.device, layer, memory),))
             self._totals_read_ns = None
             return
         super()._on_alloc(event)
@@ -120,18 +192,101 @@ class KernelLedger(Ledger):
         """What an exit (device None) or a context destroy on `device` freed, after the Session saw the event:
         the pid's entries at most as old as the event leave the kernel's ledger (a reused pid's or a new
         context's stay), and the kernel's totals, which still hold them (the probes did not delete them),
-        lose exactly those. After an exit the pid's totals leave the kernel too: what a process that reused
-        the pid added meanwhile stays counted here. From the source's thread, outside the Session's lock."""
-        dropped = delete_entries(self._maps, frozenset((pid,)), self._clock.monotonic_ns(before_wall_ns), device)
-        with self._lock:
-            taken = decode_totals(self._maps.take_totals(pid)) if device is None else {}
-            self._adjust(dropped, -1)
-            if device is not None:  # (after an exit, the pid's counters are gone)
+        lose exactly those. From the source's thread, outside the Session's lock.
+
+        A context destroy deletes its entries now, in one pass over the ledger. An exit costs what its process
+        held: its totals leave the kernel now (by the keys its events named), its entries are hidden from every
+        read now and deleted by `collect`; once a whole scan of the ledger has passed, what a process that took
+        the pid meanwhile added is counted again (_resolve)."""
+        before_ns = self._clock.monotonic_ns(before_wall_ns)
+        if device is not None:
+            dropped = delete_entries(self._maps, frozenset((pid,)), before_ns, device)
+            with self._lock:
+                self._adjust(dropped, -1)
                 # (on the source's thread, not under the Session's lock: a Counter's += is one step; nothing
                 # in the agent reads this one but tests, after the fact)
                 for totals, (_, count) in dropped.items():
                     self.implicit_frees_total[totals.pid] += count
-            self._adjust(taken, 1)
+            return
+        with self._lock:
+            gone = self._gone.get(pid)  # (a process that took the pid exited too, before the scan was over)
+            if gone is None:
+                gone = self._gone[pid] = _Gone(before_ns, before_wall_ns, self._scans_begun + 1)
+            gone.before_ns = max(gone.before_ns, before_ns)
+            gone.before_wall_ns = max(gone.before_wall_ns, before_wall_ns)
+            gone.until_scan = self._scans_begun + 1
+            self._gone_befores = None
+            keys = self._kernel_keys.pop(pid, set())
+            _add(gone.taken, decode_totals(self._maps.take_totals([raw_totals_key(key) for key in keys])))
+            _add(gone.adjusted, self._adjustments.pop(pid, {}))
+            self._totals_read_ns = None
+
+    def collect(self, budget_seconds: float) -> None:
+        """Deletes the entries of processes gone from the kernel's ledger, reading it a chunk at a time for
+        about `budget_seconds` (the source's loop calls it every turn: a storm of exits costs a scan of the
+        ledger now and then, whatever its size, never a scan each). Nothing to do while no process is gone."""
+        if not self._gone:
+            return
+        deadline = time.monotonic() + budget_seconds
+        while True:
+            if self._scan is None:
+                self._scan = iter(self._maps.iter_ledger_chunks())
+                self._scans_begun += 1
+            with self._lock:
+                if self._gone_befores is None:
+                    self._gone_befores = {pid: gone.before_ns for pid, gone in self._gone.items()}
+                befores = self._gone_befores
+            chunk = next(self._scan, None)
+            if chunk is None:  # a whole scan: every process gone before it began has no entry left
+                self._scan = None
+                self._resolve(self._scans_begun)
+                if not self._gone or time.monotonic() >= deadline:
+                    return
+                continue
+            found = gone_in_chunk(chunk[0], chunk[1], befores, COUNTED_OBJECT_VALUES)
+            if found:
+                deleted = self._maps.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, *_ in found])
+                with self._lock:
+                    for (_, pid, totals, size_bytes), taken in zip(found, deleted, strict=True):
+                        gone = self._gone.get(pid)
+                        if taken and totals is not None and gone is not None:
+                            _add(gone.dropped, {totals: (size_bytes, 1)})
+                    self.gone_entries_deleted_total += sum(deleted)
+            if time.monotonic() >= deadline:
+                return
+
+    def _resolve(self, scan: int) -> None:
+        """The processes gone before `scan` began have no entry left: they are forgotten. A process that took the
+        pid meanwhile (alive now) keeps what it added before the exit's totals were taken (what was taken, less
+        the dead one's entries deleted and what the agent had taken out itself)."""
+        with self._lock:
+            for pid, gone in list(self._gone.items()):
+                if gone.until_scan > scan:
+                    continue
+                del self._gone[pid]
+                self._gone_befores = None
+                # Keys no event named (lost, or a quiet PyTorch block's) and no read of all found since: known now,
+                # from the entries deleted and what the agent had taken out of them (a key a reused pid's free made
+                # again), and taken as the exit took the others (or they would count for ever).
+                unnamed = [raw_totals_key(key) for key in {*gone.dropped, *gone.adjusted} if key not in gone.taken]
+                if unnamed:
+                    _add(gone.taken, decode_totals(self._maps.take_totals(unnamed)))
+                left: dict[TotalsKey, list[int]] = {}
+                _add(left, gone.taken)
+                _add(left, gone.adjusted)
+                _add(left, gone.dropped, -1)
+                left = {key: total for key, total in left.items() if total != [0, 0]}
+                if left and self._alive(pid):
+                    self._adjust(left, 1)
+            self._totals_read_ns = None
+
+    def gone_pending(self) -> int:
+        """Processes gone whose entries are still being deleted from the kernel's ledger."""
+        return len(self._gone)
+
+    def note_events_lost(self) -> None:
+        """Events were lost: some totals keys may have been named by none (the next read of all names them)."""
+        self._keys_complete = False
 
     def drop_blocks(self, pids: frozenset[int]) -> dict[TotalsKey, tuple[int, int]]:
         """Every PyTorch block of `pids` out of the kernel's ledger and of the totals (processes lowered to depth
@@ -141,14 +296,16 @@ class KernelLedger(Ledger):
             self._adjust(dropped, -1)
         return dropped
 
-    def _adjust(self, totals: Mapping[TotalsKey, tuple[int, int]], sign: int) -> None:
-        adjustments = self._adjustments
+    def _adjust(self, totals: Mapping[TotalsKey, tuple[int, int] | list[int]], sign: int) -> None:
         for key, (size_bytes, count) in totals.items():
+            adjustments = self._adjustments.setdefault(key.pid, {})
             adjusted = adjustments.setdefault(key, [0, 0])
             adjusted[0] += sign * size_bytes
             adjusted[1] += sign * count
             if adjusted == [0, 0]:
                 del adjustments[key]
+                if not adjustments:
+                    del self._adjustments[key.pid]
         self._totals_read_ns = None
 
     # ---- reads ----
@@ -161,27 +318,58 @@ class KernelLedger(Ledger):
             now = time.monotonic_ns()
             if self._totals_read_ns is not None and now - self._totals_read_ns < TOTALS_MAX_AGE_NS:
                 return self._totals_cache
-            sums = {key: [size_bytes, count] for key, (size_bytes, count) in self._kernel_totals().items()}
-            for key, (size_bytes, count) in self._adjustments.items():
-                total = sums.setdefault(key, [0, 0])
-                total[0] += size_bytes
-                total[1] += count
-            # Never below zero: a probe's two adds (bytes, count) are apart by an instant, and a free racing an
-            # allocation at the same address can take the old size out of the new entry's totals (ledger.h).
-            self._totals_cache = {key: (max(size_bytes, 0), max(count, 0)) for key, (size_bytes, count)
-                                  in sums.items() if size_bytes > 0 or count > 0}
+            kernel = self._kernel_totals()
+            self._learn_keys(kernel)
+            sums = {key: [size_bytes, count] for key, (size_bytes, count) in kernel.items()}
+            for adjustments in self._adjustments.values():
+                _add(sums, adjustments)
+            self._totals_cache = _at_least_zero(sums)
             self._totals_read_ns = now
             return self._totals_cache
+
+    def _learn_keys(self, kernel: dict[TotalsKey, tuple[int, int]]) -> None:
+        """(Under _lock, after a read of all the kernel's totals.) Every key read is known from now; the keys of a
+        process gone (no event named them: lost, or a quiet PyTorch block's) leave the kernel now, taken as its exit
+        took the others, and leave `kernel` (the read) too."""
+        gone = self._gone
+        late = [key for key in kernel if key.pid in gone] if gone else []
+        if late:
+            ended = {pid for pid in {key.pid for key in late} if not self._alive(pid)}
+            late = [key for key in late if key.pid in ended]
+            for key, total in decode_totals(self._maps.take_totals([raw_totals_key(key) for key in late])).items():
+                _add(self._gone[key.pid].taken, {key: total})
+            for key in late:
+                del kernel[key]
+        kernel_keys = self._kernel_keys
+        for key in kernel:
+            if key.pid not in gone:
+                keys = kernel_keys.get(key.pid)
+                if keys is None:
+                    keys = kernel_keys[key.pid] = set()
+                keys.add(key)
+        self._keys_complete = True
+
+    def _counted_totals_of(self, pid: int) -> dict[TotalsKey, tuple[int, int]]:
+        """_counted_totals() of one process, read by its own keys (one lookup each) where every key is known."""
+        if not self._keys_complete:
+            return {key: total for key, total in self._counted_totals().items() if key.pid == pid}
+        with self._lock:
+            keys = self._kernel_keys.get(pid, ())
+            sums = {key: [size_bytes, count] for key, (size_bytes, count) in
+                    decode_totals(self._maps.totals_of([raw_totals_key(key) for key in keys])).items()}
+            _add(sums, self._adjustments.get(pid, {}))
+            return _at_least_zero(sums)
 
     def _kernel_totals(self) -> dict[TotalsKey, tuple[int, int]]:
         return decode_totals(self._maps.read_totals(), self._followed())
 
     def totals(self) -> dict[TotalsKey, tuple[int, int]]:
-        totals = dict(self._counted_totals())
-        for key, (size_bytes, count) in super().totals().items():
-            counted = totals.get(key)
-            totals[key] = (size_bytes, count) if counted is None else (size_bytes + counted[0], count + counted[1])
-        return totals
+        return _summed(self._counted_totals(), super().totals())
+
+    def totals_of(self, pid: int) -> dict[TotalsKey, tuple[int, int]]:
+        """totals() of one process (an exit's freed bytes, physical_device_bytes(pid)): its own keys read, not
+        everyone's."""
+        return _summed(self._counted_totals_of(pid), super().totals_of(pid))
 
     def pids(self) -> set[int]:
         return super().pids() | {key.pid for key in self._counted_totals()}
@@ -201,11 +389,15 @@ class KernelLedger(Ledger):
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every entry of `pids` as a list: LedgerReadRefused (counted) over read_limit."""
-        counted = self.counted_entries(pids)
-        if counted > self.read_limit:
+        refused = self.copy_refused(pids)
+        if refused is not None:
             self.reads_refused_total += 1
-            raise LedgerReadRefused(counted, self.read_limit)
+            raise refused
         return [*self.kept(pids), *self.read_kernel(pids)]
+
+    def copy_refused(self, pids: Collection[int] = ()) -> LedgerReadRefused | None:
+        counted = self.counted_entries(pids)
+        return LedgerReadRefused(counted, self.read_limit) if counted > self.read_limit else None
 
     def find(self, key: LedgerKey) -> Outstanding | None:
         if key.object not in COUNTED_OBJECTS:
@@ -218,6 +410,9 @@ class KernelLedger(Ledger):
             entry = decode_ledger_entry(found[0], found[1], self._clock)
         except ValueError:
             return None
+        gone = self._gone.get(key.pid)
+        if gone is not None and entry.timestamp_ns <= gone.before_wall_ns:
+            return None  # its process is gone: the entry waits for collect
         if found[1].stack_id:
             entry.stack_id = self._stack_ids.get(found[1].stack_id, 0)
         return entry
@@ -229,28 +424,49 @@ class KernelLedger(Ledger):
         wanted = frozenset(pids) or self._followed()
         stack_ids = self._stack_ids
         maps = self._maps
-        if not self._totals_ever_full() and not self._adjustments and not any(
+        if not self._totals_ever_full() and not self._adjustments and not self._gone and not any(
                 value.count for key, value in maps.read_totals() if not wanted or key.pid in wanted):
             # None by the kernel's totals, while they count every entry (never full, nothing taken out of them
-            # by the agent, as after an exit a process that reused the pid): no scan of an empty map's buckets.
+            # by the agent, no exit's totals taken while a process that reused the pid may hold entries): no scan of
+            # an empty map's buckets.
             return
+        with self._lock:
+            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
         for keys, values in maps.iter_ledger_chunks():
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self._clock, COUNTED_OBJECT_VALUES,
                                                              wanted):
+                if gone and entry.timestamp_ns <= gone.get(entry.key.pid, -1):
+                    continue  # its process is gone: the entry waits for collect
                 if kernel_stack_id:
                     entry.stack_id = stack_ids.get(kernel_stack_id, 0)
                 yield entry
 
     def counters(self) -> dict[str, int]:
-        return {"ledger_entries_in_kernel": self.counted_entries(), "ledger_reads_refused": self.reads_refused_total}
+        return {"ledger_entries_in_kernel": self.counted_entries(), "ledger_reads_refused": self.reads_refused_total,
+                "exits_collecting": len(self._gone), "exit_entries_collected": self.gone_entries_deleted_total}
 
     def detached(self) -> Ledger:
         """A plain Ledger with what is kept here (VMM objects, and the counters): the probes and their maps are
         going."""
         ledger = Ledger()
         ledger._entries, ledger._bytes, ledger._counts = self._entries, self._bytes, self._counts
+        ledger._keys_of, ledger._held = self._keys_of, self._held
         ledger.carry_counters(self)
         return ledger
+
+
+def _at_least_zero(sums: Mapping[TotalsKey, list[int]]) -> dict[TotalsKey, tuple[int, int]]:
+    """Never below zero: a probe's two adds (bytes, count) are apart by an instant, and a free racing an allocation
+    at the same address can take the old size out of the new entry's totals (ledger.h)."""
+    return {key: (max(size_bytes, 0), max(count, 0)) for key, (size_bytes, count) in sums.items()
+            if size_bytes > 0 or count > 0}
+
+
+def _summed(*totals: Mapping[TotalsKey, tuple[int, int]]) -> dict[TotalsKey, tuple[int, int]]:
+    sums: dict[TotalsKey, list[int]] = {}
+    for each in totals:
+        _add(sums, each)
+    return {key: (size_bytes, count) for key, (size_bytes, count) in sums.items()}
 
 
 def delete_entries(maps: KernelMaps, pids: frozenset[int], before_ns: int, device: int | None = None,

@@ -657,15 +657,30 @@ class BpfProbes:
                                                      "the totals")
                 for index in range(len(keys) // key_size)]
 
-    def take_totals(self, pid: int) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
-        """Deletes the totals of `pid` (after its exit), each read in the same system call that deletes
-        it (BPF_MAP_LOOKUP_AND_DELETE_ELEM, Linux 5.14+; before, read then deleted): what a process that
-        reused the pid added meanwhile is in the value, not lost."""
+    def totals_of(self, keys: Iterable[abi.RawTotalsKey]) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
+        """The kernel's totals of these keys, one lookup each (a key not in the map is left out): a process's few,
+        without reading everyone's."""
+        table = self._bpf[b"ledger_totals"]
+        found = []
+        for key in keys:
+            try:
+                value = table[table.Key.from_buffer_copy(key)]
+            except KeyError:
+                continue
+            found.append((key, abi.RawTotalsValue.from_buffer_copy(value)))
+        return found
+
+    def take_totals(self, keys: Iterable[abi.RawTotalsKey]) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]:
+        """Deletes these totals keys (after their process exited), each read in the same system call that deletes
+        it (BPF_MAP_LOOKUP_AND_DELETE_ELEM, Linux 5.14+; before, read then deleted): what a process that reused
+        the pid added meanwhile is in the value, not lost. A key not in the map is left out. One or two system
+        calls a key: an exit costs what its process held, not the size of the map."""
         from bcc.libbcc import lib
 
         table = self._bpf[b"ledger_totals"]
         taken = []
-        for key in [key for key in table.keys() if key.pid == pid]:
+        for raw in keys:
+            key = table.Key.from_buffer_copy(raw)
             value = abi.RawTotalsValue()
             if lib.bpf_lookup_and_delete(table.map_fd, ctypes.byref(key), ctypes.byref(value)) != 0:
                 try:

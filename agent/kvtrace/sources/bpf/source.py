@@ -33,6 +33,8 @@ from kvtrace.session import Session
 from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.decode import (
     Clock,
+    chunk_objects,
+    chunk_stack_ids,
     decode_events,
     decode_ledger_chunk,
     decode_ledger_entry,
@@ -79,6 +81,11 @@ BUSY_TURN_SECONDS = 0.01
 # Records read since the C heap last gave back what was freed: at the first idle turn after this many
 # (one malloc_trim call), the burst's freed memory leaves the agent's RSS.
 TRIM_AFTER_RECORDS = 100_000
+# Each turn gives deleting exited processes' entries from the kernel's ledger this long at most (a scan of it a
+# chunk at a time, KernelLedger.collect): a storm of exits never holds the loop up, whatever the ledger's size.
+COLLECT_SECONDS_PER_TURN = 0.02
+# A turn that starts this long after the one before is late: counted (event_loop_late_turns), the longest kept.
+LATE_TURN_SECONDS = 1.0
 
 
 @dataclass
@@ -158,6 +165,10 @@ class BpfSource:
         self._next_report = 0.0
         self._next_busy_report = 0.0
         self._next_turn_monotonic = 0.0  # run_once: not before (a busy stream's turns are spaced)
+        # How steadily the loop turns: the start of the last turn, the longest gap between two, the late ones.
+        self._last_turn_monotonic: float | None = None
+        self.longest_turn_gap_seconds = 0.0
+        self.late_turns_total = 0
         self._records_this_turn = 0
         # A turn that takes this many records is behind: the poll budget, or half the ring if that is less.
         self._behind_records = min(POLL_BUDGET_EVENTS,
@@ -312,6 +323,11 @@ class BpfSource:
             time.sleep(pause)  # a busy stream: its next batch gathers meanwhile
         probes.wait(timeout_ms)  # sleeps without the lock
         started = time.monotonic()
+        if self._last_turn_monotonic is not None:
+            gap = started - self._last_turn_monotonic
+            self.longest_turn_gap_seconds = max(self.longest_turn_gap_seconds, gap)
+            self.late_turns_total += gap > LATE_TURN_SECONDS + timeout_ms / 1000
+        self._last_turn_monotonic = started
         with self._lock:
             self._records_this_turn = 0
             probes.poll(0)
@@ -350,6 +366,8 @@ class BpfSource:
         events come, once a second when idle)."""
         counters = dict(counters if counters is not None else self._probes().counters())
         counters["events_undecodable"] = self._undecodable
+        counters["event_loop_late_turns"] = self.late_turns_total
+        counters["event_loop_longest_gap_ms"] = round(self.longest_turn_gap_seconds * 1000)
         counters.update(self.targets.counters())
         self.session.report_counters(counters)
         self.session.report_libraries(self.attached_libraries())
@@ -462,6 +480,8 @@ class BpfSource:
             self._next_resync_allowed = now + self._resync_pace_seconds
             self._resync_due = False
             self.resync()
+        if self.kernel_store is not None:
+            self.kernel_store.collect(COLLECT_SECONDS_PER_TURN)
 
     def _check_counters(self, report: bool = True) -> None:
         counters = self._probes().counters()
@@ -475,6 +495,8 @@ class BpfSource:
             self.session.ingest(EventsLost(missed - self._missed_seen, self.session.wall_clock_ns()))
             self._missed_seen = missed
             self._resync_due = True
+            if self.kernel_store is not None:
+                self.kernel_store.note_events_lost()
 
     def follow(self, pid: int) -> None:
         """Adds a process to the filter (and traces it now); used by tests and the API."""
@@ -621,8 +643,8 @@ class BpfSource:
             return
         probes = self._probes()
         delete_entries(probes, frozenset((pid,)), self.clock.monotonic_ns(before_wall_ns), device)
-        if device is None:
-            probes.take_totals(pid)
+        if device is None:  # (a kept ledger, --no-ledger-in-kernel, reads the whole ledger at each exit still)
+            probes.take_totals([key for key, _ in probes.read_totals() if key.pid == pid])
 
     def resync(self) -> None:
         """Replaces the Session's kept entries with the kernel's exact copy (after lost events). Where the
@@ -637,9 +659,14 @@ class BpfSource:
         unnamed: dict[int, int] = {}  # kernel stack id -> a pid: allocations whose events were lost
         started = time.monotonic()
         for keys, values in self._probes().iter_ledger_chunks():
-            for pid, kernel_stack_id in stacks_in_chunk(keys, values, COUNTED_OBJECT_VALUES, wanted):
-                if kernel_stack_id not in self._stack_ids:
-                    unnamed.setdefault(kernel_stack_id, pid)
+            # Only chunks with a stack not named yet, or an object kept here, are unpacked entry by entry: a
+            # resync of millions of named allocations costs their system calls and a few C calls a chunk.
+            if not (chunk_stack_ids(values) - self._stack_ids.keys()).issubset({0}):
+                for pid, kernel_stack_id in stacks_in_chunk(keys, values, COUNTED_OBJECT_VALUES, wanted):
+                    if kernel_stack_id not in self._stack_ids:
+                        unnamed.setdefault(kernel_stack_id, pid)
+            if _KEPT_OBJECT_VALUES.isdisjoint(chunk_objects(keys)):
+                continue
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self.clock, _KEPT_OBJECT_VALUES, wanted):
                 if kernel_stack_id:
                     entry.stack_id = self._resolve_stack(entry.key.pid, kernel_stack_id)

@@ -690,20 +690,22 @@ class RecordingHeader(_message.Message):
     def __init__(self, agent_version: _Optional[str] = ..., host: _Optional[str] = ..., kernel_release: _Optional[str] = ..., start_time_ns: _Optional[int] = ..., agent_start_time_ns: _Optional[int] = ..., leak_min_age_seconds: _Optional[float] = ..., filter_description: _Optional[str] = ..., trigger: _Optional[_Union[FlightTrigger, _Mapping]] = ...) -> None: ...
 
 class FlightTrigger(_message.Message):
-    __slots__ = ("kind", "timestamp_ns", "pid", "device", "reason", "window_seconds")
+    __slots__ = ("kind", "timestamp_ns", "pid", "device", "reason", "window_seconds", "left_out")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     kind: FlightTriggerKind
     timestamp_ns: int
     pid: int
     device: int
     reason: str
     window_seconds: float
-    def __init__(self, kind: _Optional[_Union[FlightTriggerKind, str]] = ..., timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[int] = ..., reason: _Optional[str] = ..., window_seconds: _Optional[float] = ...) -> None: ...
+    left_out: str
+    def __init__(self, kind: _Optional[_Union[FlightTriggerKind, str]] = ..., timestamp_ns: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[int] = ..., reason: _Optional[str] = ..., window_seconds: _Optional[float] = ..., left_out: _Optional[str] = ...) -> None: ...
 
 class RecordingFrame(_message.Message):
     __slots__ = ("event", "checkpoint", "nvml", "process", "native_caller")
