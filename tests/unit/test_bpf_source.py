@@ -48,6 +48,9 @@ class CountingProbes:
     def read_totals(self) -> list:
         return []
 
+    def read_shares(self, by_pid: bool) -> list:
+        return []
+
     def take_totals(self, pid: int) -> list:
         return []
 
@@ -287,6 +290,9 @@ class LibraryProbes:
 
     def torch_attached_pids(self, key) -> set[int]:
         return set()
+
+    def read_shares(self, by_pid: bool) -> list:
+        return []
 
     def detach(self, key) -> float:
         del self.live[key]

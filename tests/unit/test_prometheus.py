@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace import __version__
 from kvtrace.cli.agent import add_metrics_flags
-from kvtrace.model.agent import ComponentStatus
+from kvtrace.model.agent import ComponentStatus, PartyShare
 from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.crosscheck import ProcessCrossCheck, TracerStatus
 from kvtrace.model.depth import Depth, DepthCause, ProcessDepth, segments_only
@@ -120,6 +120,7 @@ class FakeSource:
     counters_value: dict = field(default_factory=lambda: dict(TRACER_COUNTERS))
     titles: dict = field(default_factory=lambda: dict(TITLES))
     components_value: list = field(default_factory=lambda: list(UP))
+    shares_value: list = field(default_factory=lambda: [PartyShare(1001, 0, 262144, 3, 23, 0)])
     broken: set = field(default_factory=set)
 
     def _check(self, part):
@@ -146,6 +147,9 @@ class FakeSource:
     def process_titles(self):
         self._check("titles")
         return self.titles
+
+    def shares(self):
+        return self.shares_value
 
     def cross_checks(self):
         return [ProcessCrossCheck(4242, TracerStatus(4242, "tracing"), compared=True)]
@@ -190,6 +194,9 @@ class ProxySource:
 
     def process_titles(self):
         return self.target.process_titles()
+
+    def shares(self):
+        return self.target.shares()
 
     def cross_checks(self):
         return self.target.cross_checks()
@@ -338,7 +345,7 @@ def test_every_declared_metric_is_exported_with_its_type_help_and_labels():
 
 
 ALLOWED_LABELS = {"pid", "title", "gpu", "layer", "memory", "window", "api", "error_code", "component",
-                  "uuid", "version", "role", "state", "source", "kind", "result"}
+                  "uuid", "version", "role", "state", "source", "kind", "result", "uid", "resource"}
 
 
 def test_no_label_carries_an_address_or_a_stack():

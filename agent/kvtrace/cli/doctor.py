@@ -46,7 +46,7 @@ class DoctorCommand:
                     for finding in preflight.run_checks()]
         findings += agent_findings(args)
         if args.pid is not None:
-            findings += process_findings(args.pid)
+            findings += process_findings(args.pid, agent_libraries(args))
             findings += cross_check_findings(args, args.pid)
         if args.json:
             print(json.dumps([finding.to_json_dict() for finding in findings], indent=2))
@@ -194,8 +194,28 @@ def describe_cross_check(check) -> list:
     return findings
 
 
-def process_findings(pid: int) -> list:
-    """What the agent would attach to in `pid`, and whether it gets Python stacks (and why not)."""
+def agent_libraries(args: argparse.Namespace) -> tuple[frozenset[tuple[int, int]], str] | None:
+    """The (device, inode) of the files the running agent has probes in, and why libraries wait for a slot
+    ("" : none waits); None where no agent answers."""
+    from kvtrace.client import AgentClient
+    from kvtrace.config import ConfigError, config_from_args
+    from kvtrace.errors import CommandError
+
+    try:
+        config = config_from_args(args)
+        if not config.socket.exists():
+            return None
+        with AgentClient.for_config(config) as agent:
+            info = agent.info()
+    except (ConfigError, CommandError):
+        return None
+    waiting = next((c.reason for c in info.components if c.name == "libraries" and not c.up), "")
+    return frozenset((library.file_device, library.inode) for library in info.attached_libraries), waiting
+
+
+def process_findings(pid: int, agent: tuple[frozenset[tuple[int, int]], str] | None = None) -> list:
+    """What the agent would attach to in `pid`, and whether it gets Python stacks (and why not); with the
+    running agent's attached libraries (`agent`), whether it does."""
     import platform
 
     from kvtrace.sources.bpf.discovery import Discovery
@@ -222,9 +242,19 @@ def process_findings(pid: int) -> list:
     findings = []
     targets = Discovery().scan_pid(pid)
     cuda = [target for target in targets if target.symbols]
-    if cuda:
+    waiting = [t for t in cuda if (t.file_id.device, t.file_id.inode) not in agent[0]] if agent else []
+    if waiting and len(waiting) == len(cuda):
+        findings.append(Finding(
+            f"{name} cuda", True, f"not traced: waiting for a library slot ({', '.join(t.path for t in waiting)} "
+            f"has no probes in the running agent: {agent[1] if agent and agent[1] else 'not attached yet'}); "
+            "fix: stop the processes that hold the slots (`kvtrace doctor` names the libraries component), "
+            "or restart the agent with a larger --max-libraries", warning=True))
+    elif cuda:
         libraries = ", ".join(f"{t.path} ({len(t.symbols)} functions)" for t in cuda)
-        findings.append(Finding(f"{name} cuda", True, f"traceable: {libraries}"))
+        blind = (f"; but {', '.join(t.path for t in waiting)} waits for a library slot: "
+                 f"{agent[1] if agent else ''}") if waiting else ""
+        findings.append(Finding(f"{name} cuda", True, f"{'traced' if agent else 'traceable'}: {libraries}{blind}",
+                                warning=bool(waiting)))
     else:
         findings.append(Finding(f"{name} cuda", True, "maps no CUDA library yet (nothing to trace "
                                 "until it loads libcudart or libcuda)", warning=True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from kvtrace.model.agent import AgentInfo, ComponentStatus, TrackedProcess
+from kvtrace.model.agent import AgentInfo, ComponentStatus, PartyShare, TrackedProcess
 from kvtrace.model.crosscheck import ProcessCrossCheck
 from kvtrace.model.depth import DepthRequest, ProcessDepth
 from kvtrace.model.events import Api
@@ -66,6 +66,10 @@ class AgentState(Protocol):
 
     def counters(self) -> dict[str, int]:
         """events_submitted, events_lost, ledger_full, unknown_frees, events_seen, resyncs, ..."""
+        ...
+
+    def shares(self) -> list[PartyShare]:
+        """Users and processes refused because their share of a shared map was full (most refused first)."""
         ...
 
     def process_titles(self) -> dict[int, str]:

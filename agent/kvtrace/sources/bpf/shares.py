@@ -10,7 +10,8 @@ everybody. So each has a share per user, and a reserve the others keep (probes/s
 
 A party whose share is full is refused, counted per process and per user (not stored, no event), and named
 (`kvtrace doctor`, /metrics, the `shares` component); the others go on. Library slots (targets.py) have a
-share per user too (`library_share`).
+share per user too (`library_share`: a user's libraries a quarter of --max-libraries, every user's but root's
+together half; a library a root process maps waits only for the limit).
 
 Figures a process chooses are bounded where they enter: device ordinals to [0, MAX_DEVICES) (else unknown),
 and sizes to `max_object_bytes` of the ledger (the ledger's size times it stays below 2^62, so no total can
@@ -21,6 +22,10 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
+
+from kvtrace.model.agent import PartyShare
+from kvtrace.session import Session
 
 MAX_DEVICES = 64  # KVT_MAX_DEVICES (probes/kvtrace.h)
 UID_USERS = 0xFFFF_FFFF  # KVT_UID_USERS: the record of every user but root together
@@ -86,22 +91,6 @@ class RawShare(ctypes.Structure):
     ]
 
 
-@dataclass(frozen=True, slots=True)
-class PartyShare:
-    """What one party (a user, or a process with its user) holds of the kernel's maps and was refused."""
-
-    uid: int
-    pid: int  # 0: the user's record
-    ledger_entries: int
-    totals_keys: int
-    refused_entries: int
-    refused_totals: int
-
-    @property
-    def refused(self) -> int:
-        return self.refused_entries + self.refused_totals
-
-
 def decode_shares(items: Iterable[tuple[int, RawShare]], by_pid: bool) -> list[PartyShare]:
     """(key, struct kvt_share) pairs of pid_shares (`by_pid`) or uid_shares, without the all-users record."""
     return [PartyShare(uid=value.uid, pid=key if by_pid else 0, ledger_entries=max(0, value.ledger_entries),
@@ -137,3 +126,42 @@ def shares_reason(users: list[PartyShare], processes: list[PartyShare], ledger: 
     return ("; ".join(parts) + (f"; and {more} more users" if more > 0 else "")
             + ": only they are degraded (their own allocations untraced); stop the process, or raise "
               "--max-ledger-entries / --max-totals if the load is real")
+
+
+class ShareReader(Protocol):
+    def read_shares(self, by_pid: bool) -> list[tuple[int, RawShare]]: ...
+
+
+# The processes' records (up to MAX_SHARED_PIDS, one system call each) are read at most this often, and only
+# while some user is refused: the event loop turns within a second during an attack.
+PROCESS_READ_SECONDS = 5.0
+
+
+class ShareWatch:
+    """Reads who the probes refused (uid_shares at every report, pid_shares now and then while a user is
+    refused) and tells the Session: the refused parties (/metrics) and the `shares` component (doctor)."""
+
+    def __init__(self, maps: ShareReader, session: Session, max_ledger_entries: int, max_totals: int) -> None:
+        self._maps, self._session = maps, session
+        self._ledger, self._totals = Share(max_ledger_entries), Share(max_totals)
+        self._processes: list[PartyShare] = []
+        self._processes_read = -PROCESS_READ_SECONDS
+        self._refused_seen = 0
+
+    def report(self, now: float) -> None:
+        users = refused_parties(decode_shares(self._maps.read_shares(False), by_pid=False))
+        refused = sum(user.refused for user in users)
+        if not users:
+            self._processes = []
+        elif refused != self._refused_seen and now - self._processes_read >= PROCESS_READ_SECONDS:
+            self._processes = [process for process in decode_shares(self._maps.read_shares(True), by_pid=True)
+                               if process.refused]
+            self._processes_read, self._refused_seen = now, refused
+        titles = {}
+        for process in self._processes:
+            info = self._session.process(process.pid)
+            if info is not None:
+                titles[process.pid] = info.title
+        self._session.report_shares([*users, *self._processes])
+        reason = shares_reason(users, self._processes, self._ledger, self._totals, titles)
+        self._session.report_component("shares", not reason, reason)
