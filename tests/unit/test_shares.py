@@ -4,7 +4,6 @@ tests/integration/test_shares.py)."""
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from test_bpf_source import LibraryProbes, _library
 
 from kvtrace.model.agent import OutstandingTotal, PartyShare, TrackedProcess
 from kvtrace.model.events import Api, Layer, Memory
@@ -16,16 +15,17 @@ from kvtrace.sources.bpf import abi
 from kvtrace.sources.bpf.discovery import FileId
 from kvtrace.sources.bpf.shares import (
     MAX_DEVICES,
+    UID_USERS,
     RawShare,
     Share,
     ShareWatch,
-    UID_USERS,
     max_object_bytes,
     share_cflags,
 )
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
 from kvtrace.wire.agent import process_growth_to_proto, process_to_proto
 from kvtrace.wire.common import U64_MAX
+from test_bpf_source import LibraryProbes, _library
 
 
 def test_the_shares_of_a_map_leave_the_others_a_reserve():

@@ -245,8 +245,8 @@ def process_findings(pid: int, agent: tuple[frozenset[tuple[int, int]], str] | N
     waiting = [t for t in cuda if (t.file_id.device, t.file_id.inode) not in agent[0]] if agent else []
     if waiting and len(waiting) == len(cuda):
         findings.append(Finding(
-            f"{name} cuda", True, f"not traced: waiting for a library slot ({', '.join(t.path for t in waiting)} "
-            f"has no probes in the running agent: {agent[1] if agent and agent[1] else 'not attached yet'}); "
+            f"{name} cuda", True, f"not traced: waiting for a library slot ({', '.join(sorted(t.path for t in waiting))}: "
+            f"no probes in the running agent, which says: {agent[1] if agent and agent[1] else 'not attached yet'}); "
             "fix: stop the processes that hold the slots (`kvtrace doctor` names the libraries component), "
             "or restart the agent with a larger --max-libraries", warning=True))
     elif cuda:
