@@ -244,9 +244,10 @@ def process_findings(pid: int, agent: tuple[frozenset[tuple[int, int]], str] | N
     cuda = [target for target in targets if target.symbols]
     waiting = [t for t in cuda if (t.file_id.device, t.file_id.inode) not in agent[0]] if agent else []
     if waiting and len(waiting) == len(cuda):
+        paths = ", ".join(sorted(t.path for t in waiting))
         findings.append(Finding(
-            f"{name} cuda", True, f"not traced: waiting for a library slot ({', '.join(sorted(t.path for t in waiting))}: "
-            f"no probes in the running agent, which says: {agent[1] if agent and agent[1] else 'not attached yet'}); "
+            f"{name} cuda", True, f"not traced: waiting for a library slot ({paths}: no probes in the running "
+            f"agent, which says: {agent[1] if agent and agent[1] else 'not attached yet'}); "
             "fix: stop the processes that hold the slots (`kvtrace doctor` names the libraries component), "
             "or restart the agent with a larger --max-libraries", warning=True))
     elif cuda:
