@@ -105,6 +105,11 @@ _AGENT_COUNTERS = {
                    "--max-ledger-entries",
     "totals_full": "allocation changes the kernel's totals map had no room for: those processes' totals are "
                    "off until they exit; restart with a larger --max-totals",
+    "share_full": "allocations refused because their user held its share of the kernel's ledger: counted, not "
+                  "stored; the shares component names the users and processes",
+    "sizes_clamped": "allocation sizes above what any device or host holds, kept as the bound (a process "
+                     "making up sizes?)",
+    "devices_clamped": "device ordinals outside 0-63, kept as unknown (a process making up ordinals?)",
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",
 }
