@@ -4,8 +4,9 @@ root workload started during each gets: the figures for bench/RESULTS.md §N (be
 - ledger: the user's own cuMemAlloc_v2 (tests/integration/stubs/hog.c) makes FILL allocations at made-up
   addresses; then a root workload holds 13 cudaMalloc of 1 MiB (26 ledger entries): how many does the agent
   list, and what does it say of the attacker (counters, the shares component)?
-- figures: the user's process selects 8 194 device ordinals (one 1 MiB allocation each) and holds 2 000
-  allocations of 2^62 bytes: do `kvtrace ps` and `kvtrace top --once` work, and how large is /metrics?
+- figures: the user's process selects 20 000 device ordinals (--devices; one 1 MiB allocation each: the totals
+  map fills) and holds 2 000 allocations of 2^62 bytes on one more: do `kvtrace ps` and `kvtrace top --once`
+  work, and how large is /metrics?
 - slots: the user maps 80 renamed copies of libcudart; then a root process loads a newly installed one: is it
   traced (17 of 17 cudaMalloc), and what does `kvtrace doctor --pid` say of a process of the user's that maps
   only a fresh copy?
@@ -109,20 +110,22 @@ def attack_ledger(build, hog, env, work, fill: int) -> dict:
     return result
 
 
-def attack_figures(build, hog, env, work) -> dict:
+def attack_figures(build, hog, env, work, devices: int) -> dict:
     socket = work / "figures.sock"
     with AgentProcess(socket, "--cmdline", "hog|workload", "--no-nvml", "--metrics-listen", METRICS, env=env):
-        with Workload(as_attacker(hog, "alloc", 8194, 2000, 0)) as attacker:
+        with Workload(as_attacker(hog, "alloc", devices, 2000, 0)) as attacker:
             attacker.wait_ready()
             time.sleep(1.5)
             attacker.go()
             attacker.expect_line("done", timeout_s=300)
             time.sleep(2.5)
-            result: dict = {"attack": "figures", **root_hold(build, env, socket)}
+            result: dict = {"attack": "figures", "devices": devices, **root_hold(build, env, socket)}
             for name, args in (("ps", ("ps",)), ("top", ("top", "--once"))):
                 done = client(env, socket, *args)
                 result[f"{name}_rc"] = done.returncode
                 result[f"{name}_error"] = (done.stderr.strip().splitlines() or [""])[-1][:200]
+                result[f"{name}_attacker_rows"] = [" ".join(line.split())[:160] for line in done.stdout.splitlines()
+                                                   if "hog" in line][:3]
             started = time.monotonic()
             body = urllib.request.urlopen(f"http://{METRICS}/metrics", timeout=60).read()
             result.update(metrics_bytes=len(body), metrics_lines=body.count(b"\n"),
@@ -196,6 +199,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", type=Path, help="another commit's agent/ and probes/ (see above)")
     parser.add_argument("--fill", type=int, default=1_100_000, help="the ledger attack's allocations")
+    parser.add_argument("--devices", type=int, default=20_000, help="the figures attack's device ordinals")
     parser.add_argument("--only", choices=("ledger", "figures", "slots"), action="append")
     args = parser.parse_args()
     env = dict(os.environ)
@@ -217,7 +221,7 @@ def main() -> int:
             if name == "ledger":
                 result = attack_ledger(build, hog, env, work, args.fill)
             elif name == "figures":
-                result = attack_figures(build, hog, env, work)
+                result = attack_figures(build, hog, env, work, args.devices)
             else:
                 result = attack_slots(build, hog, env, work)
             print(json.dumps(result), flush=True)

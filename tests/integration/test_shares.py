@@ -28,7 +28,7 @@ from kvtrace.wire.agent import process_to_proto
 
 ATTACKER_UID = 61_000 + os.getpid() % 1000  # a uid no account and no other test on this host uses
 LEDGER_ENTRIES, TOTALS_KEYS = 4096, 1024  # small maps: a share (a quarter) is 1024 entries, 256 keys
-DEVICES, HUGE, FILL = 100, 200, 3000  # the attacker's calls: 3 300 allocations, 36 ordinals out of range
+DEVICES, HUGE, FILL = 100, 200, 3000  # the attacker's calls: 3 300 allocations, 37 ordinals out of range
 MAX_LIBRARIES = 8  # a user's share: 2 libraries; the users' together: 4
 
 
@@ -123,7 +123,7 @@ def test_a_user_filling_the_kernel_ledger_is_refused_alone_and_a_root_workload_i
     assert f'kvtrace_share_refused_total{{resource="ledger",uid="{ATTACKER_UID}"}} 2276.0'.encode() in scrape
     assert len(scrape) < 64 << 10  # /metrics stays small: the attacker's 65 GPUs are 8 series and "other"
     # AND the figures it chose were bounded where they entered: 36 ordinals kept as unknown, sizes at the bound
-    assert counters["devices_clamped"] == DEVICES - 64 and counters["sizes_clamped"] == HUGE
+    assert counters["devices_clamped"] == DEVICES + 1 - 64 and counters["sizes_clamped"] == HUGE
     assert {e.device for e in held} == {-1, *range(64)}
     assert max(e.size_bytes for e in held) == max_object_bytes(LEDGER_ENTRIES)
     # AND every process's report converts (no figure out of a field's range)

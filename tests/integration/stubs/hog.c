@@ -2,8 +2,8 @@
  * allocate nothing, and copies of libcudart by the dozen.
  *
  *   hog alloc DEVICES HUGE FILL   cudaSetDevice(d) and one cuMemAlloc_v2 of 1 MiB for each d < DEVICES, then
- *                                 cudaSetDevice(0), HUGE allocations of 2^62 bytes and FILL of 4 KiB, each at a
- *                                 made-up address of its own (nothing is allocated);
+ *                                 cudaSetDevice(DEVICES), HUGE allocations of 2^62 bytes and FILL of 4 KiB, each
+ *                                 at a made-up address of its own (nothing is allocated);
  *   hog libs PATH...              dlopen of each library (copies of the stub libcudart).
  * Protocol: prints "ready PID", waits for a line, does it, prints "done", holds everything until stdin closes.
  * Built by tests/integration/test_shares.py (-O0 -fno-inline: every entry point is a real call).
@@ -56,7 +56,7 @@ int main(int argc, char **argv) {
             cudaSetDevice((int)d);
             cuMemAlloc_v2(&address, 1 << 20);
         }
-        cudaSetDevice(0);
+        cudaSetDevice((int)devices); /* one more: where the totals map is full, a key it has no room for */
         for (long i = 0; i < huge; i++)
             cuMemAlloc_v2(&address, 1ULL << 62);
         for (long i = 0; i < fill; i++)
