@@ -84,7 +84,8 @@ def root_hold(build, env, socket) -> dict:
             time.sleep(0.2)
         seconds = time.monotonic() - started
         workload.finish()
-    return {"root_entries_listed": listed, "root_entries_made": 2 * len(calls), "root_listed_after_s": round(seconds, 2)}
+    return {"root_entries_listed": listed, "root_entries_made": 2 * len(calls),
+            "root_listed_after_s": round(seconds, 2)}
 
 
 def attack_ledger(build, hog, env, work, fill: int) -> dict:
@@ -98,7 +99,8 @@ def attack_ledger(build, hog, env, work, fill: int) -> dict:
             attacker.expect_line("done", timeout_s=600)
             attack_seconds = time.monotonic() - started
             time.sleep(1.5)
-            result = {"attack": "ledger", "fill": fill, "attack_s": round(attack_seconds, 1), **root_hold(build, env, socket)}
+            result = {"attack": "ledger", "fill": fill, "attack_s": round(attack_seconds, 1),
+                      **root_hold(build, env, socket)}
             agent_info = info(env, socket)
             counters = agent_info.get("counters", {})
             result.update({name: int(counters.get(name, 0)) for name in (
@@ -183,8 +185,8 @@ def attack_slots(build, hog, env, work) -> dict:
                         result["doctor_pid_says"] = next((line for line in doctor.stdout.splitlines()
                                                           if f"pid {second_pid} cuda" in line), "")[:400]
                         agent_info = info(env, socket)
-                        result["libraries_attached"] = int(agent_info.get("counters", {}).get("librariesAttached", 0)
-                                                           or agent_info.get("counters", {}).get("libraries_attached", 0))
+                        counters = agent_info.get("counters", {})
+                        result["libraries_attached"] = int(counters.get("libraries_attached", 0))
                         result["said"] = shares_component(agent_info)
                         workload.finish()
                     second.finish()
