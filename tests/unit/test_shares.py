@@ -86,6 +86,20 @@ def test_a_refused_user_and_its_processes_are_named_and_nobody_else():
     assert maps.process_reads == 1
 
 
+def test_a_user_refused_long_ago_below_its_share_is_no_longer_degraded():
+    # GIVEN uid 1001 was refused 23 entries, and now holds 5 (its processes exited)
+    maps = ShareMaps([(1001, _raw(1001, 5, 23))], [])
+    session = Session()
+    watch = ShareWatch(maps, session, 1 << 20, 16384)
+    watch.report(now=100.0)
+    assert not [c for c in session.components() if c.name == "shares"][0].up
+    # WHEN no refusal came for 60 s
+    watch.report(now=160.0)
+    # THEN the component is up again, and its count stays for /metrics
+    (status,) = [c for c in session.components() if c.name == "shares"]
+    assert status.up and [(p.uid, p.refused_entries) for p in session.shares()] == [(1001, 23)]
+
+
 def test_nobody_refused_leaves_the_component_up():
     session = Session()
     ShareWatch(ShareMaps([(0, _raw(0, 37, 0))], []), session, 1 << 20, 16384).report(now=1.0)

@@ -135,6 +135,9 @@ class ShareReader(Protocol):
 # The processes' records (up to MAX_SHARED_PIDS, one system call each) are read at most this often, and only
 # while some user is refused: the event loop turns within a second during an attack.
 PROCESS_READ_SECONDS = 5.0
+# A refused user is degraded while it holds its share, and this long after its last refusal; its counts stay on
+# /metrics (they only grow).
+DEGRADED_SECONDS = 60.0
 
 
 class ShareWatch:
@@ -147,10 +150,17 @@ class ShareWatch:
         self._processes: list[PartyShare] = []
         self._processes_read = -PROCESS_READ_SECONDS
         self._refused_seen = 0
+        self._refused_at: dict[int, tuple[int, float]] = {}  # uid -> (its refusals, when they last grew)
 
     def report(self, now: float) -> None:
         users = refused_parties(decode_shares(self._maps.read_shares(False), by_pid=False))
         refused = sum(user.refused for user in users)
+        for user in users:
+            if self._refused_at.get(user.uid, (0, 0.0))[0] != user.refused:
+                self._refused_at[user.uid] = (user.refused, now)
+        degraded = [user for user in users if now - self._refused_at[user.uid][1] < DEGRADED_SECONDS
+                    or user.ledger_entries >= self._ledger.of(user.uid)
+                    or user.totals_keys >= self._totals.of(user.uid)]
         if not users:
             self._processes = []
         elif refused != self._refused_seen and now - self._processes_read >= PROCESS_READ_SECONDS:
@@ -163,5 +173,5 @@ class ShareWatch:
             if info is not None:
                 titles[process.pid] = info.title
         self._session.report_shares([*users, *self._processes])
-        reason = shares_reason(users, self._processes, self._ledger, self._totals, titles)
+        reason = shares_reason(degraded, self._processes, self._ledger, self._totals, titles)
         self._session.report_component("shares", not reason, reason)
