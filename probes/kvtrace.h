@@ -287,10 +287,12 @@ struct kvt_totals_value {
 #define KVT_UID_USERS 0xffffffffu /* (uid_t)-1, no user's: the sum of every user but root */
 
 struct kvt_share {
-    s64 ledger_entries;  /* entries of the ledger it holds now */
+    s64 ledger_entries;  /* pid_shares: entries of the ledger it holds now; uid_shares: what its processes were
+                          * charged for theirs (shares.h share_take: a batch at a time) */
     s64 totals_keys;     /* keys of ledger_totals it holds now */
     u64 refused_entries; /* ledger entries refused: its share was full (counted, not stored) */
     u64 refused_totals;  /* totals keys refused: its share was full (its totals are off) */
+    s64 charged;         /* pid_shares: ledger entries its user was charged for it */
     u32 uid;             /* pid_shares: the process's user when it first inserted; uid_shares: the key */
     u32 pids;            /* uid_shares: processes with a record in pid_shares */
 };

@@ -24,13 +24,13 @@ static __always_inline void totals_add(u32 pid, s32 device, u8 layer, u8 memory,
     if (!totals) {
         /* A new key is the process's user's to hold (shares.h): refused over its share, like a full map. */
         struct kvt_parties parties;
-        if (!share_take(pid, KVT_SHARE_TOTALS, &parties)) {
+        if (!share_take_key(pid, &parties)) {
             count(KVT_COUNTER_TOTALS_FULL);
             return;
         }
         struct kvt_totals_value zero = {};
         if (ledger_totals.insert(&key, &zero) != 0) /* another CPU made it meanwhile (or no room) */
-            parties_add(&parties, KVT_SHARE_TOTALS, -1);
+            parties_add_keys(&parties, -1);
         totals = ledger_totals.lookup(&key);
         if (!totals) {
             count(KVT_COUNTER_TOTALS_FULL);
@@ -91,8 +91,8 @@ static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory,
     value.sample_kib = sample_kib;
     value.sampled = sampled;
     value.unsent = unsent;
-    struct kvt_parties parties;
-    if (!share_take(key.pid, KVT_SHARE_LEDGER, &parties))
+    struct kvt_share *share = share_take(key.pid);
+    if (!share)
         return 0;
     /* Inserted only where the key is new: one map operation, where a lookup first was two. The same
      * key still there means its free was never seen: the old entry goes (and leaves the totals, if
@@ -106,7 +106,7 @@ static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory,
             u8 old_memory = old->memory;
             s64 old_size = old->size_bytes;
             if (ledger.delete(&key) == 0) {
-                parties_add(&parties, KVT_SHARE_LEDGER, -1); /* the old entry's */
+                entry_give(share); /* the old entry's */
                 if (counted_object(object))
                     totals_add(key.pid, old_device, layer, old_memory, -old_size, -1);
             }
@@ -118,10 +118,10 @@ static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory,
             totals_add(key.pid, device, layer, memory, size_bytes, 1);
     } else if (error == -KVT_EEXIST) {
         count(KVT_COUNTER_LEDGER_REPLACED); /* again: another thread put this address back meanwhile */
-        parties_add(&parties, KVT_SHARE_LEDGER, -1);
+        entry_give(share);
     } else {
         count(KVT_COUNTER_LEDGER_FULL);
-        parties_add(&parties, KVT_SHARE_LEDGER, -1);
+        entry_give(share);
     }
     mark_tracked(key.pid, tracked);
     return value.timestamp_ns;

@@ -21,6 +21,9 @@
 #if !defined(KVT_SHARE_USER_PIDS) || !defined(KVT_SHARE_ROOT_PIDS) || !defined(KVT_SHARE_USERS_PIDS)
 #error "KVT_SHARE_{USER,ROOT,USERS}_PIDS: process records one user, root, every user but root may hold"
 #endif
+#ifndef KVT_SHARE_BATCH
+#error "KVT_SHARE_BATCH: ledger entries a process is charged to its user at a time"
+#endif
 #ifndef KVT_MAX_SHARED_PIDS
 #error "KVT_MAX_SHARED_PIDS: processes with a share record at once"
 #endif

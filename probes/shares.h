@@ -9,9 +9,6 @@
 BPF_HASH(pid_shares, u32, struct kvt_share, KVT_MAX_SHARED_PIDS);
 BPF_HASH(uid_shares, u32, struct kvt_share, KVT_MAX_SHARED_UIDS);
 
-#define KVT_SHARE_LEDGER 0
-#define KVT_SHARE_TOTALS 1
-
 /* The records a change is charged to: the process's, its user's, and (not root) every user's together. */
 struct kvt_parties {
     struct kvt_share *process;
@@ -70,61 +67,87 @@ static __always_inline int parties_of(u32 pid, struct kvt_parties *parties) {
     return 1;
 }
 
-static __always_inline void parties_add(struct kvt_parties *parties, int what, s64 delta) {
-    if (what == KVT_SHARE_LEDGER) {
-        __sync_fetch_and_add(&parties->process->ledger_entries, delta);
-        __sync_fetch_and_add(&parties->user->ledger_entries, delta);
-        if (parties->users)
-            __sync_fetch_and_add(&parties->users->ledger_entries, delta);
-    } else {
-        __sync_fetch_and_add(&parties->process->totals_keys, delta);
-        __sync_fetch_and_add(&parties->user->totals_keys, delta);
-        if (parties->users)
-            __sync_fetch_and_add(&parties->users->totals_keys, delta);
-    }
+static __always_inline void parties_add_keys(struct kvt_parties *parties, s64 delta) {
+    __sync_fetch_and_add(&parties->process->totals_keys, delta);
+    __sync_fetch_and_add(&parties->user->totals_keys, delta);
+    if (parties->users)
+        __sync_fetch_and_add(&parties->users->totals_keys, delta);
 }
 
-/* Takes one ledger entry (KVT_SHARE_LEDGER) or totals key of the calling process's share: 1, or 0 where the
- * process's user (or every user together) holds its share already, counted on the process's and the user's
- * records. Checked then added: CPUs inserting at once may pass the share by one each. */
-static __always_inline int share_take(u32 pid, int what, struct kvt_parties *parties) {
+/* Takes one totals key of the calling process's share: 1, or 0 where its user (or every user together) holds its
+ * share of keys already, counted on the process's and user's records. (Keys are made seldom: a few a process.) */
+static __always_inline int share_take_key(u32 pid, struct kvt_parties *parties) {
     if (!parties_of(pid, parties))
         return 0;
     struct kvt_share *user = parties->user, *users = parties->users;
-    int full;
-    if (what == KVT_SHARE_LEDGER)
-        full = user->ledger_entries >= (users ? KVT_SHARE_USER_LEDGER : KVT_SHARE_ROOT_LEDGER) ||
-               (users && users->ledger_entries >= KVT_SHARE_USERS_LEDGER);
-    else
-        full = user->totals_keys >= (users ? KVT_SHARE_USER_TOTALS : KVT_SHARE_ROOT_TOTALS) ||
-               (users && users->totals_keys >= KVT_SHARE_USERS_TOTALS);
-    if (full) {
-        if (what == KVT_SHARE_LEDGER) {
-            __sync_fetch_and_add(&parties->process->refused_entries, 1);
-            __sync_fetch_and_add(&user->refused_entries, 1);
-            count(KVT_COUNTER_SHARE_FULL);
-        } else {
-            __sync_fetch_and_add(&parties->process->refused_totals, 1);
-            __sync_fetch_and_add(&user->refused_totals, 1);
-        }
+    if (user->totals_keys >= (users ? KVT_SHARE_USER_TOTALS : KVT_SHARE_ROOT_TOTALS) ||
+        (users && users->totals_keys >= KVT_SHARE_USERS_TOTALS)) {
+        __sync_fetch_and_add(&parties->process->refused_totals, 1);
+        __sync_fetch_and_add(&user->refused_totals, 1);
         return 0;
     }
-    parties_add(parties, what, 1);
+    parties_add_keys(parties, 1);
     return 1;
+}
+
+/* Ledger entries are charged to the user KVT_SHARE_BATCH at a time: a process takes a batch of its user's share
+ * when its entries pass what it was charged, and gives one back when it holds two batches more than its entries,
+ * so that an insert or a delete costs one lookup (its process's record) and one add, and its user's record is
+ * touched once in a batch. A user's figure is what its processes were charged: at most a batch and a half a
+ * process above their entries; exact against its share where the share is a multiple of the batch. */
+static __always_inline void charge(struct kvt_share *process, s64 delta) {
+    u32 uid = process->uid, users_key = KVT_UID_USERS;
+    __sync_fetch_and_add(&process->charged, delta);
+    struct kvt_share *user = uid_shares.lookup(&uid);
+    if (user)
+        __sync_fetch_and_add(&user->ledger_entries, delta);
+    struct kvt_share *users = uid ? uid_shares.lookup(&users_key) : 0;
+    if (users)
+        __sync_fetch_and_add(&users->ledger_entries, delta);
+}
+
+/* Takes one ledger entry of the calling process's share: its record, or NULL where its user (or every user
+ * together) holds its share already (counted on the process's and the user's records). */
+static __always_inline struct kvt_share *share_take(u32 pid) {
+    struct kvt_share *process = pid_shares.lookup(&pid);
+    if (!process) {
+        struct kvt_parties parties;
+        if (!parties_of(pid, &parties))
+            return 0;
+        process = parties.process;
+    }
+    s64 entries = __sync_fetch_and_add(&process->ledger_entries, 1) + 1;
+    if (entries <= process->charged)
+        return process;
+    u32 uid = process->uid, users_key = KVT_UID_USERS;
+    struct kvt_share *user = uid_shares.lookup(&uid);
+    struct kvt_share *users = uid ? uid_shares.lookup(&users_key) : 0;
+    if (!user || (uid && !users) ||
+        user->ledger_entries + KVT_SHARE_BATCH > (uid ? KVT_SHARE_USER_LEDGER : KVT_SHARE_ROOT_LEDGER) ||
+        (users && users->ledger_entries + KVT_SHARE_BATCH > KVT_SHARE_USERS_LEDGER)) {
+        __sync_fetch_and_add(&process->ledger_entries, -1);
+        __sync_fetch_and_add(&process->refused_entries, 1);
+        if (user)
+            __sync_fetch_and_add(&user->refused_entries, 1);
+        count(KVT_COUNTER_SHARE_FULL);
+        return 0;
+    }
+    charge(process, KVT_SHARE_BATCH);
+    return process;
+}
+
+/* Gives back one ledger entry of a process's record (share_take's). */
+static __always_inline void entry_give(struct kvt_share *process) {
+    s64 entries = __sync_fetch_and_add(&process->ledger_entries, -1) - 1;
+    if (process->charged - entries > 2 * KVT_SHARE_BATCH)
+        charge(process, -KVT_SHARE_BATCH);
 }
 
 /* Gives back one ledger entry of process `pid` (the caller's: only a process deletes its entries in a probe). */
 static __always_inline void share_give(u32 pid) {
-    struct kvt_parties parties;
     struct kvt_share *process = pid_shares.lookup(&pid);
-    if (!process)
-        return; /* made before its records (none: refused) */
-    u32 uid = process->uid, users_key = KVT_UID_USERS;
-    parties.process = process;
-    parties.user = uid_shares.lookup(&uid);
-    parties.users = uid ? uid_shares.lookup(&users_key) : 0;
-    if (parties.user && (!uid || parties.users))
-        parties_add(&parties, KVT_SHARE_LEDGER, -1);
+    if (process) /* none: made before its record (refused) */
+        entry_give(process);
 }
 
 /* At the process's exit: what it held goes back to its user (the entries themselves leave the maps when user
@@ -134,7 +157,7 @@ static __always_inline void shares_release(u32 pid) {
     if (!process)
         return;
     u32 uid = process->uid, users_key = KVT_UID_USERS;
-    s64 entries = process->ledger_entries, keys = process->totals_keys;
+    s64 entries = process->charged, keys = process->totals_keys;
     if (pid_shares.delete(&pid) != 0)
         return; /* another CPU released it */
     struct kvt_share *user = uid_shares.lookup(&uid);

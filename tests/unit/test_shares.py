@@ -3,6 +3,8 @@ slots per user, and figures a process chooses bounded on /metrics and on the wir
 tests/integration/test_shares.py)."""
 from __future__ import annotations
 
+import ctypes
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtrace.model.agent import OutstandingTotal, PartyShare, TrackedProcess
@@ -20,6 +22,7 @@ from kvtrace.sources.bpf.shares import (
     Share,
     ShareWatch,
     max_object_bytes,
+    share_batch,
     share_cflags,
 )
 from kvtrace.sources.bpf.source import BpfOptions, BpfSource
@@ -214,3 +217,24 @@ def test_a_total_of_2000_objects_of_2_to_the_62_bytes_saturates_on_the_wire():
                      time_to_oom_seconds=None, allocations_1m=2000, frees_1m=0, free_ratio_1m=None)
     message = process_growth_to_proto(row)
     assert message.outstanding_bytes == U64_MAX and message.unattributed_bytes == -(2**63)
+
+
+def test_the_share_record_matches_the_header():
+    from test_abi import _SIZES, _struct_fields
+
+    fields = _struct_fields("kvt_share")
+    assert [name for name, _ in fields] == [name for name, _ in RawShare._fields_]
+    offset = 0
+    for name, c_type in fields:
+        assert getattr(RawShare, name).offset == offset, name
+        offset += _SIZES[c_type]
+    assert ctypes.sizeof(RawShare) == offset == 48
+
+
+def test_a_share_is_a_whole_number_of_batches():
+    for entries in (16, 1024, 4096, 1 << 20, 1 << 22):
+        batch = share_batch(entries)
+        share = Share(entries)
+        assert batch & (batch - 1) == 0 and batch <= 64
+        assert share.user % batch == share.users % batch == share.root % batch == 0
+    assert share_batch(1 << 20) == 64 and share_batch(16) == 1

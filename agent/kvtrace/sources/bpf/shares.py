@@ -67,6 +67,12 @@ def max_object_bytes(max_ledger_entries: int) -> int:
     return 1 << ((1 << 62) // max(1, max_ledger_entries)).bit_length() - 1
 
 
+def share_batch(max_ledger_entries: int) -> int:
+    """Ledger entries a process is charged to its user at a time (probes/shares.h share_take): 64, or less for a
+    small ledger (a power of two, at most a 64th of it, so that each share is a whole number of batches)."""
+    return 1 << (min(64, max(1, max_ledger_entries // 64)).bit_length() - 1)
+
+
 def share_cflags(max_ledger_entries: int, max_totals: int) -> list[str]:
     """The -D flags of probes/settings.h's shares."""
     flags = []
@@ -74,7 +80,8 @@ def share_cflags(max_ledger_entries: int, max_totals: int) -> list[str]:
         share = Share(capacity)
         flags += [f"-DKVT_SHARE_USER_{name}={share.user}", f"-DKVT_SHARE_ROOT_{name}={share.root}",
                   f"-DKVT_SHARE_USERS_{name}={share.users}"]
-    return flags + [f"-DKVT_MAX_SHARED_PIDS={MAX_SHARED_PIDS}", f"-DKVT_MAX_SHARED_UIDS={MAX_SHARED_UIDS}",
+    return flags + [f"-DKVT_SHARE_BATCH={share_batch(max_ledger_entries)}",
+                    f"-DKVT_MAX_SHARED_PIDS={MAX_SHARED_PIDS}", f"-DKVT_MAX_SHARED_UIDS={MAX_SHARED_UIDS}",
                     f"-DKVT_MAX_OBJECT_BYTES={max_object_bytes(max_ledger_entries)}"]
 
 
@@ -86,6 +93,7 @@ class RawShare(ctypes.Structure):
         ("totals_keys", ctypes.c_int64),
         ("refused_entries", ctypes.c_uint64),
         ("refused_totals", ctypes.c_uint64),
+        ("charged", ctypes.c_int64),
         ("uid", ctypes.c_uint32),
         ("pids", ctypes.c_uint32),
     ]
