@@ -104,6 +104,9 @@ def test_a_user_filling_the_kernel_ledger_is_refused_alone_and_a_root_workload_i
             scrape = generate_latest(registry)
             workload.finish()
         attacker.finish()
+    harness.pump(0.5)  # its exit
+    after_exit = {user.uid: user for user in decode_shares(harness.source.probes.read_shares(False), False)}
+    records_after_exit = {p.pid for p in decode_shares(harness.source.probes.read_shares(True), True)}
     print(f"\nattacker: {len(held)} of {DEVICES + HUGE + FILL} allocations held, "
           f"{users[ATTACKER_UID].refused_entries} refused; share_full {counters['share_full']}, "
           f"devices_clamped {counters['devices_clamped']}, sizes_clamped {counters['sizes_clamped']}; "
@@ -126,6 +129,9 @@ def test_a_user_filling_the_kernel_ledger_is_refused_alone_and_a_root_workload_i
     assert counters["devices_clamped"] == DEVICES + 1 - 64 and counters["sizes_clamped"] == HUGE
     assert {e.device for e in held} == {-1, *range(64)}
     assert max(e.size_bytes for e in held) == max_object_bytes(LEDGER_ENTRIES)
+    # AND its exit gave its share back at once (its records released in the exit probe)
+    assert after_exit[ATTACKER_UID].ledger_entries == 0 and after_exit[ATTACKER_UID].totals_keys == 0
+    assert attacker_pid not in records_after_exit and pid not in records_after_exit
     # AND every process's report converts (no figure out of a field's range)
     assert {message.pid for message in messages} >= {pid, attacker_pid}
 
