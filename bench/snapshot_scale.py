@@ -260,7 +260,7 @@ def main() -> int:
         target = TorchBlocksTarget(work, args.entries)
     else:
         target = CudaMallocTarget(work, args.entries // 2)
-    max_entries = max(1 << 20, args.entries + 65536)
+    max_entries = max(1 << 20, (args.entries + 65536) * 4 // 3 + 4)  # root's share is three quarters (shares.py)
     socket = work / "kvtrace.sock"
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "code": code_version(),
                      "kvtrace": kvtrace.__file__, "machine": f"{os.cpu_count()} cores, {os.uname().release}",

@@ -342,6 +342,7 @@ static __always_inline int take_entry_on_device(struct pt_regs *ctx, u32 api, st
 
 /* `tid` is the calling thread's (with task storage, its storage is where the device goes). */
 static __always_inline void set_thread_device(u32 tid, s32 device) {
+    device = bounded_device(device);
 #if KVT_TASK_STORAGE
     struct kvt_thread *thread = this_thread(1);
     if (thread) {
@@ -358,6 +359,7 @@ static __always_inline void remember_context(u64 pctx, s32 device) {
     u64 context = 0;
     bpf_probe_read_user(&context, sizeof(context), (void *)pctx);
     struct kvt_ctx_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .ctx = context};
+    device = bounded_device(device);
     context_device.update(&key, &device);
 }
 
@@ -375,7 +377,7 @@ int return_cudaSetDevice(struct pt_regs *ctx) {
     if (!take_entry(ctx, KVT_API_cudaSetDevice, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
-    s32 device = (s32)args.arg[0];
+    s32 device = bounded_device((s32)args.arg[0]);
     if (rc == 0)
         set_thread_device((u32)bpf_get_current_pid_tgid(), device);
     emit(KVT_KIND_SET_DEVICE, KVT_API_cudaSetDevice, KVT_LAYER_RUNTIME, 0, 0, 0, 0, device, rc,

@@ -7,7 +7,8 @@
  * lost notification, counted in KVT_COUNTER_EVENTS_LOST.
  *
  * Each concern lives in a header, included in dependency order: what reaches user space (emit.h),
- * the Python stack walk (pystack.h), the context of a call and the device probes (context.h), the
+ * the Python stack walk (pystack.h), what each user may hold of the shared maps and the bounds of
+ * figures a process chooses (shares.h), the context of a call and the device probes (context.h), the
  * ledger with the allocation and free returns (ledger.h), VMM (vmm.h), PyTorch's allocator
  * through its USDT probes (usdt.h). This file lists the plain
  * allocation and free probes and the tracepoints. Settings Python owns arrive as defines
@@ -18,6 +19,7 @@
 #include "settings.h"
 #include "emit.h"
 #include "pystack.h"
+#include "shares.h"
 #include "context.h"
 #include "ledger.h"
 #include "vmm.h"
@@ -96,6 +98,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
         return 0; /* a thread, not the group leader */
 #endif
     process_device.delete(&pid); /* a later process with this pid starts on CUDA's default */
+    shares_release(pid);         /* what it held goes back to its user */
     if (!tracked_pids.lookup(&pid))
         return 0;
     /* Forgotten only once user space is told: when the ring is full, the sweep after the loss (or every

@@ -74,6 +74,9 @@
 #define KVT_API_pytorch_free        71
 
 #define KVT_DEVICE_UNKNOWN (-1)
+/* Device ordinals a probe keeps: a process chooses them (cudaSetDevice, cuMemCreate's location, a USDT
+ * argument), and every one would be a totals key and a /metrics series; beyond, a device is unknown. */
+#define KVT_MAX_DEVICES 64
 
 /* Indexes of the per-CPU counters array. */
 #define KVT_COUNTER_EVENTS_SUBMITTED 0
@@ -99,9 +102,13 @@
                                            * their events say KVT_STACK_NOT_SAMPLED (ledger exact all the same) */
 #define KVT_COUNTER_BLOCKS_QUIET     17 /* block events not sent because nobody reads them whole
                                          * (KVT_CONFIG_QUIET_BLOCKS): no loss, the ledger is exact */
-#define KVT_COUNTER_STACK_THREAD_LISTS 18 /* thread states looked up in the interpreter's list (3.15+: no
+#define KVT_COUNTER_SHARE_FULL       18 /* ledger entries refused: their user's share was full (shares.h);
+                                         * counted per process and user, not stored, no event sent */
+#define KVT_COUNTER_SIZES_CLAMPED    19 /* sizes above KVT_MAX_OBJECT_BYTES, kept as that bound */
+#define KVT_COUNTER_DEVICES_CLAMPED  20 /* device ordinals outside [0, KVT_MAX_DEVICES), kept as unknown */
+#define KVT_COUNTER_STACK_THREAD_LISTS 21 /* thread states looked up in the interpreters' lists (3.15+: no
                                             * pthread key): once per thread, and again when its state changed */
-#define KVT_COUNTER_COUNT            19
+#define KVT_COUNTER_COUNT            22
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -286,6 +293,21 @@ struct kvt_totals_key {
 struct kvt_totals_value {
     s64 size_bytes;
     s64 count;
+};
+
+/* What one party holds of the maps everybody shares (probes/shares.h): per process (pid_shares) and per
+ * user (uid_shares, also keyed KVT_UID_USERS for every user but root together). */
+#define KVT_UID_USERS 0xffffffffu /* (uid_t)-1, no user's: the sum of every user but root */
+
+struct kvt_share {
+    s64 ledger_entries;  /* pid_shares: entries of the ledger it holds now; uid_shares: what its processes were
+                          * charged for theirs (shares.h share_take: a batch at a time) */
+    s64 totals_keys;     /* keys of ledger_totals it holds now */
+    u64 refused_entries; /* ledger entries refused: its share was full (counted, not stored) */
+    u64 refused_totals;  /* totals keys refused: its share was full (its totals are off) */
+    s64 charged;         /* pid_shares: ledger entries its user was charged for it */
+    u32 uid;             /* pid_shares: the process's user when it first inserted; uid_shares: the key */
+    u32 pids;            /* uid_shares: processes with a record in pid_shares */
 };
 
 #endif

@@ -22,8 +22,15 @@ static __always_inline void totals_add(u32 pid, s32 device, u8 layer, u8 memory,
     struct kvt_totals_key key = {.pid = pid, .device = device, .layer = layer, .memory = memory};
     struct kvt_totals_value *totals = ledger_totals.lookup(&key);
     if (!totals) {
+        /* A new key is the process's user's to hold (shares.h): refused over its share, like a full map. */
+        struct kvt_parties parties;
+        if (!share_take_key(pid, &parties)) {
+            count(KVT_COUNTER_TOTALS_FULL);
+            return;
+        }
         struct kvt_totals_value zero = {};
-        ledger_totals.insert(&key, &zero); /* another CPU may have made it meanwhile: either is fine */
+        if (ledger_totals.insert(&key, &zero) != 0) /* another CPU made it meanwhile (or no room) */
+            parties_add_keys(&parties, -1);
         totals = ledger_totals.lookup(&key);
         if (!totals) {
             count(KVT_COUNTER_TOTALS_FULL);
@@ -63,7 +70,8 @@ static __always_inline struct kvt_ledger_value *ledger_lookup(u8 layer, u8 objec
 }
 
 /* Inserts an outstanding object into the in-kernel ledger; returns its timestamp, which the event
- * about it must carry too (emit_at). `tracked`: the calling thread's mark_tracked flag, or NULL.
+ * about it must carry too (emit_at), or 0 where its user's share of the ledger is full (shares.h: counted
+ * on the process's and user's records, not stored; the caller sends no event). `tracked`: the calling thread's mark_tracked flag, or NULL.
  * `sample_kib`, `sampled`: a PyTorch block's stack sampling (usdt.h block_walked); 0 for the rest. */
 static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory, u16 api, u64 address,
                                                  u64 size_bytes, s32 device, u64 caller, u64 aux, u64 stack_id,
@@ -83,6 +91,9 @@ static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory,
     value.sample_kib = sample_kib;
     value.sampled = sampled;
     value.unsent = unsent;
+    struct kvt_share *share = share_take(key.pid);
+    if (!share)
+        return 0;
     /* Inserted only where the key is new: one map operation, where a lookup first was two. The same
      * key still there means its free was never seen: the old entry goes (and leaves the totals, if
      * this delete is the one that took it) and the new one goes in. */
@@ -94,8 +105,11 @@ static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory,
             s32 old_device = old->device;
             u8 old_memory = old->memory;
             s64 old_size = old->size_bytes;
-            if (ledger.delete(&key) == 0 && counted_object(object))
-                totals_add(key.pid, old_device, layer, old_memory, -old_size, -1);
+            if (ledger.delete(&key) == 0) {
+                entry_give(share); /* the old entry's */
+                if (counted_object(object))
+                    totals_add(key.pid, old_device, layer, old_memory, -old_size, -1);
+            }
         }
         error = ledger.insert(&key, &value);
     }
@@ -104,8 +118,10 @@ static __always_inline u64 ledger_insert_sampled(u8 layer, u8 object, u8 memory,
             totals_add(key.pid, device, layer, memory, size_bytes, 1);
     } else if (error == -KVT_EEXIST) {
         count(KVT_COUNTER_LEDGER_REPLACED); /* again: another thread put this address back meanwhile */
+        entry_give(share);
     } else {
         count(KVT_COUNTER_LEDGER_FULL);
+        entry_give(share);
     }
     mark_tracked(key.pid, tracked);
     return value.timestamp_ns;
@@ -118,10 +134,19 @@ static __always_inline u64 ledger_insert(u8 layer, u8 object, u8 memory, u16 api
                                  tracked, 0, 0, 0);
 }
 
+/* Deletes a looked-up entry of the calling process, giving it back to its share; 0 where this delete
+ * is the one that took it. */
+static __always_inline int ledger_remove(struct kvt_ledger_key *key) {
+    int error = ledger.delete(key);
+    if (error == 0)
+        share_give(key->pid);
+    return error;
+}
+
 /* Deletes a looked-up entry; an allocation's or block's totals drop only where this delete is the
  * one that took it (two threads freeing one address: one of them). */
 static __always_inline void ledger_delete(struct kvt_ledger_key *key, s32 device, u8 memory, u64 size_bytes) {
-    if (ledger.delete(key) == 0 && counted_object(key->object))
+    if (ledger_remove(key) == 0 && counted_object(key->object))
         totals_add(key->pid, device, key->layer, memory, -(s64)size_bytes, -1);
 }
 
@@ -139,13 +164,13 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
     if (is_runtime_api(api))
         outer_stack.delete(&tid); /* the runtime call is over: its driver calls are done */
 #endif
-    u64 size_bytes = args.arg[1];
+    u64 size_bytes = bounded_size(args.arg[1]);
     if (pitched) {
         /* (out, size_t *pitch, width, height): the real size is pitch * height. */
         u64 pitch = 0;
         if (rc == 0)
             bpf_probe_read_user(&pitch, sizeof(pitch), (void *)args.arg[1]);
-        size_bytes = (rc == 0 ? pitch : args.arg[2]) * args.arg[3];
+        size_bytes = bounded_product(rc == 0 ? pitch : args.arg[2], args.arg[3]);
     }
     if (rc != 0) {
         emit_stack(KVT_KIND_ALLOC_FAILED, api, layer, object, memory, 0, size_bytes, device, rc,
@@ -156,6 +181,8 @@ static __always_inline int alloc_return(struct pt_regs *ctx, u16 api, u8 layer, 
     bpf_probe_read_user(&address, sizeof(address), (void *)args.arg[0]);
     u64 now = ledger_insert(layer, object, memory, api, address, size_bytes, device, args.caller_address, 0,
                             args.stack_id, tracked);
+    if (!now)
+        return 0; /* over its user's share: counted there */
     emit_at(now, KVT_KIND_ALLOC, api, layer, object, memory, address, size_bytes, device, 0,
             args.caller_address, 0, args.stack_id, args.stack_status);
     return 0;

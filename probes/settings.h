@@ -9,6 +9,32 @@
 #ifndef KVT_MAX_TOTALS
 #error "KVT_MAX_TOTALS: (process, device, layer, memory) totals of allocations and blocks"
 #endif
+/* Shares (shares.h): what one user (USER), root (ROOT) and every user but root together (USERS) may hold
+ * of the ledger's entries, the totals' keys and the process records (pid_shares, KVT_MAX_SHARED_PIDS of
+ * them); sources/bpf/shares.py owns the rule. */
+#if !defined(KVT_SHARE_USER_LEDGER) || !defined(KVT_SHARE_ROOT_LEDGER) || !defined(KVT_SHARE_USERS_LEDGER)
+#error "KVT_SHARE_{USER,ROOT,USERS}_LEDGER: ledger entries one user, root, every user but root may hold"
+#endif
+#if !defined(KVT_SHARE_USER_TOTALS) || !defined(KVT_SHARE_ROOT_TOTALS) || !defined(KVT_SHARE_USERS_TOTALS)
+#error "KVT_SHARE_{USER,ROOT,USERS}_TOTALS: totals keys one user, root, every user but root may hold"
+#endif
+#if !defined(KVT_SHARE_USER_PIDS) || !defined(KVT_SHARE_ROOT_PIDS) || !defined(KVT_SHARE_USERS_PIDS)
+#error "KVT_SHARE_{USER,ROOT,USERS}_PIDS: process records one user, root, every user but root may hold"
+#endif
+#ifndef KVT_SHARE_BATCH
+#error "KVT_SHARE_BATCH: ledger entries a process is charged to its user at a time"
+#endif
+#ifndef KVT_MAX_SHARED_PIDS
+#error "KVT_MAX_SHARED_PIDS: processes with a share record at once"
+#endif
+#ifndef KVT_MAX_SHARED_UIDS
+#error "KVT_MAX_SHARED_UIDS: users with a share record"
+#endif
+/* The largest size an object keeps (more is kept as this, and counted): the ledger's entries times it
+ * stay below 2^62, so no total can wrap. */
+#ifndef KVT_MAX_OBJECT_BYTES
+#error "KVT_MAX_OBJECT_BYTES: the largest size a ledger entry keeps"
+#endif
 #ifndef KVT_RINGBUF_PAGES
 #error "KVT_RINGBUF_PAGES: pages of the event ring buffer"
 #endif

@@ -214,12 +214,16 @@ int usdt_pytorch(struct pt_regs *ctx) {
         u8 unsent = !(python && walk) && quiet_blocks();
         /* Into the ledger first, whatever follows: the walk only adds the stack (and over the rate the
          * event is not sent and the stack not walked, which is what the rate saves). */
+        size_bytes = bounded_size(size_bytes);
+        s32 block_device = bounded_device((s32)device);
         struct kvt_walk_request block = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
                                          .address = address, .size_bytes = size_bytes, .stream = stream,
-                                         .device = (s32)device, .sampling = sample_kib != 0};
+                                         .device = block_device, .sampling = sample_kib != 0};
         block.inserted_ns = ledger_insert_sampled(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                                                  KVT_API_pytorch_malloc, address, size_bytes, (s32)device, 0,
+                                                  KVT_API_pytorch_malloc, address, size_bytes, block_device, 0,
                                                   stream, 0, 0, sample_kib, sample_kib && walk, unsent);
+        if (!block.inserted_ns)
+            return 0; /* over its user's share: counted there */
         if (unsent) {
             count(KVT_COUNTER_BLOCKS_QUIET);
             return 0;

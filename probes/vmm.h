@@ -22,19 +22,22 @@ int return_cuMemCreate(struct pt_regs *ctx) {
     s32 rc = (s32)PT_REGS_RC(ctx);
     s32 location[2] = {0, 0};
     bpf_probe_read_user(&location, sizeof(location), (void *)(args.arg[2] + 8));
-    s32 device = location[0] == 1 ? location[1] : KVT_DEVICE_UNKNOWN;
+    s32 device = location[0] == 1 ? bounded_device(location[1]) : KVT_DEVICE_UNKNOWN;
+    u64 size_bytes = bounded_size(args.arg[1]);
     if (rc != 0) {
         emit_stack(KVT_KIND_ALLOC_FAILED, KVT_API_cuMemCreate, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE,
-                   KVT_MEMORY_DEVICE, 0, args.arg[1], device, rc, args.caller_address, 0,
+                   KVT_MEMORY_DEVICE, 0, size_bytes, device, rc, args.caller_address, 0,
                    args.stack_id, args.stack_status);
         return 0;
     }
     u64 handle = 0;
     bpf_probe_read_user(&handle, sizeof(handle), (void *)args.arg[0]);
     u64 now = ledger_insert(KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE, KVT_MEMORY_DEVICE, KVT_API_cuMemCreate,
-                            handle, args.arg[1], device, args.caller_address, 0, args.stack_id, 0);
+                            handle, size_bytes, device, args.caller_address, 0, args.stack_id, 0);
+    if (!now)
+        return 0; /* over its user's share: counted there */
     emit_at(now, KVT_KIND_ALLOC, KVT_API_cuMemCreate, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE,
-            KVT_MEMORY_DEVICE, handle, args.arg[1], device, 0, args.caller_address, 0,
+            KVT_MEMORY_DEVICE, handle, size_bytes, device, 0, args.caller_address, 0,
             args.stack_id, args.stack_status);
     return 0;
 }
@@ -68,7 +71,7 @@ int return_cuMemRelease(struct pt_regs *ctx) {
              KVT_MEMORY_DEVICE, handle, size_bytes, device, 0, args.caller_address, 0);
         return 0;
     }
-    ledger.delete(&key);
+    ledger_remove(&key);
     emit(KVT_KIND_FREE, KVT_API_cuMemRelease, KVT_LAYER_VMM, KVT_OBJECT_VMM_HANDLE, KVT_MEMORY_DEVICE,
          handle, size_bytes, device, 0, args.caller_address, 0);
     return 0;
@@ -95,7 +98,7 @@ int return_cuMemMap(struct pt_regs *ctx) {
     if (!take_entry(ctx, KVT_API_cuMemMap, &args))
         return 0;
     s32 rc = (s32)PT_REGS_RC(ctx);
-    u64 va = args.arg[0], size_bytes = args.arg[1], handle = args.arg[3];
+    u64 va = args.arg[0], size_bytes = bounded_size(args.arg[1]), handle = args.arg[3];
     struct kvt_ledger_key key;
     struct kvt_ledger_value *physical = vmm_lookup(KVT_OBJECT_VMM_HANDLE, handle, &key);
     s32 device = physical ? physical->device : KVT_DEVICE_UNKNOWN;
@@ -108,6 +111,11 @@ int return_cuMemMap(struct pt_regs *ctx) {
         __sync_fetch_and_add(&physical->aux, 1);
     u64 now = ledger_insert(KVT_LAYER_VMM, KVT_OBJECT_VMM_MAPPING, KVT_MEMORY_NONE, KVT_API_cuMemMap, va,
                             size_bytes, device, args.caller_address, handle, 0, 0);
+    if (!now) { /* over its user's share: counted there; the handle is not held by this mapping */
+        if (physical)
+            __sync_fetch_and_add(&physical->aux, -1);
+        return 0;
+    }
     emit_at(now, KVT_KIND_MAP, KVT_API_cuMemMap, KVT_LAYER_VMM, KVT_OBJECT_VMM_MAPPING, KVT_MEMORY_NONE, va,
             size_bytes, device, 0, args.caller_address, handle, 0, KVT_STACK_NOT_WALKED);
     return 0;
@@ -141,14 +149,14 @@ int return_cuMemUnmap(struct pt_regs *ctx) {
         u64 handle = mapping->aux;
         u64 mapped_bytes = mapping->size_bytes;
         device = mapping->device;
-        ledger.delete(&mkey);
+        ledger_remove(&mkey);
         struct kvt_ledger_key hkey;
         struct kvt_ledger_value *physical = vmm_lookup(KVT_OBJECT_VMM_HANDLE, handle, &hkey);
         if (physical) {
             u64 left = __sync_fetch_and_add(&physical->aux, -1) - 1;
             if (left == 0 && physical->released) {
                 freed_bytes += physical->size_bytes;
-                ledger.delete(&hkey);
+                ledger_remove(&hkey);
             }
         }
         if (mapped_bytes == 0)

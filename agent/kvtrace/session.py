@@ -36,6 +36,7 @@ from kvtrace.model.agent import (
     AttachedLibrary,
     ComponentStatus,
     OutstandingTotal,
+    PartyShare,
     TrackedProcess,
 )
 from kvtrace.model.crosscheck import CrossCheck, ProcessCrossCheck, Side, TracerStatus
@@ -164,6 +165,7 @@ class Session:
         self._components: dict[str, _Component] = {}
         self._counters: dict[str, int] = {}
         self._libraries: tuple[AttachedLibrary, ...] = ()
+        self._shares: tuple[PartyShare, ...] = ()  # parties refused for a full share (report_shares)
         self._nvml: NvmlSample | None = None
         # vLLM: the plugin's latest reports per process, and the latest scrape of each /metrics URL.
         self._vllm = VllmStore()
@@ -566,6 +568,15 @@ class Session:
         """A source's counters (the probes' events_submitted, events_lost, ...), merged by name."""
         with self.lock:
             self._counters.update(counters)
+
+    def report_shares(self, refused: Iterable[PartyShare]) -> None:
+        """The users (and processes) the probes refused because their share of a shared map was full."""
+        with self.lock:
+            self._shares = tuple(refused)
+
+    def shares(self) -> list[PartyShare]:
+        with self.lock:
+            return list(self._shares)
 
     def report_libraries(self, libraries: Iterable[AttachedLibrary]) -> None:
         with self.lock:

@@ -293,18 +293,25 @@ def test_an_allocation_at_an_address_the_kernel_ledger_holds_replaces_it_and_is_
 
 
 def test_allocations_the_kernel_ledger_has_no_room_for_are_counted(bpf_here_unshared, stub_build):
-    """GIVEN a kernel ledger of 16 entries, WHEN a process makes 20 allocations (40 entries: runtime
-    and driver), THEN 16 are kept, the other 24 are counted as ledger_full, and every event is sent."""
+    """GIVEN a kernel ledger of 16 entries, 8 of them taken (written by user space, so within nobody's
+    share: root's alone is 12, shares.py), WHEN a process makes 20 allocations (40 entries: runtime and
+    driver), THEN 8 are kept, the other 32 are counted as ledger_full, and every event is sent."""
+    from kvtrace.sources.bpf import abi
+
     with Workload([stub_build.workload, "leak", "20"]) as workload:
         pid = workload.wait_ready()
         harness = TracingHarness([pid], settings=ProbeSettings(max_ledger_entries=16),
                                  preattach_globs=(str(stub_build.lib_dir / "*.so.*"),))
         try:
+            ledger = harness.source.probes._bpf[b"ledger"]
+            for number in range(8):
+                key = abi.RawLedgerKey(pid=4194999, layer=2, object=1, address=0x1000 * (number + 1))
+                ledger[key] = abi.RawLedgerValue(size_bytes=7, device=0, api=20, memory=1)
             workload.go()
             assert len(workload.read_calls()) == 20
             assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) == 40, 10)
             counters = harness.source.counters()
-            assert counters["ledger_full"] == 24
-            assert len([e for e in harness.source.kernel_ledger() if e.key.pid == pid]) == 16
+            assert counters["ledger_full"] == 32 and counters["share_full"] == 0
+            assert len([e for e in harness.source.kernel_ledger() if e.key.pid == pid]) == 8
         finally:
             harness.close()

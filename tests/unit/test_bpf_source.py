@@ -51,6 +51,9 @@ class CountingProbes:
     def totals_of(self, keys) -> list:
         return []
 
+    def read_shares(self, by_pid: bool) -> list:
+        return []
+
     def take_totals(self, keys) -> list:
         return []
 
@@ -290,6 +293,9 @@ class LibraryProbes:
 
     def torch_attached_pids(self, key) -> set[int]:
         return set()
+
+    def read_shares(self, by_pid: bool) -> list:
+        return []
 
     def detach(self, key) -> float:
         del self.live[key]

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace import __version__
 from kvtrace.cli.agent import add_metrics_flags
-from kvtrace.model.agent import ComponentStatus
+from kvtrace.model.agent import ComponentStatus, PartyShare
 from kvtrace.model.blocks import Fragmentation
 from kvtrace.model.crosscheck import ProcessCrossCheck, TracerStatus
 from kvtrace.model.depth import Depth, DepthCause, ProcessDepth, segments_only
@@ -123,6 +123,7 @@ class FakeSource:
     counters_value: dict = field(default_factory=lambda: dict(TRACER_COUNTERS))
     titles: dict = field(default_factory=lambda: dict(TITLES))
     components_value: list = field(default_factory=lambda: list(UP))
+    shares_value: list = field(default_factory=lambda: [PartyShare(1001, 0, 262144, 3, 23, 0)])
     broken: set = field(default_factory=set)
 
     def _check(self, part):
@@ -149,6 +150,9 @@ class FakeSource:
     def process_titles(self):
         self._check("titles")
         return self.titles
+
+    def shares(self):
+        return self.shares_value
 
     def cross_checks(self):
         return [ProcessCrossCheck(4242, TracerStatus(4242, "tracing"), compared=True)]
@@ -193,6 +197,9 @@ class ProxySource:
 
     def process_titles(self):
         return self.target.process_titles()
+
+    def shares(self):
+        return self.target.shares()
 
     def cross_checks(self):
         return self.target.cross_checks()

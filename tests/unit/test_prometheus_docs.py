@@ -52,6 +52,9 @@ def test_the_table_is_exactly_what_a_scrape_shows():
         def process_titles(self):
             return {}
 
+        def shares(self):
+            return []
+
         def cross_checks(self):
             return []
 

@@ -294,6 +294,9 @@ class Source:
     def process_titles(self):
         return {ENGINE: ENGINE_TITLE}
 
+    def shares(self):
+        return []
+
     def cross_checks(self):
         return []
 

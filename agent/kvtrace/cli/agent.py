@@ -66,12 +66,13 @@ class AgentCommand:
                             help="print every event as one JSON object per line on stdout")
         parser.add_argument("--max-ledger-entries", metavar="N", type=bounded_int(1024, MAX_LEDGER_ENTRIES),
                             default=1 << 20,
-                            help="size of the in-kernel ledger (default: %(default)s)")
+                            help="size of the in-kernel ledger; one user may hold a quarter of it, every user but "
+                                 "root half, root three quarters (default: %(default)s)")
         parser.add_argument("--max-totals", metavar="N", type=bounded_int(1024, MAX_TOTALS),
                             default=abi.DEFAULT_MAX_TOTALS,
                             help="(process, GPU, layer, kind of memory) totals the kernel keeps of allocations "
-                                 "and PyTorch blocks, under 100 bytes of kernel memory each; a few per process "
-                                 "(default: %(default)s)")
+                                 "and PyTorch blocks, under 100 bytes of kernel memory each; a few per process, "
+                                 "shared as the ledger is (default: %(default)s)")
         parser.add_argument("--max-read-entries", metavar="N", type=bounded_int(1, MAX_LEDGER_ENTRIES),
                             default=DEFAULT_MAX_READ_ENTRIES,
                             help="allocations the agent may copy from the kernel's ledger at once, about 450 bytes "

@@ -47,7 +47,7 @@ class DoctorCommand:
                     for finding in preflight.run_checks()]
         findings += agent_findings(args)
         if args.pid is not None:
-            findings += process_findings(args.pid)
+            findings += process_findings(args.pid, agent_libraries(args))
             findings += cross_check_findings(args, args.pid)
         if args.json:
             print(json.dumps([finding.to_json_dict() for finding in findings], indent=2))
@@ -106,6 +106,11 @@ _AGENT_COUNTERS = {
                    "--max-ledger-entries",
     "totals_full": "allocation changes the kernel's totals map had no room for: those processes' totals are "
                    "off until they exit; restart with a larger --max-totals",
+    "share_full": "allocations refused because their user held its share of the kernel's ledger: counted, not "
+                  "stored; the shares component names the users and processes",
+    "sizes_clamped": "allocation sizes above what any device or host holds, kept as the bound (a process "
+                     "making up sizes?)",
+    "devices_clamped": "device ordinals outside 0-63, kept as unknown (a process making up ordinals?)",
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",
     "vllm_untrusted_senders": "processes send vLLM plugin reports kvtrace cannot tie to vLLM (no traced GPU "
@@ -213,8 +218,28 @@ def describe_cross_check(check) -> list:
     return findings
 
 
-def process_findings(pid: int) -> list:
-    """What the agent would attach to in `pid`, and whether it gets Python stacks (and why not)."""
+def agent_libraries(args: argparse.Namespace) -> tuple[frozenset[tuple[int, int]], str] | None:
+    """The (device, inode) of the files the running agent has probes in, and why libraries wait for a slot
+    ("" : none waits); None where no agent answers."""
+    from kvtrace.client import AgentClient
+    from kvtrace.config import ConfigError, config_from_args
+    from kvtrace.errors import CommandError
+
+    try:
+        config = config_from_args(args)
+        if not config.socket.exists():
+            return None
+        with AgentClient.for_config(config) as agent:
+            info = agent.info()
+    except (ConfigError, CommandError):
+        return None
+    waiting = next((c.reason for c in info.components if c.name == "libraries" and not c.up), "")
+    return frozenset((library.file_device, library.inode) for library in info.attached_libraries), waiting
+
+
+def process_findings(pid: int, agent: tuple[frozenset[tuple[int, int]], str] | None = None) -> list:
+    """What the agent would attach to in `pid`, and whether it gets Python stacks (and why not); with the
+    running agent's attached libraries (`agent`), whether it does."""
     import platform
 
     from kvtrace.sources.bpf.discovery import Discovery
@@ -241,9 +266,20 @@ def process_findings(pid: int) -> list:
     findings = []
     targets = Discovery().scan_pid(pid)
     cuda = [target for target in targets if target.symbols]
-    if cuda:
+    waiting = [t for t in cuda if (t.file_id.device, t.file_id.inode) not in agent[0]] if agent else []
+    if waiting and len(waiting) == len(cuda):
+        paths = ", ".join(sorted(t.path for t in waiting))
+        findings.append(Finding(
+            f"{name} cuda", True, f"not traced: waiting for a library slot ({paths}: no probes in the running "
+            f"agent, which says: {agent[1] if agent and agent[1] else 'not attached yet'}); "
+            "fix: stop the processes that hold the slots (`kvtrace doctor` names the libraries component), "
+            "or restart the agent with a larger --max-libraries", warning=True))
+    elif cuda:
         libraries = ", ".join(f"{t.path} ({len(t.symbols)} functions)" for t in cuda)
-        findings.append(Finding(f"{name} cuda", True, f"traceable: {libraries}"))
+        blind = (f"; but {', '.join(t.path for t in waiting)} waits for a library slot: "
+                 f"{agent[1] if agent else ''}") if waiting else ""
+        findings.append(Finding(f"{name} cuda", True, f"{'traced' if agent else 'traceable'}: {libraries}{blind}",
+                                warning=bool(waiting)))
     else:
         findings.append(Finding(f"{name} cuda", True, "maps no CUDA library yet (nothing to trace "
                                 "until it loads libcudart or libcuda)", warning=True))

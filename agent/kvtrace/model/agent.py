@@ -17,6 +17,24 @@ class ComponentStatus:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class PartyShare:
+    """What one party (a user, pid 0, or one of its processes) holds of a map every process shares (the kernel's
+    ledger, its totals, library slots) and what it was refused because its share was full
+    (sources/bpf/shares.py says the rule)."""
+
+    uid: int
+    pid: int  # 0: the user's own record
+    ledger_entries: int
+    totals_keys: int
+    refused_entries: int
+    refused_totals: int
+
+    @property
+    def refused(self) -> int:
+        return self.refused_entries + self.refused_totals
+
+
 @dataclass(frozen=True)
 class AttachedLibrary:
     """A file the probes are attached to, and the traced processes that map it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from kvtrace.model.agent import AgentInfo, ComponentStatus, TrackedProcess
+from kvtrace.model.agent import AgentInfo, ComponentStatus, PartyShare, TrackedProcess
 from kvtrace.model.crosscheck import ProcessCrossCheck
 from kvtrace.model.depth import DepthRequest, ProcessDepth
 from kvtrace.model.events import Api
@@ -74,6 +74,10 @@ class AgentState(Protocol):
 
     def report_component(self, name: str, up: bool, reason: str = "") -> None:
         """The API's own health: up, and degraded for whom (a user at its share) in `reason`."""
+        ...
+
+    def shares(self) -> list[PartyShare]:
+        """Users and processes refused because their share of a shared map was full (most refused first)."""
         ...
 
     def process_titles(self) -> dict[int, str]:

@@ -8,7 +8,7 @@ neither exporter needs the other.
 The collector builds every sample at collection time from the Session (`AgentState`) and the
 Analyzer's latest snapshot, so nothing is kept or updated on the event path.
 
-Labels are bounded: pid, title, gpu, layer, memory, window, api, error_code, component, uuid,
+Labels are bounded: pid, title, gpu, layer, memory, window, api, error_code, component, uuid, uid, resource,
 version, and for roles and vLLM engines role (6 values), state (used/free, running/waiting), source
 (plugin/metrics) and kind (6 detectors). Stacks, addresses and request ids are never labels
 (`kvtrace leaks`, `kvtrace vllm` and the gRPC API have them). Series of a process are exported
@@ -30,12 +30,13 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtrace import __version__
+from kvtrace.model.agent import PartyShare
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot
-from kvtrace.model.ledger import LedgerCounts
+from kvtrace.model.ledger import LedgerCounts, TotalsKey
 from kvtrace.model.processes import redact_title
-from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX
+from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX, user_name
 from kvtrace.model.vllm import FindingKind
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 
@@ -43,6 +44,13 @@ log = logging.getLogger(__name__)
 
 # A title is a command line: long, and sometimes carrying secrets. Labels get a redacted, cut copy.
 TITLE_MAX_CHARS = 64
+# Label values a process or user chooses are few whatever it does: a process's GPUs beyond these (by its
+# bytes) are summed as gpu="other" in the totals and left out of the per-GPU analysis; a call's error codes
+# beyond these (by calls) as error_code="other"; the users refused a share beyond these as uid="other".
+GPU_LABELS_PER_PROCESS = 8
+ERROR_CODE_LABELS_PER_API = 8
+SHARE_UID_LABELS = 5
+OTHER = "other"
 
 
 # ---- what is exported (docs/metrics.md has the same table; a unit test keeps them equal) ----
@@ -241,10 +249,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "their own or of their workers): their reports are kept apart, make no engine and raise no "
                "finding; the vllm_senders component (kvtrace doctor) names them."),
     MetricSpec("kvtrace_share_refused_total", "counter", "refusals", ("resource", "user"),
-               "Places refused to a user at its share (issue 31): resource vllm_senders (plugin senders), "
+               "What was refused to a user at its share (issue 31): resource vllm_senders (plugin senders), "
                "cupti_connections (kvtrace run's tracers), group_connections (the API's group socket: a user's "
-               "connections beyond its share are shut down). Only that user is degraded; the others keep their "
-               "reserve. user: the first 8 users refused by name, the rest as other."),
+               "connections beyond its share are shut down), ledger and totals (entries the probes refused "
+               "because the user's share of the kernel's maps was full: counted, not stored, no event; one "
+               "user may hold a quarter of each map, every user but root together half, root three quarters; "
+               "the shares component names their processes). Only that user is degraded; the others keep "
+               "their reserve. user: the first users refused by name (8 for places, the 5 most refused for "
+               "the maps), the rest as other."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
@@ -292,6 +304,17 @@ def metric_title(title: str, max_chars: int = TITLE_MAX_CHARS) -> str:
     if len(title) > max_chars:
         title = title[:max_chars - 3].rstrip() + "..."
     return title
+
+
+def kept_gpus(totals: Mapping[TotalsKey, tuple[int, int]]) -> dict[int, set[int]]:
+    """Each process's GPUs that get a label of their own: its GPU_LABELS_PER_PROCESS largest by bytes."""
+    by_pid: dict[int, dict[int, int]] = {}
+    for key, (size_bytes, _) in totals.items():
+        devices = by_pid.setdefault(key.pid, {})
+        devices[key.device] = devices.get(key.device, 0) + size_bytes
+    return {pid: {device for _, device in sorted(((-size, device) for device, size in devices.items()))
+                  [:GPU_LABELS_PER_PROCESS]}
+            for pid, devices in by_pid.items()}
 
 
 def gpu_label(device: int) -> str:
@@ -363,10 +386,11 @@ class KvtraceCollector:
                 titles[pid] = metric_title(raw_titles.get(pid) or fallback.get(pid, ""))
             return titles[pid]
 
+        kept_gpus: dict[int, set[int]] = {}
         if ledger is not None:
-            self._ledger(families, ledger, live, title)
+            kept_gpus = self._ledger(families, ledger, live, title)
         if snapshot is not None:
-            self._snapshot(families, snapshot, title)
+            self._snapshot(families, snapshot, title, kept_gpus)
             self._vllm(families, snapshot, title)
         for pid in sorted(depths):
             if pid in live:
@@ -390,6 +414,7 @@ class KvtraceCollector:
         for state_name in sorted(tracers):
             families["kvtrace_cupti_traced_processes"].add_metric([state_name], tracers[state_name])
 
+        self._shares(families, read("shares", lambda: self.state.shares(), []))
         up = families["kvtrace_component_up"]
         components.setdefault("analysis", False)  # none has run yet
         components["exporter"] = not failed
@@ -399,15 +424,23 @@ class KvtraceCollector:
         yield from families.values()
 
     @staticmethod
-    def _ledger(families, ledger: LedgerCounts, live: set[int], title) -> None:
+    def _ledger(families, ledger: LedgerCounts, live: set[int], title) -> dict[int, set[int]]:
+        """The totals' samples; returns the GPUs of each process that have labels of their own (the rest are
+        summed as gpu="other": GPU_LABELS_PER_PROCESS)."""
         outstanding_bytes = families["kvtrace_outstanding_bytes"]
         outstanding_objects = families["kvtrace_outstanding_objects"]
+        kept = kept_gpus(ledger.totals)
+        samples: dict[tuple[str, ...], list[int]] = {}
         for key in sorted(ledger.totals):
             size_bytes, count = ledger.totals[key]
-            labels = [str(key.pid), title(key.pid), gpu_label(key.device),
-                      Layer(key.layer).name.lower(), Memory(key.memory).name.lower()]
-            outstanding_bytes.add_metric(labels, size_bytes)
-            outstanding_objects.add_metric(labels, count)
+            gpu = gpu_label(key.device) if key.device in kept[key.pid] else OTHER
+            sample = samples.setdefault((str(key.pid), title(key.pid), gpu, Layer(key.layer).name.lower(),
+                                         Memory(key.memory).name.lower()), [0, 0])
+            sample[0] += size_bytes
+            sample[1] += count
+        for labels, (size_bytes, count) in samples.items():
+            outstanding_bytes.add_metric(list(labels), size_bytes)
+            outstanding_objects.add_metric(list(labels), count)
         for name, counter in (("kvtrace_allocations_total", ledger.allocations_total),
                               ("kvtrace_frees_total", ledger.frees_total)):
             family = families[name]
@@ -415,13 +448,40 @@ class KvtraceCollector:
                 if pid in live:
                     family.add_metric([str(pid), title(pid), Layer(layer).name.lower()], value)
         failures = families["kvtrace_allocation_failures_total"]
-        for (api, error_code), value in sorted(ledger.failures_total.items()):
-            failures.add_metric([_api_name(api), str(error_code)], value)
+        by_api: dict[int, list[tuple[int, int]]] = {}
+        for (failed_api, error_code), value in ledger.failures_total.items():
+            by_api.setdefault(failed_api, []).append((value, error_code))
+        for api in sorted(by_api):
+            ranked = sorted(by_api[api], key=lambda item: (-item[0], item[1]))
+            for value, error_code in sorted(ranked[:ERROR_CODE_LABELS_PER_API], key=lambda item: item[1]):
+                failures.add_metric([_api_name(api), str(error_code)], value)
+            if len(ranked) > ERROR_CODE_LABELS_PER_API:
+                rest = sum(value for value, _ in ranked[ERROR_CODE_LABELS_PER_API:])
+                failures.add_metric([_api_name(api), OTHER], rest)
+        return kept
 
     @staticmethod
-    def _snapshot(families, snapshot: AnalysisSnapshot, title) -> None:
+    def _shares(families, parties: list[PartyShare]) -> None:
+        refused = families["kvtrace_share_refused_total"]
+        users = sorted((party for party in parties if party.pid == 0 and party.refused),
+                       key=lambda party: (-party.refused, party.uid))
+        for party in sorted(users[:SHARE_UID_LABELS], key=lambda party: party.uid):
+            refused.add_metric(["ledger", user_name(party.uid)], party.refused_entries)
+            refused.add_metric(["totals", user_name(party.uid)], party.refused_totals)
+        if len(users) > SHARE_UID_LABELS:
+            rest = users[SHARE_UID_LABELS:]
+            refused.add_metric(["ledger", OTHER], sum(party.refused_entries for party in rest))
+            refused.add_metric(["totals", OTHER], sum(party.refused_totals for party in rest))
+
+    @staticmethod
+    def _snapshot(families, snapshot: AnalysisSnapshot, title, kept: Mapping[int, set[int]]) -> None:
+        def labelled(pid: int, device: int) -> bool:  # a GPU of the process's own label (GPU_LABELS_PER_PROCESS)
+            return pid not in kept or device in kept[pid]
+
         growth = families["kvtrace_growth_bytes_per_second"]
         for process in snapshot.processes:
+            if not labelled(process.pid, process.device):
+                continue
             labels = [str(process.pid), title(process.pid), gpu_label(process.device)]
             for window, value in (("1m", process.growth_bytes_per_second_1m),
                                   ("15m", process.growth_bytes_per_second_15m)):
@@ -458,6 +518,8 @@ class KvtraceCollector:
             group[0] += 1
             group[1] += suspect.outstanding_bytes
         for (pid, device), (count, size_bytes) in sorted(suspects.items()):
+            if not labelled(pid, device):
+                continue
             labels = [str(pid), title(pid), gpu_label(device)]
             families["kvtrace_leak_suspects"].add_metric(labels, count)
             families["kvtrace_leak_suspect_bytes"].add_metric(labels, size_bytes)

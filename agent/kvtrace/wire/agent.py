@@ -18,7 +18,7 @@ from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakReport, LeakSuspect, ProcessGpu
 from kvtrace.model.ledger import LedgerKey, Outstanding
 from kvtrace.model.processes import ProcessInfo, valid_text
-from kvtrace.wire.common import wire_number
+from kvtrace.wire.common import saturated_s64, saturated_u64, wire_number
 from kvtrace.wire.depth import depth_to_proto, depths_to_proto
 from kvtrace.wire.events import stack_message
 from kvtrace.wire.vllm import role_bytes_to_proto
@@ -32,14 +32,15 @@ def info_to_proto(info: AgentInfo) -> service_pb2.GetAgentInfoResponse:
             symbols=sorted(library.symbols), pids=sorted(library.pids)) for library in info.libraries],
         components=[service_pb2.ComponentHealth(name=valid_text(c.name), up=c.up, reason=valid_text(c.reason))
                     for c in info.components],
-        counters=info.counters)
+        counters={name: saturated_u64(value) for name, value in info.counters.items()})
 
 
 def process_to_proto(process: TrackedProcess, depth: ProcessDepth | None = None) -> service_pb2.Process:
     message = service_pb2.Process(
         pid=process.pid, title=process.title, comm=process.comm, container=process.container,
         totals=[service_pb2.OutstandingTotal(device=t.device, layer=wire_number(t.layer), memory=wire_number(t.memory),
-                                             size_bytes=t.size_bytes, object_count=t.object_count)
+                                             size_bytes=saturated_u64(t.size_bytes),
+                                             object_count=saturated_u64(t.object_count))
                 for t in process.totals])
     if depth is not None:
         message.depth.CopyFrom(depth_to_proto(depth))
@@ -85,7 +86,7 @@ def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
     message = service_pb2.LeakSuspect(
         rank=suspect.rank, pid=suspect.pid, title=suspect.title, device=suspect.device,
         stack_id=suspect.stack_id, caller_address=suspect.native_caller_address,
-        outstanding_bytes=suspect.outstanding_bytes, allocation_count=suspect.count,
+        outstanding_bytes=saturated_u64(suspect.outstanding_bytes), allocation_count=saturated_u64(suspect.count),
         oldest_age_seconds=suspect.oldest_age_seconds, growth_bytes_per_second=suspect.growth_bytes_per_second,
         estimated=suspect.estimated)
     if suspect.stack is not None:
@@ -117,7 +118,7 @@ def gpu_to_proto(gpu: GpuMemory) -> service_pb2.GpuMemory:
 
 def process_growth_to_proto(row: ProcessGpu, depth: ProcessDepth | None = None) -> service_pb2.ProcessGrowth:
     message = service_pb2.ProcessGrowth(
-        pid=row.pid, title=row.title, device=row.device, outstanding_bytes=row.outstanding_bytes,
+        pid=row.pid, title=row.title, device=row.device, outstanding_bytes=saturated_u64(row.outstanding_bytes),
         growth_bytes_per_second_1m=row.growth_bytes_per_second_1m,
         growth_bytes_per_second_15m=row.growth_bytes_per_second_15m, history_seconds=row.history_seconds,
         allocations_1m=row.allocations_1m, frees_1m=row.frees_1m, predates_agent=row.predates_agent)
@@ -133,7 +134,8 @@ def process_growth_to_proto(row: ProcessGpu, depth: ProcessDepth | None = None) 
         message.depth.CopyFrom(depth_to_proto(depth))
     # None leaves an optional field unset: "not known" stays apart from 0.
     for name, value in (("nvml_index", row.nvml_index), ("nvml_used_bytes", row.nvml_used_bytes),
-                        ("unattributed_bytes", row.unattributed_bytes),
+                        ("unattributed_bytes", None if row.unattributed_bytes is None
+                         else saturated_s64(row.unattributed_bytes)),
                         ("time_to_oom_seconds", row.time_to_oom_seconds), ("free_ratio_1m", row.free_ratio_1m)):
         if value is not None:
             setattr(message, name, value)

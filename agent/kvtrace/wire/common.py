@@ -46,3 +46,19 @@ def known_member(enum_type: type[_E], value: int, fallback: _E) -> _E:
 def optional_field(message, name: str):
     """An optional (has-presence) field's value, None when unset."""
     return getattr(message, name) if message.HasField(name) else None
+
+
+U64_MAX = 2**64 - 1
+S64_MIN, S64_MAX = -(2**63), 2**63 - 1
+
+
+def saturated_u64(value: int) -> int:
+    """A sum for a uint64 field, held at the field's bounds: a figure one process chose (a made-up size) never
+    fails a whole response for everybody (protobuf refuses a value out of range). The probes bound what enters
+    (sources/bpf/shares.py); this is the last line, for sums of many and for recordings."""
+    return U64_MAX if value > U64_MAX else max(0, value)
+
+
+def saturated_s64(value: int) -> int:
+    """saturated_u64 for a sint64/int64 field."""
+    return S64_MAX if value > S64_MAX else S64_MIN if value < S64_MIN else value

@@ -27,6 +27,7 @@ from kvtrace.model.events import Api
 from kvtrace.sources.bpf import abi, links
 from kvtrace.sources.bpf.btf import VMLINUX_BTF
 from kvtrace.sources.bpf.ring import RingReader
+from kvtrace.sources.bpf.shares import RawShare, share_cflags
 from kvtrace.sources.bpf.symbols import TORCH_PROGRAM, entry_function, return_function
 from kvtrace.sources.bpf.usdt import ArgumentKind, UsdtProbe
 from kvtrace.sources.elf import function_file_offsets
@@ -84,6 +85,7 @@ class ProbeSettings:
             f"-DKVT_MAX_THREADS={self.max_threads}",
             f"-DKVT_WAKEUP_EVENTS={self.wakeup_events}",
             f"-DKVT_GLIBC_SPECIFIC_1STBLOCK={GLIBC_SPECIFIC_1STBLOCK:#x}",
+            *share_cflags(self.max_ledger_entries, self.max_totals),
         ]
 
 
@@ -690,6 +692,11 @@ class BpfProbes:
                     continue
             taken.append((abi.RawTotalsKey.from_buffer_copy(key), value))
         return taken
+
+    def read_shares(self, by_pid: bool) -> list[tuple[int, RawShare]]:
+        """What each process (`by_pid`: pid_shares) or user (uid_shares) holds of the maps and was refused."""
+        table = self._bpf[b"pid_shares" if by_pid else b"uid_shares"]
+        return [(key.value, RawShare.from_buffer_copy(value)) for key, value in table.items()]
 
     def set_process_device(self, pid: int, device: int | None) -> None:
         """The device of the process's threads that never selected one (None: CUDA's device 0)."""

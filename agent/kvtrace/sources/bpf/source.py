@@ -51,6 +51,7 @@ from kvtrace.sources.bpf.loader import (
 )
 from kvtrace.sources.bpf.ring import RingReader
 from kvtrace.sources.bpf.selection import Selection
+from kvtrace.sources.bpf.shares import ShareWatch
 from kvtrace.sources.bpf.stack_names import StackNames
 from kvtrace.sources.bpf.targets import DEFAULT_PREATTACH_GLOBS, AttachPolicy, Targets
 from kvtrace.sources.python.runtime import NoPython, PythonTarget
@@ -144,6 +145,7 @@ class BpfSource:
         self.selection: Selection
         self.stack_names: StackNames
         self.targets: Targets
+        self.shares: ShareWatch
         self._batch: list[Event | EventRun] = []  # decoded in this poll, ingested after it
         # Held while the loop polls and keeps house; follow() takes it from other threads.
         self._lock = threading.Lock()
@@ -203,6 +205,7 @@ class BpfSource:
             max_libraries=options.max_libraries, detach_idle_seconds=options.detach_idle_seconds, per_pid=per_pid,
             blocks=options.blocks, python_stacks=not self.python_stacks_down,
             torch_blocks_down=self.torch_blocks_down))
+        self.shares = ShareWatch(probes, self.session, options.settings.max_ledger_entries, options.settings.max_totals)
 
     # What the parts hold, read where it was read before (the kernel ledger's readers, tests, benches).
 
@@ -372,11 +375,16 @@ class BpfSource:
         self.session.report_counters(counters)
         self.session.report_libraries(self.attached_libraries())
         waiting = sorted(self.targets.over_limit.values())
+        why = self.targets.waiting_why.get(waiting[0], "") if waiting else ""
         self.session.report_component(
             "libraries", not waiting,
             f"{len(waiting)} libraries wait for probes: {len(self.targets.attached)} attached, the limit "
-            f"(--max-libraries {self.options.max_libraries}) or bcc's probe quota is reached; "
-            f"e.g. {waiting[0]}" if waiting else "")
+            f"(--max-libraries {self.options.max_libraries}), a user's share of it or bcc's probe quota is "
+            f"reached; e.g. {waiting[0]}" + (f" ({why})" if why else "") if waiting else "")
+        try:
+            self.shares.report(time.monotonic())
+        except Exception:  # who was refused is told where it can be; the loop goes on
+            log.exception("reading the probes' shares failed")
         self.session.report_component("bpf", True, stale_after_seconds=STALLED_AFTER_SECONDS,
                                       stale_reason="the event loop is stalled")
 

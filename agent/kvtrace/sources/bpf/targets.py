@@ -29,6 +29,7 @@ from kvtrace.sources import procfs
 from kvtrace.sources.bpf.discovery import Discovery, FileId, Target, same_file
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, TorchProbesRefused
 from kvtrace.sources.bpf.selection import Selection
+from kvtrace.sources.bpf.shares import library_share
 from kvtrace.sources.bpf.stack_names import StackNames
 from kvtrace.sources.python.runtime import PythonTarget, inspect_python
 
@@ -73,6 +74,9 @@ class Targets:
         self._preattached: set[FileId] = set()  # found by preattach globs, not by a process
         self._idle_since: dict[FileId, float] = {}  # attached libraries nobody maps: since when
         self.over_limit: dict[FileId, str] = {}  # libraries waiting for a free place: their paths
+        self.waiting_why: dict[str, str] = {}  # path -> why it waits (the last refusal)
+        self._holders: dict[FileId, frozenset[int]] = {}  # attached libraries: the users whose processes mapped them
+        self.share_refusals = 0  # libraries refused because their users held their share of slots
         # Processes whose CUDA start the agent may have missed (running before their library had
         # probes): the device their threads use when never seen selecting one (None: device 0).
         self.late_device: dict[int, int | None] = {}
@@ -106,6 +110,7 @@ class Targets:
 
     def full_scan(self) -> None:
         self.over_limit.clear()  # what still waits for a place is refused again below
+        self.waiting_why.clear()
         pids: Collection[int]
         if self._selection.chosen_only:
             pids = sorted(self._selection.pids)  # following chosen processes: look at nobody else
@@ -210,6 +215,13 @@ class Targets:
                 self._session.report_component(f"attach:{target.path}", False, self.refused[target.path])
                 return
         limit = self.policy.max_libraries
+        if target.file_id not in self.attached:
+            holders = self._uids_of(target.pids)
+            why = self._share_refusal(holders)
+            if why:
+                self._wait_for_room(target, why)
+                return
+            self._holders[target.file_id] = holders
         if target.file_id not in self.attached and len(self.attached) >= limit:
             self.detach_unused(time.monotonic(), waited_for=True)
             if len(self.attached) >= limit:
@@ -220,6 +232,44 @@ class Targets:
             if not self._attach_guarded(target, pid):
                 break
 
+    @staticmethod
+    def _uids_of(pids: Collection[int]) -> frozenset[int]:
+        """The users of the processes that map a library (none: a file found by the preattach globs, root's)."""
+        uids = set()
+        for pid in pids:
+            try:
+                uids.add(psutil.Process(pid).uids().real)
+            except psutil.Error:
+                continue  # gone: it maps nothing now
+        return frozenset(uids) if uids else frozenset({0})
+
+    def _share_refusal(self, uids: frozenset[int]) -> str:
+        """Why a library mapped by processes of `uids` waits for a slot ("" where it does not): each user's
+        libraries (those only its processes map) take at most its share of --max-libraries, every user but
+        root's together at most theirs (shares.py), so that one user's copies of libcudart leave slots to the
+        others. A library mapped by several users is charged to none of them alone; one a root process maps
+        waits only for --max-libraries."""
+        if 0 in uids:
+            return ""  # root's processes (the workloads) are bounded by --max-libraries alone
+        share = library_share(self.policy.max_libraries)
+        held: dict[int, int] = {}
+        users_held = 0
+        for file_id in self.attached:
+            holders = self._holders.get(file_id, frozenset({0}))
+            if len(holders) == 1:
+                (uid,) = holders
+                held[uid] = held.get(uid, 0) + 1
+            users_held += 0 not in holders
+        if users_held >= share.users:
+            self.share_refusals += 1
+            return (f"the users' libraries hold their share of slots ({users_held} of {share.users}: half of "
+                    f"--max-libraries {self.policy.max_libraries})")
+        if any(held.get(uid, 0) < share.of(uid) for uid in uids):
+            return ""
+        self.share_refusals += 1
+        return (f"uid {', '.join(map(str, sorted(uids)))} holds its share of library slots ({share.user}: a "
+                f"quarter of --max-libraries {self.policy.max_libraries})")
+
     def _wait_for_room(self, target: Target, why: str) -> None:
         """Refuses a library for now: counted, said once, and found again by a later scan (one that
         no longer fits may fit once an unused library is detached)."""
@@ -227,7 +277,9 @@ class Targets:
         if target.file_id not in self.over_limit:
             log.warning("not attaching to %s: %s", target.path, why)
         self.over_limit[target.file_id] = target.path
+        self.waiting_why[target.path] = why
         self.attached.pop(target.file_id, None)
+        self._holders.pop(target.file_id, None)
         self.discovery.targets.pop(target.file_id, None)
 
     def _attach_guarded(self, target: Target, pid: int) -> bool:
@@ -242,6 +294,7 @@ class Targets:
         except Exception as error:
             log.exception("cannot attach to %s", target.path)
             self.attached.pop(target.file_id, None)
+            self._holders.pop(target.file_id, None)
             self.refused[target.path] = f"attaching failed: {error}"
             self._session.report_component(f"attach:{target.path}", False, self.refused[target.path])
             return False
@@ -315,6 +368,7 @@ class Targets:
 
     def _detach(self, file_id: FileId) -> None:
         target = self.attached.pop(file_id)
+        self._holders.pop(file_id, None)
         self._idle_since.pop(file_id, None)
         self._preattached.discard(file_id)
         self.discovery.targets.pop(file_id, None)  # a process that maps it later attaches it again
@@ -371,6 +425,7 @@ class Targets:
 
     def counters(self) -> dict[str, int]:
         return {"libraries_attached": len(self.attached), "libraries_refused": self.libraries_refused,
+                "libraries_refused_share": self.share_refusals,
                 "libraries_detached": self.libraries_detached,
                 # per library, or per library and process
                 "probe_sets_attached": self.probe_sets_attached}
