@@ -84,7 +84,8 @@ class SnapshotCommand:
         return ExitCode.OK
 
     def _memory_viz(self, args: argparse.Namespace) -> int:
-        from kvtrace.reports.memory_viz import NOT_SAMPLED_FRAME, ExportBuilder, write_pickle
+        from kvtrace.reports.memory_viz import NOT_SAMPLED_FRAME
+        from kvtrace.reports.viz_export import ExportBuilder
 
         if len(args.pid) != 1 or args.output is None:
             raise CommandError("--format memory-viz takes one process and a file: -p PID -o FILE.pickle",
@@ -99,13 +100,11 @@ class SnapshotCommand:
                                "traced since it allocated? `kvtrace doctor --pid` says what is traced)",
                                ExitCode.FAILURE)
         try:
-            snapshot = export.snapshot()
+            export.write(args.output)
         except ValueError as error:  # what the viewer would draw wrong; nothing is written
             raise CommandError(f"cannot write a memory-viz file of pid {args.pid[0]}: {error}; "
                                f"`kvtrace snapshot -p {args.pid[0]} --format json` shows the blocks as traced",
                                ExitCode.FAILURE) from None
-        try:
-            write_pickle(args.output, snapshot)
         except OSError as error:
             raise CommandError(f"cannot write {args.output}: {error.strerror or error}", ExitCode.FAILURE) from None
         note = f"; {export.outside} blocks outside any traced segment left out" if export.outside else ""

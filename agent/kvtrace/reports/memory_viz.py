@@ -34,17 +34,13 @@ What differs from a snapshot PyTorch takes of itself:
 
 from __future__ import annotations
 
-import bisect
-import operator
 import os
 import pickle
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtrace.model.blocks import Segment
-from kvtrace.model.events import Layer, Memory, ObjectKind
-from kvtrace.model.ledger import EntryColumns
 from kvtrace.model.stacks import Stack
 from kvtrace.reports.output import write_whole
 
@@ -61,10 +57,6 @@ NOT_SAMPLED_FRAME = "[stack not sampled]"
 # The pytorch.org viewer reads the pickle with its own JavaScript reader, which refuses any protocol
 # outside 2-4; 4 is also what Python 3.8-3.13 writes by default.
 PICKLE_PROTOCOL = 4
-
-# The ledger's numbers (EntryColumns) an export looks for: blocks, and the entries that are segments.
-_BLOCK, _ALLOCATION, _VMM_MAPPING = ObjectKind.BLOCK.value, ObjectKind.ALLOCATION.value, ObjectKind.VMM_MAPPING.value
-_RUNTIME, _DEVICE_MEMORY = Layer.RUNTIME.value, Memory.DEVICE.value
 
 
 @dataclass(frozen=True)
@@ -328,205 +320,3 @@ def viz_segments(segments: Iterable[Segment], stack_of: Callable[[int], Stack | 
         converted.append(VizSegment(device, segment.address, segment.size_bytes, 0, tuple(blocks),
                                     segment.expandable))
     return converted
-
-
-class ExportBuilder:
-    """The memory-viz export of one process built from its ledger entries as a listing's pages come (columns,
-    model.ledger.EntryColumns, each page with the stacks it refers to): the same snapshot as
-    snapshot_dict(viz_segments(segments_of(entries), stacks.get)), without a model object per entry.
-
-    What each page allows is done as it comes, while the agent reads the next one: each block's dict (at its
-    rounded size) and trace entry, their frames, and the page's blocks put in address order and in time order.
-    `finish` then merges the pages' orders (sorting runs already sorted), nests the blocks in their segments
-    (a block in none is left out, as segments_of leaves it outside) and says how many; `VizExport.snapshot`
-    lays each segment out (gaps, a rounding clipped by the next block) and checks it as snapshot_dict does."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        # Per block, in the order the pages gave them:
-        self._addresses: list[int] = []
-        self._requested: list[int] = []
-        self._rounded: list[int] = []  # block_size_bytes of the request: the dict's size unless clipped
-        self._devices: list[int] = []
-        self._blocks: list[dict[str, Any]] = []  # its entry in its segment's `blocks`
-        self._time_keys: list[int] = []  # timestamp_ns << 64 | address: the trace's order, one int
-        self._passed: set[int] = set()  # blocks whose stack sampling passed over
-        self._by_address: list[int] = []  # block indices, each page's in address order
-        self._by_time: list[int] = []  # time keys, each page's in order
-        self._entry_of_time_key: dict[int, dict[str, Any]] = {}  # the block's trace entry
-        self._runtime: list[tuple[int, int, int]] = []  # (address, size, device) of each runtime allocation
-        self._mappings: list[tuple[int, int, int]] = []  # (address, size, device) of each VMM mapping
-        self._frames_of_stack: dict[int, list[dict[str, Any]]] = {}
-        self._frames_of = _FramesCache()
-        self._not_sampled = self._frames_of((VizFrame(NOT_SAMPLED_FRAME, "", 0),))
-
-    def add(self, columns: EntryColumns, stacks: Mapping[int, Stack]) -> None:
-        """One page's entries (of any process: only this one's are taken) and the stacks they refer to."""
-        count, objects = len(columns.pid), columns.object
-        picked: list[int] | None = None  # None: all, the columns as they are
-        if columns.pid.count(self.pid) != count:
-            pid = self.pid
-            picked = [index for index, entry_pid in enumerate(columns.pid) if entry_pid == pid]
-        if picked is not None or objects.count(_BLOCK) != count:  # segments among them, or other processes
-            rows = range(count) if picked is None else picked
-            for index in rows:
-                if objects[index] != _BLOCK:
-                    self._segment_part(columns, index)
-            picked = [index for index in rows if objects[index] == _BLOCK]
-
-        def column(values: list) -> list:
-            return values if picked is None else [values[index] for index in picked]
-
-        addresses, requested, timestamps = column(columns.address), column(columns.size_bytes), \
-            column(columns.timestamp_ns)
-        stack_ids = column(columns.stack_id)
-        frames_of_stack = self._frames_of_stack
-        for stack_id in set(stack_ids) - frames_of_stack.keys():
-            frames_of_stack[stack_id] = self._stack_frames(stacks.get(stack_id) if stack_id else None)
-        frames = list(map(frames_of_stack.__getitem__, stack_ids))
-        base = len(self._addresses)
-        if any(columns.sample_bytes):
-            for index, (sample_bytes, sampled) in enumerate(zip(column(columns.sample_bytes),
-                                                                column(columns.sampled), strict=True)):
-                if sample_bytes and not sampled:
-                    frames[index] = self._not_sampled
-                    self._passed.add(base + index)
-        # block_size_bytes of each (a request is at least 0: 0 is given the smallest block, as there)
-        rounded = [-(-request // BLOCK_GRANULARITY_BYTES) * BLOCK_GRANULARITY_BYTES or BLOCK_GRANULARITY_BYTES
-                   for request in requested]
-        self._blocks += [{"address": address, "size": size, "requested_size": request, "state": "active_allocated",
-                          "frames": shared} for address, size, request, shared in
-                         zip(addresses, rounded, requested, frames, strict=True)]
-        keys = [timestamp << 64 | address for timestamp, address in zip(timestamps, addresses, strict=True)]
-        # The trace entry PyTorch records when it hands out a block (_alloc_entry: a segment's stream is 0).
-        self._entry_of_time_key.update(zip(keys, [
-            {"action": "alloc", "addr": address, "size": request, "stream": stream, "time_us": timestamp // 1000,
-             "frames": shared} for address, request, stream, timestamp, shared in
-            zip(addresses, requested, column(columns.stream), timestamps, frames, strict=True)], strict=True))
-        self._addresses += addresses
-        self._requested += requested
-        self._rounded += rounded
-        self._devices += column(columns.device)
-        self._time_keys += keys
-        self._by_address += sorted(range(base, base + len(addresses)), key=self._addresses.__getitem__)
-        self._by_time += sorted(keys)
-
-    def _segment_part(self, columns: EntryColumns, index: int) -> None:
-        """A segment's entry (segments_of's: a runtime device allocation, or a VMM mapping, one of a run)."""
-        kind, layer = columns.object[index], columns.layer[index]
-        entry = (columns.address[index], columns.size_bytes[index], columns.device[index])
-        if kind == _ALLOCATION and layer == _RUNTIME and columns.memory[index] == _DEVICE_MEMORY:
-            self._runtime.append(entry)
-        elif kind == _VMM_MAPPING:
-            self._mappings.append(entry)
-
-    def _stack_frames(self, stack: Stack | None) -> list[dict[str, Any]]:
-        """The frames of a stack in torch's shape, one list for equal frames (as viz_segments and snapshot_dict
-        share them); none for a block without a stack."""
-        return self._frames_of(tuple(VizFrame(frame.function, frame.file, frame.line) for frame in stack.frames)
-                               if stack is not None else ())
-
-    def finish(self) -> VizExport:
-        """The blocks nested in their segments (segments_of's rule: the segment that starts last at or before
-        the block's address, if the block ends inside it)."""
-        segments = [_Nested(address, size, device, False) for address, size, device in self._runtime]
-        for address, size, device in sorted(self._mappings):  # contiguous mappings on one device: one segment
-            last = segments[-1] if segments and segments[-1].expandable else None
-            if last is not None and last.address + last.size == address and last.device == device:
-                last.size += size
-            else:
-                segments.append(_Nested(address, size, device, True))
-        segments.sort(key=lambda segment: segment.address)
-        addresses, requested = self._addresses, self._requested
-        order = sorted(self._by_address, key=addresses.__getitem__)  # the pages' runs merged
-        in_order = [addresses[index] for index in order]
-        starts = [segment.address for segment in segments] + [1 << 64]
-        for number, segment in enumerate(segments):
-            low, high = bisect.bisect_left(in_order, starts[number]), bisect.bisect_left(in_order, starts[number + 1])
-            end = segment.address + segment.size
-            segment.blocks = [index for index in order[low:high] if addresses[index] + requested[index] <= end]
-        return VizExport(self, segments)
-
-
-class _Nested:
-    """A segment of the export and the indices of its blocks, in address order."""
-
-    __slots__ = ("address", "size", "device", "expandable", "blocks")
-
-    def __init__(self, address: int, size: int, device: int, expandable: bool) -> None:
-        self.address, self.size, self.device, self.expandable = address, size, device, expandable
-        self.blocks: list[int] = []
-
-
-class VizExport:
-    """An ExportBuilder's blocks in their segments: how many there are, and the snapshot."""
-
-    def __init__(self, built: ExportBuilder, segments: list[_Nested]) -> None:
-        self._built, self._segments = built, segments
-        self.segments = len(segments)
-        self.blocks = sum(len(segment.blocks) for segment in segments)
-        self.outside = len(built._addresses) - self.blocks  # in no traced segment: left out
-        self.passed = len(built._passed) and sum(index in built._passed for segment in segments
-                                                 for index in segment.blocks)
-
-    def snapshot(self) -> dict[str, Any]:
-        """What snapshot_dict gives for these segments (the same structure, element for element); ValueError
-        for what it refuses."""
-        built = self._built
-        devices = built._devices
-        viz = []
-        for segment in self._segments:
-            device = segment.device
-            if device < 0:  # viz_segments: the device PyTorch reported for a block in it, else 0
-                device = next((devices[index] for index in segment.blocks if devices[index] >= 0), 0)
-            viz.append((VizSegment(device, segment.address, segment.size, 0, (), segment.expandable), segment))
-        viz.sort(key=lambda pair: (pair[0].device, pair[0].address))
-        _check_segments([shape for shape, _ in viz])
-        out_segments = [self._segment_dict(shape, segment.blocks) for shape, segment in viz]
-        device_count = viz[-1][0].device + 1 if viz else 0
-        keys, entry_of = sorted(built._by_time), built._entry_of_time_key  # the pages' runs merged
-        if device_count == 1 and self.outside == 0:
-            device_traces = [[entry_of[key] for key in keys]]
-        else:
-            device_of: dict[int, int] = {}
-            for shape, segment in viz:
-                device_of.update(dict.fromkeys([built._time_keys[index] for index in segment.blocks], shape.device))
-            device_traces = [[] for _ in range(device_count)]
-            for key in keys:
-                device = device_of.get(key)
-                if device is not None:
-                    device_traces[device].append(entry_of[key])
-        return {"segments": out_segments, "device_traces": device_traces}
-
-    def _segment_dict(self, segment: VizSegment, indices: list[int]) -> dict[str, Any]:
-        """_segment_dict's entry, from the blocks' dicts already made: only gaps and clipped roundings are
-        looked at one by one."""
-        built = self._built
-        addresses = [built._addresses[index] for index in indices]
-        requested = [built._requested[index] for index in indices]
-        start, end = segment.address, segment.address + segment.size_bytes
-        if (requested and min(requested) < 1) or any(map(operator.lt, addresses[1:],
-                                                          map(operator.add, addresses, requested))):
-            _check_blocks(segment, [VizBlock(address, request, 0, ()) for address, request in
-                                    zip(addresses, requested, strict=True)])  # raises, saying which block
-        blocks = [built._blocks[index] for index in indices]
-        if not blocks:
-            return _segment_entry(segment, 0, 0, _pool(segment.size_bytes, segment.is_expandable, 0),
-                                  [_inactive_block(start, end - start)])
-        ends = list(map(operator.add, addresses, [built._rounded[index] for index in indices]))
-        limits = addresses[1:] + [end]
-        allocated = sum(ends) - sum(addresses)
-        out = [_inactive_block(start, addresses[0] - start)] if addresses[0] > start else []
-        done = 0
-        for index in [index for index, (stop, limit) in enumerate(zip(ends, limits, strict=True)) if stop != limit]:
-            out += blocks[done:index + 1]
-            stop, limit = ends[index], limits[index]
-            if stop > limit:  # rounding up may not run into the next block or past the segment
-                blocks[index]["size"] = limit - addresses[index]
-                allocated -= stop - limit
-            else:
-                out.append(_inactive_block(stop, limit - stop))
-            done = index + 1
-        out += blocks[done:]
-        return _segment_entry(segment, allocated, sum(requested),
-                              _pool(segment.size_bytes, segment.is_expandable, max(requested)), out)
