@@ -165,3 +165,14 @@ def test_a_page_of_columns_of_different_lengths_is_refused():
     response.columns.address.extend([1])
     with pytest.raises(ValueError, match="address has 1 entries for 2 objects"):
         columns_from_snapshot(response)
+
+
+def test_a_number_a_run_cannot_hold_is_written_alone(tmp_path):
+    # a stream of 2**63 or more (none in practice) does not fit a run's LONG1 of 8 bytes: written as pickle.dump does
+    entries = [*segment(0x7F00_0000_0000, 2 * MiB), *(block(0x7F00_0000_0000 + 512 * k, 512, T0 + k, stack_id=11,
+                                                             stream=(1 << 63) + 5 if k == 2 else k) for k in range(5))]
+    export = new_export(entries, 3, service_pb2.SNAPSHOT_ENCODING_COLUMNS)
+    export.write(tmp_path / "new.pickle")
+    snapshot = pickle.loads((tmp_path / "new.pickle").read_bytes())
+    assert snapshot == pickle.loads(old_file(entries, tmp_path / "old.pickle"))
+    assert [entry["stream"] for entry in snapshot["device_traces"][0]] == [0, 1, (1 << 63) + 5, 3, 4]
