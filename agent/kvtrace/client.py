@@ -201,7 +201,8 @@ class AgentClient:
             yield from response.allocations
 
     def snapshot_pages(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
-                       page_size: int = SNAPSHOT_PAGE_SIZE, encoding: int = service_pb2.SNAPSHOT_ENCODING_MESSAGES,
+                       page_size: int = SNAPSHOT_PAGE_SIZE,
+                       encoding: service_pb2.SnapshotEncoding = service_pb2.SNAPSHOT_ENCODING_MESSAGES,
                        ) -> Iterator[service_pb2.GetSnapshotResponse]:
         """The snapshot's pages as they come, each with the stacks its allocations refer to. The next page is
         asked for before this one is handed over: the agent reads it while the caller uses this one. With

@@ -46,17 +46,18 @@ class ExportBuilder:
     snapshot_dict(viz_segments(segments_of(entries), stacks.get)) writes reads back the same, without a model
     object per entry or a dict per block.
 
-    A page is taken as it comes, while the agent reads the next one: a tuple per block (`_Record`'s fields),
-    the page put in address order and, from that, in time order. `finish` merges the pages' orders (a sort
-    of runs already sorted), nests the blocks in their segments (one in none is left out, as segments_of
-    leaves it outside) and says how many; `VizExport.write` lays each segment out (gaps, a rounding clipped by
-    the next block), checks it as snapshot_dict does, and writes the pickle in one pass (reports/viz_pickle.py)."""
+    A page is taken as it comes, while the agent reads the next one: a tuple per block (its record: the fields
+    named below the class), the page put in address order and, from that, in time order. `finish` merges the
+    pages' orders (a sort of runs already sorted), nests the blocks in their segments (one in none is left out,
+    as segments_of leaves it outside) and says how many; `VizExport.write` lays each segment out (gaps, a
+    rounding clipped by the next block), checks it as snapshot_dict does, and writes the pickle in one pass
+    (reports/viz_pickle.py)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._by_address: list[tuple] = []  # the blocks' records, each page's in address order
-        self.large_numbers = False  # whether a number is 2**63 or more (written alone, not in a run)
         self._by_time: list[tuple] = []  # the same, each page's in (time, address) order
+        self.large_numbers = False  # whether a number is 2**63 or more (written alone, not in a run)
         self._runtime: list[tuple[int, int, int]] = []  # (address, size, device) of each runtime allocation
         self._mappings: list[tuple[int, int, int]] = []  # (address, size, device) of each VMM mapping
         self._frames_of_stack: dict[int, int] = {}  # stack id -> its frame list's number
@@ -300,7 +301,7 @@ def _write_segment(out: PickleWriter, segment: VizSegment, columns: list[Sequenc
     out.string("blocks")
     out.write(EMPTY_LIST)
     if layout.first_gap is not None:
-        out.dict(_inactive_block(*layout.first_gap))
+        out.mapping(_inactive_block(*layout.first_gap))
         out.write(APPEND)
     _write_runs(out, {"address": columns[0], "size": layout.sizes, "requested_size": columns[1],
                       "frames": columns[4]}, _block_template, _block_first, layout.gaps, large_numbers)
@@ -373,6 +374,6 @@ def _write_runs(out: PickleWriter, columns: Mapping[str, Sequence[int]], templat
             out.write(APPEND)
             gap = gaps.get(index) if gaps else None
             if gap is not None:
-                out.dict(_inactive_block(*gap))
+                out.mapping(_inactive_block(*gap))
                 out.write(APPEND)
         done = index + 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
 PROTO_4, STOP, MARK, MEMOIZE = b"\x80\x04", b".", b"(", b"\x94"
@@ -69,7 +69,7 @@ class Template:
         self.constants = constants
         self.size = self.struct.size
 
-    def fill(self, columns: dict[str, Sequence[int]], count: int) -> bytes:
+    def fill(self, columns: Mapping[str, Sequence[int]], count: int) -> bytes:
         """`count` items, each hole from its column."""
         repeat = itertools.repeat
         arguments: list[Iterable] = []
@@ -122,7 +122,7 @@ class PickleWriter:
         if frames:
             self.write(MARK)
             for frame in frames:
-                self.dict(frame)
+                self.mapping(frame)
             self.write(APPENDS)
 
     def value(self, value: Any) -> None:
@@ -146,14 +146,14 @@ class PickleWriter:
         else:
             raise TypeError(f"cannot write {type(value).__name__} here")
 
-    def dict(self, items: dict[str, Any]) -> None:
+    def mapping(self, items: Mapping[str, Any]) -> None:
         self.write(EMPTY_DICT + MARK)
         for key, value in items.items():
             self.string(key)
             self.value(value)
         self.write(SETITEMS)
 
-    def run(self, template: Template, columns: dict[str, Sequence[int]], count: int) -> None:
+    def run(self, template: Template, columns: Mapping[str, Sequence[int]], count: int) -> None:
         """`count` items of a list being written, each `template` filled from `columns` (frames: frame list
         numbers, each written before), in batches."""
         if "frames" in columns:

@@ -119,10 +119,10 @@ def columns_from_snapshot(response: service_pb2.GetSnapshotResponse) -> EntryCol
     different lengths."""
     if len(response.allocations):
         rows = response.allocations
-        labels = {}
+        labels: dict[int, tuple[str, str, str]] = {}
         for row in rows:
             labels.setdefault(row.pid, (row.comm, row.title, row.container))
-        return EntryColumns(*([getattr(row, name) for row in rows] for name in _COLUMN_NAMES), labels)
+        return EntryColumns._make([*([getattr(row, name) for row in rows] for name in _COLUMN_NAMES), labels])
     columns = response.columns
     count = len(columns.pid)
     lists = []
@@ -132,7 +132,7 @@ def columns_from_snapshot(response: service_pb2.GetSnapshotResponse) -> EntryCol
             raise ValueError(f"OutstandingColumns.{name} has {len(values)} entries for {count} objects")
         lists.append(list(values) if len(values) else [False if name in ("released", "sampled") else 0] * count)
     labels = {label.pid: (label.comm, label.title, label.container) for label in columns.processes}
-    return EntryColumns(*lists, labels)
+    return EntryColumns._make([*lists, labels])
 
 
 def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
