@@ -4,7 +4,8 @@
 segments of PyTorch's caching allocator and the live blocks (tensors) in them, so that PyTorch's own
 viewers render it: ``python -m torch.cuda._memory_viz trace_plot FILE -o out.html``, ``segment_plot``,
 ``stats``, ``trace`` and the memory viewer on pytorch.org. `write_pickle` writes it as the file those
-tools read.
+tools read. `kvtrace snapshot --format memory-viz` writes the same file (read back, element for element)
+from a listing's pages as they come, without this structure in memory: reports/viz_export.py.
 
 What differs from a snapshot PyTorch takes of itself:
 
