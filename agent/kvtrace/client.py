@@ -31,9 +31,9 @@ from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ApiConfig, ConfigError
 from kvtrace.errors import CommandError, ExitCode
 from kvtrace.model.depth import Depth
 from kvtrace.model.events import Kind, Layer
-from kvtrace.model.ledger import Outstanding
+from kvtrace.model.ledger import EntryColumns, Outstanding
 from kvtrace.model.stacks import Stack
-from kvtrace.wire import outstanding_from_proto, stack_from_proto, wire_number, wire_numbers
+from kvtrace.wire import columns_from_snapshot, outstanding_from_proto, stack_from_proto, wire_number, wire_numbers
 
 DEFAULT_TARGET = f"unix://{DEFAULT_SOCKET}"
 # A snapshot page of 10000 entries with long process titles can pass gRPC's default 4 MiB.
@@ -66,6 +66,8 @@ class HeldMemory:
 # Objects per snapshot page the client asks for (the agent allows 10 000): a listing is one pass whatever its
 # pages, and fewer pages are fewer round trips; each costs the agent about 2 MB while it is built.
 SNAPSHOT_PAGE_SIZE = 5_000
+# The largest page the agent allows (GetSnapshotRequest.page_size).
+SNAPSHOT_PAGE_MAX = 10_000
 
 class AgentClient:
     """A connection to one agent. Methods raise CommandError; use it as a context manager."""
@@ -199,13 +201,17 @@ class AgentClient:
             yield from response.allocations
 
     def snapshot_pages(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
-                       page_size: int = SNAPSHOT_PAGE_SIZE) -> Iterator[service_pb2.GetSnapshotResponse]:
+                       page_size: int = SNAPSHOT_PAGE_SIZE,
+                       encoding: service_pb2.SnapshotEncoding = service_pb2.SNAPSHOT_ENCODING_MESSAGES,
+                       ) -> Iterator[service_pb2.GetSnapshotResponse]:
         """The snapshot's pages as they come, each with the stacks its allocations refer to. The next page is
-        asked for before this one is handed over: the agent reads it while the caller uses this one."""
+        asked for before this one is handed over: the agent reads it while the caller uses this one. With
+        `encoding` SNAPSHOT_ENCODING_COLUMNS a page's objects are in its `columns`, or in its `allocations`
+        from an agent older than columns (snapshot_columns reads either)."""
         pids, layers = list(pids), wire_numbers(layers)
         self._check_socket()
         pending = self._stub.GetSnapshot.future(
-            service_pb2.GetSnapshotRequest(pids=pids, layers=layers, page_size=page_size),
+            service_pb2.GetSnapshotRequest(pids=pids, layers=layers, page_size=page_size, encoding=encoding),
             timeout=self.timeout_seconds)
         try:
             while True:
@@ -216,12 +222,26 @@ class AgentClient:
                 token = response.next_page_token
                 if token:
                     pending = self._stub.GetSnapshot.future(service_pb2.GetSnapshotRequest(
-                        pids=pids, layers=layers, page_size=page_size, page_token=token), timeout=self.timeout_seconds)
+                        pids=pids, layers=layers, page_size=page_size, page_token=token, encoding=encoding),
+                        timeout=self.timeout_seconds)
                 yield response
                 if not token:
                     return
         finally:
             pending.cancel()  # a caller that stopped early: the page read ahead is not waited for
+
+    def snapshot_columns(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
+                         page_size: int = SNAPSHOT_PAGE_MAX) -> Iterator[tuple[EntryColumns, dict[int, Stack]]]:
+        """Every outstanding object, a page at a time in columns, each page with the stacks it refers to: a
+        listing of millions without an object for each (an export reads so). Pages are the largest the agent
+        allows: the fewer, the fewer round trips, and the agent reads the next while the caller uses this one."""
+        for page in self.snapshot_pages(pids, layers, page_size, encoding=service_pb2.SNAPSHOT_ENCODING_COLUMNS):
+            try:
+                columns = columns_from_snapshot(page)
+            except ValueError as error:
+                raise CommandError(f"the agent sent a snapshot page this client cannot read: {error}",
+                                   ExitCode.FAILURE) from None
+            yield columns, dict(stack_from_proto(stack) for stack in page.stacks)
 
     def held(self, pids: Iterable[int] = ()) -> HeldMemory:
         """Every outstanding object as the model's, with the stacks it refers to and its process's title

@@ -229,6 +229,21 @@ def test_group_socket_snapshot_is_redacted_and_its_page_tokens_hide_addresses(mo
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_group_socket_snapshot_in_columns_is_redacted_as_its_messages(monkeypatch):
+    backend, _ = secret_backend(monkeypatch)
+    with served(backend) as (server, _):
+        request = service_pb2.GetSnapshotRequest(pids=[200], page_size=10000,
+                                                 encoding=service_pb2.SNAPSHOT_ENCODING_COLUMNS)
+        page, full = group_stub(server).GetSnapshot(request, timeout=10), admin_stub(server).GetSnapshot(request,
+                                                                                                          timeout=10)
+    columns = page.columns
+    assert page.view == service_pb2.VIEW_REDACTED and not page.stacks and not page.allocations
+    assert len(columns.pid) == len(full.columns.pid) > 100 and any(full.columns.address)
+    assert not (columns.address or columns.caller_address or columns.stack_id or columns.handle or columns.stream)
+    assert [label.title for label in columns.processes] == [REDACTED_TITLE]
+    assert sorted(columns.size_bytes) == sorted(full.columns.size_bytes)
+
+
 def test_group_socket_processes_suspects_growth_and_info_are_redacted(monkeypatch):
     backend, _ = secret_backend(monkeypatch)
     with served(backend) as (server, _):

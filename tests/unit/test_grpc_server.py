@@ -342,6 +342,27 @@ def test_snapshot_filters_by_pid_and_layer_with_attribution():
     assert [(a.pid, a.address) for a in runtime] == [(300, 3)]
 
 
+def test_snapshot_in_columns_lists_what_the_messages_list():
+    backend = FakeAgent()
+    for i in range(23):
+        backend.apply(event(pid=(100, 200, 300)[i % 3], address=0x1000 * (23 - i), size=MiB + i, device=i % 2))
+    backend.apply(event(pid=300, address=7, api=Api.cudaMalloc, layer=Layer.RUNTIME))
+    fields = ("pid", "tid", "layer", "object", "memory", "api", "size_bytes", "address", "device", "timestamp_ns",
+              "caller_address", "stack_id", "mapped_count", "released", "handle", "stream", "sample_bytes", "sampled")
+    with served(backend) as (server, _):
+        with AgentClient.for_socket(server.config.socket) as client:
+            rows = list(client.snapshot(pids=[100, 300], page_size=4))
+            pages = list(client.snapshot_columns(pids=[100, 300], page_size=4))
+            raw = next(client.snapshot_pages(pids=[300], page_size=100,
+                                             encoding=service_pb2.SNAPSHOT_ENCODING_COLUMNS))
+    assert len(pages) == 4 and not raw.allocations and len(raw.columns.pid) == 8  # in columns, not messages
+    listed = sorted(row for columns, _ in pages for row in zip(*(getattr(columns, name) for name in fields),
+                                                                strict=True))
+    assert listed == sorted(tuple(getattr(row, name) for name in fields) for row in rows) and len(listed) == 16
+    labels = {pid: label for columns, _ in pages for pid, label in columns.labels.items()}
+    assert labels == {row.pid: (row.comm, row.title, row.container) for row in rows}
+
+
 def test_list_processes_and_agent_info():
     backend = FakeAgent()
     backend.apply(event(pid=200, address=1, size=MiB, device=0), event(pid=200, address=2, size=MiB, device=1),

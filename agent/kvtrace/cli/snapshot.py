@@ -84,39 +84,38 @@ class SnapshotCommand:
         return ExitCode.OK
 
     def _memory_viz(self, args: argparse.Namespace) -> int:
-        from kvtrace.reports.memory_viz import NOT_SAMPLED_FRAME, snapshot_dict, viz_segments, write_pickle
+        from kvtrace.reports.memory_viz import NOT_SAMPLED_FRAME
+        from kvtrace.reports.viz_export import ExportBuilder
 
         if len(args.pid) != 1 or args.output is None:
             raise CommandError("--format memory-viz takes one process and a file: -p PID -o FILE.pickle",
                                ExitCode.USAGE)
-        with connect(args) as agent:
-            held = agent.held(pids=args.pid)
-        entries, stacks = held.entries, held.stacks
-        segments, outside = segments_of(entries)
-        if not any(segment.blocks for segment in segments):
+        builder = ExportBuilder(args.pid[0])
+        with connect(args) as agent:  # each page into the export as it comes, while the agent reads the next
+            for columns, stacks in agent.snapshot_columns(pids=args.pid):
+                builder.add(columns, stacks)
+        export = builder.finish()
+        if not export.blocks:
             raise CommandError(f"no PyTorch blocks are traced in pid {args.pid[0]} (is it a PyTorch process, "
                                "traced since it allocated? `kvtrace doctor --pid` says what is traced)",
                                ExitCode.FAILURE)
         try:
-            snapshot = snapshot_dict(viz_segments(segments, stacks.get))
+            export.write(args.output)
         except ValueError as error:  # what the viewer would draw wrong; nothing is written
             raise CommandError(f"cannot write a memory-viz file of pid {args.pid[0]}: {error}; "
                                f"`kvtrace snapshot -p {args.pid[0]} --format json` shows the blocks as traced",
                                ExitCode.FAILURE) from None
-        try:
-            write_pickle(args.output, snapshot)
         except OSError as error:
             raise CommandError(f"cannot write {args.output}: {error.strerror or error}", ExitCode.FAILURE) from None
-        blocks = sum(len(segment.blocks) for segment in segments)
-        note = f"; {len(outside)} blocks outside any traced segment left out" if outside else ""
-        print(f"wrote {args.output}: {len(segments)} segments, {blocks} blocks{note}. "
+        note = f"; {export.outside} blocks outside any traced segment left out" if export.outside else ""
+        print(f"wrote {args.output}: {export.segments} segments, {export.blocks} blocks{note}. "
               f"View it: python -m torch.cuda._memory_viz trace_plot {args.output} -o {args.output.stem}.html, "
               "or at https://pytorch.org/memory_viz", file=sys.stderr)
-        passed = sum(1 for segment in segments for block in segment.blocks if block.sample_bytes and not block.sampled)
-        if passed:
-            print(f"kvtrace: block stacks are sampled (--block-sample-bytes): {passed} blocks' stacks were passed over "
-                  f"and show as {NOT_SAMPLED_FRAME}, so the viewer's bytes per stack are the sampled blocks' only; "
-                  f"`kvtrace flamegraph --blocks -p {args.pid[0]}` estimates each stack's", file=sys.stderr)
+        if export.passed:
+            print(f"kvtrace: block stacks are sampled (--block-sample-bytes): {export.passed} blocks' stacks were "
+                  f"passed over and show as {NOT_SAMPLED_FRAME}, so the viewer's bytes per stack are the sampled "
+                  f"blocks' only; `kvtrace flamegraph --blocks -p {args.pid[0]}` estimates each stack's",
+                  file=sys.stderr)
         return ExitCode.OK
 
 

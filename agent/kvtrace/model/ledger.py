@@ -72,6 +72,34 @@ class Outstanding:
     sampled: bool = False
 
 
+class EntryColumns(NamedTuple):
+    """Outstanding entries in columns, as a snapshot's page of columns carries them (kvtrace.v1
+    OutstandingColumns): entry i is item i of every list, each field Outstanding's of that name (`layer`,
+    `object`, `memory` and `api` as numbers: the enums' values, and a newer agent's unknown value stays a
+    number). `labels`: (comm, title, container) of each process, by pid. A listing of a million entries is
+    read so without an object per entry."""
+
+    pid: list[int]
+    tid: list[int]
+    layer: list[int]
+    object: list[int]
+    memory: list[int]
+    api: list[int]
+    size_bytes: list[int]
+    address: list[int]
+    device: list[int]
+    timestamp_ns: list[int]
+    caller_address: list[int]
+    stack_id: list[int]
+    mapped_count: list[int]
+    released: list[bool]
+    handle: list[int]
+    stream: list[int]
+    sample_bytes: list[int]
+    sampled: list[bool]
+    labels: dict[int, tuple[str, str, str]]
+
+
 # tuple.__new__(LedgerKey, (...)) makes the same key as LedgerKey(...) at half the cost (no Python-level
 # __new__): used where a key is made for every event.
 _new_tuple = tuple.__new__

@@ -4,7 +4,8 @@
 segments of PyTorch's caching allocator and the live blocks (tensors) in them, so that PyTorch's own
 viewers render it: ``python -m torch.cuda._memory_viz trace_plot FILE -o out.html``, ``segment_plot``,
 ``stats``, ``trace`` and the memory viewer on pytorch.org. `write_pickle` writes it as the file those
-tools read.
+tools read. `kvtrace snapshot --format memory-viz` writes the same file (read back, element for element)
+from a listing's pages as they come, without this structure in memory: reports/viz_export.py.
 
 What differs from a snapshot PyTorch takes of itself:
 
@@ -152,11 +153,15 @@ def segment_type(segment: VizSegment) -> str:
     holds a block too big for the small pool; a small one grown to a multiple of 20 MiB is
     indistinguishable and is called large.
     """
-    if not segment.is_expandable:
-        return "small" if segment.size_bytes == SMALL_SEGMENT_BYTES else "large"
-    if segment.size_bytes % LARGE_SEGMENT_BYTES == 0:
-        return "large"
-    if any(block.requested_bytes > SMALL_BLOCK_MAX_BYTES for block in segment.blocks):
+    return _pool(segment.size_bytes, segment.is_expandable,
+                 max((block.requested_bytes for block in segment.blocks), default=0))
+
+
+def _pool(size_bytes: int, is_expandable: bool, largest_request_bytes: int) -> str:
+    """segment_type of a segment of this size whose largest block asks for `largest_request_bytes`."""
+    if not is_expandable:
+        return "small" if size_bytes == SMALL_SEGMENT_BYTES else "large"
+    if size_bytes % LARGE_SEGMENT_BYTES == 0 or largest_request_bytes > SMALL_BLOCK_MAX_BYTES:
         return "large"
     return "small"
 
@@ -193,6 +198,15 @@ def _segment_dict(segment: VizSegment, frames_of: Callable[[tuple[VizFrame, ...]
     if cursor < end:
         blocks.append(_inactive_block(cursor, end - cursor))
     allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+    return _segment_entry(segment, allocated, sum(block.requested_bytes for block in live), segment_type(segment),
+                          blocks)
+
+
+_DEFAULT_POOL = (0, 0)  # one object: the pickle stores it once
+
+
+def _segment_entry(segment: VizSegment, allocated: int, requested: int, pool: str,
+                   blocks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "device": segment.device,
         "address": segment.address,
@@ -201,10 +215,10 @@ def _segment_dict(segment: VizSegment, frames_of: Callable[[tuple[VizFrame, ...]
         # Active = allocated or freed but still in use by another stream; kvtrace sees a block
         # leave at free, so nothing is ever "active_pending_free" here.
         "active_size": allocated,
-        "requested_size": sum(block.requested_bytes for block in live),
+        "requested_size": requested,
         "stream": segment.stream,
-        "segment_type": segment_type(segment),
-        "segment_pool_id": (0, 0),
+        "segment_type": pool,
+        "segment_pool_id": _DEFAULT_POOL,
         "is_expandable": segment.is_expandable,
         "frames": [],
         "blocks": blocks,

@@ -23,12 +23,14 @@ Every public name is re-exported here: `from kvtrace import wire; wire.event_to_
 from __future__ import annotations
 
 from kvtrace.wire.agent import (
+    columns_from_snapshot,
     cross_checks_to_proto,
     gpu_to_proto,
     growth_to_proto,
     info_to_proto,
     leak_report_to_proto,
     outstanding_from_proto,
+    outstanding_to_columns,
     outstanding_to_proto,
     process_growth_to_proto,
     process_to_proto,
@@ -102,6 +104,7 @@ from kvtrace.wire.vllm import (
 __all__ = [
     "FixedColumnsBatch",
     "columns_event_count",
+    "columns_from_snapshot",
     "cross_checks_to_proto",
     "depth_from_proto",
     "depth_message_to_json",
@@ -135,6 +138,7 @@ __all__ = [
     "outstanding_from_proto",
     "outstanding_json_line",
     "outstanding_to_json_dict",
+    "outstanding_to_columns",
     "outstanding_to_proto",
     "process_growth_to_proto",
     "process_to_json_dict",

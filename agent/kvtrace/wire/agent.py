@@ -7,7 +7,8 @@ kvtrace.wire.columns) and vLLM's (kvtrace.wire.vllm).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
@@ -16,7 +17,7 @@ from kvtrace.model.crosscheck import ProcessCrossCheck, Side
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakReport, LeakSuspect, ProcessGpu
-from kvtrace.model.ledger import LedgerKey, Outstanding
+from kvtrace.model.ledger import EntryColumns, LedgerKey, Outstanding
 from kvtrace.model.processes import ProcessInfo, valid_text
 from kvtrace.wire.common import saturated_s64, saturated_u64, wire_number
 from kvtrace.wire.depth import depth_to_proto, depths_to_proto
@@ -80,6 +81,59 @@ _LAYERS = {int(member): member for member in Layer}
 _OBJECTS = {int(member): member for member in ObjectKind}
 _APIS = {int(member): member for member in Api}
 _MEMORIES = {int(member): member for member in Memory}
+
+
+# OutstandingColumns' number columns in its field order, each the Outstanding attribute it is (dotted: of the key).
+_COLUMN_ATTRIBUTES = (
+    ("pid", "key.pid"), ("tid", "tid"), ("layer", "key.layer"), ("object", "key.object"), ("memory", "memory"),
+    ("api", "api"), ("size_bytes", "size_bytes"), ("address", "key.address"), ("device", "device"),
+    ("timestamp_ns", "timestamp_ns"), ("caller_address", "caller_address"), ("stack_id", "stack_id"),
+    ("mapped_count", "mapped_count"), ("released", "released"), ("handle", "handle"), ("stream", "stream"),
+    ("sample_bytes", "sample_bytes"), ("sampled", "sampled"))
+_COLUMN_NAMES = tuple(name for name, _ in _COLUMN_ATTRIBUTES)
+_ROW_OF = operator.attrgetter(*(attribute for _, attribute in _COLUMN_ATTRIBUTES))  # one C call per entry
+
+
+def outstanding_to_columns(entries: Sequence[Outstanding], processes: Mapping[int, ProcessInfo | None],
+                           message: service_pb2.OutstandingColumns) -> None:
+    """A snapshot page's entries into `message` (SNAPSHOT_ENCODING_COLUMNS): one C call per entry to read its
+    fields, a transpose and a packed extend per column; a column that is all defaults stays empty. `processes`:
+    the known ones of the page's pids (None: no longer readable, no label)."""
+    if not entries:
+        return
+    columns = dict(zip(_COLUMN_NAMES, zip(*map(_ROW_OF, entries), strict=True), strict=True))
+    if any(columns["sampled"]):  # sampled means something only with a sampling mean, as in outstanding_to_proto
+        pairs = zip(columns["sampled"], columns["sample_bytes"], strict=True)
+        columns["sampled"] = tuple(bool(sampled and sample_bytes) for sampled, sample_bytes in pairs)
+    for name, column in columns.items():
+        if name == "pid" or any(column):
+            getattr(message, name).extend(column)
+    add = message.processes.add
+    for pid, process in processes.items():
+        if process is not None:
+            add(pid=pid, comm=process.comm, title=process.title, container=process.container)
+
+
+def columns_from_snapshot(response: service_pb2.GetSnapshotResponse) -> EntryColumns:
+    """A snapshot page's entries in columns, whichever way it carried them: `columns`, or `allocations` (an agent
+    older than SNAPSHOT_ENCODING_COLUMNS, which sends those whatever was asked). ValueError for columns of
+    different lengths."""
+    if len(response.allocations):
+        rows = response.allocations
+        labels: dict[int, tuple[str, str, str]] = {}
+        for row in rows:
+            labels.setdefault(row.pid, (row.comm, row.title, row.container))
+        return EntryColumns._make([*([getattr(row, name) for row in rows] for name in _COLUMN_NAMES), labels])
+    columns = response.columns
+    count = len(columns.pid)
+    lists = []
+    for name in _COLUMN_NAMES:
+        values = getattr(columns, name)
+        if len(values) not in (0, count):
+            raise ValueError(f"OutstandingColumns.{name} has {len(values)} entries for {count} objects")
+        lists.append(list(values) if len(values) else [False if name in ("released", "sampled") else 0] * count)
+    labels = {label.pid: (label.comm, label.title, label.container) for label in columns.processes}
+    return EntryColumns._make([*lists, labels])
 
 
 def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:

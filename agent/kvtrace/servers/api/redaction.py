@@ -57,6 +57,16 @@ def redact_outstanding(message: service_pb2.OutstandingAllocation) -> service_pb
     return message
 
 
+def redact_outstanding_columns(message: service_pb2.OutstandingColumns) -> service_pb2.OutstandingColumns:
+    """As redact_outstanding, for a page in columns: the titles redacted, the same columns left at their
+    defaults (empty)."""
+    for label in message.processes:
+        label.title = redact_title(label.title)
+    for name in ("address", "caller_address", "stack_id", "handle", "stream"):
+        message.ClearField(name)
+    return message
+
+
 def redact_depths(states) -> None:
     """A depth's detail is the policy's words, which may quote a title or a vLLM finding: secrets go."""
     for state in states:

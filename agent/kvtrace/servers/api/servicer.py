@@ -36,6 +36,7 @@ from kvtrace.servers.api.redaction import (
     redact_info,
     redact_leak_report,
     redact_outstanding,
+    redact_outstanding_columns,
     redact_processes,
     redact_vllm_engines,
 )
@@ -72,6 +73,7 @@ from kvtrace.wire import (
     info_to_proto,
     leak_report_to_proto,
     lost_to_proto,
+    outstanding_to_columns,
     outstanding_to_proto,
     process_to_proto,
     stack_message,
@@ -327,27 +329,32 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"reading the ledger failed ({error}); list again from the first page")
         processes: dict[int, ProcessInfo | None] = {}
-        allocations = []
-        for entry in page:
-            pid = entry.key.pid
-            if pid not in processes:
-                processes[pid] = self._state.process(pid)
-            allocations.append(outstanding_to_proto(entry, processes[pid]))
-        depths = depths_to_proto(self._state.process_depths(), processes)
+        response = service_pb2.GetSnapshotResponse(next_page_token=next_token, timestamp_ns=timestamp_ns,
+                                                   view=VIEW_REDACTED if self._redacted else VIEW_FULL)
+        if request.encoding == service_pb2.SNAPSHOT_ENCODING_COLUMNS:  # filled in place: a page is not copied
+            processes = {pid: self._state.process(pid) for pid in {entry.key.pid for entry in page}}
+            outstanding_to_columns(page, processes, response.columns)
+        else:
+            allocations = []
+            for entry in page:
+                pid = entry.key.pid
+                if pid not in processes:
+                    processes[pid] = self._state.process(pid)
+                allocations.append(outstanding_to_proto(entry, processes[pid]))
+            response.allocations.extend(allocations)
+        response.depths.extend(depths_to_proto(self._state.process_depths(), processes))
         if self._redacted:
-            redact_depths(depths)
-            return service_pb2.GetSnapshotResponse(
-                allocations=[redact_outstanding(allocation) for allocation in allocations],
-                next_page_token=next_token,
-                timestamp_ns=timestamp_ns, view=VIEW_REDACTED, depths=depths)
-        stacks = []
+            redact_depths(response.depths)
+            for allocation in response.allocations:
+                redact_outstanding(allocation)
+            if response.HasField("columns"):
+                redact_outstanding_columns(response.columns)
+            return response
         for stack_id in sorted({entry.stack_id for entry in page if entry.stack_id}):
             stack = self._state.stack(stack_id)
             if stack is not None:
-                stacks.append(stack_message(stack_id, stack))
-        return service_pb2.GetSnapshotResponse(allocations=allocations, next_page_token=next_token,
-                                               timestamp_ns=timestamp_ns, stacks=stacks, view=VIEW_FULL,
-                                               depths=depths)
+                response.stacks.append(stack_message(stack_id, stack))
+        return response
 
     def ListProcesses(self, request, context):
         processes = sorted(self._state.processes_holding_memory(), key=lambda process: process.pid)

@@ -21,6 +21,12 @@ class View(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VIEW_FULL: _ClassVar[View]
     VIEW_REDACTED: _ClassVar[View]
 
+class SnapshotEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SNAPSHOT_ENCODING_UNSPECIFIED: _ClassVar[SnapshotEncoding]
+    SNAPSHOT_ENCODING_MESSAGES: _ClassVar[SnapshotEncoding]
+    SNAPSHOT_ENCODING_COLUMNS: _ClassVar[SnapshotEncoding]
+
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLE_UNSPECIFIED: _ClassVar[Role]
@@ -83,6 +89,9 @@ EVENT_ENCODING_FIXED_COLUMNS: EventEncoding
 VIEW_UNSPECIFIED: View
 VIEW_FULL: View
 VIEW_REDACTED: View
+SNAPSHOT_ENCODING_UNSPECIFIED: SnapshotEncoding
+SNAPSHOT_ENCODING_MESSAGES: SnapshotEncoding
+SNAPSHOT_ENCODING_COLUMNS: SnapshotEncoding
 ROLE_UNSPECIFIED: Role
 ROLE_KV_CACHE: Role
 ROLE_WEIGHTS: Role
@@ -151,32 +160,78 @@ class StreamEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., columns: _Optional[_Union[_events_pb2.EventColumns, _Mapping]] = ..., fixed_columns: _Optional[_Union[_events_pb2.FixedEventColumns, _Mapping]] = ...) -> None: ...
 
 class GetSnapshotRequest(_message.Message):
-    __slots__ = ("pids", "layers", "page_size", "page_token")
+    __slots__ = ("pids", "layers", "page_size", "page_token", "encoding")
     PIDS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     pids: _containers.RepeatedScalarFieldContainer[int]
     layers: _containers.RepeatedScalarFieldContainer[_events_pb2.Layer]
     page_size: int
     page_token: str
-    def __init__(self, pids: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    encoding: SnapshotEncoding
+    def __init__(self, pids: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., encoding: _Optional[_Union[SnapshotEncoding, str]] = ...) -> None: ...
 
 class GetSnapshotResponse(_message.Message):
-    __slots__ = ("allocations", "next_page_token", "timestamp_ns", "stacks", "view", "depths")
+    __slots__ = ("allocations", "next_page_token", "timestamp_ns", "stacks", "view", "depths", "columns")
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     allocations: _containers.RepeatedCompositeFieldContainer[OutstandingAllocation]
     next_page_token: str
     timestamp_ns: int
     stacks: _containers.RepeatedCompositeFieldContainer[_events_pb2.Stack]
     view: View
     depths: _containers.RepeatedCompositeFieldContainer[ProcessDepthState]
-    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., depths: _Optional[_Iterable[_Union[ProcessDepthState, _Mapping]]] = ...) -> None: ...
+    columns: OutstandingColumns
+    def __init__(self, allocations: _Optional[_Iterable[_Union[OutstandingAllocation, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., stacks: _Optional[_Iterable[_Union[_events_pb2.Stack, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., depths: _Optional[_Iterable[_Union[ProcessDepthState, _Mapping]]] = ..., columns: _Optional[_Union[OutstandingColumns, _Mapping]] = ...) -> None: ...
+
+class OutstandingColumns(_message.Message):
+    __slots__ = ("pid", "tid", "layer", "object", "memory", "api", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle", "stream", "sample_bytes", "sampled", "processes")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STACK_ID_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    pid: _containers.RepeatedScalarFieldContainer[int]
+    tid: _containers.RepeatedScalarFieldContainer[int]
+    layer: _containers.RepeatedScalarFieldContainer[_events_pb2.Layer]
+    object: _containers.RepeatedScalarFieldContainer[_events_pb2.ObjectKind]
+    memory: _containers.RepeatedScalarFieldContainer[_events_pb2.Memory]
+    api: _containers.RepeatedScalarFieldContainer[_events_pb2.Api]
+    size_bytes: _containers.RepeatedScalarFieldContainer[int]
+    address: _containers.RepeatedScalarFieldContainer[int]
+    device: _containers.RepeatedScalarFieldContainer[int]
+    timestamp_ns: _containers.RepeatedScalarFieldContainer[int]
+    caller_address: _containers.RepeatedScalarFieldContainer[int]
+    stack_id: _containers.RepeatedScalarFieldContainer[int]
+    mapped_count: _containers.RepeatedScalarFieldContainer[int]
+    released: _containers.RepeatedScalarFieldContainer[bool]
+    handle: _containers.RepeatedScalarFieldContainer[int]
+    stream: _containers.RepeatedScalarFieldContainer[int]
+    sample_bytes: _containers.RepeatedScalarFieldContainer[int]
+    sampled: _containers.RepeatedScalarFieldContainer[bool]
+    processes: _containers.RepeatedCompositeFieldContainer[_events_pb2.ProcessLabel]
+    def __init__(self, pid: _Optional[_Iterable[int]] = ..., tid: _Optional[_Iterable[int]] = ..., layer: _Optional[_Iterable[_Union[_events_pb2.Layer, str]]] = ..., object: _Optional[_Iterable[_Union[_events_pb2.ObjectKind, str]]] = ..., memory: _Optional[_Iterable[_Union[_events_pb2.Memory, str]]] = ..., api: _Optional[_Iterable[_Union[_events_pb2.Api, str]]] = ..., size_bytes: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., device: _Optional[_Iterable[int]] = ..., timestamp_ns: _Optional[_Iterable[int]] = ..., caller_address: _Optional[_Iterable[int]] = ..., stack_id: _Optional[_Iterable[int]] = ..., mapped_count: _Optional[_Iterable[int]] = ..., released: _Optional[_Iterable[bool]] = ..., handle: _Optional[_Iterable[int]] = ..., stream: _Optional[_Iterable[int]] = ..., sample_bytes: _Optional[_Iterable[int]] = ..., sampled: _Optional[_Iterable[bool]] = ..., processes: _Optional[_Iterable[_Union[_events_pb2.ProcessLabel, _Mapping]]] = ...) -> None: ...
 
 class OutstandingAllocation(_message.Message):
     __slots__ = ("pid", "tid", "comm", "title", "container", "layer", "object", "memory", "api", "api_name", "size_bytes", "address", "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle", "stream", "sample_bytes", "sampled")

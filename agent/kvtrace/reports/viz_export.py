@@ -1,0 +1,379 @@
+"""The memory-viz export built from a listing's pages as they come (`kvtrace snapshot --format memory-viz`):
+the file reports/memory_viz.py describes, for a million blocks in seconds.
+
+memory_viz.snapshot_dict makes the structure from the model's segments and blocks, and pickle.dump writes it:
+a model object per ledger entry, then two dicts per block, then the pickler's pass over them. Here the
+entries come in columns (model.ledger.EntryColumns), a tuple per block is all that is kept, and the pickle
+is written from those (reports/viz_pickle.py): what reads it back (pickle.loads, PyTorch's tools, the
+viewer) finds the same structure, element for element (tests/unit/test_memory_viz_pages.py holds it).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, BinaryIO, NamedTuple
+
+from kvtrace.model.events import Layer, Memory, ObjectKind
+from kvtrace.model.ledger import EntryColumns
+from kvtrace.model.stacks import Stack
+from kvtrace.reports.memory_viz import (
+    BLOCK_GRANULARITY_BYTES,
+    NOT_SAMPLED_FRAME,
+    VizBlock,
+    VizFrame,
+    VizSegment,
+    _check_blocks,
+    _check_segments,
+    _FramesCache,
+    _inactive_block,
+    _pool,
+    _segment_entry,
+)
+from kvtrace.reports.output import write_whole
+from kvtrace.reports.viz_pickle import APPEND, EMPTY_DICT, EMPTY_LIST, LIMIT, MARK, SETITEMS, PickleWriter, Template
+
+# The ledger's numbers (EntryColumns) an export looks for: blocks, and the entries that are segments.
+_BLOCK, _ALLOCATION, _VMM_MAPPING = ObjectKind.BLOCK.value, ObjectKind.ALLOCATION.value, ObjectKind.VMM_MAPPING.value
+_RUNTIME, _DEVICE_MEMORY = Layer.RUNTIME.value, Memory.DEVICE.value
+
+
+class ExportBuilder:
+    """The memory-viz export of one process built from its ledger entries as a listing's pages come (columns,
+    model.ledger.EntryColumns, each page with the stacks it refers to): the file that write_pickle of
+    snapshot_dict(viz_segments(segments_of(entries), stacks.get)) writes reads back the same, without a model
+    object per entry or a dict per block.
+
+    A page is taken as it comes, while the agent reads the next one: a tuple per block (its record: the fields
+    named below the class), the page put in address order and, from that, in time order. `finish` merges the
+    pages' orders (a sort of runs already sorted), nests the blocks in their segments (one in none is left out,
+    as segments_of leaves it outside) and says how many; `VizExport.write` lays each segment out (gaps, a
+    rounding clipped by the next block), checks it as snapshot_dict does, and writes the pickle in one pass
+    (reports/viz_pickle.py)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._by_address: list[tuple] = []  # the blocks' records, each page's in address order
+        self._by_time: list[tuple] = []  # the same, each page's in (time, address) order
+        self.large_numbers = False  # whether a number is 2**63 or more (written alone, not in a run)
+        self._runtime: list[tuple[int, int, int]] = []  # (address, size, device) of each runtime allocation
+        self._mappings: list[tuple[int, int, int]] = []  # (address, size, device) of each VMM mapping
+        self._frames_of_stack: dict[int, int] = {}  # stack id -> its frame list's number
+        self._frames_of = _FramesCache()
+        self.frame_lists: list[list[dict[str, Any]]] = []  # by number: each distinct stack's frames, torch's shape
+        self._number_of: dict[int, int] = {}  # id of a frame list -> its number
+        self._not_sampled = self._number(self._frames_of((VizFrame(NOT_SAMPLED_FRAME, "", 0),)))
+
+    def add(self, columns: EntryColumns, stacks: Mapping[int, Stack]) -> None:
+        """One page's entries (of any process: only this one's are taken) and the stacks they refer to."""
+        count, objects = len(columns.pid), columns.object
+        picked: list[int] | None = None  # None: all, the columns as they are
+        if columns.pid.count(self.pid) != count:
+            pid = self.pid
+            picked = [index for index, entry_pid in enumerate(columns.pid) if entry_pid == pid]
+        if picked is not None or objects.count(_BLOCK) != count:  # segments among them, or other processes
+            rows = range(count) if picked is None else picked
+            for index in rows:
+                if objects[index] != _BLOCK:
+                    self._segment_part(columns, index)
+            picked = [index for index in rows if objects[index] == _BLOCK]
+
+        def column(values: list) -> list:
+            return values if picked is None else [values[index] for index in picked]
+
+        stack_ids = column(columns.stack_id)
+        frames_of_stack = self._frames_of_stack
+        for stack_id in set(stack_ids) - frames_of_stack.keys():
+            frames_of_stack[stack_id] = self._number(self._stack_frames(stacks.get(stack_id) if stack_id else None))
+        frames = list(map(frames_of_stack.__getitem__, stack_ids))
+        passed = [False] * len(frames)
+        if any(columns.sample_bytes):
+            passed = [bool(sample_bytes) and not sampled for sample_bytes, sampled in
+                      zip(column(columns.sample_bytes), column(columns.sampled), strict=True)]
+            frames = [self._not_sampled if passed_over else number for number, passed_over in
+                      zip(frames, passed, strict=True)]
+        timestamps = column(columns.timestamp_ns)
+        if not self.large_numbers and max((max(values, default=0) for values in (
+                columns.address, columns.size_bytes, columns.stream, columns.timestamp_ns)), default=0) >= LIMIT:
+            self.large_numbers = True  # (none in practice) then the writer looks for them
+        records = sorted(zip(column(columns.address), column(columns.size_bytes), column(columns.stream),
+                             timestamps, frames, column(columns.device), passed,
+                             [timestamp // 1000 for timestamp in timestamps], strict=True), key=_ADDRESS)
+        self._by_address += records
+        self._by_time += sorted(records, key=_TIME)  # stable: equal times in address order
+
+    def _segment_part(self, columns: EntryColumns, index: int) -> None:
+        """A segment's entry (segments_of's: a runtime device allocation, or a VMM mapping, one of a run)."""
+        kind, layer = columns.object[index], columns.layer[index]
+        entry = (columns.address[index], columns.size_bytes[index], columns.device[index])
+        if kind == _ALLOCATION and layer == _RUNTIME and columns.memory[index] == _DEVICE_MEMORY:
+            self._runtime.append(entry)
+        elif kind == _VMM_MAPPING:
+            self._mappings.append(entry)
+
+    def _stack_frames(self, stack: Stack | None) -> list[dict[str, Any]]:
+        """The frames of a stack in torch's shape, one list for equal frames (as viz_segments and snapshot_dict
+        share them); none for a block without a stack."""
+        return self._frames_of(tuple(VizFrame(frame.function, frame.file, frame.line) for frame in stack.frames)
+                               if stack is not None else ())
+
+    def _number(self, frames: list[dict[str, Any]]) -> int:
+        number = self._number_of.get(id(frames))
+        if number is None:
+            number = self._number_of[id(frames)] = len(self.frame_lists)
+            self.frame_lists.append(frames)
+        return number
+
+    def finish(self) -> VizExport:
+        """The blocks nested in their segments (segments_of's rule: the segment that starts last at or before
+        the block's address, if the block ends inside it)."""
+        segments = [_Nested(address, size, device, False) for address, size, device in self._runtime]
+        for address, size, device in sorted(self._mappings):  # contiguous mappings on one device: one segment
+            last = segments[-1] if segments and segments[-1].expandable else None
+            if last is not None and last.address + last.size == address and last.device == device:
+                last.size += size
+            else:
+                segments.append(_Nested(address, size, device, True))
+        segments.sort(key=lambda segment: segment.address)
+        records = sorted(self._by_address, key=_ADDRESS)  # the pages' runs merged
+        columns = _transposed(records)  # one pass: the rest reads columns
+        addresses, requested = columns[0], columns[1]
+        starts = [segment.address for segment in segments] + [1 << 64]
+        for number, segment in enumerate(segments):
+            low, high = bisect.bisect_left(addresses, starts[number]), bisect.bisect_left(addresses, starts[number + 1])
+            end = segment.address + segment.size
+            fits = list(map(operator.le, map(operator.add, addresses[low:high], requested[low:high]),
+                            itertools.repeat(end)))
+            segment.records = records[low:high]
+            segment.columns = [values[low:high] for values in columns]
+            if not all(fits):
+                segment.records = list(itertools.compress(segment.records, fits))
+                segment.columns = [tuple(itertools.compress(values, fits)) for values in segment.columns]
+        return VizExport(self, segments, len(records))
+
+
+# A block's record: (address, requested bytes, stream, timestamp_ns, frame list number, device, passed over,
+# time_us); its columns in that order.
+_ADDRESS, _REQUESTED, _TIME = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(3)
+_FIELDS = 8
+
+
+class _Nested:
+    """A segment of the export and its blocks' records, in address order."""
+
+    __slots__ = ("address", "size", "device", "expandable", "records", "columns")
+
+    def __init__(self, address: int, size: int, device: int, expandable: bool) -> None:
+        self.address, self.size, self.device, self.expandable = address, size, device, expandable
+        self.records: list[tuple] = []
+        self.columns: list[Sequence] = [()] * _FIELDS
+
+
+class VizExport:
+    """An ExportBuilder's blocks in their segments: how many there are, and the file."""
+
+    def __init__(self, built: ExportBuilder, segments: list[_Nested], count: int) -> None:
+        self._built, self._segments = built, segments
+        self.segments = len(segments)
+        self.blocks = sum(len(segment.records) for segment in segments)
+        self.outside = count - self.blocks  # in no traced segment: left out
+        self.passed = sum(sum(segment.columns[6]) for segment in segments)
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """The file write_pickle(path, snapshot_dict(...)) writes for these segments, as pickle.loads reads it
+        (the same structure, element for element; 0600, whole or not at all); ValueError for what snapshot_dict
+        refuses, before anything is written."""
+        viz = []
+        for segment in self._segments:
+            device = segment.device
+            if device < 0:  # viz_segments: the device PyTorch reported for a block in it, else 0
+                device = next((device for device in segment.columns[5] if device >= 0), 0)
+            viz.append((VizSegment(device, segment.address, segment.size, 0, (), segment.expandable), segment))
+        viz.sort(key=lambda pair: (pair[0].device, pair[0].address))
+        _check_segments([shape for shape, _ in viz])
+        layouts = [_layout(shape, segment.columns) for shape, segment in viz]  # each checked before writing
+        traces = self._device_traces(viz)
+        write_whole(path, lambda file: self._write(file, viz, layouts, traces), "snapshot", "snapshot.pickle", 0o600)
+
+    def _write(self, file: BinaryIO, viz: list[tuple[VizSegment, _Nested]], layouts: list[_Layout],
+               traces: list[list[Sequence]]) -> None:
+        out = PickleWriter(file, self._built.frame_lists)
+        out.write(EMPTY_DICT + MARK)
+        out.string("segments")
+        out.write(EMPTY_LIST)
+        for (shape, segment), layout in zip(viz, layouts, strict=True):
+            _write_segment(out, shape, segment.columns, layout, self._built.large_numbers)
+            out.write(APPEND)
+        out.string("device_traces")
+        out.write(EMPTY_LIST)
+        for trace in traces:
+            out.write(EMPTY_LIST)
+            _write_runs(out, {"addr": trace[0], "size": trace[1], "stream": trace[2], "time_us": trace[7],
+                              "frames": trace[4]}, _alloc_entry_template, _alloc_entry_first,
+                        large_numbers=self._built.large_numbers)
+            out.write(APPEND)
+        out.write(SETITEMS)
+        out.end()
+
+    def _device_traces(self, viz: list[tuple[VizSegment, _Nested]]) -> list[list[Sequence]]:
+        """Each device's blocks' columns by (timestamp_ns, address), as snapshot_dict orders its alloc entries:
+        the pages' time orders merged, equal times (rare across pages) put in address order."""
+        records = sorted(self._built._by_time, key=_TIME)
+        columns = _transposed(records)  # one pass over the records
+        times = columns[3]
+        done, tied = 0, False
+        for tie in itertools.compress(range(len(times)), map(operator.eq, times, itertools.islice(times, 1, None))):
+            if tie >= done:  # a run of equal times starts here
+                done = tie + 1
+                while done < len(times) and times[done] == times[tie]:
+                    done += 1
+                records[tie:done] = sorted(records[tie:done], key=_ADDRESS)
+                tied = True
+        device_count = viz[-1][0].device + 1 if viz else 0
+        if device_count == 1 and not self.outside:
+            return [_transposed(records) if tied else columns]
+        device_of: dict[int, int] = {}  # id of a nested block's record -> its segment's device
+        for shape, segment in viz:
+            device_of.update(dict.fromkeys(map(id, segment.records), shape.device))
+        traces: list[list[tuple]] = [[] for _ in range(device_count)]
+        for record in records:
+            device = device_of.get(id(record))
+            if device is not None:
+                traces[device].append(record)
+        return [_transposed(trace) for trace in traces]
+
+
+def _transposed(records: list[tuple]) -> list[Sequence]:
+    """The records' columns (_FIELDS of them)."""
+    return list(zip(*records, strict=True)) or [()] * _FIELDS
+
+
+class _Layout(NamedTuple):
+    """A segment's blocks as _segment_dict lays them out: each one's size (rounded, clipped by what follows),
+    the gaps after blocks (block index -> (address, size)), a gap first, and the totals."""
+
+    sizes: list[int]
+    gaps: dict[int, tuple[int, int]]
+    first_gap: tuple[int, int] | None
+    allocated: int
+    requested: int
+    pool: str
+
+
+def _layout(segment: VizSegment, columns: list[Sequence]) -> _Layout:
+    """_segment_dict's layout and _check_blocks' checks, a C loop per column and a step only per gap or clip."""
+    start, end = segment.address, segment.address + segment.size_bytes
+    addresses, requested = columns[0], columns[1]
+    if not addresses:
+        return _Layout([], {}, (start, end - start), 0, 0, _pool(segment.size_bytes, segment.is_expandable, 0))
+    if min(requested) < 1 or any(map(operator.lt, addresses[1:], map(operator.add, addresses, requested))):
+        _check_blocks(segment, [VizBlock(address, request, 0, ()) for address, request in
+                                zip(addresses, requested, strict=True)])  # raises, saying which block
+    granularity = BLOCK_GRANULARITY_BYTES
+    sizes = [-(-request // granularity) * granularity or granularity for request in requested]
+    ends = list(map(operator.add, addresses, sizes))
+    limits = [*addresses[1:], end]
+    allocated = sum(sizes)
+    gaps = {}
+    for index in itertools.compress(range(len(ends)), map(operator.ne, ends, limits)):
+        stop, limit = ends[index], limits[index]
+        if stop > limit:  # rounding up may not run into the next block or past the segment
+            sizes[index] = limit - addresses[index]
+            allocated -= stop - limit
+        else:
+            gaps[index] = (stop, limit - stop)
+    first = (start, addresses[0] - start) if addresses[0] > start else None
+    return _Layout(sizes, gaps, first, allocated, sum(requested),
+                   _pool(segment.size_bytes, segment.is_expandable, max(requested)))
+
+
+def _write_segment(out: PickleWriter, segment: VizSegment, columns: list[Sequence], layout: _Layout,
+                   large_numbers: bool) -> None:
+    """One entry of ``segments``, as _segment_entry makes it, its blocks as runs."""
+    entry = _segment_entry(segment, layout.allocated, layout.requested, layout.pool, [])
+    del entry["blocks"]
+    out.write(EMPTY_DICT + MARK)
+    for key, value in entry.items():
+        out.string(key)
+        out.value(value)
+    out.string("blocks")
+    out.write(EMPTY_LIST)
+    if layout.first_gap is not None:
+        out.mapping(_inactive_block(*layout.first_gap))
+        out.write(APPEND)
+    _write_runs(out, {"address": columns[0], "size": layout.sizes, "requested_size": columns[1],
+                      "frames": columns[4]}, _block_template, _block_first, layout.gaps, large_numbers)
+    out.write(SETITEMS)
+
+
+def _block_first(out: PickleWriter, columns: Mapping[str, Sequence[int]], index: int) -> None:
+    out.write(EMPTY_DICT + MARK)
+    for key in ("address", "size", "requested_size"):
+        out.string(key)
+        out.value(columns[key][index])
+    out.string("state")
+    out.string("active_allocated")
+    out.string("frames")
+    out.frames_of(columns["frames"][index])
+    out.write(SETITEMS)
+
+
+def _block_template(out: PickleWriter) -> Template:
+    get = out.reference
+    return Template([get("address"), "address", get("size"), "size", get("requested_size"), "requested_size",
+                     get("state"), get("active_allocated"), get("frames"), "frames"])
+
+
+def _alloc_entry_first(out: PickleWriter, columns: Mapping[str, Sequence[int]], index: int) -> None:
+    out.write(EMPTY_DICT + MARK)
+    out.string("action")
+    out.string("alloc")
+    for key in ("addr", "size", "stream", "time_us"):
+        out.string(key)
+        out.value(columns[key][index])
+    out.string("frames")
+    out.frames_of(columns["frames"][index])
+    out.write(SETITEMS)
+
+
+def _alloc_entry_template(out: PickleWriter) -> Template:
+    get = out.reference
+    return Template([get("action"), get("alloc"), get("addr"), "addr", get("size"), "size", get("stream"), "stream",
+                     get("time_us"), "time_us", get("frames"), "frames"])
+
+
+def _write_runs(out: PickleWriter, columns: Mapping[str, Sequence[int]], template: Callable[[PickleWriter], Template],
+                first: Callable[[PickleWriter, Mapping[str, Sequence[int]], int], None],
+                gaps: Mapping[int, tuple[int, int]] | None = None, large_numbers: bool = True) -> None:
+    """The items of a list being written, one per entry of the columns, and a gap after those `gaps` names:
+    runs of a template, and one at a time where a run cannot go (the first of its kind or of a stack's frames,
+    a number of 2**63 or more, looked for where `large_numbers` says there may be one)."""
+    frames = columns["frames"]
+    count = len(frames)
+    if not count:
+        return
+    alone = set(gaps or ())  # written alone: then their gap
+    for number in set(frames) - out.frames.keys():  # a stack's frames, written at its first block
+        alone.add(frames.index(number))
+    if "active_allocated" not in out.strings and template is _block_template or \
+            "alloc" not in out.strings and template is _alloc_entry_template:
+        alone.add(0)  # its keys are written with it
+    for name, values in columns.items() if large_numbers else ():
+        if name != "frames" and max(values) >= LIMIT:
+            alone.update(index for index, value in enumerate(values) if value >= LIMIT)
+    shape: Template | None = None
+    done = 0
+    for index in [*sorted(alone), count]:
+        if index > done:
+            shape = shape or template(out)
+            out.run(shape, {name: values[done:index] for name, values in columns.items()}, index - done)
+        if index < count:
+            first(out, columns, index)
+            out.write(APPEND)
+            gap = gaps.get(index) if gaps else None
+            if gap is not None:
+                out.mapping(_inactive_block(*gap))
+                out.write(APPEND)
+        done = index + 1

@@ -1,0 +1,170 @@
+"""The memory-viz export's pickle written directly, in one pass, from its blocks in columns: what
+pickle.dump of snapshot_dict's structure reads back as (pickle.loads gives an equal structure), without
+the two million dicts of a million blocks made first.
+
+A block's dict, and its trace entry, are the same bytes but for a few numbers: a run of them is one
+template filled by struct.pack, called from C for each (map), with no Python step per block. Numbers in
+a run are LONG1 of 8 bytes (little-endian two's complement, so below 2**63);
+a key, a state, an action and a stack's frames are memo references (the pickle stores each once, as
+pickle.dump does). What breaks a run is written one at a time: a gap (an inactive block), the first
+block of a stack whose frames are not yet written, a number of 2**63 or more (none in practice).
+
+Only opcodes PyTorch's JavaScript viewer reads are written (MemoryViz.js `unpickle`: no FRAME needed, a
+LONG1 of at most 8 bytes reads as a Number), and lists are filled 1000 items at a time as pickle.dump
+does (the viewer spreads each batch into a call's arguments).
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, BinaryIO
+
+PROTO_4, STOP, MARK, MEMOIZE = b"\x80\x04", b".", b"(", b"\x94"
+EMPTY_DICT, EMPTY_LIST, SETITEMS, APPEND, APPENDS = b"}", b"]", b"u", b"a", b"e"
+NEWTRUE, NEWFALSE, TUPLE2 = b"\x88", b"\x89", b"\x86"
+LONG1_8 = b"\x8a\x08"  # LONG1 of 8 bytes
+BATCH = 1000  # items per APPENDS, as pickle.dump
+LIMIT = 1 << 63  # a run's numbers are below it (LONG1 of 8 bytes, signed)
+
+
+def encode_int(value: int) -> bytes:
+    """An int as pickle.dump writes it (protocol 4)."""
+    if 0 <= value < 0x100:
+        return b"K" + bytes((value,))
+    if 0 <= value < 0x10000:
+        return b"M" + value.to_bytes(2, "little")
+    if -0x80000000 <= value < 0x80000000:
+        return b"J" + value.to_bytes(4, "little", signed=True)
+    data = value.to_bytes((value.bit_length() >> 3) + 1, "little", signed=True)
+    if value < 0 and len(data) > 1 and data[-1] == 0xFF and data[-2] & 0x80:
+        data = data[:-1]
+    return b"\x8a" + bytes((len(data),)) + data
+
+
+def _get(index: int) -> bytes:
+    return b"h" + bytes((index,)) if index < 0x100 else b"j" + struct.pack("<I", index)
+
+
+class Template:
+    """A dict of fixed keys whose values are numbers (LONG1 of 8 bytes), memo references (fixed) or a stack's
+    frames (LONG_BINGET, 4 bytes): the str parts name the holes, in order. Filled by one struct.pack per item,
+    called from C (map), the fixed bytes passed as they are."""
+
+    def __init__(self, parts: Sequence[bytes | str]) -> None:
+        self.holes: list[str] = []
+        fixed, layout, constants = bytearray(EMPTY_DICT + MARK), ["<"], []
+        for part in [*parts, SETITEMS]:
+            if isinstance(part, str):
+                fixed += b"j" if part == "frames" else LONG1_8
+                layout.append(f"{len(fixed)}s" + ("I" if part == "frames" else "Q"))
+                constants.append(bytes(fixed))
+                fixed.clear()
+                self.holes.append(part)
+            else:
+                fixed += part
+        layout.append(f"{len(fixed)}s")
+        constants.append(bytes(fixed))
+        self.struct = struct.Struct("".join(layout))
+        self.constants = constants
+        self.size = self.struct.size
+
+    def fill(self, columns: Mapping[str, Sequence[int]], count: int) -> bytes:
+        """`count` items, each hole from its column."""
+        repeat = itertools.repeat
+        arguments: list[Iterable] = []
+        for constant, hole in zip(self.constants, self.holes, strict=False):
+            arguments += [repeat(constant, count), columns[hole]]
+        arguments.append(repeat(self.constants[-1], count))
+        return b"".join(map(self.struct.pack, *arguments))
+
+
+class PickleWriter:
+    """Writes one snapshot, in order, to a binary file: the caller says what comes (dicts, lists, runs)."""
+
+    def __init__(self, file: BinaryIO, frame_lists: Sequence[list[dict[str, Any]]]) -> None:
+        self.file, self.frame_lists = file, frame_lists
+        self.memo = 0
+        self.strings: dict[str, bytes] = {}  # text -> its memo reference
+        self.frames: dict[int, int] = {}  # frame list number -> its memo index
+        self.objects: dict[int, bytes] = {}  # id of a shared constant (a tuple) -> its memo reference
+        self.write = file.write
+        self.write(PROTO_4)
+
+    def memoize(self) -> int:
+        self.write(MEMOIZE)
+        self.memo += 1
+        return self.memo - 1
+
+    def string(self, text: str) -> None:
+        got = self.strings.get(text)
+        if got is not None:
+            self.write(got)
+            return
+        data = text.encode("utf-8", "surrogatepass")
+        self.write((b"\x8c" + bytes((len(data),)) if len(data) < 0x100 else b"X" + struct.pack("<I", len(data)))
+                   + data)
+        self.strings[text] = _get(self.memoize())
+
+    def reference(self, text: str) -> bytes:
+        """The memo reference of a string written before (a template's fixed part)."""
+        return self.strings[text]
+
+    def frames_of(self, number: int) -> None:
+        """A stack's frames: the list the first time, its memo reference after."""
+        index = self.frames.get(number)
+        if index is not None:
+            self.write(b"j" + struct.pack("<I", index))
+            return
+        self.write(EMPTY_LIST)
+        self.frames[number] = self.memoize()
+        frames = self.frame_lists[number]
+        if frames:
+            self.write(MARK)
+            for frame in frames:
+                self.mapping(frame)
+            self.write(APPENDS)
+
+    def value(self, value: Any) -> None:
+        if value is True or value is False:
+            self.write(NEWTRUE if value else NEWFALSE)
+        elif isinstance(value, int):
+            self.write(encode_int(value))
+        elif isinstance(value, str):
+            self.string(value)
+        elif isinstance(value, tuple) and len(value) == 2:  # shared, as pickle.dump memoizes a tuple
+            got = self.objects.get(id(value))
+            if got is None:
+                self.value(value[0])
+                self.value(value[1])
+                self.write(TUPLE2)
+                got = self.objects[id(value)] = _get(self.memoize())
+                return
+            self.write(got)
+        elif value == []:
+            self.write(EMPTY_LIST)
+        else:
+            raise TypeError(f"cannot write {type(value).__name__} here")
+
+    def mapping(self, items: Mapping[str, Any]) -> None:
+        self.write(EMPTY_DICT + MARK)
+        for key, value in items.items():
+            self.string(key)
+            self.value(value)
+        self.write(SETITEMS)
+
+    def run(self, template: Template, columns: Mapping[str, Sequence[int]], count: int) -> None:
+        """`count` items of a list being written, each `template` filled from `columns` (frames: frame list
+        numbers, each written before), in batches."""
+        if "frames" in columns:
+            columns = dict(columns, frames=list(map(self.frames.__getitem__, columns["frames"])))
+        data = template.fill(columns, count)
+        stride = template.size
+        view = memoryview(data)
+        for start in range(0, count, BATCH):
+            self.write(MARK)
+            self.write(view[start * stride:min(start + BATCH, count) * stride])
+            self.write(APPENDS)
+
+    def end(self) -> None:
+        self.write(STOP)
