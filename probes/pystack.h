@@ -107,12 +107,14 @@ static __always_inline u64 current_fsbase(void) {
 }
 
 /* 3.15+: where each thread's state was found in its interpreter's list, by thread (pid_tgid). A thread
- * with none (a native thread, or one whose state was deleted) is kept as `missing_heads`, what the lists'
- * heads were when they were looked through: threads are only ever put at a head, so while the heads are
- * those the thread still has none and the lists are not walked again. */
+ * with none (a native thread, or one whose state was deleted) is kept with `missing_since`, what the
+ * interpreters' thread counters were when their lists were looked through: every new thread state takes
+ * the next number of its interpreter's threads.next_unique_id, so while those are unchanged no state was
+ * made since and the thread still has none (a head's address would not do: a state freed and another
+ * made at the same place leaves it as it was). */
 struct kvt_py_thread {
     u64 tstate;
-    u64 missing_heads;
+    u64 missing_since;
 };
 BPF_TABLE("lru_hash", u64, struct kvt_py_thread, py_threads, KVT_MAX_THREADS);
 
@@ -120,34 +122,41 @@ BPF_TABLE("lru_hash", u64, struct kvt_py_thread, py_threads, KVT_MAX_THREADS);
 #define KVT_MAX_PY_INTERPRETERS 4
 #define KVT_MAX_PY_THREADS 256
 
-/* The heads of the interpreters' thread lists, folded into one value that changes when any of them does. */
-static __always_inline u64 py_threads_heads(struct kvt_py_target *target) {
-    u64 interp = 0, heads = 0;
+/* PyInterpreterState.threads is {u64 next_unique_id; PyThreadState *head; ...} (3.13-3.15): the counter is
+ * the word before the head, whose place _Py_DebugOffsets checks. */
+#define KVT_PY_THREADS_COUNTER_BEFORE_HEAD 8
+
+/* The interpreters' thread counters, folded into one value that changes when a thread state is made in any. */
+static __always_inline u64 py_threads_made(struct kvt_py_target *target) {
+    u64 interp = 0, made = 0;
     bpf_probe_read_user(&interp, sizeof(interp), (void *)target->interpreters_head_address);
     for (int j = 0; j < KVT_MAX_PY_INTERPRETERS && interp; j++) {
-        u64 head = 0;
-        bpf_probe_read_user(&head, sizeof(head), (void *)(interp + target->interp_threads_head));
-        heads = (heads ^ head) * 0x100000001b3ULL;
+        u64 counter = 0;
+        bpf_probe_read_user(&counter, sizeof(counter),
+                            (void *)(interp + target->interp_threads_head - KVT_PY_THREADS_COUNTER_BEFORE_HEAD));
+        made = (made ^ counter) * 0x100000001b3ULL;
         if (bpf_probe_read_user(&interp, sizeof(interp), (void *)(interp + target->interp_next)) != 0)
             break;
     }
-    return heads;
+    return made;
 }
 
-/* 3.15+: the calling thread's state, looked up in the interpreters' lists (the newest few: threads of
- * interpreters beyond KVT_MAX_PY_INTERPRETERS get no stack), and kept for the thread (the walk checks it
+/* 3.15+: the calling thread's state, looked up in the interpreters' lists (the newest few interpreters, the
+ * newest KVT_MAX_PY_THREADS threads of each: a thread beyond those gets no stack, `no_thread_state`), and kept for the thread (the walk checks it
  * still holds each time, thread_state_holds). A thread that has a state in several interpreters (it ran
  * code in a subinterpreter) gets the oldest interpreter's, the main one's, as the GIL state API's pthread
  * key gives up to 3.14. */
 static __always_inline u64 find_thread_state(struct kvt_py_target *target, u64 fsbase, u64 pid_tgid) {
     count(KVT_COUNTER_STACK_THREAD_LISTS);
-    struct kvt_py_thread found = {.tstate = 0, .missing_heads = 0};
-    u64 interp = 0, heads = 0;
+    struct kvt_py_thread found = {.tstate = 0, .missing_since = 0};
+    u64 interp = 0, made = 0;
     bpf_probe_read_user(&interp, sizeof(interp), (void *)target->interpreters_head_address);
     for (int j = 0; j < KVT_MAX_PY_INTERPRETERS && interp; j++) {
-        u64 tstate = 0;
-        bpf_probe_read_user(&tstate, sizeof(tstate), (void *)(interp + target->interp_threads_head));
-        heads = (heads ^ tstate) * 0x100000001b3ULL;
+        u64 threads[2] = {}; /* next_unique_id, head */
+        bpf_probe_read_user(threads, sizeof(threads),
+                            (void *)(interp + target->interp_threads_head - KVT_PY_THREADS_COUNTER_BEFORE_HEAD));
+        made = (made ^ threads[0]) * 0x100000001b3ULL;
+        u64 tstate = threads[1];
         for (int i = 0; i < KVT_MAX_PY_THREADS && tstate; i++) {
             u64 thread_id = 0, next = 0;
             if (bpf_probe_read_user(&thread_id, sizeof(thread_id), (void *)(tstate + target->tstate_thread_id)) != 0 ||
@@ -162,7 +171,7 @@ static __always_inline u64 find_thread_state(struct kvt_py_target *target, u64 f
         if (bpf_probe_read_user(&interp, sizeof(interp), (void *)(interp + target->interp_next)) != 0)
             break;
     }
-    found.missing_heads = heads;
+    found.missing_since = made;
     py_threads.update(&pid_tgid, &found);
     return found.tstate;
 }
@@ -184,7 +193,7 @@ static __always_inline u64 python_thread_state(struct kvt_py_target *target, u64
             *kept = 1;
             return known->tstate;
         }
-        if (known && known->missing_heads == py_threads_heads(target))
+        if (known && known->missing_since == py_threads_made(target))
             return 0; /* none when last looked, and no thread has been added since */
         return find_thread_state(target, fsbase, pid_tgid);
     }

@@ -1,7 +1,8 @@
 """The CPython interpreters the stack tests run targets under, by label: pyenv's 3.10-3.13 (on the image),
 and 3.14 and 3.15 with their free-threaded builds ("3.14t"), which `make pythons` (tests/pythons/build.sh)
 builds where they are missing. A test asks for one by label and is skipped, with the reason and the fix,
-where it is not on this machine.
+where it is not on this machine; under `make test` (KVTRACE_REQUIRE_PYTHONS=1, after `make pythons`) a
+missing build of ours fails instead, so that a broken build cannot pass as skipped tests.
 """
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ BUILT = Path(os.environ.get("KVTRACE_PYTHONS", "/var/cache/kvtrace/pythons"))
 LABELS = ("3.10", "3.11", "3.12", "3.13", "3.14", "3.14t", "3.15", "3.15t")
 # What tests/pythons/build.sh builds for the labels pyenv does not have.
 BUILT_RELEASES = {"3.14": "3.14.7", "3.14t": "3.14.7t", "3.15": "3.15.0rc1", "3.15t": "3.15.0rc1t"}
+REQUIRED = os.environ.get("KVTRACE_REQUIRE_PYTHONS") == "1"
+
+
+def _missing(reason: str) -> None:
+    """Skips the test, or fails it where `make pythons` was to have built what is missing."""
+    if REQUIRED:
+        pytest.fail(f"{reason} (KVTRACE_REQUIRE_PYTHONS=1: make test builds it first)")
+    pytest.skip(reason)
 
 
 def version_of(label: str) -> tuple[int, int]:
@@ -40,7 +49,7 @@ def pytest_for_builds() -> Path:
     """pytest (the version this one is) installed for every interpreter here; skips where it is not."""
     path = BUILT / f"pytest-{pytest.__version__}"
     if not (path / ".kvtrace-built").exists():
-        pytest.skip(f"no pytest {pytest.__version__} for the interpreters (no {path}): `make pythons` installs it")
+        _missing(f"no pytest {pytest.__version__} for the interpreters (no {path}): `make pythons` installs it")
     return path
 
 
@@ -65,5 +74,7 @@ def interpreter(label: str) -> Path:
     """The interpreter of this label; skips the calling test where this machine has none."""
     found = find_interpreter(label)
     if isinstance(found, str):
+        if label in BUILT_RELEASES:
+            _missing(found)
         pytest.skip(found)
     return found

@@ -93,6 +93,16 @@ def test_block_sample_draws_match_probes():
     assert draws == abi.BLOCK_SAMPLE_DRAWS and draws & (draws - 1) == 0  # the probe masks a random number
 
 
+def test_python_frame_constants_match_probes():
+    """What the probe skips and masks in a frame is what sources/python/offsets.py says (and the tests' own
+    walk of the frames in tests/unit/test_symbolize.py does)."""
+    from kvtrace.sources.python.offsets import FRAME_OWNED_BY_SHIM_FROM, STACK_REF_TAG_BITS
+
+    pystack = (abi.probes_dir() / "pystack.h").read_text()
+    assert int(re.search(r"#define KVT_PY_OWNER_SHIM_FROM (\d+)", pystack).group(1)) == FRAME_OWNED_BY_SHIM_FROM
+    assert int(re.search(r"#define KVT_PY_REF_TAG_BITS (\d+)", pystack).group(1)) == STACK_REF_TAG_BITS
+
+
 def test_every_attached_symbol_has_entry_and_return_probe():
     generated = set(re.findall(r"KVT_(?:ALLOC|FREE|PITCH)_API\((\w+),", SOURCE))
     written = set(re.findall(r"int entry_(\w+)\(struct pt_regs", SOURCE)) & \

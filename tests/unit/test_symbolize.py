@@ -23,7 +23,13 @@ from kvtrace.model.stacks import UNKNOWN_FRAME, Frame, NativeFrame, Stack, Stack
 from kvtrace.sources.native import NativeSymbolizer
 from kvtrace.sources.procfs import MemoryReadError, ProcessMemory
 from kvtrace.sources.python import symbolize
-from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK, GLIBC_SPECIFIC_ENTRY_SIZE, OFFSETS
+from kvtrace.sources.python.offsets import (
+    FRAME_OWNED_BY_SHIM_FROM,
+    GLIBC_SPECIFIC_1STBLOCK,
+    GLIBC_SPECIFIC_ENTRY_SIZE,
+    OFFSETS,
+    STACK_REF_TAG_BITS,
+)
 from kvtrace.sources.python.symbolize import Symbolizer, UnsupportedPythonError, line_for_offset, read_unicode
 from kvtrace.wire import frame_to_json
 
@@ -59,8 +65,8 @@ def probe_walk():
     walked = []
     while frame:
         # 3.14+: the code object is a tagged reference; owners from 3 up are entry shims
-        code = U64(frame + O["frame_code"]).value & ~7
-        if O["frame_owner"] < 0 or U8(frame + O["frame_owner"]).value < 3 and code:
+        code = U64(frame + O["frame_code"]).value & ~O["tag_bits"]
+        if O["frame_owner"] < 0 or U8(frame + O["frame_owner"]).value < O["shim_from"] and code:
             read_instr = I32 if IS_3_10 else U64
             walked.append([code, read_instr(frame + O["frame_instr"]).value])
         frame = U64(frame + O["frame_previous"]).value
@@ -266,6 +272,7 @@ def offsets_argument(offsets) -> str:
               "frame_owner", "code_bytecode", "runtime_tss", "code_tlbc", "object_size",
               "runtime_interpreters_head", "interp_threads_head", "tstate_next", "tstate_thread_id")
     values = {name: getattr(offsets, name) for name in fields}
+    values["tag_bits"], values["shim_from"] = STACK_REF_TAG_BITS, FRAME_OWNED_BY_SHIM_FROM
     values["glibc_specific"] = GLIBC_SPECIFIC_1STBLOCK
     values["glibc_entry"] = GLIBC_SPECIFIC_ENTRY_SIZE
     return json.dumps(values)

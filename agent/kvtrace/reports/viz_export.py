@@ -355,8 +355,13 @@ def _write_runs(out: PickleWriter, columns: Mapping[str, Sequence[int]], templat
     if not count:
         return
     alone = set(gaps or ())  # written alone: then their gap
-    for number in set(frames) - out.frames.keys():  # a stack's frames, written at its first block
-        alone.add(frames.index(number))
+    unwritten = set(frames) - out.frames.keys()  # a stack's frames, written at its first block: one pass
+    for index, number in enumerate(frames):
+        if number in unwritten:
+            alone.add(index)
+            unwritten.discard(number)
+            if not unwritten:
+                break
     if "active_allocated" not in out.strings and template is _block_template or \
             "alloc" not in out.strings and template is _alloc_entry_template:
         alone.add(0)  # its keys are written with it

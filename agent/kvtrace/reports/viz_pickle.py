@@ -87,7 +87,10 @@ class PickleWriter:
         self.memo = 0
         self.strings: dict[str, bytes] = {}  # text -> its memo reference
         self.frames: dict[int, int] = {}  # frame list number -> its memo index
-        self.objects: dict[int, bytes] = {}  # id of a shared constant (a tuple) -> its memo reference
+        # id of a shared constant (a tuple) -> its memo reference. By identity, as pickle.dump memoizes: the
+        # tuples written are module constants (viz_export's pools), alive for the writer's life, so no id is
+        # reused by another tuple meanwhile.
+        self.objects: dict[int, bytes] = {}
         self.write = file.write
         self.write(PROTO_4)
 

@@ -89,6 +89,9 @@ class PyOffsets:
 # (3.12-3.13: the C stack; 3.14: the interpreter, the C stack; 3.15: the interpreter) a frame is an entry
 # shim and not Python code.
 FRAME_OWNED_BY_SHIM_FROM = 3
+# The low bits of a 3.14+ _PyStackRef that say how it is counted (Py_TAG_BITS: 1 or 3), masked off a frame's
+# code reference; objects are 8-byte aligned, so masking three bits leaves 3.10-3.13's plain pointers as they are.
+STACK_REF_TAG_BITS = 7
 
 OFFSETS = {
     (3, 10): PyOffsets((3, 10), tstate_frame=24, cframe_frame=NOT_PRESENT, frame_code=32,
