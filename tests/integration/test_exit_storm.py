@@ -30,7 +30,9 @@ STORM_SECONDS = 20
 STORM_PER_SECOND = 650
 ROOT_CALLS = 13
 MiB = 1 << 20
-RSS_GOAL_BYTES = 256 << 20
+# The tracer runs in this test's process, which has run the suite before it (under `make test`, a thousand
+# tests): what the storm may add to its RSS, not its size (the agent's own is in bench/RESULTS.md §M, §Q).
+RSS_GROWTH_GOAL_BYTES = 128 << 20
 
 
 @pytest.fixture
@@ -69,6 +71,7 @@ def test_a_storm_of_exits_is_absorbed_and_a_root_workload_in_it_is_traced_exactl
     me = psutil.Process()
     harness.pump(1.0)  # the start-up settles
     late_before = source.late_turns_total
+    rss_before = me.memory_info().rss
     storm = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                               str(anyone_build.workload), "storm", str(STORM_SECONDS)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -127,7 +130,7 @@ def test_a_storm_of_exits_is_absorbed_and_a_root_workload_in_it_is_traced_exactl
     print(f"\n{children} children in {storm_over - started:.1f} s; {len(child_allocs)} of their cudaMalloc and "
           f"{len(exits - {root['pid']})} exits traced; {counters['events_lost']} events lost; loop: {len(gaps)} "
           f"turns, longest gap {max(gaps):.3f} s; root listed {root['listed_after_seconds']:.3f} s after its calls; "
-          f"phantoms 0 after {phantoms_gone_after} s; RSS {rss >> 20} MiB")
+          f"phantoms 0 after {phantoms_gone_after} s; RSS {rss >> 20} MiB ({(rss - rss_before) >> 20:+} MiB)")
     # Every child traced, allocation and exit (exact), and no event lost.
     assert children >= STORM_SECONDS * STORM_PER_SECOND * 0.8
     assert len(child_allocs) == children and len({event.pid for event in child_allocs}) == children
@@ -143,4 +146,4 @@ def test_a_storm_of_exits_is_absorbed_and_a_root_workload_in_it_is_traced_exactl
     # Gone pids keep nothing: no object within 5 s, and nothing of theirs is left in the kernel's maps.
     assert phantoms_gone_after is not None and phantoms_gone_after <= 5.0
     assert source.kernel_store.gone_pending() == 0 and gone_in_kernel == set()
-    assert rss <= RSS_GOAL_BYTES
+    assert rss - rss_before <= RSS_GROWTH_GOAL_BYTES
