@@ -204,6 +204,16 @@ def test_the_group_socket_is_not_told_other_users_untrusted_pids():
     assert redacted == {"vllm_senders": "", "vllm_plugin": "23 refused for want of a share (nobody 23)"}
 
 
+def test_the_group_socket_is_not_told_the_titles_the_shares_component_names():
+    from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+    from kvtrace.servers.api.redaction import redact_info
+
+    message = service_pb2.GetAgentInfoResponse()
+    message.components.add(name="shares", up=False, reason="ledger refused to uid 1000: python train.py --token s3cr3t")
+    redacted = {component.name: component.reason for component in redact_info(message).components}
+    assert redacted == {"shares": ""}
+
+
 def test_nvmls_list_of_gpu_processes_ties_an_engine_with_tracing_off():
     view = VllmView()
     view.schedulers[100] = SchedulerReport(100, T0 * NS, 1000, 990, 0, 0, 30, 20, ())
