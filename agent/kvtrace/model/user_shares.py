@@ -28,6 +28,23 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+class UserLabels:
+    """A user's name in a refusals' label, for good: its own for the first MAX_NAMED_USERS users refused,
+    OTHER_USER for every later one. Stable, so each series of a counter only grows (a ranking that changes
+    would drop series and let "other" go down)."""
+
+    def __init__(self) -> None:
+        self._labels: dict[int, str] = {}  # uid -> its label, once named
+        self._named = 0
+
+    def __call__(self, uid: int) -> str:
+        known = self._labels.get(uid)
+        if known is None:
+            known = self._labels[uid] = user_name(uid) if self._named < MAX_NAMED_USERS else OTHER_USER
+            self._named += known != OTHER_USER
+        return known
+
+
 @dataclass
 class UserShares:
     """How many of `capacity` places each user holds, at most `per_user` each, and who was refused.
@@ -49,7 +66,7 @@ class UserShares:
         self.refused_total = 0
         self.refused: Counter[str] = Counter()  # user label -> refusals (MAX_NAMED_USERS + OTHER_USER labels)
         self.last_refused_uid: int | None = None
-        self._labels: dict[int, str] = {}  # uid -> its label, once named
+        self._labels = UserLabels()
 
     def admits(self, uid: int) -> bool:
         return self.held[uid] < self.per_user and self.total < self.capacity
@@ -80,11 +97,7 @@ class UserShares:
 
     def label(self, uid: int) -> str:
         """The user's name in refusals: its own for the first MAX_NAMED_USERS users refused, OTHER_USER after."""
-        known = self._labels.get(uid)
-        if known is None:
-            named = sum(1 for label in self._labels.values() if label != OTHER_USER)
-            known = self._labels[uid] = user_name(uid) if named < MAX_NAMED_USERS else OTHER_USER
-        return known
+        return self._labels(uid)
 
     def counters(self) -> dict[str, int]:
         """Refusals by user as Session counters (SHARE_COUNTER_PREFIX + resource/user)."""
