@@ -132,6 +132,21 @@ def test_a_silent_sender_gives_its_place_and_its_layout_survives(short_dir, slee
     assert session.vllm_view().layouts == {}  # gone: its layout goes too
 
 
+def test_a_garbage_datagram_evicts_no_silent_sender(short_dir, sleepers):
+    """The victim is picked before the newcomer's report is decoded, but evicted only once it decodes: garbage
+    from a newcomer costs the silent sender neither its place nor its scheduler state."""
+    session = Session()
+    listener = VllmListener(session, str(short_dir / "vllm.sock"), max_senders=8, max_senders_per_user=1)
+    engine, newcomer = sleepers[0], sleepers[1]
+    listener.handle_datagram(scheduler(), engine, uid=ALICE)
+    listener._senders[engine].last_seen -= listener_module.SILENT_SECONDS
+    listener.handle_datagram(b"{not json", newcomer, uid=ALICE)
+    assert set(listener._senders) == {engine} and listener.evicted == 0 and listener.rejected == 1
+    assert set(session.vllm_view().schedulers) == {engine}
+    listener.handle_datagram(scheduler(), newcomer, uid=ALICE)  # a good report takes the place
+    assert set(listener._senders) == {newcomer} and listener.evicted == 1
+
+
 def test_a_traced_vllm_newcomer_takes_a_strangers_place_never_the_reverse(short_dir, sleepers, monkeypatch):
     session = Session()
     listener = VllmListener(session, str(short_dir / "vllm.sock"), max_senders=8, max_senders_per_user=2)

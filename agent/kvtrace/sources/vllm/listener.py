@@ -364,14 +364,19 @@ class VllmListener:
         sender = self._senders.get(pid)
         if sender is not None and not self._within_rate(sender, pid, now):
             return
-        if sender is None and not self._room_for(pid, uid, now):
-            return  # over its user's share: dropped before any decoding (a flood costs a read and a count)
+        victim = None
+        if sender is None:
+            room, victim = self._room_for(pid, uid, now)
+            if not room:
+                return  # over its user's share: dropped before any decoding (a flood costs a read and a count)
         try:
             record = decode_message(data, pid, time.time_ns())
         except MessageError as error:
             self._reject(str(error), pid)
-            return
+            return  # a bad report takes no place: the victim keeps its own, and its state
         if sender is None:  # a place only for a process whose report is good
+            if victim is not None:
+                self._evict(victim)
             sender = self._follow(pid, uid, now)
         sender.last_seen = now
         self.session.ingest(record)
@@ -402,23 +407,24 @@ class VllmListener:
             return False
         return True
 
-    def _room_for(self, pid: int, uid: int, now: float) -> bool:
+    def _room_for(self, pid: int, uid: int, now: float) -> tuple[bool, int | None]:
         """Whether a new sender of `uid` may have a place: within its user's share with room in the pool, or
-        after a sender gave way (`_evict`). False (counted against the user, named) otherwise."""
+        once a sender gives way (the victim, returned: the caller evicts it only when the newcomer's report
+        decodes, so a bad datagram costs nobody a place). (False, None), counted against the user and named,
+        otherwise."""
         if self.shares.admits(uid):
-            return True
+            return True, None
         if now >= self._next_full_sweep:  # the gone give their places first (once a second: a flood costs no sweeps)
             self._next_full_sweep = now + 1.0
             self._sweep()
             if self.shares.admits(uid):
-                return True
+                return True, None
         victim = self._victim(pid, uid, now)
         if victim is not None:
-            self._evict(victim)
-            return True
+            return True, victim
         self.shares.refuse(uid)
         self._reject(self.shares.full_for(uid) or "no place", pid, count_only=True)
-        return False
+        return False, None
 
     def _victim(self, pid: int, uid: int, now: float) -> int | None:
         """Who gives a place to `pid` of `uid`: the longest silent of its user's own senders (of anyone's when
