@@ -75,8 +75,9 @@ def test_a_user_at_its_share_is_refused_and_the_others_keep_their_places():
 
 
 def test_refused_users_beyond_the_named_ones_count_as_other():
-    shares = UserShares("group_connections", capacity=4, per_user=1)
+    shares = UserShares("group_connections", capacity=64, per_user=1)
     for uid in range(10_000, 10_000 + MAX_NAMED_USERS + 5):
+        shares.take(uid)  # at its share
         shares.refuse(uid)
     assert len(shares.counters()) == MAX_NAMED_USERS + 1
     assert shares.refused[OTHER_USER] == 5 and shares.refused_total == MAX_NAMED_USERS + 5
@@ -130,6 +131,52 @@ def test_a_silent_sender_gives_its_place_and_its_layout_survives(short_dir, slee
     os.waitpid(engine, 0)
     listener._sweep()
     assert session.vllm_view().layouts == {}  # gone: its layout goes too
+
+
+def test_a_refusal_because_the_pool_is_full_names_no_user_at_its_share():
+    shares = UserShares("vllm_senders", capacity=2, per_user=2, noun="senders")
+    shares.take(ALICE)
+    shares.take(ALICE)
+    assert not shares.admits(BOB)
+    shares.refuse(BOB)  # Bob holds nothing: the pool is full, not Bob's share
+    shares.refuse(ALICE)
+    assert shares.counters() == {"share_refused/vllm_senders/(pool full)": 1, "share_refused/vllm_senders/4242": 1}
+
+
+def test_doctor_words_a_pool_full_refusal_truthfully(monkeypatch):
+    import argparse
+
+    from kvtrace import client as client_module
+    from kvtrace import config as config_module
+    from kvtrace.cli import doctor
+
+    class Info:
+        components = ()
+        counters = {"share_refused/vllm_senders/(pool full)": 3, "share_refused/vllm_senders/alice": 2}
+
+    class Agent:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def info(self):
+            return Info()
+
+    class Config:
+        class socket:
+            @staticmethod
+            def exists():
+                return True
+
+    monkeypatch.setattr(config_module, "config_from_args", lambda args: Config)
+    monkeypatch.setattr(client_module.AgentClient, "for_config", classmethod(lambda cls, config: Agent()))
+    details = [finding.message for finding in doctor.agent_findings(argparse.Namespace())]
+    assert any(detail.startswith("3 refused because all places were held, to users within their share")
+               for detail in details)
+    assert not any("user (pool full)" in detail for detail in details)
+    assert any(detail.startswith("2 refused to user alice at its share") for detail in details)
 
 
 def test_a_garbage_datagram_evicts_no_silent_sender(short_dir, sleepers):

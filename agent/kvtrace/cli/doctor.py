@@ -12,7 +12,7 @@ from kvtrace.cli.flags import positive_pid
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import printable
-from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX
+from kvtrace.model.user_shares import POOL_FULL, SHARE_COUNTER_PREFIX
 
 EPILOG = """examples:
   sudo kvtrace doctor          # run it as the agent would run: root sees what the agent sees
@@ -157,6 +157,11 @@ def agent_findings(args: argparse.Namespace) -> list:
     for name, count in sorted(info.counters.items()):
         if name.startswith(SHARE_COUNTER_PREFIX) and count:  # a user at its share: that user alone was refused
             resource, user = name[len(SHARE_COUNTER_PREFIX):].split("/", 1)
+            meaning = _SHARES.get(resource, resource).replace("its ", "their ")
+            if user == POOL_FULL:  # every place was held: no user was at its share
+                findings.append(Finding(f"agent {resource} share", True, f"{count} refused because all places were "
+                                        f"held, to users within their share ({meaning})", warning=True))
+                continue
             findings.append(Finding(f"agent {resource} share", True, f"{count} refused to user {user} at its share "
                                     f"({_SHARES.get(resource, resource)}); the others kept theirs", warning=True))
     return findings

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 MAX_NAMED_USERS = 8  # users named in the refusals' label; the rest count as OTHER_USER
 OTHER_USER = "other"
+# Refusals because the whole pool was held while the user was within its share: no user's share is at fault,
+# so none is named (counted apart, in no user's series).
+POOL_FULL = "(pool full)"
 # Session counters carry refusals as SHARE_COUNTER_PREFIX + "<resource>/<user>" (servers/metrics.py labels them).
 SHARE_COUNTER_PREFIX = "share_refused/"
 
@@ -64,7 +67,7 @@ class UserShares:
         self.held: Counter[int] = Counter()  # uid -> places held
         self.total = 0
         self.refused_total = 0
-        self.refused: Counter[str] = Counter()  # user label -> refusals (MAX_NAMED_USERS + OTHER_USER labels)
+        self.refused: Counter[str] = Counter()  # user label -> refusals (MAX_NAMED_USERS, OTHER_USER, POOL_FULL)
         self.last_refused_uid: int | None = None
         self._labels = UserLabels()
 
@@ -91,8 +94,10 @@ class UserShares:
                 del self.held[uid]
 
     def refuse(self, uid: int) -> None:
+        """Counts a refusal of `uid`: against the user when it holds its share, as POOL_FULL when it did not
+        (every place was held: the user is not at its share)."""
         self.refused_total += 1
-        self.refused[self.label(uid)] += 1
+        self.refused[self.label(uid) if self.held[uid] >= self.per_user else POOL_FULL] += 1
         self.last_refused_uid = uid
 
     def label(self, uid: int) -> str:

@@ -256,7 +256,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "user may hold a quarter of each map, every user but root together half, root three quarters; "
                "the shares component names their processes). Only that user is degraded; the others keep "
                "their reserve. user: the first 8 users refused (of each resource's kind: places, the maps) by "
-               "name for good, every later one as other."),
+               "name for good, every later one as other; (pool full): refused because every place was held "
+               "while the user was within its share."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
