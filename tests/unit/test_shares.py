@@ -213,7 +213,8 @@ def test_the_first_users_refused_keep_their_series_and_other_only_grows():
     collector, scrape = _collector(ledger, shares)
 
     def refused():
-        return {s.labels["user"]: s.value for s in scrape()["kvtrace_share_refused"] if s.labels["resource"] == "ledger"}
+        samples = scrape()["kvtrace_share_refused"]
+        return {s.labels["user"]: s.value for s in samples if s.labels["resource"] == "ledger"}
 
     first = refused()
     assert first == {**{str(uid): uid - 999 for uid in range(1002, 1010)}, "other": 1 + 2}
