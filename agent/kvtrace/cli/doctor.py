@@ -272,17 +272,26 @@ def process_findings(pid: int, agent: tuple[frozenset[tuple[int, int]], str] | N
     targets = Discovery().scan_pid(pid)
     cuda = [target for target in targets if target.symbols]
     waiting = [t for t in cuda if (t.file_id.device, t.file_id.inode) not in agent[0]] if agent else []
+    # A library slot is short only while the agent's libraries component is down (agent[1], its reason); else a
+    # library with no probes yet is one the agent has not attached (just loaded, or a -p filter leaves it out).
+    short = bool(agent and agent[1])
     if waiting and len(waiting) == len(cuda):
         paths = ", ".join(sorted(t.path for t in waiting))
-        findings.append(Finding(
-            f"{name} cuda", True, f"not traced: waiting for a library slot ({paths}: no probes in the running "
-            f"agent, which says: {agent[1] if agent and agent[1] else 'not attached yet'}); "
-            "fix: stop the processes that hold the slots (`kvtrace doctor` names the libraries component), "
-            "or restart the agent with a larger --max-libraries", warning=True))
+        if short and agent:
+            findings.append(Finding(
+                f"{name} cuda", True, f"not traced: waiting for a library slot ({paths}: no probes in the running "
+                f"agent, which says: {agent[1]}); fix: stop the processes that hold the slots (`kvtrace doctor` "
+                "names the libraries component), or restart the agent with a larger --max-libraries", warning=True))
+        else:
+            findings.append(Finding(
+                f"{name} cuda", True, f"not traced: not attached yet ({paths}: no probes in the running agent, "
+                "whose libraries are all attached; it attaches a library as it finds it loaded, unless its -p "
+                "filter leaves this process out)", warning=True))
     elif cuda:
         libraries = ", ".join(f"{t.path} ({len(t.symbols)} functions)" for t in cuda)
-        blind = (f"; but {', '.join(t.path for t in waiting)} waits for a library slot: "
-                 f"{agent[1] if agent else ''}") if waiting else ""
+        blind = (f"; but {', '.join(t.path for t in waiting)} "
+                 + (f"waits for a library slot: {agent[1]}" if short and agent else "is not attached yet")
+                 ) if waiting else ""
         findings.append(Finding(f"{name} cuda", True, f"{'traced' if agent else 'traceable'}: {libraries}{blind}",
                                 warning=bool(waiting)))
     else:
