@@ -198,7 +198,7 @@ def test_a_traced_vllm_newcomer_takes_a_strangers_place_never_the_reverse(short_
     session = Session()
     listener = VllmListener(session, str(short_dir / "vllm.sock"), max_senders=8, max_senders_per_user=2)
     engine, flood = sleepers[0], sleepers[1:4]
-    monkeypatch.setattr(listener, "_traced_vllm", lambda pid: pid == engine)
+    monkeypatch.setattr(listener, "_vllm_tied", lambda: lambda pid: pid == engine)
     listener.handle_datagram(scheduler(), flood[0], uid=ALICE)
     listener.handle_datagram(scheduler(), flood[1], uid=ALICE)
     listener.handle_datagram(scheduler(), engine, uid=ALICE)  # the engine, of the same user, is let in
@@ -227,6 +227,40 @@ def test_the_kernel_ties_a_sender_to_vllm_by_title_memory_and_parent_chain():
                                                 "descends from it")
     assert vllm_tie(301, processes, traced) == "it holds no traced GPU memory and its title is not a vLLM engine's"
     assert vllm_tie(400, processes, traced) == "it holds no traced GPU memory and kvtrace does not know its title"
+
+
+def test_where_nvml_is_up_traced_bytes_alone_do_not_tie_a_sender():
+    """A stub cuMemAlloc fakes traced bytes, not the driver's list: where NVML is up, only a pid it lists
+    (or whose vLLM worker it lists) is tied; where NVML is down, traced bytes are the only word."""
+    from kvtrace.model.vllm import gpu_holders
+
+    processes = {100: info(100, "VLLM::EngineCore"), 101: info(101, "VLLM::Worker_TP0", parent=100),
+                 666: info(666, "VLLM::EngineCore")}
+    traced = {(666, 0): 30 * GiB, (101, 0): 10 * GiB}
+    assert vllm_tie(666, processes, gpu_holders(traced, None)) == ""  # NVML down: the traced bytes
+    nvml_up = gpu_holders(traced, {101})
+    assert vllm_tie(666, processes, nvml_up) != ""  # faked bytes, not on the driver's list
+    assert vllm_tie(100, processes, nvml_up) == ""  # its worker is on the list
+    view = VllmView()
+    for pid in (100, 666):
+        view.schedulers[pid] = SchedulerReport(pid, T0 * NS, 1000, 990, 0, 0, 30, 20, ())
+    analysis = VllmAnalysis()
+    analysis.update(view, processes, traced, {}, T0 * NS, 0, gpu_pids={101})
+    assert [sender.pid for sender in analysis.untrusted] == [666]
+    analysis.update(view, processes, traced, {}, (T0 + 1) * NS, NS)  # NVML down
+    assert analysis.untrusted == ()
+
+
+def test_the_listener_ties_a_newcomer_by_the_analysis_rule(short_dir, sleepers):
+    from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, NvmlSample
+
+    session = Session()
+    listener = VllmListener(session, str(short_dir / "vllm.sock"))
+    engine = sleepers[0]
+    assert not listener._vllm_tied()(engine)  # no GPU memory by anyone's word
+    session.ingest(NvmlSample(T0 * NS, (GpuMemory(0, "GPU-0", "H100", 80 * GiB, GiB, 79 * GiB, 0),),
+                              (NvmlProcessMemory(0, engine, GiB),)))  # NVML up: the driver lists the engine
+    assert listener._vllm_tied()(engine) and not listener._vllm_tied()(sleepers[1])
 
 
 def test_an_impostor_is_kept_apart_labelled_and_raises_no_finding():

@@ -173,7 +173,8 @@ class Analyzer:
             if self._roles_again_ns > now_ns:
                 self._next_site_sample_ns = min(self._next_site_sample_ns, self._roles_again_ns)
         engines, findings = self._vllm.update(vllm_view, self.session.known_processes(), traced, self._role_bytes,
-                                              view.wall_ns, now_ns, {pid for pid, _ in nvml_used})
+                                              view.wall_ns, now_ns,
+                                              {pid for pid, _ in nvml_used} if sample is not None else None)
         self.latest = AnalysisSnapshot(
             timestamp_ns=view.wall_ns, gpus=sample.gpus if sample else (),
             processes=self._rows(view, traced, nvml_used, sample), suspects=self._suspects,

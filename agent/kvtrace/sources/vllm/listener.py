@@ -22,11 +22,11 @@ MAX_SENDERS_PER_USER of the places, so one user's flood of processes leaves the 
 newcomer over its user's share is dropped before its message is decoded (counted and named:
 kvtrace_share_refused_total{resource="vllm_senders"}, the component's reason), unless one of that user's
 own senders has been silent SILENT_SECONDS (the plugin reports every second: a silent one is no live
-engine's) or the newcomer is a traced process titled as vLLM's and the place is a stranger's: then that one
-gives its place. Its scheduler and sleep reports go, its KV layout stays while the process lives (the
-plugin sent it once; an engine's layout survives the eviction of its sender state). What a sender's
-reports mean is not decided here: analysis/vllm.py counts them as an engine's only when the kernel ties
-the sender to vLLM (model/vllm.py's vllm_tie).
+engine's) or the kernel ties the newcomer to vLLM and the place is a stranger's (model/vllm.py's vllm_tie,
+the analysis's rule): then that one gives its place. Its scheduler and sleep reports go, its KV layout
+stays while the process lives (the plugin sent it once; an engine's layout survives the eviction of its
+sender state). What a sender's reports mean is not decided here: analysis/vllm.py counts them as an
+engine's only when the kernel ties the sender to vLLM (the same vllm_tie).
 
 The socket's directory must be reachable (search permission) by the vLLM processes' user. It is a
 directory of its own (/run/kvtrace-vllm, 0755), apart from the API's /run/kvtrace (0750 root:kvtrace), so
@@ -43,13 +43,13 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace.model.events import PHYSICAL_LAYERS, Memory
 from kvtrace.model.user_shares import UserShares
 from kvtrace.model.vllm import (
-    ENGINE,
-    WORKER,
     KvCacheLayout,
     KvRequest,
     KvTensor,
@@ -57,7 +57,8 @@ from kvtrace.model.vllm import (
     SchedulerReport,
     SleepPool,
     SleepReport,
-    vllm_part,
+    gpu_holders,
+    vllm_tie,
 )
 from kvtrace.session import Session
 from kvtrace.sources import unix_socket
@@ -438,16 +439,27 @@ class VllmListener:
         last_seen, silent = min(candidates)
         if now - last_seen >= SILENT_SECONDS:
             return silent
-        if not self._traced_vllm(pid):
+        tied = self._vllm_tied()
+        if not tied(pid):
             return None
-        strangers = [(seen, known) for seen, known in candidates if not self._traced_vllm(known)]
+        strangers = [(seen, known) for seen, known in candidates if not tied(known)]
         return min(strangers)[1] if strangers else None
 
-    def _traced_vllm(self, pid: int) -> bool:
-        """The Session traces `pid` (it allocated GPU memory under the probes) and its title is vLLM's engine or
-        worker's: a cheap look (no /proc read), for who may take a stranger's place."""
-        info = self.session.process(pid)
-        return info is not None and vllm_part(info.title) in (ENGINE, WORKER)
+    def _vllm_tied(self) -> Callable[[int], bool]:
+        """Whether the kernel ties a pid to vLLM, by the analysis's rule (model/vllm.py's vllm_tie on gpu_holders:
+        NVML's list of GPU processes where NVML is up, else traced bytes), from what the Session holds now (no
+        /proc read); copied once for a whole look at the senders."""
+        processes = self.session.known_processes()
+        sample = self.session.nvml_sample()
+        if sample is not None and sample.gpus:
+            holders = gpu_holders({}, {process.pid for process in sample.processes})
+        else:
+            traced: dict[tuple[int, int], int] = {}
+            for key, (size_bytes, _) in self.session.ledger_counts().totals.items():
+                if key.layer in PHYSICAL_LAYERS and key.memory is Memory.DEVICE:
+                    traced[(key.pid, key.device)] = traced.get((key.pid, key.device), 0) + size_bytes
+            holders = gpu_holders(traced, None)
+        return lambda pid: not vllm_tie(pid, processes, holders)
 
     def _evict(self, pid: int) -> None:
         """`pid` gives its place: its scheduler and sleep reports go; its KV layout stays while it lives."""
