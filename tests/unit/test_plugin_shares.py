@@ -294,10 +294,10 @@ def test_the_group_socket_is_not_told_other_users_untrusted_pids():
     from kvtrace.servers.api.redaction import redact_info
 
     message = service_pb2.GetAgentInfoResponse()
-    message.components.add(name="vllm_senders", up=True, reason="1 plugin senders not tied to vLLM: pid 777 ...")
+    message.components.add(name="vllm_trust", up=True, reason="1 plugin senders not tied to vLLM: pid 777 ...")
     message.components.add(name="vllm_plugin", up=True, reason="23 refused for want of a share (nobody 23)")
     redacted = {component.name: component.reason for component in redact_info(message).components}
-    assert redacted == {"vllm_senders": "", "vllm_plugin": "23 refused for want of a share (nobody 23)"}
+    assert redacted == {"vllm_trust": "", "vllm_plugin": "23 refused for want of a share (nobody 23)"}
 
 
 def test_the_group_socket_is_not_told_the_titles_the_shares_component_names():

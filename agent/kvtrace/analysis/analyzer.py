@@ -186,7 +186,7 @@ class Analyzer:
         return self.latest
 
     def _report_untrusted(self, untrusted: tuple[UntrustedSender, ...]) -> None:
-        """Plugin senders not tied to vLLM, counted and named by the `vllm_senders` component (doctor shows it)."""
+        """Plugin senders not tied to vLLM, counted and named by the `vllm_trust` component (doctor shows it)."""
         reason = ""
         if untrusted:
             named = "; ".join(f"pid {sender.pid} {sender.label}: {sender.reason}" for sender in untrusted[:3])
@@ -195,7 +195,7 @@ class Analyzer:
                       f"no finding): {named}{more}")
         if reason != self._untrusted_reason:
             self._untrusted_reason = reason
-            self.session.report_component("vllm_senders", True, reason)
+            self.session.report_component("vllm_trust", True, reason)
             self.session.report_counters({"vllm_untrusted_senders": len(untrusted)})
 
     def leak_report(self, pids: Collection[int] = (), min_age_seconds: float | None = None,

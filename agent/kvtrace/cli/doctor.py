@@ -114,7 +114,7 @@ _AGENT_COUNTERS = {
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",
     "vllm_untrusted_senders": "processes send vLLM plugin reports kvtrace cannot tie to vLLM (no traced GPU "
-                              "memory): kept apart, no finding; the vllm_senders component names them",
+                              "memory): kept apart, no finding; the vllm_trust component names them",
     "event_loop_late_turns": "turns of the agent's event loop came more than a second late (events waited; "
                              "`kvtrace ps` lagged): the agent counts the longest gap (event_loop_longest_gap_ms)",
     "flight_dumps_partial": "flight recorder dumps that left objects out (the ledger was larger than "

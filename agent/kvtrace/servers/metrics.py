@@ -247,7 +247,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_vllm_untrusted_processes", "gauge", "processes", (),
                "Processes sending vLLM plugin reports that kvtrace cannot tie to vLLM (no traced GPU memory of "
                "their own or of their workers): their reports are kept apart, make no engine and raise no "
-               "finding; the vllm_senders component (kvtrace doctor) names them."),
+               "finding; the vllm_trust component (kvtrace doctor) names them."),
     MetricSpec("kvtrace_share_refused_total", "counter", "refusals", ("resource", "user"),
                "What was refused to a user at its share (issue 31): resource vllm_senders (plugin senders), "
                "cupti_connections (kvtrace run's tracers), group_connections (the API's group socket: a user's "
