@@ -25,7 +25,7 @@ from kvtrace.model.user_shares import UserShares
 
 log = logging.getLogger(__name__)
 
-_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (sources/unix_socket.UCRED: servers import no source)
 SCAN_INTERVAL_SECONDS = 0.2  # at most this often: a burst of calls costs one scan
 RESOURCE = "group_connections"
 

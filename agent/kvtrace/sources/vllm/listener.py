@@ -63,7 +63,7 @@ from kvtrace.model.vllm import (
 from kvtrace.session import Session
 from kvtrace.sources import unix_socket
 from kvtrace.sources.procfs import start_ticks
-from kvtrace.sources.unix_socket import ListenerSetupError
+from kvtrace.sources.unix_socket import UCRED, ListenerSetupError
 from kvtrace.sources.vllm import protocol
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,6 @@ MAX_INT = (1 << 63) - 1
 MAX_ADDRESS = (1 << 64) - 1
 MAX_COUNT = (1 << 31) - 1  # blocks, requests, devices: far beyond any engine, far below what breaks sums
 
-_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _STATES = {name: RequestState[name.upper()] for name in protocol.REQUEST_STATES}
 
 
@@ -330,7 +329,7 @@ class VllmListener:
         sock = self._socket
         assert sock is not None
         buffer = bytearray(protocol.MAX_DATAGRAM_BYTES)
-        ancillary_size = socket.CMSG_SPACE(_UCRED.size)
+        ancillary_size = socket.CMSG_SPACE(UCRED.size)
         while not self._stop.is_set():
             try:
                 size, ancdata, flags, _ = sock.recvmsg_into([buffer], ancillary_size)
@@ -388,8 +387,8 @@ class VllmListener:
         for level, kind, payload in ancdata:
             if level != socket.SOL_SOCKET:
                 continue
-            if kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
-                pid, uid, _ = _UCRED.unpack_from(payload)
+            if kind == socket.SCM_CREDENTIALS and len(payload) >= UCRED.size:
+                pid, uid, _ = UCRED.unpack_from(payload)
             elif kind == socket.SCM_RIGHTS:  # descriptors someone passed: never kept open
                 for fd in struct.unpack(f"{len(payload) // 4}i", payload[:len(payload) // 4 * 4]):
                     try:
