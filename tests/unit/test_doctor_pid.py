@@ -80,3 +80,22 @@ def test_headers_of_this_kernel_pass_unremarked(tmp_path):
     headers_tree(tmp_path, RUNNING, RUNNING)
     found = check_kernel_headers(RUNNING, tmp_path)
     assert headers_of_this_kernel(found, RUNNING, tmp_path) is found
+
+
+def test_a_library_without_probes_waits_for_a_slot_only_while_the_libraries_component_is_down(monkeypatch):
+    from kvtrace.sources.bpf import discovery
+    from kvtrace.sources.bpf.discovery import FileId, Target
+
+    cudart = Target(FileId(1, 2), "/opt/libcudart.so.12", ("cudaMalloc",))
+    monkeypatch.setattr(discovery.Discovery, "scan_pid", lambda self, pid: [cudart])
+
+    def cuda_message(agent):
+        return next(f.message for f in process_findings(os.getpid(), agent) if f.name.endswith(" cuda"))
+
+    # the agent just loaded, or its -p filter leaves the process out: no shortage
+    assert cuda_message((frozenset(), "")).startswith("not traced: not attached yet (/opt/libcudart.so.12")
+    # the libraries component is down: a shortage of slots
+    message = cuda_message((frozenset(), "64 of 64 library slots held"))
+    assert message.startswith("not traced: waiting for a library slot (/opt/libcudart.so.12")
+    assert "64 of 64 library slots held" in message
+    assert cuda_message((frozenset({(1, 2)}), "")).startswith("traced: /opt/libcudart.so.12")

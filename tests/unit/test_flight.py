@@ -22,7 +22,7 @@ from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, ProcessGpu
 from kvtrace.model.ledger import Ledger, LedgerReadRefused
 from kvtrace.model.stacks import Frame, Stack
-from kvtrace.reports.flight import FlightOptions, FlightRecorder
+from kvtrace.reports.flight import FlightDumpError, FlightOptions, FlightRecorder
 from kvtrace.reports.recording import RecordingReader
 from kvtrace.reports.replay import replay
 from kvtrace.servers.api.server import AgentServer
@@ -467,7 +467,7 @@ def test_a_near_oom_of_each_process_dumps_for_each(tmp_path, recorders):
 def test_while_the_writer_is_behind_no_more_ledger_copies_are_queued(tmp_path):
     """The writer thread is not started: 4 dumps wait; the 5th trigger copies nothing, is counted as a
     failure, and a request says to ask again."""
-    from kvtrace.reports.flight import MAX_PENDING_DUMPS, FlightDumpError
+    from kvtrace.reports.flight import MAX_PENDING_DUMPS
 
     agent = FakeAgent()
     recorder = FlightRecorder(agent.session, FlightOptions(directory=tmp_path), 60.0)
@@ -595,3 +595,25 @@ def test_a_storm_of_deaths_holding_memory_dumps_a_few_times_not_once_each(tmp_pa
     # THEN only MAX_DUMPS_PER_KIND of them dump (each copies the ledger), the others are counted
     assert len(written(recorder)) == MAX_DUMPS_PER_KIND == 4
     assert recorder.dumps_suppressed_total == 13 - 4
+
+
+def test_after_a_failed_dump_the_recorder_stays_down_until_a_dump_is_written(tmp_path, recorders, monkeypatch):
+    agent = FakeAgent()
+    recorder = recorders(agent, tmp_path)
+    leaky(agent, time.time_ns() - 60 * NS)
+    real_write = recorder._write
+
+    def failing(pending):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(recorder, "_write", failing)
+    with pytest.raises(FlightDumpError):
+        recorder.request(REQUEST, "look")
+    for _ in range(3):  # analysis ticks with nothing written since: still down
+        recorder.report_health()
+        assert not flight_status(agent).up
+        assert "1 dumps could not be written" in flight_status(agent).reason
+    monkeypatch.setattr(recorder, "_write", real_write)
+    recorder.request(REQUEST, "look again")
+    recorder.report_health()
+    assert flight_status(agent).up

@@ -75,8 +75,9 @@ def test_a_user_at_its_share_is_refused_and_the_others_keep_their_places():
 
 
 def test_refused_users_beyond_the_named_ones_count_as_other():
-    shares = UserShares("group_connections", capacity=4, per_user=1)
+    shares = UserShares("group_connections", capacity=64, per_user=1)
     for uid in range(10_000, 10_000 + MAX_NAMED_USERS + 5):
+        shares.take(uid)  # at its share
         shares.refuse(uid)
     assert len(shares.counters()) == MAX_NAMED_USERS + 1
     assert shares.refused[OTHER_USER] == 5 and shares.refused_total == MAX_NAMED_USERS + 5
@@ -132,11 +133,72 @@ def test_a_silent_sender_gives_its_place_and_its_layout_survives(short_dir, slee
     assert session.vllm_view().layouts == {}  # gone: its layout goes too
 
 
+def test_a_refusal_because_the_pool_is_full_names_no_user_at_its_share():
+    shares = UserShares("vllm_senders", capacity=2, per_user=2, noun="senders")
+    shares.take(ALICE)
+    shares.take(ALICE)
+    assert not shares.admits(BOB)
+    shares.refuse(BOB)  # Bob holds nothing: the pool is full, not Bob's share
+    shares.refuse(ALICE)
+    assert shares.counters() == {"share_refused/vllm_senders/(pool full)": 1, "share_refused/vllm_senders/4242": 1}
+
+
+def test_doctor_words_a_pool_full_refusal_truthfully(monkeypatch):
+    import argparse
+
+    from kvtrace import client as client_module
+    from kvtrace import config as config_module
+    from kvtrace.cli import doctor
+
+    class Info:
+        components = ()
+        counters = {"share_refused/vllm_senders/(pool full)": 3, "share_refused/vllm_senders/alice": 2}
+
+    class Agent:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def info(self):
+            return Info()
+
+    class Config:
+        class socket:
+            @staticmethod
+            def exists():
+                return True
+
+    monkeypatch.setattr(config_module, "config_from_args", lambda args: Config)
+    monkeypatch.setattr(client_module.AgentClient, "for_config", classmethod(lambda cls, config: Agent()))
+    details = [finding.message for finding in doctor.agent_findings(argparse.Namespace())]
+    assert any(detail.startswith("3 refused because all places were held, to users within their share")
+               for detail in details)
+    assert not any("user (pool full)" in detail for detail in details)
+    assert any(detail.startswith("2 refused to user alice at its share") for detail in details)
+
+
+def test_a_garbage_datagram_evicts_no_silent_sender(short_dir, sleepers):
+    """The victim is picked before the newcomer's report is decoded, but evicted only once it decodes: garbage
+    from a newcomer costs the silent sender neither its place nor its scheduler state."""
+    session = Session()
+    listener = VllmListener(session, str(short_dir / "vllm.sock"), max_senders=8, max_senders_per_user=1)
+    engine, newcomer = sleepers[0], sleepers[1]
+    listener.handle_datagram(scheduler(), engine, uid=ALICE)
+    listener._senders[engine].last_seen -= listener_module.SILENT_SECONDS
+    listener.handle_datagram(b"{not json", newcomer, uid=ALICE)
+    assert set(listener._senders) == {engine} and listener.evicted == 0 and listener.rejected == 1
+    assert set(session.vllm_view().schedulers) == {engine}
+    listener.handle_datagram(scheduler(), newcomer, uid=ALICE)  # a good report takes the place
+    assert set(listener._senders) == {newcomer} and listener.evicted == 1
+
+
 def test_a_traced_vllm_newcomer_takes_a_strangers_place_never_the_reverse(short_dir, sleepers, monkeypatch):
     session = Session()
     listener = VllmListener(session, str(short_dir / "vllm.sock"), max_senders=8, max_senders_per_user=2)
     engine, flood = sleepers[0], sleepers[1:4]
-    monkeypatch.setattr(listener, "_traced_vllm", lambda pid: pid == engine)
+    monkeypatch.setattr(listener, "_vllm_tied", lambda: lambda pid: pid == engine)
     listener.handle_datagram(scheduler(), flood[0], uid=ALICE)
     listener.handle_datagram(scheduler(), flood[1], uid=ALICE)
     listener.handle_datagram(scheduler(), engine, uid=ALICE)  # the engine, of the same user, is let in
@@ -165,6 +227,40 @@ def test_the_kernel_ties_a_sender_to_vllm_by_title_memory_and_parent_chain():
                                                 "descends from it")
     assert vllm_tie(301, processes, traced) == "it holds no traced GPU memory and its title is not a vLLM engine's"
     assert vllm_tie(400, processes, traced) == "it holds no traced GPU memory and kvtrace does not know its title"
+
+
+def test_where_nvml_is_up_traced_bytes_alone_do_not_tie_a_sender():
+    """A stub cuMemAlloc fakes traced bytes, not the driver's list: where NVML is up, only a pid it lists
+    (or whose vLLM worker it lists) is tied; where NVML is down, traced bytes are the only word."""
+    from kvtrace.model.vllm import gpu_holders
+
+    processes = {100: info(100, "VLLM::EngineCore"), 101: info(101, "VLLM::Worker_TP0", parent=100),
+                 666: info(666, "VLLM::EngineCore")}
+    traced = {(666, 0): 30 * GiB, (101, 0): 10 * GiB}
+    assert vllm_tie(666, processes, gpu_holders(traced, None)) == ""  # NVML down: the traced bytes
+    nvml_up = gpu_holders(traced, {101})
+    assert vllm_tie(666, processes, nvml_up) != ""  # faked bytes, not on the driver's list
+    assert vllm_tie(100, processes, nvml_up) == ""  # its worker is on the list
+    view = VllmView()
+    for pid in (100, 666):
+        view.schedulers[pid] = SchedulerReport(pid, T0 * NS, 1000, 990, 0, 0, 30, 20, ())
+    analysis = VllmAnalysis()
+    analysis.update(view, processes, traced, {}, T0 * NS, 0, gpu_pids={101})
+    assert [sender.pid for sender in analysis.untrusted] == [666]
+    analysis.update(view, processes, traced, {}, (T0 + 1) * NS, NS)  # NVML down
+    assert analysis.untrusted == ()
+
+
+def test_the_listener_ties_a_newcomer_by_the_analysis_rule(short_dir, sleepers):
+    from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, NvmlSample
+
+    session = Session()
+    listener = VllmListener(session, str(short_dir / "vllm.sock"))
+    engine = sleepers[0]
+    assert not listener._vllm_tied()(engine)  # no GPU memory by anyone's word
+    session.ingest(NvmlSample(T0 * NS, (GpuMemory(0, "GPU-0", "H100", 80 * GiB, GiB, 79 * GiB, 0),),
+                              (NvmlProcessMemory(0, engine, GiB),)))  # NVML up: the driver lists the engine
+    assert listener._vllm_tied()(engine) and not listener._vllm_tied()(sleepers[1])
 
 
 def test_an_impostor_is_kept_apart_labelled_and_raises_no_finding():
@@ -198,10 +294,20 @@ def test_the_group_socket_is_not_told_other_users_untrusted_pids():
     from kvtrace.servers.api.redaction import redact_info
 
     message = service_pb2.GetAgentInfoResponse()
-    message.components.add(name="vllm_senders", up=True, reason="1 plugin senders not tied to vLLM: pid 777 ...")
+    message.components.add(name="vllm_trust", up=True, reason="1 plugin senders not tied to vLLM: pid 777 ...")
     message.components.add(name="vllm_plugin", up=True, reason="23 refused for want of a share (nobody 23)")
     redacted = {component.name: component.reason for component in redact_info(message).components}
-    assert redacted == {"vllm_senders": "", "vllm_plugin": "23 refused for want of a share (nobody 23)"}
+    assert redacted == {"vllm_trust": "", "vllm_plugin": "23 refused for want of a share (nobody 23)"}
+
+
+def test_the_group_socket_is_not_told_the_titles_the_shares_component_names():
+    from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
+    from kvtrace.servers.api.redaction import redact_info
+
+    message = service_pb2.GetAgentInfoResponse()
+    message.components.add(name="shares", up=False, reason="ledger refused to uid 1000: python train.py --token s3cr3t")
+    redacted = {component.name: component.reason for component in redact_info(message).components}
+    assert redacted == {"shares": ""}
 
 
 def test_nvmls_list_of_gpu_processes_ties_an_engine_with_tracing_off():

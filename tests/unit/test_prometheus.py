@@ -317,7 +317,7 @@ def test_exact_values_for_a_synthetic_snapshot():
     assert samples(families, "kvtrace_unknown_frees_total") == {(): 11}
     assert samples(families, "kvtrace_share_refused_total") == {  # issue 31: the user at its share, named
         labels(resource="vllm_senders", user="alice"): 115, labels(resource="group_connections", user="other"): 3,
-        labels(resource="ledger", user="1001"): 23, labels(resource="totals", user="1001"): 0}  # uid 1001: no name
+        labels(resource="ledger", user="1001"): 23, labels(resource="totals", user="1001"): 0}  # the kernel's shares
     assert samples(families, "kvtrace_vllm_messages_received_total") == {(): 40}
     assert samples(families, "kvtrace_vllm_messages_rejected_total") == {(): 2}
     assert samples(families, "kvtrace_events_undecodable_total") == {(): 2}

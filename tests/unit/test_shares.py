@@ -149,6 +149,11 @@ def test_one_users_copies_of_libcudart_take_a_quarter_of_the_slots_and_root_stil
 # ---- figures a process chooses (attack 6) ----
 
 def _scrape(ledger: LedgerCounts, shares=()) -> dict[str, list]:
+    return _collector(ledger, shares)[1]()
+
+
+def _collector(ledger: LedgerCounts, shares=()):
+    """A collector of `ledger` and `shares` (a list the caller may change between scrapes), and its scrape."""
     class State:
         latest = None
 
@@ -174,10 +179,14 @@ def _scrape(ledger: LedgerCounts, shares=()) -> dict[str, list]:
             return {}
 
         def shares(self):
-            return list(shares)
+            return list(shares)  # as it is at each scrape
 
-    families: list[GaugeMetricFamily | CounterMetricFamily] = list(KvtraceCollector(State(), State()).collect())
-    return {family.name: family.samples for family in families}
+    collector = KvtraceCollector(State(), State())
+
+    def scrape() -> dict[str, list]:
+        families: list[GaugeMetricFamily | CounterMetricFamily] = list(collector.collect())
+        return {family.name: family.samples for family in families}
+    return collector, scrape
 
 
 def test_a_process_with_8194_gpus_and_20_error_codes_gets_a_few_series():
@@ -196,12 +205,26 @@ def test_a_process_with_8194_gpus_and_20_error_codes_gets_a_few_series():
     assert len(failed) == 9 and [s for s in failed if s.labels["error_code"] == "other"][0].value == sum(range(1, 13))
 
 
-def test_refused_users_beyond_five_are_one_series():
-    shares = [PartyShare(1000 + n, 0, 10, 1, n + 1, 0) for n in range(7)]
+def test_the_first_users_refused_keep_their_series_and_other_only_grows():
+    """A counter's series must not vanish nor go down: the first 8 users refused are named for good (most
+    refused first among those new in one scrape), every later one is "other" however its count ranks."""
+    shares = [PartyShare(1000 + n, 0, 10, 1, n + 1, 0) for n in range(10)]
     ledger = LedgerCounts(totals={}, allocations_total={}, frees_total={}, failures_total={})
-    samples = [s for s in _scrape(ledger, shares)["kvtrace_share_refused"] if s.labels["resource"] == "ledger"]
-    assert {s.labels["user"]: s.value for s in samples} == {"1002": 3, "1003": 4, "1004": 5, "1005": 6, "1006": 7,
-                                                           "other": 3}
+    collector, scrape = _collector(ledger, shares)
+
+    def refused():
+        samples = scrape()["kvtrace_share_refused"]
+        return {s.labels["user"]: s.value for s in samples if s.labels["resource"] == "ledger"}
+
+    first = refused()
+    assert first == {**{str(uid): uid - 999 for uid in range(1002, 1010)}, "other": 1 + 2}
+    # WHEN the two users in "other" are refused most of all, and a new user comes
+    shares[:] = [PartyShare(1000, 0, 10, 1, 500, 0), PartyShare(1001, 0, 10, 1, 400, 0), *shares[2:],
+                 PartyShare(1010, 0, 10, 1, 1000, 0)]
+    second = refused()
+    # THEN the named keep their series and "other" only grows
+    assert set(second) == set(first)
+    assert second["other"] == 500 + 400 + 1000
     assert {spec.name for spec in METRICS} >= {"kvtrace_share_refused_total"}
 
 

@@ -155,3 +155,22 @@ def test_a_users_connections_beyond_its_share_are_shut_down_counted_and_named(tm
     assert shares.enforce() == 0  # those shut down are not counted again while gRPC has yet to close them
     for sock in [*clients, *accepted, listener]:
         sock.close()
+
+
+def test_a_descriptor_reused_since_the_scan_is_not_shut_down(tmp_path):
+    """gRPC may close a connection found over its share and give its descriptor to another (root's): the
+    connection shut down must be the one scanned, by its inode, never what now holds the number."""
+    first, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    scanned = Peer(first.fileno(), os.getpid(), 4242, os.fstat(first.fileno()).st_ino)
+    reused = Peer(first.fileno(), os.getpid(), 4242, scanned.inode + 1)
+    assert not peers_module._shut_down(reused)
+    other.settimeout(0.2)
+    try:
+        other.recv(1)
+        raise AssertionError("shut down the connection that reused the descriptor")
+    except TimeoutError:
+        pass
+    assert peers_module._shut_down(scanned)
+    assert other.recv(1) == b""
+    first.close()
+    other.close()

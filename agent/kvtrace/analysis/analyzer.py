@@ -173,7 +173,8 @@ class Analyzer:
             if self._roles_again_ns > now_ns:
                 self._next_site_sample_ns = min(self._next_site_sample_ns, self._roles_again_ns)
         engines, findings = self._vllm.update(vllm_view, self.session.known_processes(), traced, self._role_bytes,
-                                              view.wall_ns, now_ns, {pid for pid, _ in nvml_used})
+                                              view.wall_ns, now_ns,
+                                              {pid for pid, _ in nvml_used} if sample is not None else None)
         self.latest = AnalysisSnapshot(
             timestamp_ns=view.wall_ns, gpus=sample.gpus if sample else (),
             processes=self._rows(view, traced, nvml_used, sample), suspects=self._suspects,
@@ -185,7 +186,7 @@ class Analyzer:
         return self.latest
 
     def _report_untrusted(self, untrusted: tuple[UntrustedSender, ...]) -> None:
-        """Plugin senders not tied to vLLM, counted and named by the `vllm_senders` component (doctor shows it)."""
+        """Plugin senders not tied to vLLM, counted and named by the `vllm_trust` component (doctor shows it)."""
         reason = ""
         if untrusted:
             named = "; ".join(f"pid {sender.pid} {sender.label}: {sender.reason}" for sender in untrusted[:3])
@@ -194,7 +195,7 @@ class Analyzer:
                       f"no finding): {named}{more}")
         if reason != self._untrusted_reason:
             self._untrusted_reason = reason
-            self.session.report_component("vllm_senders", True, reason)
+            self.session.report_component("vllm_trust", True, reason)
             self.session.report_counters({"vllm_untrusted_senders": len(untrusted)})
 
     def leak_report(self, pids: Collection[int] = (), min_age_seconds: float | None = None,

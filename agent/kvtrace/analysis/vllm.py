@@ -53,6 +53,7 @@ from kvtrace.model.vllm import (
     VllmMetricsSample,
     VllmView,
     data_parallel_rank,
+    gpu_holders,
     vllm_part,
     vllm_tie,
 )
@@ -130,10 +131,11 @@ class VllmAnalysis:
 
     def update(self, view: VllmView, processes: Mapping[int, ProcessInfo], traced: Mapping[tuple[int, int], int],
                role_bytes: Mapping[tuple[int, int], Mapping[Role, int]], now_wall_ns: int, now_monotonic_ns: int,
-               gpu_pids: Collection[int] = ()) -> tuple[tuple[VllmEngine, ...], tuple[VllmFinding, ...]]:
+               gpu_pids: Collection[int] | None = None) -> tuple[tuple[VllmEngine, ...], tuple[VllmFinding, ...]]:
         """Engines and findings now. `traced`: (pid, device) -> traced physical bytes this tick;
         `role_bytes`: (pid, device) -> bytes by role at the last site sample; `gpu_pids`: processes NVML lists
-        on a GPU. The plugin's records of senders not tied to vLLM are left out, and kept in `untrusted`."""
+        on a GPU, None where NVML is down (then traced bytes tie a sender: model/vllm.py's gpu_holders). The
+        plugin's records of senders not tied to vLLM are left out, and kept in `untrusted`."""
         view = self._trusted(view, processes, traced, gpu_pids)
         members = _engines_and_workers(view, processes)
         for pid in [pid for pid in self._states if pid not in members]:
@@ -164,13 +166,13 @@ class VllmAnalysis:
         return tuple(engines), tuple(findings)
 
     def _trusted(self, view: VllmView, processes: Mapping[int, ProcessInfo],
-                 traced: Mapping[tuple[int, int], int], gpu_pids: Collection[int]) -> VllmView:
+                 traced: Mapping[tuple[int, int], int], gpu_pids: Collection[int] | None) -> VllmView:
         """The view of senders tied to vLLM; the others go to `untrusted`."""
         senders = view.senders()
         if not senders:
             self.untrusted = ()
             return view
-        traced_pids = {pid for (pid, _), size_bytes in traced.items() if size_bytes > 0} | set(gpu_pids)
+        traced_pids = gpu_holders(traced, gpu_pids)
         untrusted = []
         for pid in sorted(senders):
             reason = vllm_tie(pid, processes, traced_pids)

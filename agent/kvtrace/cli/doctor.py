@@ -12,7 +12,7 @@ from kvtrace.cli.flags import positive_pid
 from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import printable
-from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX
+from kvtrace.model.user_shares import POOL_FULL, SHARE_COUNTER_PREFIX
 
 EPILOG = """examples:
   sudo kvtrace doctor          # run it as the agent would run: root sees what the agent sees
@@ -114,7 +114,7 @@ _AGENT_COUNTERS = {
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",
     "vllm_untrusted_senders": "processes send vLLM plugin reports kvtrace cannot tie to vLLM (no traced GPU "
-                              "memory): kept apart, no finding; the vllm_senders component names them",
+                              "memory): kept apart, no finding; the vllm_trust component names them",
     "event_loop_late_turns": "turns of the agent's event loop came more than a second late (events waited; "
                              "`kvtrace ps` lagged): the agent counts the longest gap (event_loop_longest_gap_ms)",
     "flight_dumps_partial": "flight recorder dumps that left objects out (the ledger was larger than "
@@ -157,6 +157,11 @@ def agent_findings(args: argparse.Namespace) -> list:
     for name, count in sorted(info.counters.items()):
         if name.startswith(SHARE_COUNTER_PREFIX) and count:  # a user at its share: that user alone was refused
             resource, user = name[len(SHARE_COUNTER_PREFIX):].split("/", 1)
+            meaning = _SHARES.get(resource, resource).replace("its ", "their ")
+            if user == POOL_FULL:  # every place was held: no user was at its share
+                findings.append(Finding(f"agent {resource} share", True, f"{count} refused because all places were "
+                                        f"held, to users within their share ({meaning})", warning=True))
+                continue
             findings.append(Finding(f"agent {resource} share", True, f"{count} refused to user {user} at its share "
                                     f"({_SHARES.get(resource, resource)}); the others kept theirs", warning=True))
     return findings
@@ -267,17 +272,26 @@ def process_findings(pid: int, agent: tuple[frozenset[tuple[int, int]], str] | N
     targets = Discovery().scan_pid(pid)
     cuda = [target for target in targets if target.symbols]
     waiting = [t for t in cuda if (t.file_id.device, t.file_id.inode) not in agent[0]] if agent else []
+    # A library slot is short only while the agent's libraries component is down (agent[1], its reason); else a
+    # library with no probes yet is one the agent has not attached (just loaded, or a -p filter leaves it out).
+    short = bool(agent and agent[1])
     if waiting and len(waiting) == len(cuda):
         paths = ", ".join(sorted(t.path for t in waiting))
-        findings.append(Finding(
-            f"{name} cuda", True, f"not traced: waiting for a library slot ({paths}: no probes in the running "
-            f"agent, which says: {agent[1] if agent and agent[1] else 'not attached yet'}); "
-            "fix: stop the processes that hold the slots (`kvtrace doctor` names the libraries component), "
-            "or restart the agent with a larger --max-libraries", warning=True))
+        if short and agent:
+            findings.append(Finding(
+                f"{name} cuda", True, f"not traced: waiting for a library slot ({paths}: no probes in the running "
+                f"agent, which says: {agent[1]}); fix: stop the processes that hold the slots (`kvtrace doctor` "
+                "names the libraries component), or restart the agent with a larger --max-libraries", warning=True))
+        else:
+            findings.append(Finding(
+                f"{name} cuda", True, f"not traced: not attached yet ({paths}: no probes in the running agent, "
+                "whose libraries are all attached; it attaches a library as it finds it loaded, unless its -p "
+                "filter leaves this process out)", warning=True))
     elif cuda:
         libraries = ", ".join(f"{t.path} ({len(t.symbols)} functions)" for t in cuda)
-        blind = (f"; but {', '.join(t.path for t in waiting)} waits for a library slot: "
-                 f"{agent[1] if agent else ''}") if waiting else ""
+        blind = (f"; but {', '.join(t.path for t in waiting)} "
+                 + (f"waits for a library slot: {agent[1]}" if short and agent else "is not attached yet")
+                 ) if waiting else ""
         findings.append(Finding(f"{name} cuda", True, f"{'traced' if agent else 'traceable'}: {libraries}{blind}",
                                 warning=bool(waiting)))
     else:

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 MAX_NAMED_USERS = 8  # users named in the refusals' label; the rest count as OTHER_USER
 OTHER_USER = "other"
+# Refusals because the whole pool was held while the user was within its share: no user's share is at fault,
+# so none is named (counted apart, in no user's series).
+POOL_FULL = "(pool full)"
 # Session counters carry refusals as SHARE_COUNTER_PREFIX + "<resource>/<user>" (servers/metrics.py labels them).
 SHARE_COUNTER_PREFIX = "share_refused/"
 
@@ -26,6 +29,23 @@ def user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
         return str(uid)
+
+
+class UserLabels:
+    """A user's name in a refusals' label, for good: its own for the first MAX_NAMED_USERS users refused,
+    OTHER_USER for every later one. Stable, so each series of a counter only grows (a ranking that changes
+    would drop series and let "other" go down)."""
+
+    def __init__(self) -> None:
+        self._labels: dict[int, str] = {}  # uid -> its label, once named
+        self._named = 0
+
+    def __call__(self, uid: int) -> str:
+        known = self._labels.get(uid)
+        if known is None:
+            known = self._labels[uid] = user_name(uid) if self._named < MAX_NAMED_USERS else OTHER_USER
+            self._named += known != OTHER_USER
+        return known
 
 
 @dataclass
@@ -47,9 +67,9 @@ class UserShares:
         self.held: Counter[int] = Counter()  # uid -> places held
         self.total = 0
         self.refused_total = 0
-        self.refused: Counter[str] = Counter()  # user label -> refusals (MAX_NAMED_USERS + OTHER_USER labels)
+        self.refused: Counter[str] = Counter()  # user label -> refusals (MAX_NAMED_USERS, OTHER_USER, POOL_FULL)
         self.last_refused_uid: int | None = None
-        self._labels: dict[int, str] = {}  # uid -> its label, once named
+        self._labels = UserLabels()
 
     def admits(self, uid: int) -> bool:
         return self.held[uid] < self.per_user and self.total < self.capacity
@@ -74,17 +94,15 @@ class UserShares:
                 del self.held[uid]
 
     def refuse(self, uid: int) -> None:
+        """Counts a refusal of `uid`: against the user when it holds its share, as POOL_FULL when it did not
+        (every place was held: the user is not at its share)."""
         self.refused_total += 1
-        self.refused[self.label(uid)] += 1
+        self.refused[self.label(uid) if self.held[uid] >= self.per_user else POOL_FULL] += 1
         self.last_refused_uid = uid
 
     def label(self, uid: int) -> str:
         """The user's name in refusals: its own for the first MAX_NAMED_USERS users refused, OTHER_USER after."""
-        known = self._labels.get(uid)
-        if known is None:
-            named = sum(1 for label in self._labels.values() if label != OTHER_USER)
-            known = self._labels[uid] = user_name(uid) if named < MAX_NAMED_USERS else OTHER_USER
-        return known
+        return self._labels(uid)
 
     def counters(self) -> dict[str, int]:
         """Refusals by user as Session counters (SHARE_COUNTER_PREFIX + resource/user)."""

@@ -43,14 +43,24 @@ def data_parallel_rank(title: str) -> str | None:
 MAX_PARENT_DEPTH = 8  # a worker's parent chain is walked this far looking for its engine
 
 
+def gpu_holders(traced: Mapping[tuple[int, int], int], nvml_pids: Collection[int] | None) -> set[int]:
+    """The processes vllm_tie takes as holding GPU memory. Where NVML is up (`nvml_pids`, its list of processes
+    on a GPU) only those: the driver's word, which a user's own stub cuMemAlloc cannot fake as it fakes traced
+    bytes. Where NVML is down (None), the processes with traced physical bytes (`traced`: (pid, device) ->
+    bytes), the only word there is."""
+    if nvml_pids is not None:
+        return set(nvml_pids)
+    return {pid for (pid, _), size_bytes in traced.items() if size_bytes > 0}
+
+
 def vllm_tie(pid: int, processes: Mapping[int, ProcessInfo], traced_pids: Collection[int]) -> str:
     """"" when what the kernel says ties `pid` to vLLM, else why not, one line: it holds traced GPU memory
     itself (an engine whose model runs in it, whatever its title: offline inference runs the scheduler in the
     script's process), or its title (/proc) is a vLLM engine's and a `VLLM::Worker*` holding traced memory has
     it on its parent chain (an EngineCore whose model runs in its workers). A plugin report is only a claim
     (any local process may send one): it counts as an engine's only from a process tied so.
-    `traced_pids`: the processes holding GPU memory now, by the probes' ledger or NVML's list of processes
-    using a GPU (the driver's word: an engine is tied with tracing off too)."""
+    `traced_pids`: the processes holding GPU memory now (gpu_holders: NVML's list of processes using a GPU
+    where NVML is up, the driver's word, which ties an engine with tracing off too; else the probes' ledger)."""
     if pid in traced_pids:
         return ""
     info = processes.get(pid)

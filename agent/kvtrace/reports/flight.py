@@ -141,7 +141,8 @@ class FlightRecorder:
         self.dumps_partial_total = 0  # written with checkpoints that leave objects out (the ledger too large)
         self.dumps_suppressed_total = 0  # not made: their kind dumped MAX_DUMPS_PER_KIND times within the cooldown
         self._written: dict[str, service_pb2.FlightDump] = {}  # path -> dump, of this agent's dumps
-        self._failures_reported = 0  # dump_failures_total at the last health report
+        # The last dump failed (not written, or not even taken: the writer behind); down until one is written.
+        self._failing = False
 
     def start(self) -> None:
         self.options.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -249,6 +250,7 @@ class FlightRecorder:
         if self._pending.qsize() >= MAX_PENDING_DUMPS:  # the writer is behind: no more copies of the ledger
             with self._dumps_lock:
                 self.dump_failures_total += 1
+                self._failing = True
             log.warning("flight recorder: %s: not dumped, %d dumps are still being written", trigger.reason,
                         MAX_PENDING_DUMPS)
             return None
@@ -305,22 +307,21 @@ class FlightRecorder:
 
     def report_health(self) -> None:
         """Up while a dump would be whole; down, with the figure, while the ledger is too large to copy (a dump
-        then leaves objects out) or the last dump could not be written."""
+        then leaves objects out) or the last dump could not be written (down until a dump is written)."""
         refused = self.session.checkpoint_refused()
         with self._dumps_lock:
-            failures = self.dump_failures_total
+            failures, failing = self.dump_failures_total, self._failing
         if refused is not None:
             self.session.report_component("flight_recorder", False, (
                 f"a dump now would leave objects out: the ledger's {refused.entries:,} allocations and blocks are "
                 f"more than --max-read-entries {refused.limit:,} (its checkpoints would hold the trigger's process "
                 "only; every event of the window is kept): raise --max-read-entries (about 450 bytes of agent "
                 "memory each)"))
-        elif failures > self._failures_reported:
+        elif failing:
             self.session.report_component("flight_recorder", False, (
                 f"{failures} dumps could not be written in {self.options.directory} (the agent log says why)"))
         else:
             self.session.report_component("flight_recorder", True)
-        self._failures_reported = failures
 
     def check(self, snapshot: AnalysisSnapshot | None) -> None:
         """After an analysis: the recorder's health, and a forecast time-to-OOM under the threshold dumps."""
@@ -392,6 +393,7 @@ class FlightRecorder:
                 with self._dumps_lock:
                     self.dumps_total += 1
                     self._written[pending.dump.path] = pending.dump
+                    self._failing = False
                 log.warning("flight recorder: wrote %s (%d events, %s)", pending.dump.path,
                             pending.dump.event_count, human_bytes(pending.dump.size_bytes))
                 self._enforce_bounds(keep=Path(pending.dump.path))
@@ -400,6 +402,7 @@ class FlightRecorder:
                 pending.error = f"cannot write a flight recorder dump in {self.options.directory}: {reason}"
                 with self._dumps_lock:
                     self.dump_failures_total += 1
+                    self._failing = True
                 log.error("%s", pending.error, exc_info=not isinstance(error, OSError))
             finally:
                 pending.done.set()

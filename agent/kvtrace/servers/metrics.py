@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from kvtrace.model.events import DEVICE_UNKNOWN, Api, Layer, Memory
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.ledger import LedgerCounts, TotalsKey
 from kvtrace.model.processes import redact_title
-from kvtrace.model.user_shares import SHARE_COUNTER_PREFIX, user_name
+from kvtrace.model.user_shares import OTHER_USER, SHARE_COUNTER_PREFIX, UserLabels
 from kvtrace.model.vllm import FindingKind
 from kvtrace.servers.backend import AgentAnalysis, AgentState
 
@@ -46,10 +47,9 @@ log = logging.getLogger(__name__)
 TITLE_MAX_CHARS = 64
 # Label values a process or user chooses are few whatever it does: a process's GPUs beyond these (by its
 # bytes) are summed as gpu="other" in the totals and left out of the per-GPU analysis; a call's error codes
-# beyond these (by calls) as error_code="other"; the users refused a share beyond these as uid="other".
+# beyond these (by calls) as error_code="other". (The users refused a share: model/user_shares.py, UserLabels.)
 GPU_LABELS_PER_PROCESS = 8
 ERROR_CODE_LABELS_PER_API = 8
-SHARE_UID_LABELS = 5
 OTHER = "other"
 
 
@@ -247,7 +247,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvtrace_vllm_untrusted_processes", "gauge", "processes", (),
                "Processes sending vLLM plugin reports that kvtrace cannot tie to vLLM (no traced GPU memory of "
                "their own or of their workers): their reports are kept apart, make no engine and raise no "
-               "finding; the vllm_senders component (kvtrace doctor) names them."),
+               "finding; the vllm_trust component (kvtrace doctor) names them."),
     MetricSpec("kvtrace_share_refused_total", "counter", "refusals", ("resource", "user"),
                "What was refused to a user at its share (issue 31): resource vllm_senders (plugin senders), "
                "cupti_connections (kvtrace run's tracers), group_connections (the API's group socket: a user's "
@@ -255,8 +255,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "because the user's share of the kernel's maps was full: counted, not stored, no event; one "
                "user may hold a quarter of each map, every user but root together half, root three quarters; "
                "the shares component names their processes). Only that user is degraded; the others keep "
-               "their reserve. user: the first users refused by name (8 for places, the 5 most refused for "
-               "the maps), the rest as other."),
+               "their reserve. user: the first 8 users refused (of each resource's kind: places, the maps) by "
+               "name for good, every later one as other; (pool full): refused because every place was held "
+               "while the user was within its share."),
     MetricSpec("kvtrace_unknown_frees_total", "counter", "frees", (),
                "Frees of memory the agent never saw allocated: memory from before the agent started."),
     MetricSpec("kvtrace_component_up", "gauge", "boolean", ("component",),
@@ -338,6 +339,8 @@ class KvtraceCollector:
         self.state = state
         self.analysis = analysis
         self.version = version
+        self._map_users = UserLabels()  # users refused by the kernel's shares (ledger, totals), named for good
+        self._map_users_lock = threading.Lock()
 
     def describe(self) -> Iterable[Metric]:
         return [self._family(spec.name) for spec in METRICS]
@@ -460,18 +463,21 @@ class KvtraceCollector:
                 failures.add_metric([_api_name(api), OTHER], rest)
         return kept
 
-    @staticmethod
-    def _shares(families, parties: list[PartyShare]) -> None:
+    def _shares(self, families, parties: list[PartyShare]) -> None:
+        """The kernel's refusals per user (each user's record counts its own, only growing), labelled by
+        UserLabels: a user keeps its label for good, so no series vanishes and "other" never goes down."""
         refused = families["kvtrace_share_refused_total"]
-        users = sorted((party for party in parties if party.pid == 0 and party.refused),
-                       key=lambda party: (-party.refused, party.uid))
-        for party in sorted(users[:SHARE_UID_LABELS], key=lambda party: party.uid):
-            refused.add_metric(["ledger", user_name(party.uid)], party.refused_entries)
-            refused.add_metric(["totals", user_name(party.uid)], party.refused_totals)
-        if len(users) > SHARE_UID_LABELS:
-            rest = users[SHARE_UID_LABELS:]
-            refused.add_metric(["ledger", OTHER], sum(party.refused_entries for party in rest))
-            refused.add_metric(["totals", OTHER], sum(party.refused_totals for party in rest))
+        sums: dict[str, list[int]] = {}
+        with self._map_users_lock:
+            # New users in one scrape are named most refused first, then by uid: the same whoever scrapes.
+            for party in sorted((party for party in parties if party.pid == 0 and party.refused),
+                                key=lambda party: (-party.refused, party.uid)):
+                sample = sums.setdefault(self._map_users(party.uid), [0, 0])
+                sample[0] += party.refused_entries
+                sample[1] += party.refused_totals
+        for user in sorted(sums, key=lambda user: (user == OTHER_USER, user)):
+            refused.add_metric(["ledger", user], sums[user][0])
+            refused.add_metric(["totals", user], sums[user][1])
 
     @staticmethod
     def _snapshot(families, snapshot: AnalysisSnapshot, title, kept: Mapping[int, set[int]]) -> None:

@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOCKET_PATH_MAX_BYTES = 107  # sun_path is 108 bytes with the terminating NUL
+# struct ucred: pid, uid, gid (SO_PEERCRED, SCM_CREDENTIALS). servers/api/peers.py keeps its own copy: the
+# servers import no source (tests/unit/test_import_layers.py).
+UCRED = struct.Struct("iII")
 
 
 class ListenerSetupError(Exception):

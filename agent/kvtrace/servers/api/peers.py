@@ -25,7 +25,7 @@ from kvtrace.model.user_shares import UserShares
 
 log = logging.getLogger(__name__)
 
-_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (sources/unix_socket.UCRED: servers import no source)
 SCAN_INTERVAL_SECONDS = 0.2  # at most this often: a burst of calls costs one scan
 RESOURCE = "group_connections"
 
@@ -90,12 +90,10 @@ class ConnectionShares:
                 if uid == 0:
                     continue  # root: the host's administrator (and the admin socket is its own anyway)
                 self.shares.held[uid] = min(len(peers), self.shares.per_user)
-                # The lowest descriptors were accepted first (the kernel gives the lowest free one): those stay.
-                for peer in sorted(peers, key=lambda peer: peer.fd)[self.shares.per_user:]:
-                    try:
-                        with socket.fromfd(peer.fd, socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                            sock.shutdown(socket.SHUT_RDWR)  # the connection, not only our duplicate
-                    except OSError:
+                # The oldest stay: a socket's inode is numbered as it is made, so the lowest were accepted first
+                # (not the lowest descriptors: gRPC closes and reuses them).
+                for peer in sorted(peers, key=lambda peer: peer.inode)[self.shares.per_user:]:
+                    if not _shut_down(peer):
                         continue
                     self._ended.add(peer.inode)
                     self.shares.refuse(uid)
@@ -104,3 +102,16 @@ class ConnectionShares:
                 log.warning("group socket: ended %d connections of users over their share of %d (%s)", ended,
                             self.shares.per_user, self.shares.describe())
             return ended
+
+
+def _shut_down(peer: Peer) -> bool:
+    """Shuts down the connection `peer` names, if its descriptor still holds that socket: since the scan gRPC
+    may have closed the descriptor and given the number to another connection (another user's, root's)."""
+    try:
+        with socket.fromfd(peer.fd, socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            if os.fstat(sock.fileno()).st_ino != peer.inode:
+                return False  # reused: not the connection found over its share
+            sock.shutdown(socket.SHUT_RDWR)  # the connection, not only our duplicate
+    except OSError:
+        return False
+    return True

@@ -111,8 +111,9 @@ def redact_info(message: service_pb2.GetAgentInfoResponse) -> service_pb2.GetAge
     return message
 
 
-# Components whose reasons name files of other users (the admin socket has them whole).
-_REASONS_WITH_PATHS = frozenset({"libraries", "vllm_senders"})  # vllm_senders: other users' pids and titles
+# Components whose reasons name files of other users (the admin socket has them whole); vllm_trust
+# names other users' pids and titles, shares the titles (command lines) of the processes refused.
+_REASONS_WITH_PATHS = frozenset({"libraries", "vllm_trust", "shares"})
 
 
 def redact_growth(message: service_pb2.GetGrowthResponse) -> service_pb2.GetGrowthResponse:

@@ -27,7 +27,6 @@ import errno
 import logging
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from kvtrace.session import Record, Session
 from kvtrace.sources import unix_socket
 from kvtrace.sources.cupti import protocol
 from kvtrace.sources.cupti.decode import CuptiDecoder, DecoderCounters, Output, StackDefinition
-from kvtrace.sources.unix_socket import ListenerSetupError
+from kvtrace.sources.unix_socket import UCRED, ListenerSetupError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,6 @@ TICK_SECONDS = 0.25  # held records are applied and counters reported this often
 BACKLOG = 64
 WARNING_INTERVAL_SECONDS = 60.0
 
-_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
 def check_socket_path(path: str, flag: str = "--cupti-socket") -> None:
@@ -243,7 +241,7 @@ class CuptiListener:
                 self._warn(f"cannot accept a CUPTI tracer's connection: {error.strerror}")
                 return
             try:
-                pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+                pid, uid, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
             except OSError:
                 pid = uid = 0
             if pid <= 0 or not self.shares.admits(uid):

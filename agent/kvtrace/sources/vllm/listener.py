@@ -22,11 +22,11 @@ MAX_SENDERS_PER_USER of the places, so one user's flood of processes leaves the 
 newcomer over its user's share is dropped before its message is decoded (counted and named:
 kvtrace_share_refused_total{resource="vllm_senders"}, the component's reason), unless one of that user's
 own senders has been silent SILENT_SECONDS (the plugin reports every second: a silent one is no live
-engine's) or the newcomer is a traced process titled as vLLM's and the place is a stranger's: then that one
-gives its place. Its scheduler and sleep reports go, its KV layout stays while the process lives (the
-plugin sent it once; an engine's layout survives the eviction of its sender state). What a sender's
-reports mean is not decided here: analysis/vllm.py counts them as an engine's only when the kernel ties
-the sender to vLLM (model/vllm.py's vllm_tie).
+engine's) or the kernel ties the newcomer to vLLM and the place is a stranger's (model/vllm.py's vllm_tie,
+the analysis's rule): then that one gives its place. Its scheduler and sleep reports go, its KV layout
+stays while the process lives (the plugin sent it once; an engine's layout survives the eviction of its
+sender state). What a sender's reports mean is not decided here: analysis/vllm.py counts them as an
+engine's only when the kernel ties the sender to vLLM (the same vllm_tie).
 
 The socket's directory must be reachable (search permission) by the vLLM processes' user. It is a
 directory of its own (/run/kvtrace-vllm, 0755), apart from the API's /run/kvtrace (0750 root:kvtrace), so
@@ -43,13 +43,13 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace.model.events import PHYSICAL_LAYERS, Memory
 from kvtrace.model.user_shares import UserShares
 from kvtrace.model.vllm import (
-    ENGINE,
-    WORKER,
     KvCacheLayout,
     KvRequest,
     KvTensor,
@@ -57,12 +57,13 @@ from kvtrace.model.vllm import (
     SchedulerReport,
     SleepPool,
     SleepReport,
-    vllm_part,
+    gpu_holders,
+    vllm_tie,
 )
 from kvtrace.session import Session
 from kvtrace.sources import unix_socket
 from kvtrace.sources.procfs import start_ticks
-from kvtrace.sources.unix_socket import ListenerSetupError
+from kvtrace.sources.unix_socket import UCRED, ListenerSetupError
 from kvtrace.sources.vllm import protocol
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,6 @@ MAX_INT = (1 << 63) - 1
 MAX_ADDRESS = (1 << 64) - 1
 MAX_COUNT = (1 << 31) - 1  # blocks, requests, devices: far beyond any engine, far below what breaks sums
 
-_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _STATES = {name: RequestState[name.upper()] for name in protocol.REQUEST_STATES}
 
 
@@ -329,7 +329,7 @@ class VllmListener:
         sock = self._socket
         assert sock is not None
         buffer = bytearray(protocol.MAX_DATAGRAM_BYTES)
-        ancillary_size = socket.CMSG_SPACE(_UCRED.size)
+        ancillary_size = socket.CMSG_SPACE(UCRED.size)
         while not self._stop.is_set():
             try:
                 size, ancdata, flags, _ = sock.recvmsg_into([buffer], ancillary_size)
@@ -364,14 +364,19 @@ class VllmListener:
         sender = self._senders.get(pid)
         if sender is not None and not self._within_rate(sender, pid, now):
             return
-        if sender is None and not self._room_for(pid, uid, now):
-            return  # over its user's share: dropped before any decoding (a flood costs a read and a count)
+        victim = None
+        if sender is None:
+            room, victim = self._room_for(pid, uid, now)
+            if not room:
+                return  # over its user's share: dropped before any decoding (a flood costs a read and a count)
         try:
             record = decode_message(data, pid, time.time_ns())
         except MessageError as error:
             self._reject(str(error), pid)
-            return
+            return  # a bad report takes no place: the victim keeps its own, and its state
         if sender is None:  # a place only for a process whose report is good
+            if victim is not None:
+                self._evict(victim)
             sender = self._follow(pid, uid, now)
         sender.last_seen = now
         self.session.ingest(record)
@@ -382,8 +387,8 @@ class VllmListener:
         for level, kind, payload in ancdata:
             if level != socket.SOL_SOCKET:
                 continue
-            if kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
-                pid, uid, _ = _UCRED.unpack_from(payload)
+            if kind == socket.SCM_CREDENTIALS and len(payload) >= UCRED.size:
+                pid, uid, _ = UCRED.unpack_from(payload)
             elif kind == socket.SCM_RIGHTS:  # descriptors someone passed: never kept open
                 for fd in struct.unpack(f"{len(payload) // 4}i", payload[:len(payload) // 4 * 4]):
                     try:
@@ -402,23 +407,24 @@ class VllmListener:
             return False
         return True
 
-    def _room_for(self, pid: int, uid: int, now: float) -> bool:
+    def _room_for(self, pid: int, uid: int, now: float) -> tuple[bool, int | None]:
         """Whether a new sender of `uid` may have a place: within its user's share with room in the pool, or
-        after a sender gave way (`_evict`). False (counted against the user, named) otherwise."""
+        once a sender gives way (the victim, returned: the caller evicts it only when the newcomer's report
+        decodes, so a bad datagram costs nobody a place). (False, None), counted against the user and named,
+        otherwise."""
         if self.shares.admits(uid):
-            return True
+            return True, None
         if now >= self._next_full_sweep:  # the gone give their places first (once a second: a flood costs no sweeps)
             self._next_full_sweep = now + 1.0
             self._sweep()
             if self.shares.admits(uid):
-                return True
+                return True, None
         victim = self._victim(pid, uid, now)
         if victim is not None:
-            self._evict(victim)
-            return True
+            return True, victim
         self.shares.refuse(uid)
         self._reject(self.shares.full_for(uid) or "no place", pid, count_only=True)
-        return False
+        return False, None
 
     def _victim(self, pid: int, uid: int, now: float) -> int | None:
         """Who gives a place to `pid` of `uid`: the longest silent of its user's own senders (of anyone's when
@@ -432,16 +438,27 @@ class VllmListener:
         last_seen, silent = min(candidates)
         if now - last_seen >= SILENT_SECONDS:
             return silent
-        if not self._traced_vllm(pid):
+        tied = self._vllm_tied()
+        if not tied(pid):
             return None
-        strangers = [(seen, known) for seen, known in candidates if not self._traced_vllm(known)]
+        strangers = [(seen, known) for seen, known in candidates if not tied(known)]
         return min(strangers)[1] if strangers else None
 
-    def _traced_vllm(self, pid: int) -> bool:
-        """The Session traces `pid` (it allocated GPU memory under the probes) and its title is vLLM's engine or
-        worker's: a cheap look (no /proc read), for who may take a stranger's place."""
-        info = self.session.process(pid)
-        return info is not None and vllm_part(info.title) in (ENGINE, WORKER)
+    def _vllm_tied(self) -> Callable[[int], bool]:
+        """Whether the kernel ties a pid to vLLM, by the analysis's rule (model/vllm.py's vllm_tie on gpu_holders:
+        NVML's list of GPU processes where NVML is up, else traced bytes), from what the Session holds now (no
+        /proc read); copied once for a whole look at the senders."""
+        processes = self.session.known_processes()
+        sample = self.session.nvml_sample()
+        if sample is not None and sample.gpus:
+            holders = gpu_holders({}, {process.pid for process in sample.processes})
+        else:
+            traced: dict[tuple[int, int], int] = {}
+            for key, (size_bytes, _) in self.session.ledger_counts().totals.items():
+                if key.layer in PHYSICAL_LAYERS and key.memory is Memory.DEVICE:
+                    traced[(key.pid, key.device)] = traced.get((key.pid, key.device), 0) + size_bytes
+            holders = gpu_holders(traced, None)
+        return lambda pid: not vllm_tie(pid, processes, holders)
 
     def _evict(self, pid: int) -> None:
         """`pid` gives its place: its scheduler and sleep reports go; its KV layout stays while it lives."""
