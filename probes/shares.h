@@ -150,6 +150,26 @@ static __always_inline void share_give(u32 pid) {
         entry_give(process);
 }
 
+/* What user space deleted of a live process's entries itself (a context destroy's, the blocks of a process lowered
+ * to segments: kernel_ledger.py delete_entries) goes back to its share here: user space runs this program (never
+ * attached; BPF_PROG_TEST_RUN, loader.py give_shares) with args[0] the pid and args[1] the entries its deletes took.
+ * The same atomic adds as entry_give, so exact whatever the probes do meanwhile on other CPUs (user space cannot
+ * add to a map's value atomically; a map of counts to fold in would wait for the process's next probe). The
+ * process keeps at most two batches charged above its entries, as entry_give leaves it. A pid whose record is gone
+ * (exited: shares_release gave back all it was charged) is left alone. */
+int kvt_share_return(struct bpf_raw_tracepoint_args *ctx) {
+    u32 pid = (u32)ctx->args[0];
+    s64 given = (s64)ctx->args[1];
+    struct kvt_share *process = pid_shares.lookup(&pid);
+    if (!process || given <= 0)
+        return 0;
+    s64 entries = __sync_fetch_and_add(&process->ledger_entries, -given) - given;
+    s64 excess = process->charged - entries;
+    if (excess > 2 * KVT_SHARE_BATCH) /* whole batches, down to between one and two above its entries */
+        charge(process, -(s64)((u64)(excess - KVT_SHARE_BATCH) / KVT_SHARE_BATCH * KVT_SHARE_BATCH));
+    return 0;
+}
+
 /* At the process's exit: what it held goes back to its user (the entries themselves leave the maps when user
  * space drops them, moments later), and its record goes. */
 static __always_inline void shares_release(u32 pid) {
