@@ -16,36 +16,60 @@ struct kvt_parties {
     struct kvt_share *users; /* NULL for root */
 };
 
-static __always_inline struct kvt_share *user_record(u32 uid) {
-    struct kvt_share *user = uid_shares.lookup(&uid);
+/* What a party may hold of a map: root's share, every user's together (the record a user with none of its own is
+ * charged to: see user_record), or one user's. */
+#define KVT_SHARE_OF(uid, what) \
+    ((uid) == 0 ? KVT_SHARE_ROOT_##what : (uid) == KVT_UID_USERS ? KVT_SHARE_USERS_##what : KVT_SHARE_USER_##what)
+
+/* Whether a party's changes go to every user's record too: not root's, nor that record's own. */
+static __always_inline int charged_to_users(u32 uid) {
+    return uid != 0 && uid != KVT_UID_USERS;
+}
+
+/* The record of every user together, charged besides `uid`'s own (NULL where charged_to_users says not). */
+static __always_inline struct kvt_share *users_record(u32 uid) {
+    u32 users_key = KVT_UID_USERS;
+    return charged_to_users(uid) ? uid_shares.lookup(&users_key) : 0;
+}
+
+/* The record `*uid` is charged to, made at its first process. Root's and every user's records are made when the
+ * probes load (loader.py), so neither is ever refused; a user for whom the table has no room (KVT_MAX_SHARED_UIDS
+ * users made records: they are never freed) is charged to every user's record alone, under the users' share
+ * (counted, and `*uid` becomes KVT_UID_USERS: its processes' records name that record), never refused for it. */
+static __always_inline struct kvt_share *user_record(u32 *uid) {
+    struct kvt_share *user = uid_shares.lookup(uid);
     if (user)
         return user;
-    struct kvt_share zero = {.uid = uid};
-    uid_shares.insert(&uid, &zero); /* another CPU may have made it meanwhile: either is fine */
-    return uid_shares.lookup(&uid);
+    struct kvt_share zero = {.uid = *uid};
+    uid_shares.insert(uid, &zero); /* another CPU may have made it meanwhile: either is fine */
+    user = uid_shares.lookup(uid);
+    if (user)
+        return user;
+    count(KVT_COUNTER_SHARE_UIDS_FULL);
+    *uid = KVT_UID_USERS;
+    return uid_shares.lookup(uid);
 }
 
 /* The records of process `pid` (the caller's), made at its first insert within its user's share of records;
  * 0 when there is none (refused: counted on the user's record where there is one). */
 static __always_inline int parties_of(u32 pid, struct kvt_parties *parties) {
-    u32 uid, users_key = KVT_UID_USERS;
+    u32 uid;
     struct kvt_share *process = pid_shares.lookup(&pid);
     if (process) {
         uid = process->uid;
         parties->user = uid_shares.lookup(&uid);
-        parties->users = uid ? uid_shares.lookup(&users_key) : 0;
+        parties->users = users_record(uid);
         parties->process = process;
-        return parties->user && (!uid || parties->users);
+        return parties->user && (!charged_to_users(uid) || parties->users);
     }
     uid = (u32)bpf_get_current_uid_gid();
-    struct kvt_share *user = user_record(uid);
-    struct kvt_share *users = uid ? user_record(users_key) : 0;
-    if (!user || (uid && !users)) {
+    struct kvt_share *user = user_record(&uid);
+    struct kvt_share *users = users_record(uid);
+    if (!user || (charged_to_users(uid) && !users)) {
         count(KVT_COUNTER_SHARE_FULL);
         return 0;
     }
-    if (user->pids >= (uid ? KVT_SHARE_USER_PIDS : KVT_SHARE_ROOT_PIDS) ||
-        (users && users->pids >= KVT_SHARE_USERS_PIDS)) {
+    if (user->pids >= KVT_SHARE_OF(uid, PIDS) || (users && users->pids >= KVT_SHARE_USERS_PIDS)) {
         __sync_fetch_and_add(&user->refused_entries, 1);
         count(KVT_COUNTER_SHARE_FULL);
         return 0;
@@ -80,7 +104,7 @@ static __always_inline int share_take_key(u32 pid, struct kvt_parties *parties) 
     if (!parties_of(pid, parties))
         return 0;
     struct kvt_share *user = parties->user, *users = parties->users;
-    if (user->totals_keys >= (users ? KVT_SHARE_USER_TOTALS : KVT_SHARE_ROOT_TOTALS) ||
+    if (user->totals_keys >= KVT_SHARE_OF(parties->process->uid, TOTALS) ||
         (users && users->totals_keys >= KVT_SHARE_USERS_TOTALS)) {
         __sync_fetch_and_add(&parties->process->refused_totals, 1);
         __sync_fetch_and_add(&user->refused_totals, 1);
@@ -96,12 +120,12 @@ static __always_inline int share_take_key(u32 pid, struct kvt_parties *parties) 
  * touched once in a batch. A user's figure is what its processes were charged: at most a batch and a half a
  * process above their entries; exact against its share where the share is a multiple of the batch. */
 static __always_inline void charge(struct kvt_share *process, s64 delta) {
-    u32 uid = process->uid, users_key = KVT_UID_USERS;
+    u32 uid = process->uid;
     __sync_fetch_and_add(&process->charged, delta);
     struct kvt_share *user = uid_shares.lookup(&uid);
     if (user)
         __sync_fetch_and_add(&user->ledger_entries, delta);
-    struct kvt_share *users = uid ? uid_shares.lookup(&users_key) : 0;
+    struct kvt_share *users = users_record(uid);
     if (users)
         __sync_fetch_and_add(&users->ledger_entries, delta);
 }
@@ -119,11 +143,11 @@ static __always_inline struct kvt_share *share_take(u32 pid) {
     s64 entries = __sync_fetch_and_add(&process->ledger_entries, 1) + 1;
     if (entries <= process->charged)
         return process;
-    u32 uid = process->uid, users_key = KVT_UID_USERS;
+    u32 uid = process->uid;
     struct kvt_share *user = uid_shares.lookup(&uid);
-    struct kvt_share *users = uid ? uid_shares.lookup(&users_key) : 0;
-    if (!user || (uid && !users) ||
-        user->ledger_entries + KVT_SHARE_BATCH > (uid ? KVT_SHARE_USER_LEDGER : KVT_SHARE_ROOT_LEDGER) ||
+    struct kvt_share *users = users_record(uid);
+    if (!user || (charged_to_users(uid) && !users) ||
+        user->ledger_entries + KVT_SHARE_BATCH > KVT_SHARE_OF(uid, LEDGER) ||
         (users && users->ledger_entries + KVT_SHARE_BATCH > KVT_SHARE_USERS_LEDGER)) {
         __sync_fetch_and_add(&process->ledger_entries, -1);
         __sync_fetch_and_add(&process->refused_entries, 1);
@@ -176,7 +200,7 @@ static __always_inline void shares_release(u32 pid) {
     struct kvt_share *process = pid_shares.lookup(&pid);
     if (!process)
         return;
-    u32 uid = process->uid, users_key = KVT_UID_USERS;
+    u32 uid = process->uid;
     s64 entries = process->charged, keys = process->totals_keys;
     if (pid_shares.delete(&pid) != 0)
         return; /* another CPU released it */
@@ -186,7 +210,7 @@ static __always_inline void shares_release(u32 pid) {
         __sync_fetch_and_add(&user->totals_keys, -keys);
         __sync_fetch_and_add(&user->pids, -1);
     }
-    struct kvt_share *users = uid ? uid_shares.lookup(&users_key) : 0;
+    struct kvt_share *users = users_record(uid);
     if (users) {
         __sync_fetch_and_add(&users->ledger_entries, -entries);
         __sync_fetch_and_add(&users->totals_keys, -keys);

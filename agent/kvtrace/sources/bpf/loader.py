@@ -27,7 +27,7 @@ from kvtrace.model.events import Api
 from kvtrace.sources.bpf import abi, links
 from kvtrace.sources.bpf.btf import VMLINUX_BTF
 from kvtrace.sources.bpf.ring import RingReader
-from kvtrace.sources.bpf.shares import RawShare, share_cflags
+from kvtrace.sources.bpf.shares import UID_USERS, RawShare, share_cflags
 from kvtrace.sources.bpf.symbols import TORCH_PROGRAM, entry_function, return_function
 from kvtrace.sources.bpf.usdt import ArgumentKind, UsdtProbe
 from kvtrace.sources.elf import function_file_offsets
@@ -233,6 +233,7 @@ class BpfProbes:
                  "last thread" if settings.exit_group_dead else
                  "main thread (this kernel's tracepoint has no group_dead)")
         self.compile_seconds = time.monotonic() - started
+        self._make_share_records()
         self.set_block_rate(settings.block_events_per_second)
         return_freed_heap()
         # Attachments are per library, named by the caller's key (the agent's: the file's device and
@@ -696,6 +697,13 @@ class BpfProbes:
                     continue
             taken.append((abi.RawTotalsKey.from_buffer_copy(key), value))
         return taken
+
+    def _make_share_records(self) -> None:
+        """Root's and every user's records in uid_shares, made before any probe runs: however many users' records
+        fill the table (they are never freed), neither is refused (shares.h user_record)."""
+        table = self._bpf[b"uid_shares"]
+        for uid in (0, UID_USERS):
+            table[ctypes.c_uint32(uid)] = RawShare(uid=uid)
 
     def give_shares(self, entries: Mapping[int, int]) -> None:
         """Gives back to each pid's share the ledger entries the agent deleted of it (shares.h kvt_share_return,
