@@ -51,8 +51,9 @@ static __always_inline struct kvt_share *user_record(u32 *uid) {
 }
 
 /* The records of process `pid` (the caller's), made at its first insert within its user's share of records;
- * 0 when there is none (refused: counted on the user's record where there is one). */
-static __always_inline int parties_of(u32 pid, struct kvt_parties *parties) {
+ * 0 when there is none (refused: counted on the user's record where there is one, as a refused ledger entry in
+ * KVT_COUNTER_SHARE_FULL, or, `for_key`, as a refused totals key: the caller counts KVT_COUNTER_TOTALS_FULL). */
+static __always_inline int parties_of(u32 pid, struct kvt_parties *parties, int for_key) {
     u32 uid;
     struct kvt_share *process = pid_shares.lookup(&pid);
     if (process) {
@@ -66,10 +67,15 @@ static __always_inline int parties_of(u32 pid, struct kvt_parties *parties) {
     struct kvt_share *user = user_record(&uid);
     struct kvt_share *users = users_record(uid);
     if (!user || (charged_to_users(uid) && !users)) {
-        count(KVT_COUNTER_SHARE_FULL);
+        if (!for_key)
+            count(KVT_COUNTER_SHARE_FULL);
         return 0;
     }
     if (user->pids >= KVT_SHARE_OF(uid, PIDS) || (users && users->pids >= KVT_SHARE_USERS_PIDS)) {
+        if (for_key) {
+            __sync_fetch_and_add(&user->refused_totals, 1);
+            return 0;
+        }
         __sync_fetch_and_add(&user->refused_entries, 1);
         count(KVT_COUNTER_SHARE_FULL);
         return 0;
@@ -82,7 +88,8 @@ static __always_inline int parties_of(u32 pid, struct kvt_parties *parties) {
     }
     process = pid_shares.lookup(&pid);
     if (!process) {
-        count(KVT_COUNTER_SHARE_FULL);
+        if (!for_key)
+            count(KVT_COUNTER_SHARE_FULL);
         return 0;
     }
     parties->process = process;
@@ -101,7 +108,7 @@ static __always_inline void parties_add_keys(struct kvt_parties *parties, s64 de
 /* Takes one totals key of the calling process's share: 1, or 0 where its user (or every user together) holds its
  * share of keys already, counted on the process's and user's records. (Keys are made seldom: a few a process.) */
 static __always_inline int share_take_key(u32 pid, struct kvt_parties *parties) {
-    if (!parties_of(pid, parties))
+    if (!parties_of(pid, parties, 1))
         return 0;
     struct kvt_share *user = parties->user, *users = parties->users;
     if (user->totals_keys >= KVT_SHARE_OF(parties->process->uid, TOTALS) ||
@@ -136,7 +143,7 @@ static __always_inline struct kvt_share *share_take(u32 pid) {
     struct kvt_share *process = pid_shares.lookup(&pid);
     if (!process) {
         struct kvt_parties parties;
-        if (!parties_of(pid, &parties))
+        if (!parties_of(pid, &parties, 0))
             return 0;
         process = parties.process;
     }
