@@ -2,7 +2,15 @@
  * process records that count them. A user's processes together hold at most its share (root's is larger: it
  * runs the workloads), every user but root together at most theirs; a party whose share is full is refused
  * (counted on its records: user space names it), never the others. The shares are user space's rule
- * (sources/bpf/shares.py), passed as defines; the records are released at the process's exit, in the probe. */
+ * (sources/bpf/shares.py), passed as defines; the records are released at the process's exit, in the probe.
+ *
+ * Two things a share is not (by design, not by accident):
+ * - exact under concurrency: the check against a share and the charge of a batch are not one atomic step, so CPUs
+ *   that check at the same moment may each charge a batch: a user's figure can pass its share by up to
+ *   (CPUs - 1) x KVT_SHARE_BATCH (share_take);
+ * - in step with the ledger at an exit: a dying process's share is released at sched_process_exit
+ *   (shares_release), before its entries leave the ledger: the agent's scan (kernel_ledger.py collect) deletes
+ *   them within seconds, and meanwhile the ledger holds them uncharged. */
 #ifndef KVT_SHARES_H
 #define KVT_SHARES_H
 
@@ -125,7 +133,7 @@ static __always_inline int share_take_key(u32 pid, struct kvt_parties *parties) 
  * when its entries pass what it was charged, and gives one back when it holds two batches more than its entries,
  * so that an insert or a delete costs one lookup (its process's record) and one add, and its user's record is
  * touched once in a batch. A user's figure is what its processes were charged: at most a batch and a half a
- * process above their entries; exact against its share where the share is a multiple of the batch. */
+ * process above their entries; a share is a whole number of batches (shares.py ledger_share). */
 static __always_inline void charge(struct kvt_share *process, s64 delta) {
     u32 uid = process->uid;
     __sync_fetch_and_add(&process->charged, delta);
@@ -138,7 +146,9 @@ static __always_inline void charge(struct kvt_share *process, s64 delta) {
 }
 
 /* Takes one ledger entry of the calling process's share: its record, or NULL where its user (or every user
- * together) holds its share already (counted on the process's and the user's records). */
+ * together) holds its share already (counted on the process's and the user's records). The check and the charge
+ * below are two steps: CPUs that pass the check at once all charge their batch, so a share can be passed by up to
+ * (CPUs - 1) x KVT_SHARE_BATCH (an atomic compare-and-charge would cost a loop on the user's record). */
 static __always_inline struct kvt_share *share_take(u32 pid) {
     struct kvt_share *process = pid_shares.lookup(&pid);
     if (!process) {
@@ -201,8 +211,9 @@ int kvt_share_return(struct bpf_raw_tracepoint_args *ctx) {
     return 0;
 }
 
-/* At the process's exit: what it held goes back to its user (the entries themselves leave the maps when user
- * space drops them, moments later), and its record goes. */
+/* At the process's exit (sched_process_exit): what it held goes back to its user, and its record goes. The
+ * entries themselves leave the ledger later, when the agent's scan deletes them (kernel_ledger.py collect: within
+ * seconds); until then the ledger holds more than the shares count. */
 static __always_inline void shares_release(u32 pid) {
     struct kvt_share *process = pid_shares.lookup(&pid);
     if (!process)
@@ -236,7 +247,8 @@ static __always_inline s32 bounded_device(s32 device) {
 }
 
 /* A size the probes keep: at most KVT_MAX_OBJECT_BYTES (more counted), so that no sum of the ledger's
- * entries can wrap (user space sets it: the ledger's size times it stays below 2^62). */
+ * entries can wrap (user space sets it: 2^62 / --max-ledger-entries, rounded down to a power of two; 4 TiB only at
+ * the default 1 048 576 entries, 64 GiB at the largest ledger, 2^26 entries). */
 static __always_inline u64 bounded_size(u64 size_bytes) {
     if (size_bytes <= KVT_MAX_OBJECT_BYTES)
         return size_bytes;

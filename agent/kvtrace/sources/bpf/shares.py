@@ -68,7 +68,8 @@ def library_share(max_libraries: int) -> Share:
 
 def max_object_bytes(max_ledger_entries: int) -> int:
     """The largest size a ledger entry keeps: the largest power of two whose product with the ledger's size
-    stays at most 2^62 (1 048 576 entries: 4 TiB, more than any device or host holds in one allocation)."""
+    stays at most 2^62 (4 TiB only at the default 1 048 576 entries: more than any device or host holds in one
+    allocation; 64 GiB at 2^26 entries, the largest ledger, which a real allocation can pass)."""
     return 1 << ((1 << 62) // max(1, max_ledger_entries)).bit_length() - 1
 
 
