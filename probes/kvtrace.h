@@ -108,7 +108,9 @@
 #define KVT_COUNTER_DEVICES_CLAMPED  20 /* device ordinals outside [0, KVT_MAX_DEVICES), kept as unknown */
 #define KVT_COUNTER_STACK_THREAD_LISTS 21 /* thread states looked up in the interpreters' lists (3.15+: no
                                             * pthread key): once per thread, and again when its state changed */
-#define KVT_COUNTER_COUNT            22
+#define KVT_COUNTER_SHARE_UIDS_FULL  22 /* processes of a user with no record of its own (uid_shares full):
+                                         * charged to every user's record, under the users' share (shares.h) */
+#define KVT_COUNTER_COUNT            23
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0

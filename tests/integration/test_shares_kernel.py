@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,15 @@ from kvtrace.cli.doctor import process_findings
 from kvtrace.model.events import Api, Kind, Layer, Memory
 from kvtrace.servers.metrics import KvtraceCollector
 from kvtrace.sources.bpf.loader import ProbeSettings
-from kvtrace.sources.bpf.shares import Share, decode_shares, max_object_bytes
+from kvtrace.sources.bpf.shares import (
+    MAX_SHARED_UIDS,
+    UID_USERS,
+    RawShare,
+    Share,
+    decode_shares,
+    max_object_bytes,
+    share_batch,
+)
 from kvtrace.wire.agent import process_to_proto
 
 ATTACKER_UID = 61_000 + os.getpid() % 1000  # a uid no account and no other test on this host uses
@@ -138,6 +147,61 @@ def test_a_user_filling_the_kernel_ledger_is_refused_alone_and_a_root_workload_i
 
 class _NoAnalysis:
     latest = None
+
+
+def test_a_new_user_with_the_table_of_users_full_is_charged_to_every_users_record_not_refused(tracer, stub_build,
+                                                                                              hog):
+    """uid_shares is never freed: with it full, a new user's processes are charged to every user's record (counted),
+    not refused; root's and that record were made when the probes loaded."""
+    harness = tracer
+    probes = harness.source.probes
+    made = {uid for uid, _ in probes.read_shares(False)}
+    table = probes._bpf[b"uid_shares"]
+    # GIVEN the table full of other users' records
+    for uid in range(100_000, 100_000 + MAX_SHARED_UIDS - len(made)):
+        table[table.Key(uid)] = table.Leaf.from_buffer_copy(RawShare(uid=uid))
+    # WHEN a new user allocates
+    with Workload(as_attacker(hog, "alloc", 2, 0, 9)) as attacker:
+        attacker_pid = attacker.wait_ready()
+        harness.source.follow(attacker_pid)
+        assert harness.pump_until(lambda: _attached(harness, attacker_pid), timeout_seconds=10)
+        attacker.go()
+        attacker.expect_line("done")
+        harness.pump(0.5)
+        counters = harness.source.counters()
+        users = dict(probes.read_shares(False))
+        process = dict(probes.read_shares(True))[attacker_pid]
+        held = list(harness.session.outstanding([attacker_pid]))
+        attacker.finish()
+    # THEN root's and every user's records were there from the load, and its 11 allocations are held, charged there
+    assert {0, UID_USERS} <= made and ATTACKER_UID not in users
+    assert len(held) == 11 and process.ledger_entries == 11 and process.uid == UID_USERS
+    assert users[UID_USERS].ledger_entries == share_batch(LEDGER_ENTRIES) and users[UID_USERS].pids == 1
+    assert counters["share_uids_full"] == 1 and counters["share_full"] == 0
+
+
+def test_entries_the_agent_deletes_of_a_live_process_go_back_to_its_share(tracer, stub_build):
+    """A context destroy's entries (and the blocks of a process lowered to segments) are deleted by the agent, not
+    by a probe: the process's share gets them back at once (shares.h kvt_share_return), or a long-lived root
+    engine would stay charged for entries long gone and at last be refused."""
+    harness = tracer
+    with Workload([stub_build.workload, "hold"]) as workload:
+        pid = workload.wait_ready()
+        harness.source.follow(pid)
+        workload.go()
+        calls = workload.read_calls()
+        assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC)) >= 2 * len(calls), 10)
+        before = dict(harness.source.probes.read_shares(True))[pid]
+        held = before.ledger_entries
+        # WHEN the agent deletes its entries on device 0 itself (what a context destroy does)
+        harness.source.kernel_store.drop(pid, harness.source.clock.wall_ns(time.monotonic_ns()), device=0)
+        after = dict(harness.source.probes.read_shares(True))[pid]
+        left = list(harness.source.probes.iter_ledger_items())
+        workload.finish()
+    # THEN its record holds none of them, and it keeps at most two batches charged above that
+    assert held == 2 * len(calls) and not [key for key, _ in left if key.pid == pid]
+    assert after.ledger_entries == 0 and 0 <= after.charged <= 2 * share_batch(LEDGER_ENTRIES)
+    assert harness.source.probes.shares_not_given_total == 0
 
 
 def test_one_users_library_copies_take_its_share_of_slots_and_root_is_still_traced(tracer, stub_build, hog):

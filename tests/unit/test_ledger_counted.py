@@ -29,6 +29,7 @@ class Kernel:
         self.chunk_reads = 0
         self.totals_reads = 0
         self.key_lookups = 0
+        self.given: dict[int, int] = {}  # pid -> entries the agent deleted and gave back to its share
 
     def _probe_changes(self, pid, device, layer, memory, size, count) -> None:
         total = self.totals_map.setdefault(TotalsKey(pid, device, layer, memory), [0, 0])
@@ -112,6 +113,10 @@ class Kernel:
         taken = {self._key(raw): self.totals_map.pop(self._key(raw)) for raw in raw_keys
                  if self._key(raw) in self.totals_map}
         return self._raw_totals(taken.items())
+
+    def give_shares(self, entries):
+        for pid, count in entries.items():
+            self.given[pid] = self.given.get(pid, 0) + count
 
     def kernel_totals(self) -> dict:
         """The exact totals of what the kernel's ledger holds now (counted objects)."""
@@ -301,6 +306,30 @@ def test_blocks_of_lowered_processes_leave_the_kernel_and_the_totals():
     assert ledger.drop_blocks(frozenset({3})) == {TotalsKey(3, 0, Layer.TORCH, Memory.DEVICE): (5 * 4096, 5)}
     assert ledger.counted_entries({3}) == 1 and ledger.counted_entries({4}) == 1
     assert sorted((e.key.pid, e.key.layer) for e in ledger.entries()) == [(3, Layer.DRIVER), (4, Layer.TORCH)]
+
+
+def test_what_the_agent_deletes_of_a_live_process_goes_back_to_its_share():
+    """Blocks lowered to segments and a context destroy's entries are deleted by the agent, not by a probe: every
+    entry taken goes back to its process's share (shares.h kvt_share_return), or a long-lived process raised and
+    lowered again and again would be charged for entries long gone, and refused. An exit's are not given back: its
+    share was released whole in the exit probe (and the pid may be a new process's by then)."""
+    kernel = Kernel()
+    ledger = counted(kernel)
+    for i in range(5):
+        ledger.apply(kernel.alloc(3, Layer.TORCH, 0x100 + i, 4096, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc))
+    ledger.apply(kernel.alloc(3, Layer.DRIVER, 0x9000, MiB, device=1))
+    ledger.apply(kernel.alloc(3, Layer.RUNTIME, 0xa000, MiB, device=1))
+    ledger.apply(kernel.alloc(4, Layer.TORCH, 0x100, 512, obj=ObjectKind.BLOCK, api=Api.pytorch_malloc))
+    ledger.drop_blocks(frozenset({3, 4}))
+    assert kernel.given == {3: 5, 4: 1}
+    ledger.drop(3, before_wall_ns=10, device=1)
+    assert kernel.given == {3: 7, 4: 1}
+    ledger.drop_blocks(frozenset({3}))  # nothing left to take: nothing given
+    assert kernel.given == {3: 7, 4: 1}
+    ledger.apply(kernel.alloc(5, Layer.DRIVER, 0x9000, MiB))
+    ledger.drop(5, before_wall_ns=10)
+    ledger.collect(1.0)
+    assert kernel.ledger.entries() == [] and 5 not in kernel.given
 
 
 def test_resync_replaces_the_kept_objects_and_leaves_the_kernels_totals():

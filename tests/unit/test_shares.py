@@ -21,6 +21,7 @@ from kvtrace.sources.bpf.shares import (
     RawShare,
     Share,
     ShareWatch,
+    ledger_share,
     max_object_bytes,
     share_batch,
     share_cflags,
@@ -255,9 +256,17 @@ def test_the_share_record_matches_the_header():
 
 
 def test_a_share_is_a_whole_number_of_batches():
-    for entries in (16, 1024, 4096, 1 << 20, 1 << 22):
+    for entries in (16, 1000, 1024, 3000, 4096, 1_000_000, 1 << 20, 1 << 22):
         batch = share_batch(entries)
-        share = Share(entries)
+        share = ledger_share(entries)
         assert batch & (batch - 1) == 0 and batch <= 64
         assert share.user % batch == share.users % batch == share.root % batch == 0
+        assert 0 <= Share(entries).user - share.user < batch and 0 <= Share(entries).root - share.root < batch
+        # what the probes are given (-D flags) is that share
+        flags = share_cflags(entries, 1024)
+        assert f"-DKVT_SHARE_USER_LEDGER={share.user}" in flags and f"-DKVT_SHARE_ROOT_LEDGER={share.root}" in flags
+        assert f"-DKVT_SHARE_USERS_LEDGER={share.users}" in flags and f"-DKVT_SHARE_BATCH={batch}" in flags
     assert share_batch(1 << 20) == 64 and share_batch(16) == 1
+    # --max-ledger-entries 1000000: a quarter is 250 000, not a whole number of 64s
+    assert ledger_share(1_000_000).user == 249_984 and ledger_share(1_000_000).root == 749_952
+    assert ledger_share(1_000_000).users == 499_968

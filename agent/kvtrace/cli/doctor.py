@@ -108,8 +108,8 @@ _AGENT_COUNTERS = {
                    "off until they exit; restart with a larger --max-totals",
     "share_full": "allocations refused because their user held its share of the kernel's ledger: counted, not "
                   "stored; the shares component names the users and processes",
-    "sizes_clamped": "allocation sizes above what any device or host holds, kept as the bound (a process "
-                     "making up sizes?)",
+    "sizes_clamped": "allocation sizes above 2^62 / --max-ledger-entries (4 TiB at the default size), kept as "
+                     "the bound (a process making up sizes, or a ledger so large that real sizes pass it?)",
     "devices_clamped": "device ordinals outside 0-63, kept as unknown (a process making up ordinals?)",
     "stack_walker_missing": "allocations traced without their Python stack: the stack walker program "
                             "was not loaded (the agent log says why); restart the agent",

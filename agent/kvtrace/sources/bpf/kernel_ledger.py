@@ -78,6 +78,8 @@ class KernelMaps(Protocol):
 
     def take_totals(self, keys: Iterable[abi.RawTotalsKey]) -> list[tuple[abi.RawTotalsKey, abi.RawTotalsValue]]: ...
 
+    def give_shares(self, entries: Mapping[int, int]) -> None: ...
+
 
 @dataclass
 class _Gone:
@@ -200,7 +202,7 @@ class KernelLedger(Ledger):
         the pid meanwhile added is counted again (_resolve)."""
         before_ns = self._clock.monotonic_ns(before_wall_ns)
         if device is not None:
-            dropped = delete_entries(self._maps, frozenset((pid,)), before_ns, device)
+            dropped = delete_entries(self._maps, frozenset((pid,)), before_ns, device, give_back=True)
             with self._lock:
                 self._adjust(dropped, -1)
                 # (on the source's thread, not under the Session's lock: a Counter's += is one step; nothing
@@ -291,7 +293,7 @@ class KernelLedger(Ledger):
     def drop_blocks(self, pids: frozenset[int]) -> dict[TotalsKey, tuple[int, int]]:
         """Every PyTorch block of `pids` out of the kernel's ledger and of the totals (processes lowered to depth
         segments: no free of those blocks will come); (bytes, count) of what went, per totals key."""
-        dropped = delete_entries(self._maps, pids, _ALL_TIME_NS, objects=BLOCK_OBJECT_VALUES)
+        dropped = delete_entries(self._maps, pids, _ALL_TIME_NS, objects=BLOCK_OBJECT_VALUES, give_back=True)
         with self._lock:
             self._adjust(dropped, -1)
         return dropped
@@ -470,14 +472,27 @@ def _summed(*totals: Mapping[TotalsKey, tuple[int, int]]) -> dict[TotalsKey, tup
 
 
 def delete_entries(maps: KernelMaps, pids: frozenset[int], before_ns: int, device: int | None = None,
-                   objects: frozenset[int] | None = None) -> dict[TotalsKey, tuple[int, int]]:
+                   objects: frozenset[int] | None = None, give_back: bool = False) -> dict[TotalsKey, tuple[int, int]]:
     """Deletes the kernel ledger's entries of `pids` at most `before_ns` old (kernel clock; on `device`, of
     `objects`, if given), in one pass; returns (bytes, count) per totals key of the counted ones it took. (The
-    probes keep their ledger whether or not the agent reads it from there: an exit's entries go either way.)"""
+    probes keep their ledger whether or not the agent reads it from there: an exit's entries go either way.)
+
+    `give_back`: the processes are alive (a context destroy, blocks lowered to segments), and every entry taken
+    goes back to its process's share of the ledger (shares.h kvt_share_return), as a probe's delete gives it
+    back: else a long-lived process would stay charged for entries long gone, and be refused. (An exit's need
+    not: its share was released whole at its exit.)"""
     doomed = [found for keys, values in maps.iter_ledger_chunks()
               for found in doomed_in_chunk(keys, values, pids, before_ns, device, COUNTED_OBJECT_VALUES,
                                            objects=objects)]
-    deleted = maps.delete_ledger_keys([abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed])
+    raw_keys = [abi.RawLedgerKey.from_buffer_copy(raw) for raw, _, _ in doomed]
+    deleted = maps.delete_ledger_keys(raw_keys)
+    if give_back:
+        given: dict[int, int] = {}
+        for raw_key, taken in zip(raw_keys, deleted, strict=True):
+            if taken:  # not taken: a probe freed it meanwhile, and gave it back itself
+                given[raw_key.pid] = given.get(raw_key.pid, 0) + 1
+        if given:
+            maps.give_shares(given)
     sums: dict[TotalsKey, tuple[int, int]] = {}
     for (_, totals, size_bytes), taken in zip(doomed, deleted, strict=True):
         if taken and totals is not None:  # not taken: a probe freed it meanwhile, and took its own out

@@ -19,7 +19,7 @@ import platform
 import re
 import select
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from kvtrace.model.events import Api
 from kvtrace.sources.bpf import abi, links
 from kvtrace.sources.bpf.btf import VMLINUX_BTF
 from kvtrace.sources.bpf.ring import RingReader
-from kvtrace.sources.bpf.shares import RawShare, share_cflags
+from kvtrace.sources.bpf.shares import UID_USERS, RawShare, share_cflags
 from kvtrace.sources.bpf.symbols import TORCH_PROGRAM, entry_function, return_function
 from kvtrace.sources.bpf.usdt import ArgumentKind, UsdtProbe
 from kvtrace.sources.elf import function_file_offsets
@@ -120,6 +120,7 @@ def exit_reports_group_dead(formats: Iterable[Path] = EXIT_TRACEPOINT_FORMATS) -
 
 # The program the allocation probes tail-call for the Python stack walk (probes/pystack.h).
 STACK_WALKER = "walk_stack"
+SHARE_RETURN = "kvt_share_return"  # shares.h: what the agent deleted of a live process, back to its share
 
 # Mean bytes between sampled PyTorch block stacks (BpfProbes.set_block_sample_bytes): a ledger entry
 # keeps it in KiB in 16 bits (struct kvt_ledger_value.sample_kib).
@@ -232,6 +233,7 @@ class BpfProbes:
                  "last thread" if settings.exit_group_dead else
                  "main thread (this kernel's tracepoint has no group_dead)")
         self.compile_seconds = time.monotonic() - started
+        self._make_share_records()
         self.set_block_rate(settings.block_events_per_second)
         return_freed_heap()
         # Attachments are per library, named by the caller's key (the agent's: the file's device and
@@ -241,6 +243,9 @@ class BpfProbes:
         self._attached: dict[Hashable, dict[int, list[str]]] = {}  # key -> pid (-1: all) -> symbols
         self._links: dict[Hashable, list[links.Link]] = {}  # key -> its links (uprobe_multi mode)
         self._programs: dict[str, int] = {}  # function name -> fd, loaded for uprobe_multi links
+        self._share_return_fd: int | None = None  # kvt_share_return, loaded at its first use
+        self._share_return_failed = False
+        self.shares_not_given_total = 0  # entries the agent deleted whose share could not be given back
         self._torch_links: dict[Hashable, dict[int, links.Link]] = {}  # key -> pid (-1: all) -> its PyTorch link
         # key -> (its usable sites, their cookies): usdt_sites entries made once per library and
         # shared by its links (one per pid under -p)
@@ -692,6 +697,32 @@ class BpfProbes:
                     continue
             taken.append((abi.RawTotalsKey.from_buffer_copy(key), value))
         return taken
+
+    def _make_share_records(self) -> None:
+        """Root's and every user's records in uid_shares, made before any probe runs: however many users' records
+        fill the table (they are never freed), neither is refused (shares.h user_record)."""
+        table = self._bpf[b"uid_shares"]
+        for uid in (0, UID_USERS):
+            table[ctypes.c_uint32(uid)] = RawShare(uid=uid)
+
+    def give_shares(self, entries: Mapping[int, int]) -> None:
+        """Gives back to each pid's share the ledger entries the agent deleted of it (shares.h kvt_share_return,
+        run once a pid): a live process's, whose deletes no probe saw. Where the kernel refuses the program, the
+        process stays charged for them until it exits (logged once)."""
+        from bcc import BPF
+
+        try:
+            if self._share_return_fd is None:
+                self._share_return_fd = self._bpf.load_func(SHARE_RETURN.encode(), BPF.RAW_TRACEPOINT).fd
+            for pid, count in entries.items():
+                if count > 0:
+                    links.run_raw_tracepoint(self._share_return_fd, pid, count)
+        except Exception as error:  # bcc's plain Exception, or OSError from bpf(2)
+            self.shares_not_given_total += sum(entries.values())
+            if not self._share_return_failed:
+                self._share_return_failed = True
+                log.warning("ledger entries the agent deleted stay charged to their process's share until it "
+                            "exits: %s did not run (%s)", SHARE_RETURN, error)
 
     def read_shares(self, by_pid: bool) -> list[tuple[int, RawShare]]:
         """What each process (`by_pid`: pid_shares) or user (uid_shares) holds of the maps and was refused."""

@@ -36,21 +36,26 @@ NAMED_PARTIES = 5  # refused parties named in health and labelled on /metrics; t
 
 @dataclass(frozen=True, slots=True)
 class Share:
-    """What one user, root, and every user but root together may hold of a map of `capacity` entries."""
+    """What one user, root, and every user but root together may hold of a map of `capacity` entries, each rounded
+    down to a whole number of `batch`es (what the probes charge at a time: ledger_share)."""
 
     capacity: int
+    batch: int = 1
+
+    def _whole(self, entries: int) -> int:
+        return entries // self.batch * self.batch
 
     @property
     def user(self) -> int:
-        return self.capacity // 4
+        return self._whole(self.capacity // 4)
 
     @property
     def root(self) -> int:
-        return self.capacity * 3 // 4
+        return self._whole(self.capacity * 3 // 4)
 
     @property
     def users(self) -> int:
-        return self.capacity // 2
+        return self._whole(self.capacity // 2)
 
     def of(self, uid: int) -> int:
         return self.root if uid == 0 else self.user
@@ -63,21 +68,28 @@ def library_share(max_libraries: int) -> Share:
 
 def max_object_bytes(max_ledger_entries: int) -> int:
     """The largest size a ledger entry keeps: the largest power of two whose product with the ledger's size
-    stays at most 2^62 (1 048 576 entries: 4 TiB, more than any device or host holds in one allocation)."""
+    stays at most 2^62 (4 TiB only at the default 1 048 576 entries: more than any device or host holds in one
+    allocation; 64 GiB at 2^26 entries, the largest ledger, which a real allocation can pass)."""
     return 1 << ((1 << 62) // max(1, max_ledger_entries)).bit_length() - 1
 
 
 def share_batch(max_ledger_entries: int) -> int:
     """Ledger entries a process is charged to its user at a time (probes/shares.h share_take): 64, or less for a
-    small ledger (a power of two, at most a 64th of it, so that each share is a whole number of batches)."""
+    small ledger (a power of two, at most a 64th of it; ledger_share rounds each share down to whole batches)."""
     return 1 << (min(64, max(1, max_ledger_entries // 64)).bit_length() - 1)
+
+
+def ledger_share(max_ledger_entries: int) -> Share:
+    """The shares of the kernel's ledger: whole numbers of batches (share_take charges a batch at a time and refuses
+    one that would pass the share, so a share of 1000 entries in batches of 64 would hold 960 at most)."""
+    return Share(max_ledger_entries, share_batch(max_ledger_entries))
 
 
 def share_cflags(max_ledger_entries: int, max_totals: int) -> list[str]:
     """The -D flags of probes/settings.h's shares."""
     flags = []
-    for name, capacity in (("LEDGER", max_ledger_entries), ("TOTALS", max_totals), ("PIDS", MAX_SHARED_PIDS)):
-        share = Share(capacity)
+    for name, share in (("LEDGER", ledger_share(max_ledger_entries)), ("TOTALS", Share(max_totals)),
+                        ("PIDS", Share(MAX_SHARED_PIDS))):
         flags += [f"-DKVT_SHARE_USER_{name}={share.user}", f"-DKVT_SHARE_ROOT_{name}={share.root}",
                   f"-DKVT_SHARE_USERS_{name}={share.users}"]
     return flags + [f"-DKVT_SHARE_BATCH={share_batch(max_ledger_entries)}",
@@ -154,7 +166,7 @@ class ShareWatch:
 
     def __init__(self, maps: ShareReader, session: Session, max_ledger_entries: int, max_totals: int) -> None:
         self._maps, self._session = maps, session
-        self._ledger, self._totals = Share(max_ledger_entries), Share(max_totals)
+        self._ledger, self._totals = ledger_share(max_ledger_entries), Share(max_totals)
         self._processes: list[PartyShare] = []
         self._processes_read = -PROCESS_READ_SECONDS
         self._refused_seen = 0

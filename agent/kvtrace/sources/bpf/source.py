@@ -650,7 +650,8 @@ class BpfSource:
             self.kernel_store.drop(pid, before_wall_ns, device)
             return
         probes = self._probes()
-        delete_entries(probes, frozenset((pid,)), self.clock.monotonic_ns(before_wall_ns), device)
+        delete_entries(probes, frozenset((pid,)), self.clock.monotonic_ns(before_wall_ns), device,
+                       give_back=device is not None)  # (a context destroy's process lives on)
         if device is None:  # (a kept ledger, --no-ledger-in-kernel, reads the whole ledger at each exit still)
             probes.take_totals([key for key, _ in probes.read_totals() if key.pid == pid])
 
