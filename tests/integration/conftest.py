@@ -32,6 +32,12 @@ def trace(session_tracer):
 
 
 @pytest.fixture
+def bpf_here():
+    """For the tests that run an agent process of their own: BPF and bcc here, or skipped with the reason."""
+    require_tracing_here()
+
+
+@pytest.fixture
 def bpf_here_unshared():
     """For the few tests that need a tracer of their own (other map sizes)."""
     require_tracing_here()

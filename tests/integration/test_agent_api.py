@@ -27,13 +27,6 @@ def agent_socket(tmp_path, bpf_here):
     return tmp_path / "kvtrace.sock"
 
 
-@pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
-
-
 def wait_for_subscribers(socket, count, timeout_seconds=20):
     deadline = time.monotonic() + timeout_seconds
     with AgentClient.for_socket(socket) as client:

@@ -10,8 +10,6 @@ import re
 import subprocess
 import urllib.request
 
-import pytest
-
 from agent_process import KVTRACE, AgentProcess, kvtrace
 from cuda_stubs import Workload
 from kvtrace.model.processes import TITLE_MAX_CHARS
@@ -20,13 +18,6 @@ from kvtrace.model.processes import TITLE_MAX_CHARS
 # a clear-screen, a bell, a newline that would forge a line, and 100 000 more characters.
 HOSTILE_TITLE = "\udcff\udcfeevil\x1b]0;pwned\x07\x1b[2J\x1b[H\nFAKE LINE " + "A" * 100_000
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-@pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
 
 
 def _human_output_is_safe(text: str) -> None:

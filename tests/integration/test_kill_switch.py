@@ -12,19 +12,11 @@ import subprocess
 import time
 import urllib.request
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_process import KVTRACE, AgentProcess, kvtrace
 from cuda_stubs import Workload
 from kvtrace.client import AgentClient
-
-
-@pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
 
 
 def _bpf_component(socket):

@@ -14,8 +14,6 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 from agent_process import AgentProcess, kvtrace
 
 MiB = 1 << 20
@@ -51,13 +49,6 @@ TARGET = textwrap.dedent("""
     print("done", flush=True)
     sys.stdin.readline()
 """).format(leaks=LEAKS)
-
-
-@pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
 
 
 def test_leaks_names_the_leaking_function(tmp_path, bpf_here, stub_build):

@@ -82,13 +82,6 @@ TARGET = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
-
-
 def python_workload(directory: Path, libcudart: Path) -> Workload:
     script = directory / "workload.py"
     script.write_text(TARGET)

@@ -9,8 +9,6 @@ process, traces exactly the 10, holds no entry of its own, and every report read
 import json
 import time
 
-import pytest
-
 from agent_process import AgentProcess, kvtrace
 from cuda_stubs import Workload
 from kvtrace.client import AgentClient
@@ -19,13 +17,6 @@ from kvtrace.model.events import Layer
 MiB = 1 << 20
 FOLLOWED = 10
 HELD_PER_PROCESS = 13  # the `hold` workload's cudaMalloc calls, 1 MiB each (tests/integration/stubs)
-
-
-@pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
 
 
 def test_many_followed_processes_share_probes_and_the_kernel_keeps_the_ledger(tmp_path, stub_build, bpf_here):

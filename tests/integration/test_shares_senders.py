@@ -113,13 +113,6 @@ ATTACKER = textwrap.dedent("""
 
 
 @pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
-
-
-@pytest.fixture
 def reachable():
     """A directory every user may walk to: the sockets' own modes decide who connects."""
     directory = Path(tempfile.mkdtemp(prefix="kvq", dir="/tmp"))

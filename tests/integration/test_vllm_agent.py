@@ -109,13 +109,6 @@ def vllm_metrics_server():
     server.server_close()
 
 
-@pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
-
-
 def _metrics(text: str) -> dict[tuple[str, frozenset], float]:
     """(sample name, its labels) -> value, for every sample of the exposition."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -24,13 +24,6 @@ NOBODY = 65534  # kvtrace(..., user=NOBODY) runs with uid and gid 65534 and no o
 
 
 @pytest.fixture
-def bpf_here():
-    from harness import require_tracing_here
-
-    require_tracing_here()
-
-
-@pytest.fixture
 def reachable_socket():
     """A socket path every user may walk to: the sockets' own modes must decide."""
     directory = Path(tempfile.mkdtemp(prefix="kvt", dir="/tmp"))
