@@ -60,15 +60,17 @@ proto-release: $(BUF)
 run: setup
 	$(KVTRACE) agent $(ARGS)
 
-# KVTRACE_REQUIRE_PYTHONS=1: a stack test whose interpreter `make pythons` should have built fails, not skips.
+# A stack test whose interpreter `make pythons` should have built fails, not skips (tests/interpreters.py).
+test test-unit test-integration: export KVTRACE_REQUIRE_PYTHONS = 1
+
 test: setup promtool speedscope pythons
-	KVTRACE_REQUIRE_PYTHONS=1 $(PYTHON) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
 test-unit: setup promtool speedscope pythons
-	KVTRACE_REQUIRE_PYTHONS=1 $(PYTHON) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-integration: setup pythons
-	KVTRACE_REQUIRE_PYTHONS=1 $(PYTHON) -m pytest tests/integration $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests/integration $(PYTEST_ARGS)
 
 # CPython 3.14 and 3.15 (each also free-threaded) for the stack tests, built once from Debian's source
 # packages where missing (tests/pythons/build.sh; two to six minutes each on two cores). Not for `make run`.

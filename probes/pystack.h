@@ -142,8 +142,8 @@ static __always_inline u64 py_threads_made(struct kvt_py_target *target) {
 }
 
 /* 3.15+: the calling thread's state, looked up in the interpreters' lists (the newest few interpreters, the
- * newest KVT_MAX_PY_THREADS threads of each: a thread beyond those gets no stack, `no_thread_state`), and kept for the thread (the walk checks it
- * still holds each time, thread_state_holds). A thread that has a state in several interpreters (it ran
+ * newest KVT_MAX_PY_THREADS threads of each: a thread beyond those gets no stack, `no_thread_state`), and
+ * kept for the thread (the walk checks it still holds each time, thread_state_holds). A thread that has a state in several interpreters (it ran
  * code in a subinterpreter) gets the oldest interpreter's, the main one's, as the GIL state API's pthread
  * key gives up to 3.14. */
 static __always_inline u64 find_thread_state(struct kvt_py_target *target, u64 fsbase, u64 pid_tgid) {
