@@ -32,13 +32,16 @@ the agent following the engine's processes (the driver and its EngineCore). Need
 Run: bash tests/gpu/run.sh depth-bench [--rounds 5] [--new-tokens 128] [--calls 4] [--settle-seconds 10]
          [--json-out FILE]
      bash tests/gpu/run.sh vllm-depth-bench --workload vllm [--graphs] [--prompts 64] [--new-tokens 128]
-     either with [--roles floor,auto] [--pin-workload 0-7 --pin-agents 8-15]
+     either with [--roles floor,auto] [--pin-workload 0-7 --pin-agents 8-15] [--profile-agents DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,27 +166,76 @@ class VllmEngineLoop:
         self.engine.close()
 
 
+class AgentSeen(NamedTuple):
+    """What one role's agent did around its run: where a role costs more than another that traces the same
+    probes, these say whether the agent itself (its CPU, its decisions, its events) differed."""
+
+    counters: dict[str, int]  # every counter after the run
+    cpu_settle_seconds: float  # the agent's CPU (user + system) while settling, and during the run
+    cpu_run_seconds: float
+    workload_switches: tuple[int, int]  # the workload's voluntary and involuntary context switches in the run
+    depth_lines: list[str]  # the agent's log lines about depths (a raise would show here)
+
+
+def context_switches(pids: list[int]) -> tuple[int, int]:
+    switches = [psutil.Process(pid).num_ctx_switches() for pid in pids]
+    return sum(s.voluntary for s in switches), sum(s.involuntary for s in switches)
+
+
+def start_profiler(pid: int, to: Path) -> subprocess.Popen | None:
+    """py-spy sampling `pid` (without pausing it) into `to` (collapsed stacks) until stop_profiler; None without
+    py-spy (said once)."""
+    spy = shutil.which("py-spy") or next((str(path) for path in Path("/tmp/kvtrace-site/bin").glob("py-spy")), None)
+    if spy is None:
+        progress("--profile-agents: no py-spy here (pip install py-spy, or its wheel in .whl/): not profiled")
+        return None
+    return subprocess.Popen([spy, "record", "--nonblocking", "--format", "raw", "--rate", "50", "-o", str(to),
+                             "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profiler(profiler: subprocess.Popen) -> None:
+    profiler.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+    try:
+        profiler.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        profiler.kill()
+
+
 def one_run(workload, role: str, directory: Path, settle_seconds: float,
-            agent_cpus: set[int] | None = None) -> tuple[Run, dict[str, int]]:
-    """One run under the role's agent, and the agent's counters after it. The run starts
-    `settle_seconds` after the agent said it traces: its start-up (reading libraries, compiling, the first
-    analyses) is not what an agent left running costs."""
+            agent_cpus: set[int] | None = None, profile_to: Path | None = None) -> tuple[Run, AgentSeen]:
+    """One run under the role's agent, and what the agent did. The run starts `settle_seconds` after the
+    agent said it traces: its start-up (reading libraries, compiling, the first analyses) is not what an
+    agent left running costs."""
     pids = [arg for pid in workload.pids() for arg in ("-p", str(pid))]
     agent = AgentProcess(directory / f"{role}.sock", *pids, "--no-nvml", *getattr(workload, "agent_args", tuple)(),
                          *AGENT_FLAGS[role])
     if agent_cpus:
         set_masks([agent.process.pid], agent_cpus)
+    agent_process = psutil.Process(agent.process.pid)
     try:
+        started = sum(agent_process.cpu_times()[:2])
         time.sleep(settle_seconds)
         if role in RECORDER_MODES:
             workload.record_history(RECORDER_MODES[role])
-        run = workload.run()
+        settled = sum(agent_process.cpu_times()[:2])
+        switches_before = context_switches(workload.pids())
+        profiler = start_profiler(agent.process.pid, profile_to) if profile_to else None
+        try:
+            run = workload.run()
+        finally:
+            if profiler is not None:
+                stop_profiler(profiler)
+        ran = sum(agent_process.cpu_times()[:2])
+        switches_after = context_switches(workload.pids())
         counters = agent.counters()
     finally:
         if role in RECORDER_MODES:
             workload.record_history(None)
         agent.stop()
-    return run, counters
+    depth_lines = [line[-300:] for line in agent.stderr_text().splitlines() if "depth" in line][:20]
+    return run, AgentSeen(counters, settled - started, ran - settled,
+                          (switches_after[0] - switches_before[0], switches_after[1] - switches_before[1]),
+                          depth_lines)
 
 
 def main() -> int:
@@ -204,7 +256,11 @@ def main() -> int:
                         help="taskset-style list: each agent's threads on these CPUs (away from the workload's)")
     parser.add_argument("--settle-seconds", type=float, default=5.0,
                         help="wait this long after each agent started before the run (its start-up apart)")
+    parser.add_argument("--profile-agents", type=Path, metavar="DIR",
+                        help="py-spy each agent during its run (not paused: --nonblocking), collapsed stacks in DIR")
     args = parser.parse_args()
+    if args.profile_agents:
+        args.profile_agents.mkdir(parents=True, exist_ok=True)
     roles = (TorchLoop if args.workload == "torch" else VllmEngineLoop).roles
     if args.roles:
         unknown = set(args.roles) - set(roles)
@@ -223,14 +279,19 @@ def main() -> int:
         cpu_per_token: dict[str, list[float]] = {role: [] for role in roles}  # µs of the workload's CPU a token
         system_per_token: dict[str, list[float]] = {role: [] for role in roles}  # of which in the kernel
         counters: dict[str, list[dict[str, int]]] = {role: [] for role in roles}
+        agents: dict[str, list[dict]] = {role: [] for role in roles}  # what each run's agent did (AgentSeen)
         try:
             for round_index in range(args.rounds):
                 for role in rotated(roles, round_index):
-                    run, seen = one_run(workload, role, Path(directory), args.settle_seconds, args.pin_agents)
+                    profile_to = (args.profile_agents / f"{role}-{round_index + 1}.txt" if args.profile_agents
+                                  else None)
+                    run, seen = one_run(workload, role, Path(directory), args.settle_seconds, args.pin_agents,
+                                        profile_to)
                     tokens_per_second[role].append(run.tokens_per_second)
                     cpu_per_token[role].append(run.cpu_us_per_token)
                     system_per_token[role].append(run.system_us_per_token)
-                    counters[role].append({name: seen.get(name, 0) for name in BLOCK_COUNTERS})
+                    counters[role].append({name: seen.counters.get(name, 0) for name in BLOCK_COUNTERS})
+                    agents[role].append(seen._asdict())
                 progress(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
                     f"{role} {values[-1]:.0f}" for role, values in tokens_per_second.items()) + " tokens/s")
         finally:
@@ -239,6 +300,7 @@ def main() -> int:
     results["cpu_us_per_token"] = cpu_per_token
     results["system_us_per_token"] = system_per_token
     results["counters"] = counters
+    results["agents"] = agents
     report(results)
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1))
@@ -270,6 +332,32 @@ def report(results: dict) -> None:
         rounds = " ".join(f"{value * 100:+.1f}" for value in cost[role])
         last = ", ".join(f"{k} {v}" for k, v in results["counters"][role][-1].items() if v)
         print(f"   {role:<8} {median(tps[role]):>9.0f} {measured * 100:>7.2f}%  [{rounds}] {last}{verdict}")
+    # What each role's agent did: its CPU while settling and during the run, the workload's context switches in the
+    # run (involuntary ones: preempted), and any depth it logged. Two roles that trace the same probes should match.
+    agents = results.get("agents") or {}
+    if agents:
+        print("   agents (medians of rounds): CPU s settling / in the run, workload switches voluntary / involuntary, "
+              "depth lines (all runs)")
+        for role in roles:
+            seen = agents.get(role) or []
+            if not seen:
+                continue
+            lines = sorted({line for one in seen for line in one["depth_lines"]})
+            print(f"   {role:<8} {median([one['cpu_settle_seconds'] for one in seen]):>6.2f} / "
+                  f"{median([one['cpu_run_seconds'] for one in seen]):>6.2f} s  "
+                  f"{median([one['workload_switches'][0] for one in seen]):>8.0f} / "
+                  f"{median([one['workload_switches'][1] for one in seen]):>6.0f}  "
+                  f"{len(lines)} depth lines{': ' + lines[0] if lines else ''}")
+        # Counters where a role's last run differs from the floor's (or the control's) by more than a tenth.
+        base = "floor" if agents.get("floor") else "control"
+        for role in roles:
+            if role == base or not agents.get(role) or not agents.get(base):
+                continue
+            mine, theirs = agents[role][-1]["counters"], agents[base][-1]["counters"]
+            differ = [f"{name} {theirs.get(name, 0)}->{value}" for name, value in sorted(mine.items())
+                      if abs(value - theirs.get(name, 0)) > max(100, 0.1 * abs(theirs.get(name, 0)))]
+            if differ:
+                print(f"   {role} vs {base}, counters of the last run: {', '.join(differ[:12])}")
     # The same runs by the workload's own CPU a token: a uprobe's trap and its BPF program are the kernel's time on
     # the workload's behalf (system), which wall-clock noise (idle states, scheduling) moves less than tokens/s.
     for name, key in (("CPU a token", "cpu_us_per_token"), ("of it in the kernel", "system_us_per_token")):
