@@ -232,7 +232,7 @@ def one_run(workload, role: str, directory: Path, settle_seconds: float,
         if role in RECORDER_MODES:
             workload.record_history(None)
         agent.stop()
-    depth_lines = [line[-300:] for line in agent.stderr_text().splitlines() if "depth" in line][:20]
+    depth_lines = [line[-300:] for line in agent.stderr_text().splitlines() if ": depth " in line][:20]
     return run, AgentSeen(counters, settled - started, ran - settled,
                           (switches_after[0] - switches_before[0], switches_after[1] - switches_before[1]),
                           depth_lines)

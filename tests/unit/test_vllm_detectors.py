@@ -270,6 +270,47 @@ def test_healthy_ratio_and_too_few_allocations_are_silent():
     assert engine.frees_per_allocation_1m == 0.0 and findings == []
 
 
+def test_a_burst_of_requests_not_yet_finished_is_no_low_ratio():
+    """1 032 blocks allocated in 3 s by requests still running, none freed yet: what a healthy engine's burst
+    looks like to an agent that started beside it (on the H100 this raised a healthy engine, §K)."""
+    host = Host({100: process(100, "VLLM::EngineCore")})
+    for second in range(5):
+        held = min(second, 3) * 344
+        running = tuple(KvRequest(f"r{index}", RequestState.RUNNING, held // 4) for index in range(4))
+        host.view.schedulers[100] = report(100, second, free=4000 - held, total=4000, running=4,
+                                           allocated=held, freed=0, requests=running)
+        engine, findings = host.engine()
+    assert engine.frees_per_allocation_1m == 0.0  # the gauge: the raw ratio
+    assert FindingKind.LOW_FREE_RATIO not in kinds(findings)
+
+
+def test_finished_requests_keeping_their_blocks_are_a_low_ratio():
+    """The same allocations, but the requests finished and kept them: owed frees that never came."""
+    host = Host({100: process(100, "VLLM::EngineCore")})
+    for second in range(5):
+        held = min(second, 3) * 344
+        done = tuple(KvRequest(f"r{index}", RequestState.FINISHED, held // 4, 1.0) for index in range(4))
+        host.view.schedulers[100] = report(100, second, free=4000 - held, total=4000, running=0,
+                                           allocated=held, freed=0, requests=done)
+        engine, findings = host.engine()
+    (finding,) = [finding for finding in findings if finding.kind is FindingKind.LOW_FREE_RATIO]
+    assert finding.value == 0.0 and "0 KV block frees for 1032 allocations over the last minute (" in finding.message
+
+
+def test_a_burst_over_a_leak_still_owes_the_leaks_frees():
+    """Running requests hold 600 new blocks, and 400 more were allocated whose requests finished without freeing
+    them: 400 frees owed, 100 came."""
+    host = Host({100: process(100, "VLLM::EngineCore")})
+    host.view.schedulers[100] = report(100, 0, free=4000, total=4000)
+    host.engine()
+    running = (KvRequest("live", RequestState.RUNNING, 600), KvRequest("kept", RequestState.FINISHED, 300, 9.0))
+    host.view.schedulers[100] = report(100, 10, free=4000 - 900, total=4000, running=1, allocated=1000, freed=100,
+                                       requests=running)
+    _, findings = host.engine()
+    (finding,) = [finding for finding in findings if finding.kind is FindingKind.LOW_FREE_RATIO]
+    assert finding.value == 0.25 and "600 more held by running requests" in finding.message
+
+
 # ---- growth with no request ----
 
 

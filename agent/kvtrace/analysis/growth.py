@@ -72,8 +72,8 @@ class Growth:
 
 
 class WindowIncrease:
-    """How much monotonic counters rose over the last `window_seconds`: the newest sample minus the
-    newest one at least a window older (or the oldest there is, with less history)."""
+    """How much values (monotonic counters, or levels) rose over the last `window_seconds`: the newest sample
+    minus the newest one at least a window older (or the oldest there is, with less history)."""
 
     def __init__(self, window_seconds: float = SHORT_WINDOW_SECONDS) -> None:
         self.window_ns = int(window_seconds * NS_PER_SECOND)

@@ -22,7 +22,11 @@ The detectors (defaults are the issue's seeds; each finding says the figures and
   pool counts cached-but-unreferenced blocks as free (block_pool.py `free_blocks` puts them back in the
   free queue; `get_usage` is 1 - free / (num_gpu_blocks - 1)), so an idle engine's usage is exactly 0.
 - FREE_BLOCKS_FALLING: free blocks at idle moments against the first idle report (healthy: equal).
-- LOW_FREE_RATIO: block frees per allocation over the last minute (healthy ~0.95, leak < 0.7).
+- LOW_FREE_RATIO: block frees per allocation over the last minute (healthy ~0.95, leak < 0.7), the
+  allocations of the blocks that requests still running hold netted out: a burst of requests is all
+  allocations for the seconds before its first request finishes, and says nothing of a leak (it raised a
+  healthy engine's depth on the H100, bench/RESULTS.md §K). Blocks in use are the pool's (total - free);
+  of those, the ones finished requests hold are the leak's, the rest the live requests'.
 - IDLE_GROWTH: the engine's traced bytes growing while no request runs, outside the cold start (model
   load, profiling, KV cache and graph capture all grow memory with no request).
 - SLEEP_RESIDUE: the bytes still held while asleep, by role and by CuMemAllocator tag; a finding when
@@ -87,7 +91,9 @@ class _EngineState:
     scheduler_timestamp_ns: int = 0  # the last SchedulerReport taken into the rates
     allocated: SlidingFit = field(default_factory=lambda: SlidingFit(SHORT_WINDOW_SECONDS))
     freed: SlidingFit = field(default_factory=lambda: SlidingFit(SHORT_WINDOW_SECONDS))
-    counts: WindowIncrease = field(default_factory=WindowIncrease)  # (allocated, freed) over 1 min
+    # (allocated, freed, live requests' blocks) over 1 min: the counters' increases, and how many more blocks the
+    # live requests hold than a minute ago
+    counts: WindowIncrease = field(default_factory=WindowIncrease)
     last_counters: tuple[int, int] = (0, 0)
     stuck_since_ns: int | None = None
     idle_free_start: int | None = None  # free blocks at the first idle report
@@ -218,18 +224,22 @@ class VllmAnalysis:
                 findings.append(self._held_finding(pid, scheduler, held))
             if scheduler.running == 0 and scheduler.waiting == 0:
                 self._idle_free_blocks(state, scheduler)
-        allocations, frees = state.counts.increase() if state.scheduler_timestamp_ns else (0, 0)
+        allocations, frees, live_gained = state.counts.increase() if state.scheduler_timestamp_ns else (0, 0, 0)
         frees_per_allocation = frees / allocations if allocations else None
-        if frees_per_allocation is not None and allocations >= options.low_free_ratio_min_allocations \
-                and frees_per_allocation < options.low_free_ratio:
+        # The frees owed: allocations less what the live requests hold more than a minute ago.
+        owed = allocations - max(live_gained, 0)
+        owed_ratio = frees / owed if owed > 0 else None
+        if owed_ratio is not None and owed >= options.low_free_ratio_min_allocations \
+                and owed_ratio < options.low_free_ratio:
             if state.low_ratio_since_ns is None:
                 state.low_ratio_since_ns = now_wall_ns
+            live = f", {live_gained} more held by running requests" if live_gained > 0 else ""
             findings.append(VllmFinding(
                 FindingKind.LOW_FREE_RATIO, pid,
-                f"{frees} KV block frees for {allocations} allocations over the last minute "
-                f"({frees_per_allocation:.2f} per allocation, below {options.low_free_ratio:g}; healthy ~0.95): "
+                f"{frees} KV block frees for {allocations} allocations over the last minute{live} "
+                f"({owed_ratio:.2f} per allocation owed a free, below {options.low_free_ratio:g}; healthy ~0.95): "
                 f"requests keep their blocks; see `kvtrace vllm --pid {pid}` for the holders",
-                frees_per_allocation, options.low_free_ratio, state.low_ratio_since_ns))
+                owed_ratio, options.low_free_ratio, state.low_ratio_since_ns))
         else:
             state.low_ratio_since_ns = None
         if state.free_blocks_ratio is not None and state.free_blocks_ratio < options.free_blocks_falling_ratio:
@@ -348,7 +358,11 @@ class VllmAnalysis:
         state.last_counters = counters
         state.allocated.add(report.timestamp_ns, counters[0])
         state.freed.add(report.timestamp_ns, counters[1])
-        state.counts.add(report.timestamp_ns, counters)
+        # Blocks the live (unfinished) requests hold: in use in the pool, less those of finished requests (listed
+        # first in `requests`, so all of them are there unless they alone fill the report).
+        in_use = max(report.blocks_total - report.blocks_free, 0)
+        finished = sum(request.blocks for request in report.requests if request.state.done)
+        state.counts.add(report.timestamp_ns, (*counters, max(in_use - finished, 0)))
 
     @staticmethod
     def _idle_free_blocks(state: _EngineState, report: SchedulerReport) -> None:
