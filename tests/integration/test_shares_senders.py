@@ -7,7 +7,8 @@ request holding 6 blocks for 100 s),
 WHEN nobody's 300 processes send reports as fast as they may and one more of nobody's (no CUDA, no GPU memory)
 claims 1 TiB of KV tensors and the same aborted request,
 THEN the engine keeps its layout (128 MiB) and its finding; the impostor is no engine, raises no finding, and
-is named (untrusted) by doctor; nobody's refusals are counted in /metrics and named by doctor.
+is named (untrusted) by doctor and by `kvtrace vllm` with why; nobody's refusals are counted in /metrics and
+named by doctor.
 
 GIVEN the agent with nobody in its group, WHEN nobody opens 64 idle event streams on the group socket,
 THEN root's `tail` on the admin socket gets its events at once, nobody keeps at most its share of connections
@@ -167,6 +168,9 @@ def test_a_flood_and_an_impostor_on_the_plugin_socket_leave_the_engine_its_layou
         assert (found["engine_pid"], found["kv_tensor_bytes"], found["plugin"]) == (engine.pid, 128 * MiB, True)
         assert [(finding["kind"], finding["engine_pid"]) for finding in report["findings"]] == [
             ("blocks_held_after_finish", engine.pid)]
+        # `kvtrace vllm` (root: the admin socket) names the impostor apart, with why
+        [untrusted] = [sender for sender in report["untrusted_senders"] if sender["pid"] == impostor]
+        assert untrusted["reason"].startswith("it holds no traced GPU memory"), untrusted
         assert counters["share_refused/vllm_senders/nobody"] > 0
         assert 'kvtrace_share_refused_total{resource="vllm_senders",user="nobody"}' in metrics
         assert not [line for line in sample(metrics, "kvtrace_vllm_finding{") if f'pid="{impostor}"' in line]

@@ -318,3 +318,31 @@ def test_nvmls_list_of_gpu_processes_ties_an_engine_with_tracing_off():
     assert [sender.pid for sender in analysis.untrusted] == [100]
     engines, _ = analysis.update(view, {}, {}, {}, (T0 + 1) * NS, NS, gpu_pids={100})
     assert [(engine.engine_pid, engine.plugin) for engine in engines] == [(100, True)] and analysis.untrusted == ()
+
+
+def test_kvtrace_vllm_lists_untrusted_senders_with_why_and_the_group_socket_does_not():
+    """GetVllmEngines carries the untrusted senders (by pid, filtered like engines); `kvtrace vllm` prints them
+    apart from the engines, each with its reason and claims; the redacted view drops them."""
+    from kvtrace.cli.vllm import format_untrusted
+    from kvtrace.model.findings import AnalysisSnapshot
+    from kvtrace.model.vllm import UntrustedSender
+    from kvtrace.servers.api.redaction import redact_vllm_engines
+    from kvtrace.wire import untrusted_sender_from_proto, vllm_engines_to_json_dict, vllm_engines_to_proto
+
+    senders = (UntrustedSender(888, "", "it holds no traced GPU memory and kvtrace does not know its title"),
+               UntrustedSender(777, "VLLM::EngineCore", "it holds no traced GPU memory", 1 << 40, True))
+    snapshot = AnalysisSnapshot(timestamp_ns=T0 * NS, vllm_untrusted=senders)
+    response = vllm_engines_to_proto(snapshot)
+    assert [untrusted_sender_from_proto(sender) for sender in response.untrusted_senders] == [senders[1], senders[0]]
+    assert [sender.pid for sender in vllm_engines_to_proto(snapshot, frozenset({888})).untrusted_senders] == [888]
+    assert [sender.pid for sender in vllm_engines_to_proto(snapshot, frozenset({5})).untrusted_senders] == []
+    assert vllm_engines_to_json_dict(response)["untrusted_senders"][0] == {
+        "pid": 777, "title": "VLLM::EngineCore", "reason": "it holds no traced GPU memory",
+        "kv_tensor_bytes": 1 << 40, "scheduler": True}
+    assert format_untrusted([untrusted_sender_from_proto(sender) for sender in response.untrusted_senders]) == (
+        "not tied to vLLM, their plugin reports kept apart (no engine, no finding): 2\n"
+        "  pid 777 (untrusted) VLLM::EngineCore: it holds no traced GPU memory; claims 1.0 TiB of KV tensors, "
+        "sends scheduler reports\n"
+        "  pid 888 (untrusted): it holds no traced GPU memory and kvtrace does not know its title")
+    assert format_untrusted([]) == ""
+    assert list(redact_vllm_engines(response).untrusted_senders) == []

@@ -14,9 +14,15 @@ from kvtrace.config import add_socket_flag
 from kvtrace.errors import ExitCode
 from kvtrace.human import human_bytes, human_duration, printable, signed_bytes
 from kvtrace.model.depth import ProcessDepth
-from kvtrace.model.vllm import KvRequest, VllmEngine, VllmFinding
+from kvtrace.model.vllm import KvRequest, UntrustedSender, VllmEngine, VllmFinding
 from kvtrace.sources.vllm.protocol import ENABLE_ENV
-from kvtrace.wire import depths_by_pid, vllm_engine_from_proto, vllm_engines_to_json_dict, vllm_finding_from_proto
+from kvtrace.wire import (
+    depths_by_pid,
+    untrusted_sender_from_proto,
+    vllm_engine_from_proto,
+    vllm_engines_to_json_dict,
+    vllm_finding_from_proto,
+)
 
 EPILOG = f"""examples:
   kvtrace vllm                          # every vLLM engine on the host
@@ -162,6 +168,20 @@ def format_engines(engines: list[VllmEngine], findings: list[VllmFinding],
     return "\n\n".join(sections)
 
 
+def format_untrusted(senders: list[UntrustedSender]) -> str:
+    """The processes whose plugin reports are kept apart, one line each, with why (issue 31: anyone on the host can
+    send reports; only a process kvtrace ties to vLLM makes an engine or a finding)."""
+    if not senders:
+        return ""
+    lines = [f"not tied to vLLM, their plugin reports kept apart (no engine, no finding): {len(senders)}"]
+    for sender in senders:
+        claims = [f"claims {human_bytes(sender.kv_tensor_bytes)} of KV tensors"] if sender.kv_tensor_bytes else []
+        claims += ["sends scheduler reports"] if sender.scheduler else []
+        lines.append(f"  pid {sender.pid} {printable(sender.label)}: {printable(sender.reason)}"
+                     + (f"; {', '.join(claims)}" if claims else ""))
+    return "\n".join(lines)
+
+
 class VllmCommand:
     """Show the vLLM engines on the host, from the running kvtrace agent.
 
@@ -171,7 +191,9 @@ class VllmCommand:
     with the usage beside vLLM's own /metrics figure, requests running and waiting, blocks
     allocated and freed per second, sleep mode, and whether it is still warming up; then what the
     vLLM detectors found, and the requests holding blocks (done ones first). The depth line says how
-    closely each of its processes is traced (`kvtrace ps` explains depths).
+    closely each of its processes is traced (`kvtrace ps` explains depths). Last, the processes that send
+    plugin reports kvtrace cannot tie to vLLM (no traced GPU memory, no vLLM title or parent): kept apart,
+    never an engine or a finding, each with why.
     """
 
     EPILOG = EPILOG
@@ -197,4 +219,7 @@ class VllmCommand:
                                  [vllm_finding_from_proto(finding) for finding in response.findings],
                                  {engine.engine_pid: depths_by_pid(engine.depths) for engine in response.engines}),
                   file=sys.stdout)
+        untrusted = format_untrusted([untrusted_sender_from_proto(sender) for sender in response.untrusted_senders])
+        if untrusted:
+            print(f"\n{untrusted}", file=sys.stdout)
         return ExitCode.OK

@@ -248,4 +248,7 @@ def vllm_engines_to_json_dict(response: service_pb2.GetVllmEnginesResponse) -> d
                      "depths": [depth_message_to_json(depth) for depth in engine.depths]}
                     for engine in response.engines],
         "findings": [vllm_finding_to_json(vllm_finding_from_proto(finding)) for finding in response.findings],
+        "untrusted_senders": [{"pid": sender.pid, "title": sender.title, "reason": sender.reason,
+                               "kv_tensor_bytes": sender.kv_tensor_bytes, "scheduler": sender.scheduler}
+                              for sender in response.untrusted_senders],
     }

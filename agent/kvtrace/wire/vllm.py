@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.findings import AnalysisSnapshot
-from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, VllmEngine, VllmFinding
+from kvtrace.model.vllm import FindingKind, KvRequest, RequestState, Role, UntrustedSender, VllmEngine, VllmFinding
 from kvtrace.wire.common import known_member, optional_field, wire_number
 from kvtrace.wire.depth import depths_to_proto
 
@@ -88,7 +88,19 @@ def vllm_engines_to_proto(snapshot: AnalysisSnapshot | None, pids: frozenset[int
     return service_pb2.GetVllmEnginesResponse(
         timestamp_ns=snapshot.timestamp_ns, engines=[vllm_engine_to_proto(engine, depths) for engine in engines],
         findings=[vllm_finding_to_proto(finding) for finding in snapshot.vllm_findings
-                  if not pids or finding.engine_pid in selected])
+                  if not pids or finding.engine_pid in selected],
+        untrusted_senders=[untrusted_sender_to_proto(sender)
+                           for sender in sorted(snapshot.vllm_untrusted, key=lambda sender: sender.pid)
+                           if not pids or sender.pid in pids])
+
+
+def untrusted_sender_to_proto(sender: UntrustedSender) -> service_pb2.VllmUntrustedSender:
+    return service_pb2.VllmUntrustedSender(pid=sender.pid, title=sender.title, reason=sender.reason,
+                                           kv_tensor_bytes=sender.kv_tensor_bytes, scheduler=sender.scheduler)
+
+
+def untrusted_sender_from_proto(message: service_pb2.VllmUntrustedSender) -> UntrustedSender:
+    return UntrustedSender(message.pid, message.title, message.reason, message.kv_tensor_bytes, message.scheduler)
 
 
 def role_bytes_from_proto(entries: Iterable[service_pb2.RoleBytes]) -> dict[Role, int]:

@@ -141,6 +141,8 @@ def redact_vllm_engines(message: service_pb2.GetVllmEnginesResponse) -> service_
         for request in finding.requests:
             request_ids.add(request.request_id)
             request.request_id = ""
+    # Other users' untrusted senders are not the group's to see (as the vllm_trust component's reason): admin only.
+    del message.untrusted_senders[:]
     request_ids.discard("")
     words = re.compile("|".join(f"(?<![\\w.:-]){re.escape(request_id)}(?![\\w.:-])"
                                 for request_id in sorted(request_ids, key=len, reverse=True))) \

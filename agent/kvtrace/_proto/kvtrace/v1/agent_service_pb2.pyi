@@ -661,16 +661,32 @@ class GetVllmEnginesRequest(_message.Message):
     def __init__(self, pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetVllmEnginesResponse(_message.Message):
-    __slots__ = ("timestamp_ns", "engines", "findings", "view")
+    __slots__ = ("timestamp_ns", "engines", "findings", "view", "untrusted_senders")
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    UNTRUSTED_SENDERS_FIELD_NUMBER: _ClassVar[int]
     timestamp_ns: int
     engines: _containers.RepeatedCompositeFieldContainer[VllmEngine]
     findings: _containers.RepeatedCompositeFieldContainer[VllmFinding]
     view: View
-    def __init__(self, timestamp_ns: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[VllmEngine, _Mapping]]] = ..., findings: _Optional[_Iterable[_Union[VllmFinding, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ...) -> None: ...
+    untrusted_senders: _containers.RepeatedCompositeFieldContainer[VllmUntrustedSender]
+    def __init__(self, timestamp_ns: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[VllmEngine, _Mapping]]] = ..., findings: _Optional[_Iterable[_Union[VllmFinding, _Mapping]]] = ..., view: _Optional[_Union[View, str]] = ..., untrusted_senders: _Optional[_Iterable[_Union[VllmUntrustedSender, _Mapping]]] = ...) -> None: ...
+
+class VllmUntrustedSender(_message.Message):
+    __slots__ = ("pid", "title", "reason", "kv_tensor_bytes", "scheduler")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    title: str
+    reason: str
+    kv_tensor_bytes: int
+    scheduler: bool
+    def __init__(self, pid: _Optional[int] = ..., title: _Optional[str] = ..., reason: _Optional[str] = ..., kv_tensor_bytes: _Optional[int] = ..., scheduler: bool = ...) -> None: ...
 
 class StreamRecordingRequest(_message.Message):
     __slots__ = ("pids", "title_regex")
