@@ -116,6 +116,8 @@ class Analyzer:
         self._untrusted_reason = ""  # the component is reported once a sender is untrusted, and after
         self._roles_again_ns = 0  # monotonic: a second role sample after the vLLM plugin said memory moved
         self._sampling: _SiteSampleJob | None = None  # the site sample running on its thread (tick)
+        self.site_samples_total = 0  # taken from their thread (counters: site_samples, its longest, its entries)
+        self._site_sample_longest_ms = 0
 
     def tick(self) -> None:
         """Called by the agent loop after each poll; analyses once per interval. A site sample runs on a thread
@@ -149,6 +151,11 @@ class Analyzer:
         self._sampling = None
         if job.result is not None:
             self._apply_site_sample(job.result, job.view)
+        self.site_samples_total += 1
+        self._site_sample_longest_ms = max(self._site_sample_longest_ms, job.wall_ns // 1_000_000)
+        self.session.report_counters({
+            "site_samples": self.site_samples_total, "site_sample_longest_ms": self._site_sample_longest_ms,
+            "site_sample_entries": job.result.entries if job.result is not None else 0})
         if self._next_site_sample_ns == 0:
             return  # the vLLM plugin said memory moved while it ran (update): roles again at once
         if self._roles_again_ns > job.view.monotonic_ns:
@@ -378,6 +385,7 @@ class SiteSample:
     survey: SiteSurvey  # sites' bytes and the old allocations by site, not ranked yet
     fragmentation: dict[tuple[int, int], Fragmentation] | None  # (pid, device); None: skipped (too many blocks)
     blocks: int  # live PyTorch blocks, by the view's totals
+    entries: int = 0  # entries the pass went through
 
 
 def sample_sites(view: LedgerView, kv_ranges: dict[int, list[tuple[int, int]]],
@@ -400,7 +408,9 @@ def sample_sites(view: LedgerView, kv_ranges: dict[int, list[tuple[int, int]]],
     roles = RoleTally(stack_of, kv_ranges, memo, keep_runtime=False)
     sites = SiteTally(view.wall_ns, leak_min_age_seconds, with_blocks)
     add_runtime, add_role, add_site = runtime.add, roles.add, sites.add
+    passed = 0
     for entry in entries:
+        passed += 1
         add_runtime(entry)
         add_role(entry)
         add_site(entry)
@@ -410,7 +420,7 @@ def sample_sites(view: LedgerView, kv_ranges: dict[int, list[tuple[int, int]]],
     if nest is not None:
         segments, outside = segments_of(nest, with_blocks)
         fragmented = {(row.pid, row.device): row for row in fragmentation(segments, outside)}
-    return SiteSample(roles.finish(runtime.stack), sites.finish(runtime.find), fragmented, blocks)
+    return SiteSample(roles.finish(runtime.stack), sites.finish(runtime.find), fragmented, blocks, passed)
 
 
 class _SiteSampleJob:
@@ -423,16 +433,18 @@ class _SiteSampleJob:
         self._args = (kv_ranges, stack_of, memo, leak_min_age_seconds)
         self.result: SiteSample | None = None
         self.cpu_ns = 0
+        self.wall_ns = 0
         self.done = threading.Event()
 
     def run(self) -> None:
-        started = time.thread_time_ns()
+        started, started_wall = time.thread_time_ns(), time.monotonic_ns()
         try:
             self.result = sample_sites(self.view, *self._args)
         except Exception:  # the agent goes on; the next sample may succeed
             log.exception("site sample failed")
         finally:
             self.cpu_ns = time.thread_time_ns() - started
+            self.wall_ns = time.monotonic_ns() - started_wall
             self.done.set()
 
 
