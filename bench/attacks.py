@@ -261,6 +261,9 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
             events_lost=after.get("events_lost", 0) - before.get("events_lost", 0),
             share_full=after.get("share_full", 0), ledger_full=after.get("ledger_full", 0),
             totals_full=after.get("totals_full", 0),
+            site_samples=after.get("site_samples", 0) - before.get("site_samples", 0),
+            site_sample_entries=after.get("site_sample_entries", 0),
+            site_sample_longest_ms=after.get("site_sample_longest_ms", 0),
             rss_before_mib=round(rss_before), rss_peak_mib=round(max(rss_peak)),
             load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
     return result

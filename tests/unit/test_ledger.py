@@ -195,3 +195,24 @@ def test_outstanding_fields_are_in_the_order_the_ledger_builds_them():
     assert [field.name for field in dataclasses.fields(Outstanding)] == [
         "key", "size_bytes", "timestamp_ns", "device", "api", "memory", "tid", "caller_address", "mapped_count",
         "released", "handle", "stack_id", "stream", "sample_bytes", "sampled"]
+
+
+def test_an_exit_or_context_destroy_costs_what_its_process_held_not_the_ledger():
+    """Issue 31 (--no-ledger-in-kernel: every entry kept here): one user's 100 000 entries are never gone
+    through when another process exits or destroys a context."""
+
+    class NoScan(dict):
+        def values(self):
+            raise AssertionError("went through the whole ledger")
+
+    ledger = Ledger()
+    for index in range(100_000):
+        malloc(ledger, 0x10_0000 + index, 4096, ts=1, pid=61999)
+    for index in range(3):
+        malloc(ledger, 0x90_0000 + index, 4096, ts=1, pid=7, device=index % 2)
+    ledger._entries = NoScan(ledger._entries)
+    ledger.apply(ev(Kind.CONTEXT_DESTROY, Api.cuCtxDestroy_v2, Layer.DRIVER, ts=30, device=1, pid=7))
+    assert len(ledger.kept([7])) == 2 * 2  # device 0's two cudaMalloc (runtime + driver) stay
+    ledger.apply(ev(Kind.PROCESS_EXIT, Api.process_exit, None, ts=31, obj=None, memory=None, pid=7))
+    assert ledger.kept([7]) == [] and 7 not in ledger.pids()
+    assert len(ledger.kept([61999])) == 200_000 and ledger.implicit_frees_total[7] == 6

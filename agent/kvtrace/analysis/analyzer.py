@@ -8,9 +8,15 @@ reports at any age (`leak_report`).
 
 Per process and GPU it keeps a series of traced physical bytes (driver + VMM layers), one sample a
 tick from the ledger's running totals, and fits growth over 1 and 15 min (growth.py). Allocation
-sites and leak suspects need a pass over every outstanding entry (about 0.3 s per 100 000
-cudaMalloc'd blocks), so they are sampled every `site_sample_seconds`, and only then is the
-ledger's entry list copied (about 10 ms per 100 000 entries, under the lock).
+sites, leak suspects, roles and fragmentation need a pass over every outstanding entry (seconds with a few
+hundred thousand), so they are sampled every `site_sample_seconds` at most, paced to SITE_SAMPLE_MAX_CPU: one
+pass (`sample_sites`) computes all four from the same entries, the runtime allocation above each stackless
+driver one found in a dict of the pass's own entries. In the agent (`tick`) that pass runs on a thread of its
+own (issue 31: one unprivileged user can fill a quarter of the kernel's ledger, and a pass of it in the loop
+stalled the loop for seconds); its result is taken by the first tick after it ends, and only one runs at a
+time. Data flows one way: the loop hands the pass a view of the ledger (taken under the Session's lock, which
+the pass never takes: where the kernel keeps the allocations they are read from it on the way), and the pass
+hands back what it computed.
 
 Site samples also give each traced byte its role (roles.py: KV cache, weights, CUDA graphs, ...),
 and happen at once when the vLLM plugin reports a new KV-cache layout or a sleep/wake. Every tick,
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
@@ -39,14 +46,15 @@ from kvtrace.analysis.growth import (
     free_ratio,
     time_to_oom_seconds,
 )
-from kvtrace.analysis.leaks import SiteKey, find_suspects, rank_suspects, survey_sites
-from kvtrace.analysis.roles import RoleMemo, kv_ranges_of, role_bytes
+from kvtrace.analysis.leaks import RuntimeIndex, SiteKey, SiteSurvey, SiteTally, find_suspects, rank_suspects
+from kvtrace.analysis.roles import RoleMemo, RoleTally, kv_ranges_of
 from kvtrace.analysis.vllm import VllmAnalysis, VllmOptions
 from kvtrace.model.blocks import Fragmentation, fragmentation, segments_of
-from kvtrace.model.events import PHYSICAL_LAYERS, Layer, Memory
+from kvtrace.model.events import PHYSICAL_LAYERS, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport, LeakSuspect, ProcessGpu
 from kvtrace.model.gpus import NvmlSample, nvml_index_for_cuda_ordinal
 from kvtrace.model.ledger import LedgerView, Outstanding, pids_with_blocks
+from kvtrace.model.stacks import Stack
 from kvtrace.model.vllm import Role, UntrustedSender, VllmView
 from kvtrace.session import Session
 
@@ -107,20 +115,61 @@ class Analyzer:
         self._vllm_marks: tuple[dict[int, int], dict[int, int]] = ({}, {})  # layouts', sleeps' timestamps
         self._untrusted_reason = ""  # the component is reported once a sender is untrusted, and after
         self._roles_again_ns = 0  # monotonic: a second role sample after the vLLM plugin said memory moved
+        self._sampling: _SiteSampleJob | None = None  # the site sample running on its thread (tick)
+        self.site_samples_total = 0  # taken from their thread (counters: site_samples, its longest, its entries)
+        self._site_sample_longest_ms = 0
 
     def tick(self) -> None:
-        """Called by the agent loop after each poll; analyses once per interval."""
+        """Called by the agent loop after each poll; analyses once per interval. A site sample runs on a thread
+        of its own (`sample_sites`): a tick starts one when due and takes its result once it has ended."""
+        self._take_site_sample()
         now = time.monotonic()
         if now < self._next_tick_monotonic:
             return
         self._next_tick_monotonic = now + self.options.interval_seconds
         sample = self._nvml()
-        started_ns = time.monotonic_ns()
-        sites_due = started_ns >= self._next_site_sample_ns
-        self.update(self.session.ledger_view(sites_due, {p.pid for p in sample.processes} if sample else ()))
+        sites_due = self._sampling is None and time.monotonic_ns() >= self._next_site_sample_ns
+        view = self.session.ledger_view(sites_due, {p.pid for p in sample.processes} if sample else ())
         if sites_due:
-            now_ns = time.monotonic_ns()
-            self.pace_site_samples(now_ns - started_ns, now_ns)
+            self._start_site_sample(view)
+            view = dataclasses.replace(view, entries=None)
+        self.update(view)
+
+    def _start_site_sample(self, view: LedgerView) -> None:
+        """A site sample of `view` (its entries) on a thread of its own; its result is taken by a later tick."""
+        self._next_site_sample_ns = view.monotonic_ns + int(self.options.site_sample_seconds * NS_PER_SECOND)
+        kv_ranges = self._kv_ranges(self.session.vllm_view())
+        job = _SiteSampleJob(view, kv_ranges, self.session.stack, self._role_memo, self.options.leak_min_age_seconds)
+        self._sampling = job
+        threading.Thread(target=job.run, name="kvtrace-sites", daemon=True).start()
+
+    def _take_site_sample(self) -> None:
+        """The result of the site sample running, once it has ended (nothing while it runs)."""
+        job = self._sampling
+        if job is None or not job.done.is_set():
+            return
+        self._sampling = None
+        if job.result is not None:
+            self._apply_site_sample(job.result, job.view)
+        self.site_samples_total += 1
+        self._site_sample_longest_ms = max(self._site_sample_longest_ms, job.wall_ns // 1_000_000)
+        self.session.report_counters({
+            "site_samples": self.site_samples_total, "site_sample_longest_ms": self._site_sample_longest_ms,
+            "site_sample_entries": job.result.entries if job.result is not None else 0})
+        if self._next_site_sample_ns == 0:
+            return  # the vLLM plugin said memory moved while it ran (update): roles again at once
+        if self._roles_again_ns > job.view.monotonic_ns:
+            self._next_site_sample_ns = min(self._next_site_sample_ns, self._roles_again_ns)
+        self.pace_site_samples(job.cpu_ns, time.monotonic_ns())
+
+    def wait_site_sample(self, timeout_seconds: float = 60.0) -> bool:
+        """Waits for the site sample running on its thread, if any, and takes its result (tests); False if it
+        is still running after `timeout_seconds`."""
+        job = self._sampling
+        if job is not None and not job.done.wait(timeout_seconds):
+            return False
+        self._take_site_sample()
+        return True
 
     def pace_site_samples(self, spent_ns: int, now_ns: int) -> None:
         """A site sample reads every outstanding allocation (seconds with millions of them): the
@@ -227,33 +276,38 @@ class Analyzer:
         return any(old_marks.get(pid) != timestamp for new_marks, old_marks in zip(marks, old, strict=True)
                    for pid, timestamp in new_marks.items())
 
+    @staticmethod
+    def _kv_ranges(vllm_view: VllmView) -> dict[int, list[tuple[int, int]]]:
+        return {pid: kv_ranges_of((tensor.address, tensor.size_bytes) for tensor in layout.tensors)
+                for pid, layout in vllm_view.layouts.items()}
+
     def _sample_sites(self, view: LedgerView, entries: Iterable[Outstanding], now_ns: int,
                       vllm_view: VllmView) -> None:
+        """A site sample here, now (update() with entries: a replay, tests); the agent's runs on its thread."""
         self._next_site_sample_ns = now_ns + int(self.options.site_sample_seconds * NS_PER_SECOND)
-        kv_ranges = {pid: kv_ranges_of((tensor.address, tensor.size_bytes) for tensor in layout.tensors)
-                     for pid, layout in vllm_view.layouts.items()}
-        # Each analysis goes through the entries once (where the kernel keeps the allocations, they are read
-        # from it on the way), keeping per site and per role, never per entry.
-        with_blocks = view.pids_with_blocks() if view.find is not None else None
-        self._role_bytes = role_bytes(entries, self.session.stack, kv_ranges, self._role_memo, view.find)
-        survey = survey_sites(entries, view.wall_ns, self.options.leak_min_age_seconds, find=view.find,
-                              with_blocks=with_blocks)
+        result = sample_sites(dataclasses.replace(view, entries=entries), self._kv_ranges(vllm_view),
+                              self.session.stack, self._role_memo, self.options.leak_min_age_seconds)
+        self._apply_site_sample(result, view)
+
+    def _apply_site_sample(self, result: SiteSample, view: LedgerView) -> None:
+        """What a site sample of `view` computed becomes the analyzer's: sites' series (sampled at the view's
+        time), their growth, roles, fragmentation and suspects."""
+        survey = result.survey
         for site in [site for site in self._sites if site not in survey.site_bytes]:
             del self._sites[site]  # all freed: a site that comes back starts a new series
         for site, size_bytes in survey.site_bytes.items():
-            self._sites.setdefault(site, SlidingFit(LONG_WINDOW_SECONDS)).add(now_ns, size_bytes)
+            self._sites.setdefault(site, SlidingFit(LONG_WINDOW_SECONDS)).add(view.monotonic_ns, size_bytes)
         self.site_growth = {site: fit.slope_per_second() for site, fit in self._sites.items()}
-        blocks = sum(count for key, (_, count) in view.totals.items() if key.layer is Layer.TORCH)
-        if view.read_limit and blocks > view.read_limit:
+        self._role_bytes = result.role_bytes
+        if result.fragmentation is None:
             # Fragmentation nests every block in its segment: more blocks than may be held at once, it waits.
             self.fragmentation_skipped_total += 1
             self._fragmentation = {}  # not last sample's rows served as current
             if self.fragmentation_skipped_total == 1:
                 log.warning("fragmentation not computed: %d live PyTorch blocks, more than --max-read-entries %d",
-                            blocks, view.read_limit)
+                            result.blocks, view.read_limit)
         else:
-            segments, outside = segments_of(entries, with_blocks)
-            self._fragmentation = {(row.pid, row.device): row for row in fragmentation(segments, outside)}
+            self._fragmentation = result.fragmentation
         self._suspects = rank_suspects(survey, self.site_growth, view.titles, self.session.stack).suspects
 
     def _rows(self, view: LedgerView, traced: dict[tuple[int, int], int],
@@ -321,6 +375,77 @@ class Analyzer:
         for gpu in sample.gpus:
             uuids[gpu.index] = gpu.uuid
         return nvml_index_for_cuda_ordinal(device, self._environ[pid], uuids)
+
+
+@dataclass(frozen=True)
+class SiteSample:
+    """What one pass over the ledger's entries computed (sample_sites)."""
+
+    role_bytes: dict[tuple[int, int], dict[Role, int]]  # (pid, device) -> bytes by role
+    survey: SiteSurvey  # sites' bytes and the old allocations by site, not ranked yet
+    fragmentation: dict[tuple[int, int], Fragmentation] | None  # (pid, device); None: skipped (too many blocks)
+    blocks: int  # live PyTorch blocks, by the view's totals
+    entries: int = 0  # entries the pass went through
+
+
+def sample_sites(view: LedgerView, kv_ranges: dict[int, list[tuple[int, int]]],
+                 stack_of: Callable[[int], Stack | None], memo: RoleMemo, leak_min_age_seconds: float) -> SiteSample:
+    """Roles (roles.py), sites and leak suspects (leaks.py) and fragmentation (blocks.py) of `view`'s entries, in
+    one pass over them: where the kernel keeps the allocations, one read of its ledger, a chunk at a time. The
+    runtime allocation above each stackless driver one is found in a dict of the same pass's runtime entries
+    (their stack and caller only), not looked up in the kernel one system call at a time. Held until the pass
+    ends: those dict items, the stackless driver allocations, VMM handles, and the entries of processes with
+    PyTorch blocks (their segments and blocks, unless there are more blocks than view.read_limit)."""
+    entries: Iterable[Outstanding] = view.entries if view.entries is not None else ()
+    if view.find is None:  # a view built by hand (tests): its processes with blocks are found in its entries
+        entries = list(entries)
+        with_blocks = {entry.key.pid for entry in entries if entry.key.object is ObjectKind.BLOCK}
+    else:
+        with_blocks = view.pids_with_blocks()
+    blocks = sum(count for key, (_, count) in view.totals.items() if key.layer is Layer.TORCH)
+    nest: list[Outstanding] | None = None if view.read_limit and blocks > view.read_limit else []
+    runtime = RuntimeIndex()
+    roles = RoleTally(stack_of, kv_ranges, memo, keep_runtime=False)
+    sites = SiteTally(view.wall_ns, leak_min_age_seconds, with_blocks)
+    add_runtime, add_role, add_site = runtime.add, roles.add, sites.add
+    passed = 0
+    for entry in entries:
+        passed += 1
+        add_runtime(entry)
+        add_role(entry)
+        add_site(entry)
+        if nest is not None and entry.key.pid in with_blocks:
+            nest.append(entry)
+    fragmented = None
+    if nest is not None:
+        segments, outside = segments_of(nest, with_blocks)
+        fragmented = {(row.pid, row.device): row for row in fragmentation(segments, outside)}
+    return SiteSample(roles.finish(runtime.stack), sites.finish(runtime.find), fragmented, blocks, passed)
+
+
+class _SiteSampleJob:
+    """One site sample on its own thread: `view` in, `result` (None: it failed, logged) and the CPU it took out;
+    `done` is set last."""
+
+    def __init__(self, view: LedgerView, kv_ranges: dict[int, list[tuple[int, int]]],
+                 stack_of: Callable[[int], Stack | None], memo: RoleMemo, leak_min_age_seconds: float) -> None:
+        self.view = view
+        self._args = (kv_ranges, stack_of, memo, leak_min_age_seconds)
+        self.result: SiteSample | None = None
+        self.cpu_ns = 0
+        self.wall_ns = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        started, started_wall = time.thread_time_ns(), time.monotonic_ns()
+        try:
+            self.result = sample_sites(self.view, *self._args)
+        except Exception:  # the agent goes on; the next sample may succeed
+            log.exception("site sample failed")
+        finally:
+            self.cpu_ns = time.thread_time_ns() - started
+            self.wall_ns = time.monotonic_ns() - started_wall
+            self.done.set()
 
 
 def _nvml_used(sample: NvmlSample | None) -> dict[tuple[int, int], int | None]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvtrace.model.blocks import estimated_bytes
 from kvtrace.model.events import Layer, ObjectKind
@@ -49,7 +49,45 @@ class SiteKey(NamedTuple):
     caller_address: int  # 0 when stack_id is set: the stack alone names the site
 
 
-Find = Callable[[LedgerKey], Outstanding | None]  # one ledger entry by key (None: not there)
+class RuntimeCall(Protocol):
+    """What a site needs of the runtime allocation above a driver one: an Outstanding, or less."""
+
+    @property
+    def stack_id(self) -> int: ...
+
+    @property
+    def caller_address(self) -> int: ...
+
+
+class Above(NamedTuple):
+    """A runtime allocation's stack and caller, as a pass over the ledger keeps them (RuntimeIndex)."""
+
+    stack_id: int
+    caller_address: int
+
+
+Find = Callable[[LedgerKey], RuntimeCall | None]  # one ledger entry by key (None: not there)
+
+
+class RuntimeIndex:
+    """The runtime allocations (cudaMalloc) of one pass over the ledger, by (pid, pointer): their stack and
+    caller only, for the driver allocations of the same pass without a stack (a dict built from the pass's
+    own entries, where a lookup in the kernel's map was a system call per entry). `find` is a Find."""
+
+    def __init__(self) -> None:
+        self.above: dict[tuple[int, int], Above] = {}
+
+    def add(self, entry: Outstanding) -> None:
+        key = entry.key
+        if key.layer is _RUNTIME and key.object is _ALLOCATION:
+            self.above[(key.pid, key.address)] = Above(entry.stack_id, entry.caller_address)
+
+    def find(self, key: LedgerKey) -> Above | None:
+        return self.above.get((key.pid, key.address)) if key.layer is _RUNTIME else None
+
+    def stack(self, pid: int, address: int) -> int:
+        above = self.above.get((pid, address))
+        return above.stack_id if above is not None else 0
 
 
 def runtime_allocations(entries: Iterable[Outstanding]) -> dict[tuple[int, int], Outstanding]:
@@ -65,7 +103,7 @@ def find_in(entries: Iterable[Outstanding]) -> Find:
     return lambda key: runtime.get((key.pid, key.address)) if key.layer is _RUNTIME else None
 
 
-def runtime_above(entry: Outstanding, find: Find) -> Outstanding | None:
+def runtime_above(entry: Outstanding, find: Find) -> RuntimeCall | None:
     """The runtime allocation (cudaMalloc) around a driver allocation (its cuMemAlloc_v2: same pid and
     pointer), None for other entries or where there is none."""
     if entry.key.layer is not _DRIVER:
@@ -103,6 +141,76 @@ class SiteSurvey:
     suspect_allocations: int
 
 
+class SiteTally:
+    """survey_sites() one entry at a time (`add`), for a pass over the ledger that computes other things from
+    the same entries too (analyzer.sample_sites); `finish(find)` gives the survey. A driver allocation without
+    a stack is held until `finish` (the runtime call above it names its site, and the pass may not have seen it
+    yet); nothing else is kept per entry."""
+
+    def __init__(self, now_ns: int, min_age_seconds: float, with_blocks: Collection[int],
+                 pids: Collection[int] = ()) -> None:
+        self._now_ns, self._min_age_seconds = now_ns, min_age_seconds
+        self._min_age_ns = int(min_age_seconds * NS_PER_SECOND)
+        self._with_blocks, self._pids = with_blocks, pids
+        self._totals: dict[SiteKey, float] = {}
+        self._old: dict[SiteKey, list] = {}
+        self._considered = self._old_count = 0
+        self.unstacked: list[Outstanding] = []  # driver allocations without a stack: sited at finish
+
+    def add(self, entry: Outstanding) -> None:
+        pid = entry.key.pid
+        if self._pids and pid not in self._pids:
+            return
+        if not (entry.key.object is _BLOCK if pid in self._with_blocks else holds_device_memory(entry)):
+            return
+        if not entry.stack_id and entry.key.layer is _DRIVER:
+            self.unstacked.append(entry)  # the runtime call above names the site (finish)
+            return
+        self._count(entry, SiteKey(pid, entry.device, entry.stack_id, 0 if entry.stack_id else entry.caller_address),
+                    -1)  # the caller shown is looked up once per site, for its oldest entry only (finish)
+
+    def _count(self, entry: Outstanding, site: SiteKey, caller: int) -> None:
+        self._considered += 1
+        is_old = self._now_ns - entry.timestamp_ns >= self._min_age_ns
+        self._old_count += is_old
+        size_bytes: float = entry.size_bytes
+        weight, estimated = 1.0, False
+        if entry.sample_bytes:  # a block under stack sampling: its weight, or none if passed over
+            if not entry.sampled:
+                return
+            size_bytes = estimated_bytes(entry)
+            if entry.size_bytes:
+                weight = size_bytes / entry.size_bytes
+            estimated = entry.size_bytes < entry.sample_bytes
+        totals = self._totals
+        totals[site] = totals.get(site, 0) + size_bytes
+        if not is_old:
+            return
+        group = self._old.get(site)
+        if group is None:
+            self._old[site] = [size_bytes, weight, entry.timestamp_ns, caller, estimated, entry]
+        else:
+            group[0] += size_bytes
+            group[1] += weight
+            group[4] = group[4] or estimated
+            if entry.timestamp_ns < group[2]:
+                group[2], group[3], group[5] = entry.timestamp_ns, caller, entry
+
+    def finish(self, find: Find) -> SiteSurvey:
+        """The survey, once every entry was added; `find`: the runtime allocation above a driver one."""
+        for entry in self.unstacked:
+            site, caller = site_of(entry, find)
+            self._count(entry, site, caller)
+        self.unstacked = []
+        for group in self._old.values():
+            oldest = group.pop()
+            if group[3] == -1:
+                group[3] = site_of(oldest, find)[1]
+        site_bytes = {site: round(size_bytes) for site, size_bytes in self._totals.items()}
+        return SiteSurvey(self._now_ns, self._min_age_seconds, site_bytes, self._old, self._considered,
+                          self._old_count)
+
+
 def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: float,
                  pids: Collection[int] = (), find: Find | None = None,
                  with_blocks: Collection[int] | None = None) -> SiteSurvey:
@@ -111,59 +219,19 @@ def survey_sites(entries: Iterable[Outstanding], now_ns: int, min_age_seconds: f
     memory, where a segment's names whoever made the allocator's cache grow. Elsewhere (no PyTorch,
     or blocks not traced) the physical allocations.
 
-    One pass, keeping per site, not per entry, where `find` (the runtime allocation above a driver one)
-    and `with_blocks` (the pids with blocks) are given: the agent goes through millions of the kernel's
-    entries so. Without them they are found in `entries`, which are then held in memory."""
+    One pass, keeping per site (and per stackless driver allocation), not per entry, where `find` (the runtime
+    allocation above a driver one) and `with_blocks` (the pids with blocks) are given: the agent goes through
+    millions of the kernel's entries so. Without them they are found in `entries`, which are then held in
+    memory. (SiteTally, one entry at a time.)"""
     if find is None or with_blocks is None:
         entries = list(entries)
         find = find or find_in(entries)
         with_blocks = {entry.key.pid for entry in entries if entry.key.object is _BLOCK} \
             if with_blocks is None else with_blocks
-    min_age_ns = int(min_age_seconds * NS_PER_SECOND)
-    totals: dict[SiteKey, float] = {}
-    old: dict[SiteKey, list] = {}
-    considered = old_count = 0
+    tally = SiteTally(now_ns, min_age_seconds, with_blocks, pids)
     for entry in entries:
-        pid = entry.key.pid
-        if pids and pid not in pids:
-            continue
-        if not (entry.key.object is _BLOCK if pid in with_blocks else holds_device_memory(entry)):
-            continue
-        considered += 1
-        is_old = now_ns - entry.timestamp_ns >= min_age_ns
-        old_count += is_old
-        size_bytes: float = entry.size_bytes
-        weight, estimated = 1.0, False
-        if entry.sample_bytes:  # a block under stack sampling: its weight, or none if passed over
-            if not entry.sampled:
-                continue
-            size_bytes = estimated_bytes(entry)
-            if entry.size_bytes:
-                weight = size_bytes / entry.size_bytes
-            estimated = entry.size_bytes < entry.sample_bytes
-        if entry.stack_id or entry.key.layer is not _DRIVER:
-            site = SiteKey(pid, entry.device, entry.stack_id, 0 if entry.stack_id else entry.caller_address)
-            caller = -1  # the caller shown is looked up once per site, for its oldest entry only (below)
-        else:  # no stack: the runtime call above names the site
-            site, caller = site_of(entry, find)
-        totals[site] = totals.get(site, 0) + size_bytes
-        if not is_old:
-            continue
-        group = old.get(site)
-        if group is None:
-            old[site] = [size_bytes, weight, entry.timestamp_ns, caller, estimated, entry]
-        else:
-            group[0] += size_bytes
-            group[1] += weight
-            group[4] = group[4] or estimated
-            if entry.timestamp_ns < group[2]:
-                group[2], group[3], group[5] = entry.timestamp_ns, caller, entry
-    for group in old.values():
-        oldest = group.pop()
-        if group[3] == -1:
-            group[3] = site_of(oldest, find)[1]
-    site_bytes = {site: round(size_bytes) for site, size_bytes in totals.items()}
-    return SiteSurvey(now_ns, min_age_seconds, site_bytes, old, considered, old_count)
+        tally.add(entry)
+    return tally.finish(find)
 
 
 def rank_suspects(survey: SiteSurvey, growth: Mapping[SiteKey, float], titles: Mapping[int, str],

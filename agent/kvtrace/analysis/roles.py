@@ -130,6 +130,98 @@ def _overlaps(ranges: tuple[list[int], list[tuple[int, int]]], address: int, siz
     return index >= 0 and spans[index][1] > address
 
 
+class RoleTally:
+    """role_bytes() one entry at a time (`add`), for a pass over the ledger that computes other things from the
+    same entries too (analyzer.sample_sites); `finish` gives the totals. Per VMM handle and stackless driver
+    allocation it holds the entry until `finish` (their role needs what the pass has not seen yet), never
+    per other entry."""
+
+    def __init__(self, stack_of: Callable[[int], Stack | None], kv_ranges: Mapping[int, list[tuple[int, int]]],
+                 memo: RoleMemo | None = None, keep_runtime: bool = True) -> None:
+        """`keep_runtime`: remember the stacks of runtime allocations for `finish` (False where its
+        `runtime_stack` looks them up elsewhere)."""
+        self._memo = memo if memo is not None else RoleMemo()
+        self._stack_of = stack_of
+        self._ranges = {pid: ([start for start, _ in spans], spans) for pid, spans in kv_ranges.items() if spans}
+        self._keep_runtime = keep_runtime
+        self.totals: dict[tuple[int, int], dict[Role, int]] = {}
+        self.runtime_stacks: dict[tuple[int, int], int] = {}
+        self.unstacked: list[Outstanding] = []  # driver allocations whose stack is the runtime call's above
+        self._handles: list[Outstanding] = []  # VMM handles: their role may depend on where they are mapped
+        self._mapped_at: dict[tuple[int, int], int] = {}  # (pid, handle) -> the first address it is mapped at
+        self._reserving: set[int] = set()  # pids with VMM address space: asleep, CuMemAllocator keeps its ranges
+
+    def role_of_id(self, stack_id: int) -> Role:
+        memo = self._memo
+        role = memo.by_stack.get(stack_id)
+        if role is None:
+            stack = self._stack_of(stack_id)
+            role = role_of_stack(stack)
+            if stack is not None:  # an id not known yet is asked again next time
+                memo.by_stack[stack_id] = role
+                if _wakes_up(stack):
+                    memo.wake_up_stacks.add(stack_id)
+        return role
+
+    def _add(self, entry: Outstanding, role: Role) -> None:
+        series = self.totals.get((entry.key.pid, entry.device))
+        if series is None:
+            series = self.totals[(entry.key.pid, entry.device)] = {}
+        series[role] = series.get(role, 0) + entry.size_bytes
+
+    def add(self, entry: Outstanding) -> None:
+        key = entry.key
+        kind = key.object
+        if kind is _VMM_MAPPING:
+            self._mapped_at.setdefault((key.pid, entry.handle), key.address)
+            return
+        if kind is _VMM_RESERVE:
+            self._reserving.add(key.pid)
+            return
+        if kind is _ALLOCATION and key.layer is _RUNTIME:
+            if entry.stack_id and self._keep_runtime:
+                self.runtime_stacks[(key.pid, key.address)] = entry.stack_id
+            return
+        if not holds_device_memory(entry):
+            return
+        ranges = self._ranges
+        if kind is _VMM_HANDLE:
+            self._handles.append(entry)
+        elif key.pid in ranges and _overlaps(ranges[key.pid], key.address, entry.size_bytes):
+            self._add(entry, Role.KV_CACHE)
+        elif entry.stack_id or key.layer is not _DRIVER:
+            self._add(entry, self.role_of_id(entry.stack_id) if entry.stack_id else Role.UNKNOWN)
+        else:
+            self.unstacked.append(entry)
+
+    def finish(self, runtime_stack: Callable[[int, int], int] | None = None) -> dict[tuple[int, int], dict[Role, int]]:
+        """The totals, once every entry was added. `runtime_stack(pid, address)`: the stack id of the runtime
+        allocation above a stackless driver one (0: none); None: the stacks added (keep_runtime)."""
+        stack_above = runtime_stack if runtime_stack is not None else \
+            (lambda pid, address: self.runtime_stacks.get((pid, address), 0))
+        for entry in self.unstacked:
+            stack_id = stack_above(entry.key.pid, entry.key.address)
+            self._add(entry, self.role_of_id(stack_id) if stack_id else Role.UNKNOWN)
+        self.unstacked = []
+        memo, ranges = self._memo, self._ranges
+        remembered: dict[tuple[int, int], Role] = {}
+        for entry in self._handles:
+            pid = entry.key.pid
+            address = self._mapped_at.get((pid, entry.key.address))
+            role = self.role_of_id(entry.stack_id) if entry.stack_id else Role.UNKNOWN
+            if address is not None:
+                if pid in ranges and _overlaps(ranges[pid], address, entry.size_bytes):
+                    role = Role.KV_CACHE
+                elif entry.stack_id in memo.wake_up_stacks:
+                    role = memo.by_mapping.get((pid, address), role)
+                remembered[(pid, address)] = role
+            self._add(entry, role)
+        # Kept while the process holds VMM memory or address space: asleep, its pools have no handle at all.
+        pids = self._reserving | {entry.key.pid for entry in self._handles}
+        memo.by_mapping = {**{key: role for key, role in memo.by_mapping.items() if key[0] in pids}, **remembered}
+        return self.totals
+
+
 def role_bytes(entries: Iterable[Outstanding], stack_of: Callable[[int], Stack | None],
                kv_ranges: Mapping[int, list[tuple[int, int]]], memo: RoleMemo | None = None,
                find: Callable[[LedgerKey], Outstanding | None] | None = None,
@@ -139,80 +231,16 @@ def role_bytes(entries: Iterable[Outstanding], stack_of: Callable[[int], Stack |
     (start, end) ranges of its KV tensors (kv_ranges_of). One pass; a stack is classified once per
     `memo` (0.1-0.15 s per 100 000 entries, tests/unit/test_roles.py). With `find` (the kernel's
     entries, by key) a driver allocation without a stack finds the runtime one above it there, and no
-    runtime entry is kept meanwhile: memory per VMM handle and stackless allocation, not per entry."""
-    memo = memo if memo is not None else RoleMemo()
-    by_stack, wake_up_stacks = memo.by_stack, memo.wake_up_stacks
-
-    def role_of_id(stack_id: int) -> Role:
-        role = by_stack.get(stack_id)
-        if role is None:
-            stack = stack_of(stack_id)
-            role = role_of_stack(stack)
-            if stack is not None:  # an id not known yet is asked again next time
-                by_stack[stack_id] = role
-                if _wakes_up(stack):
-                    wake_up_stacks.add(stack_id)
-        return role
-
-    ranges = {pid: ([start for start, _ in spans], spans) for pid, spans in kv_ranges.items() if spans}
-    totals: dict[tuple[int, int], dict[Role, int]] = {}
-    runtime_stacks: dict[tuple[int, int], int] = {}
-    unstacked: list[Outstanding] = []  # driver allocations whose stack is the runtime call's above
-    handles: list[Outstanding] = []  # VMM handles: their role may depend on where they are mapped
-    mapped_at: dict[tuple[int, int], int] = {}  # (pid, handle) -> the first address it is mapped at
-    reserving: set[int] = set()  # pids with VMM address space: asleep, CuMemAllocator keeps its ranges
-
-    def add(entry: Outstanding, role: Role) -> None:
-        series = totals.get((entry.key.pid, entry.device))
-        if series is None:
-            series = totals[(entry.key.pid, entry.device)] = {}
-        series[role] = series.get(role, 0) + entry.size_bytes
-
+    runtime entry is kept meanwhile: memory per VMM handle and stackless allocation, not per entry.
+    (RoleTally, one entry at a time.)"""
+    tally = RoleTally(stack_of, kv_ranges, memo, keep_runtime=find is None)
     for entry in entries:
-        key = entry.key
-        kind = key.object
-        if kind is _VMM_MAPPING:
-            mapped_at.setdefault((key.pid, entry.handle), key.address)
-            continue
-        if kind is _VMM_RESERVE:
-            reserving.add(key.pid)
-            continue
-        if kind is _ALLOCATION and key.layer is _RUNTIME:
-            if entry.stack_id and find is None:
-                runtime_stacks[(key.pid, key.address)] = entry.stack_id
-            continue
-        if not holds_device_memory(entry):
-            continue
-        if kind is _VMM_HANDLE:
-            handles.append(entry)
-        elif key.pid in ranges and _overlaps(ranges[key.pid], key.address, entry.size_bytes):
-            add(entry, Role.KV_CACHE)
-        elif entry.stack_id or key.layer is not _DRIVER:
-            add(entry, role_of_id(entry.stack_id) if entry.stack_id else Role.UNKNOWN)
-        else:
-            unstacked.append(entry)
+        tally.add(entry)
+    if find is None:
+        return tally.finish()
 
-    for entry in unstacked:
-        if find is None:
-            stack_id = runtime_stacks.get((entry.key.pid, entry.key.address), 0)
-        else:
-            above = find(LedgerKey(entry.key.pid, _RUNTIME, _ALLOCATION, entry.key.address))
-            stack_id = above.stack_id if above is not None else 0
-        add(entry, role_of_id(stack_id) if stack_id else Role.UNKNOWN)
+    def runtime_stack(pid: int, address: int) -> int:
+        above = find(LedgerKey(pid, _RUNTIME, _ALLOCATION, address))
+        return above.stack_id if above is not None else 0
 
-    remembered: dict[tuple[int, int], Role] = {}
-    for entry in handles:
-        pid = entry.key.pid
-        address = mapped_at.get((pid, entry.key.address))
-        role = role_of_id(entry.stack_id) if entry.stack_id else Role.UNKNOWN
-        if address is not None:
-            if pid in ranges and _overlaps(ranges[pid], address, entry.size_bytes):
-                role = Role.KV_CACHE
-            elif entry.stack_id in wake_up_stacks:
-                role = memo.by_mapping.get((pid, address), role)
-            remembered[(pid, address)] = role
-        add(entry, role)
-    # Kept while the process holds VMM memory or address space: asleep, its pools have no handle at all.
-    pids = reserving | {entry.key.pid for entry in handles}
-    memo.by_mapping = {**{key: role for key, role in memo.by_mapping.items() if key[0] in pids}, **remembered}
-    return totals
+    return tally.finish(runtime_stack)

@@ -21,6 +21,7 @@ and reads them from there when a report asks.
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -164,6 +165,12 @@ class LedgerStore(Protocol):
         """What entries(pids) would raise now (None: it would copy them): health that tells before a copy fails."""
         ...
 
+    def entries_later(self, pids: Collection[int] = ()) -> Callable[[], list[Outstanding]]:
+        """entries(pids) as at this point of the stream, copied when the function returned is called, outside
+        the lock, on any thread, once (LedgerReadRefused now, over read_limit). What must be taken now is taken
+        now, without going through every entry where the kernel keeps them."""
+        ...
+
     def find(self, key: LedgerKey) -> Outstanding | None:
         """One live entry, from any thread; None if it is not there."""
         ...
@@ -187,10 +194,10 @@ class Ledger:
         self._entries: dict[LedgerKey, Outstanding] = {}
         self._bytes: dict[TotalsKey, int] = defaultdict(int)
         self._counts: dict[TotalsKey, int] = defaultdict(int)
-        # Per pid: its totals keys and how many entries it holds, so that an exit costs what its process held,
-        # not the size of the ledger.
+        # Per pid: its totals keys and its entries, so that an exit or a context destroy costs what its process
+        # held, not the size of the ledger (issue 31: one user may hold a quarter of it).
         self._keys_of: dict[int, set[TotalsKey]] = {}
-        self._held: Counter[int] = Counter()
+        self._held: dict[int, dict[LedgerKey, Outstanding]] = {}
         self.allocations_total: Counter[tuple[int, Layer]] = Counter()
         self.frees_total: Counter[tuple[int, Layer]] = Counter()
         self.implicit_frees_total: Counter[int] = Counter()  # per pid: objects dropped by exit/destroy
@@ -240,7 +247,10 @@ class Ledger:
             self._remove(old)
         self._entries[entry.key] = entry
         pid, layer, object_kind, _ = entry.key
-        self._held[pid] += 1
+        held = self._held.get(pid)
+        if held is None:
+            held = self._held[pid] = {}
+        held[entry.key] = entry
         if object_kind in _MEMORY_OBJECTS:
             totals = _new_tuple(TotalsKey, (pid, entry.device, layer, entry.memory))
             if totals not in self._counts:
@@ -251,10 +261,9 @@ class Ledger:
     def _remove(self, entry: Outstanding) -> None:
         del self._entries[entry.key]
         pid, layer, object_kind, _ = entry.key
-        held = self._held[pid] - 1
-        if held:
-            self._held[pid] = held
-        else:
+        held = self._held[pid]
+        del held[entry.key]
+        if not held:
             del self._held[pid]
         if object_kind in _MEMORY_OBJECTS:
             totals = _new_tuple(TotalsKey, (pid, entry.device, layer, entry.memory))
@@ -319,11 +328,11 @@ class Ledger:
 
     def drop_process(self, pid: int, before_ns: int, device: int | None = None) -> int:
         """Implicit frees: drops the pid's entries older than `before_ns` (on `device` if given)."""
-        if pid not in self._held:  # (most exits, where the kernel keeps the allocations: no look at the others')
+        held = self._held.get(pid)
+        if held is None:  # (most exits, where the kernel keeps the allocations)
             return 0
-        doomed = [e for e in self._entries.values()
-                  if e.key.pid == pid and e.timestamp_ns <= before_ns
-                  and (device is None or e.device == device)]
+        doomed = [e for e in held.values()  # its own entries only: no look at the others'
+                  if e.timestamp_ns <= before_ns and (device is None or e.device == device)]
         for entry in doomed:
             self._remove(entry)
         self.implicit_frees_total[pid] += len(doomed)
@@ -343,7 +352,7 @@ class Ledger:
         """Replaces the outstanding set with an exact copy (the kernel's), keeping known stacks."""
         old = self._entries
         self._entries, self._bytes, self._counts = {}, defaultdict(int), defaultdict(int)
-        self._keys_of, self._held = {}, Counter()
+        self._keys_of, self._held = {}, {}
         for entry in entries:
             previous = old.pop(entry.key, None)  # dropped as it is replaced: one copy at a time
             if previous is not None and previous.timestamp_ns == entry.timestamp_ns and not entry.stack_id:
@@ -362,6 +371,9 @@ class Ledger:
         """The entries of `pids` (empty: all) kept here, copied now into a new list (safe to keep)."""
         if not pids:
             return list(self._entries.values())
+        if len(pids) == 1:  # one process's (a dump's trigger, a report of one pid): its own, not all scanned
+            (pid,) = pids
+            return list(self._held.get(pid, {}).values())
         return [entry for entry in self._entries.values() if entry.key.pid in pids]
 
     def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
@@ -374,6 +386,24 @@ class Ledger:
 
     def copy_refused(self, pids: Collection[int] = ()) -> LedgerReadRefused | None:
         return None
+
+    def entries_later(self, pids: Collection[int] = ()) -> Callable[[], list[Outstanding]]:
+        """The entries kept now (a list of them: C speed) with the VMM handles copied now (the only entries
+        later events change in place: mapped, released); the others are copied when it is called."""
+        refused = self.copy_refused(pids)  # (none here; a subclass that keeps fewer may refuse)
+        if refused is not None:
+            raise refused
+        kept = self.kept(pids)
+        changing = [(index, copy.copy(entry)) for index, entry in enumerate(kept)
+                    if entry.key.object is ObjectKind.VMM_HANDLE]
+
+        def copied() -> list[Outstanding]:
+            entries = [copy.copy(entry) for entry in kept]
+            for index, entry in changing:
+                entries[index] = entry
+            return entries
+
+        return copied
 
     def find(self, key: LedgerKey) -> Outstanding | None:
         return self._entries.get(key)
