@@ -58,7 +58,8 @@ def test_a_ring_over_its_bound_reads_back_its_last_records_equal_and_in_order():
     assert len(ring) == 500
     assert list(ring) == records[-500:]
     assert [type(record) for record in ring] == [type(record) for record in records[-500:]]
-    assert ring.oldest_timestamps(3) == [record.timestamp_ns for record in records[1500:1503]]
+    assert ring.oldest_timestamp_ns() == records[1500].timestamp_ns
+    assert ring.extend(records[:3]) == records[1502].timestamp_ns  # let go of: the newest of the three oldest
     # Labels and records kept as themselves go with the chunks that held them: bounded by the chunks held.
     assert len(ring._labels) <= 40 and sum(len(chunk.objects) for chunk in ring._chunks) <= 5 * (500 + 64) // 23 + 5
 
@@ -70,7 +71,7 @@ def test_letting_go_of_the_oldest_one_by_one_and_a_copy_that_does_not_change_as_
     copy = ring.copy()
     assert [ring.popleft_timestamp_ns() for _ in range(40)] == [record.timestamp_ns for record in records[:40]]
     later = varied(150, START + NS)
-    ring.extend(later)
+    assert ring.extend(later) == later[49].timestamp_ns  # 60 + 150 = 100 + 110 let go: its 60 and 50 of `later`
     assert list(copy) == records and copy[0] == records[0] and copy[-1] == records[-1]
     assert list(copy.since(records[60].timestamp_ns)) == records[60:]
     assert list(ring) == later[-100:]

@@ -28,9 +28,7 @@ trigger copies the packed chunks, and decoding and encoding happen only when a d
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import operator
 import os
 import queue
 import secrets
@@ -38,7 +36,6 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +51,6 @@ from kvtrace.reports.recording import RecordingError, RecordingReader, Recording
 from kvtrace.session import Session, SessionCheckpoint
 
 log = logging.getLogger(__name__)
-_TIMESTAMP_NS = operator.attrgetter("timestamp_ns")
 
 # Dumps copied and waiting for the writer, at most: each holds a copy of the ledger.
 MAX_PENDING_DUMPS = 4
@@ -124,10 +120,9 @@ class FlightRecorder:
         self.session = session
         self.options = options
         self._leak_min_age_seconds = leak_min_age_seconds
-        # Full, it drops its oldest as records come (in C); _make_room notes the newest it lets go first.
+        # Full, it lets its oldest go as records come, and says the newest time it let go of.
         self._ring = PackedRing(options.max_records)
         self._window_ns = int(options.window_seconds * 1e9)  # read for every event: not recomputed
-        self._max_records = options.max_records
         # The newest time the ring let go of (evicted, or cleared at a resync); None while it holds all.
         self._let_go_ns: int | None = None
         self._last_dump_monotonic: dict[tuple[int, int], float] = {}  # (trigger kind, pid) -> last dump
@@ -174,8 +169,9 @@ class FlightRecorder:
         """A run of allocation-type events (never a failure: those come to publish, which may dump)."""
         if not events:
             return
-        self._make_room(events)
-        self._ring.extend(events)
+        let_go = self._ring.extend(events)  # full: its oldest go (more records than it holds: some of these too)
+        if let_go is not None:
+            self._note_let_go(let_go)
         self._let_go_before(events[-1].timestamp_ns - self._window_ns)
 
     def publish_loss(self, lost_count: int) -> None:
@@ -189,18 +185,10 @@ class FlightRecorder:
             self._let_go_ns = record.timestamp_ns
 
     def _append(self, record: RingRecord) -> None:
-        self._make_room((record,))
-        self._ring.append(record)
+        let_go = self._ring.append(record)
+        if let_go is not None:
+            self._note_let_go(let_go)
         self._let_go_before(record.timestamp_ns - self._window_ns)
-
-    def _make_room(self, records: Sequence[RingRecord]) -> None:
-        """Notes what the ring will let go of to take `records` (full: its oldest; more records than it
-        holds: some of these too), before extending it drops them."""
-        over = len(self._ring) + len(records) - self._max_records
-        if over > 0:  # a full ring under a steady flood
-            held = self._ring.oldest_timestamps(over)
-            self._note_let_go(max(itertools.chain(
-                held, map(_TIMESTAMP_NS, itertools.islice(records, over - len(held))))))
 
     def _let_go_before(self, oldest_kept_ns: int) -> None:
         ring = self._ring

@@ -105,21 +105,26 @@ class PackedRing:
 
     # ---- taking records ----
 
-    def append(self, record: RingRecord) -> None:
-        self.extend((record,))
+    def append(self, record: RingRecord) -> int | None:
+        return self.extend((record,))
 
-    def extend(self, records: Iterable[RingRecord]) -> None:
+    def extend(self, records: Iterable[RingRecord]) -> int | None:
+        """Takes the records, letting go of the oldest past max_records (some of these too, when they are more):
+        the newest timestamp let go of, None when none was."""
         chunk = self._chunks[-1]
         data, count, per_chunk = chunk.data, chunk.count, self._chunk_records
         label_ids, label_chunks, chunk_labels = self._label_ids, self._label_chunks, chunk.labels
         pack_into = _EVENT.pack_into
         taken = 0
+        let_go: int | None = None
         for record in records:
             if count == per_chunk:  # full: frozen (a dump's copy shares it), and a new one
                 chunk.data, chunk.count = bytes(data), count
                 self._length += taken
                 taken = 0
-                self._drop_over()
+                newest = self._drop_over()
+                if newest is not None and (let_go is None or newest > let_go):
+                    let_go = newest
                 chunk = _Chunk(per_chunk)
                 self._chunks.append(chunk)
                 data, count, chunk_labels = chunk.data, 0, chunk.labels
@@ -151,7 +156,11 @@ class PackedRing:
             taken += 1
         chunk.count = count
         self._length += taken
-        self._drop_over()
+        if self._length > self.max_records:
+            newest = self._drop_over()
+            if newest is not None and (let_go is None or newest > let_go):
+                let_go = newest
+        return let_go
 
     def _keep(self, chunk: _Chunk, index: int, record: RingRecord) -> None:
         offset = index * RECORD_BYTES
@@ -160,20 +169,31 @@ class PackedRing:
         _TIMESTAMP.pack_into(chunk.data, offset + _TIMESTAMP_OFFSET, record.timestamp_ns)
         chunk.objects[index] = record
 
-    def _drop_over(self) -> None:
+    def _drop_over(self) -> int | None:
+        """Lets go of the oldest past max_records: the newest timestamp of those (events come a little out of
+        order across CPUs), None when none was."""
         over = self._length - self.max_records
+        newest: int | None = None
+        unpack_from = _TIMESTAMP.unpack_from
         while over > 0:
             first = self._chunks[0]
-            dropped = min(over, first.count - self._head)
+            head = self._head
+            dropped = min(over, first.count - head)
+            data = first.data
+            for index in range(head, head + dropped):
+                timestamp_ns = unpack_from(data, index * RECORD_BYTES + _TIMESTAMP_OFFSET)[0]
+                if newest is None or timestamp_ns > newest:
+                    newest = timestamp_ns
             if first.objects:
-                for index in range(self._head, self._head + dropped):
+                for index in range(head, head + dropped):
                     first.objects.pop(index, None)
-            self._head += dropped
+            self._head = head + dropped
             self._length -= dropped
             over -= dropped
             if self._head == first.count and len(self._chunks) > 1:
                 self._release(self._chunks.popleft())
                 self._head = 0
+        return newest
 
     def _release(self, chunk: _Chunk) -> None:
         label_chunks = self._label_chunks
@@ -205,30 +225,6 @@ class PackedRing:
             self._release(self._chunks.popleft())
             self._head = 0
         return timestamp_ns
-
-    def timestamps(self) -> Iterator[int]:
-        """The records' timestamps, oldest first (lazily: read while the ring does not change)."""
-        unpack_from = _TIMESTAMP.unpack_from
-        head = self._head
-        for chunk in list(self._chunks):
-            data = chunk.data
-            for index in range(head, chunk.count):
-                yield unpack_from(data, index * RECORD_BYTES + _TIMESTAMP_OFFSET)[0]
-            head = 0
-
-    def oldest_timestamps(self, count: int) -> list[int]:
-        """The timestamps of the `count` oldest records (all, when it holds fewer)."""
-        found: list[int] = []
-        unpack_from = _TIMESTAMP.unpack_from
-        head = self._head
-        for chunk in self._chunks:
-            data = chunk.data
-            for index in range(head, min(chunk.count, head + count - len(found))):
-                found.append(unpack_from(data, index * RECORD_BYTES + _TIMESTAMP_OFFSET)[0])
-            if len(found) >= count:
-                break
-            head = 0
-        return found
 
     # ---- a dump's copy ----
 
