@@ -8,7 +8,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace.model.events import Api, Event, EventsLost, Kind, Source, StackStatus
 from kvtrace.model.gpus import GpuMemory, NvmlProcessMemory, NvmlSample
 from kvtrace.reports.flight import FlightOptions, FlightRecorder
-from kvtrace.reports.flight_ring import RECORD_BYTES, PackedRing
+from kvtrace.reports.flight_ring import EVENT_FIELDS, RECORD_BYTES, PackedRing
 from kvtrace.reports.recording import RecordingReader
 from kvtrace.wire import event_to_proto
 
@@ -82,8 +82,9 @@ def test_letting_go_of_the_oldest_one_by_one_and_a_copy_that_does_not_change_as_
     assert list(ring) == records[:1]
 
 
-def test_a_packed_record_is_103_bytes():
+def test_a_packed_record_is_103_bytes_of_every_field_of_an_event():
     assert RECORD_BYTES == 103
+    assert tuple(field.name for field in dataclasses.fields(Event)) == EVENT_FIELDS
 
 
 def test_a_full_rings_dump_holds_exactly_the_events_put_in(tmp_path):

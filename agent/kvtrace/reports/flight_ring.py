@@ -26,6 +26,10 @@ RingRecord = Event | EventsLost | NvmlSample
 # layer, object and memory None pack as 0 (no member of theirs is 0) and read back as None.
 _EVENT = struct.Struct("<BBIIqBBBQQiqQQQQIQBBQ")
 RECORD_BYTES = _EVENT.size  # 103
+# What _EVENT packs and _decode makes, in order (tests/unit/test_flight_ring.py holds it to Event's fields).
+EVENT_FIELDS = ("kind", "api", "pid", "tid", "timestamp_ns", "layer", "object", "memory", "size_bytes", "address",
+                "device", "error_code", "caller_address", "handle", "freed_bytes", "stream", "comm", "title",
+                "container", "stack_id", "stack_status", "source", "sample_bytes")
 _TIMESTAMP = struct.Struct("<q")
 _TIMESTAMP_OFFSET = 10  # kind, api, pid, tid
 _KIND_OBJECT = 0
