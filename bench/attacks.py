@@ -263,6 +263,11 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
             totals_full=after.get("totals_full", 0),
             rss_before_mib=round(rss_before), rss_peak_mib=round(max(rss_peak)),
             load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+        # What the flight recorder's ring held at the end (its part of the RSS): a dump of it, after the peak.
+        try:
+            result["flight_ring_events"] = client.dump_flight_recorder("bench: the ring at the end").event_count
+        except Exception as error:  # the figure is an aside: the goals' figures are above
+            result["flight_ring_events"] = f"no dump: {error}"
     return result
 
 
