@@ -22,7 +22,7 @@ says so with the figures; the recorder's health says it before any dump (down, w
 would leave objects out). Deaths come in storms (any user can start thousands of processes that exit
 holding memory): one kind of trigger dumps at most MAX_DUMPS_PER_KIND times per cooldown, whichever processes.
 
-The ring holds its records packed (reports/flight_ring.py: ~110 bytes each, not an object graph of ~600), not
+The ring holds its records packed (reports/flight_ring.py: ~110 bytes each, not an object graph of ~390), not
 encoded frames: appending packs the event's fields (this runs under the Session's lock for every event); a
 trigger copies the packed chunks, and decoding and encoding happen only when a dump is written, on its own thread.
 """
@@ -75,6 +75,7 @@ _TRIGGER_NAMES = {
 }
 _ALWAYS = frozenset({service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, service_pb2.FLIGHT_TRIGGER_KIND_REQUEST})
 
+
 def trigger_name(kind: int) -> str:
     return _TRIGGER_NAMES.get(kind, "unknown")  # type: ignore[call-overload]
 
@@ -84,8 +85,8 @@ class FlightOptions:
     directory: Path = Path("/var/lib/kvtrace/flight")
     window_seconds: float = 120.0
     # Records kept at most, whatever the window: ~110 bytes each, packed (~11 MiB at the default:
-    # bench/flight_ring.py; kept as objects they took ~600 and an exit storm's full ring 64 MiB of the agent's
-    # RSS, bench/RESULTS.md §Q). A busier host keeps fewer seconds; the dump's header says how many.
+    # bench/flight_ring.py; kept as objects they took ~390 by tracemalloc, 540-960 of the agent's RSS under an
+    # exit storm, bench/RESULTS.md §Q). A busier host keeps fewer seconds; the dump's header says how many.
     max_records: int = 100_000
     max_dumps: int = 16
     max_total_bytes: int = 2 << 30
