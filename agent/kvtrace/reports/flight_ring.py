@@ -1,10 +1,11 @@
 """The flight recorder's ring, packed: its records as fixed-width bytes, not one Python object graph each (issue 31).
 
-An Event kept as itself costs ~390 bytes (tracemalloc; ~600 in the agent's RSS under an exit storm): the slotted
-object, a dozen fresh ints, its comm string. Here each is 103 bytes of a chunk (struct `_EVENT`, the Event's fields
-in order), its comm, title and container one interned label (an id into a table, kept while a chunk holds it), and
-read back as an equal Event only when a dump is written, on the recorder's thread. What does not pack (an
-EventsLost, an NvmlSample, an Event with a value outside its field's width) is kept as itself beside its chunk.
+An Event kept as itself costs ~390 bytes (tracemalloc; 540-960 of the agent's RSS under an exit storm,
+bench/RESULTS.md §Q continued): the slotted object, a dozen fresh ints, its comm string. Here each is 103 bytes of
+a chunk (struct `_EVENT`, the Event's fields in order), its comm, title and container one interned label (an id
+into a table, kept while a chunk holds it), and read back as an equal Event only when a dump is written, on the
+recorder's thread. What does not pack (an EventsLost, an NvmlSample, an Event with a value outside its field's
+width) is kept as itself beside its chunk.
 
 Chunks are written in place (a bytearray of `chunk_records` records, allocated whole) and frozen to bytes when full:
 a copy for a dump (`copy`, under the Session's lock) shares the frozen chunks and copies only the one being
