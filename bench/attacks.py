@@ -75,6 +75,7 @@ class Options:
     phantom_wait: float = 30.0
     agent_args: tuple[str, ...] = ()  # more of `kvtrace agent`'s options
     kill_fillers: bool = False  # SIGKILL (a death holding memory: the flight recorder dumps) instead of stdin closed
+    follow_all: bool = False  # the agent without --cmdline: every process's calls reach it (the storm's children too)
 
 
 @dataclass
@@ -209,7 +210,8 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
     socket = work / f"{'-'.join(attacks)}.sock"
     result: dict = {"attacks": "+".join(attacks), "seconds": options.seconds, "agent_args": options.agent_args,
                     "fillers_end": "killed" if options.kill_fillers else "exit 0"}
-    with AgentProcess(socket, "--cmdline", "hog|workload", "--no-nvml", *options.agent_args, env=env) as agent, \
+    selection = () if options.follow_all else ("--cmdline", "hog|workload")
+    with AgentProcess(socket, *selection, "--no-nvml", *options.agent_args, env=env) as agent, \
             AgentClient.for_socket(socket, timeout_seconds=60) as client:
         time.sleep(2.0)  # past its first turns and report
         before = _counters(client)
@@ -266,6 +268,13 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
             site_sample_longest_ms=after.get("site_sample_longest_ms", 0),
             rss_before_mib=round(rss_before), rss_peak_mib=round(max(rss_peak)),
             load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+        result["counters_grew"] = {name: value - before.get(name, 0) for name, value in sorted(after.items())
+                                   if value != before.get(name, 0)}
+        # What the flight recorder's ring held at the end (its part of the RSS): a dump of it, after the peak.
+        try:
+            result["flight_ring_events"] = client.dump_flight_recorder("bench: the ring at the end").event_count
+        except Exception as error:  # the figure is an aside: the goals' figures are above
+            result["flight_ring_events"] = f"no dump: {error}"
     return result
 
 
@@ -301,6 +310,9 @@ def main() -> int:
     parser.add_argument("--root-at", type=float, help="seconds into the attack (half of it by default)")
     parser.add_argument("--kill-fillers", action="store_true",
                         help="the fillers end killed (SIGKILL: deaths holding memory) instead of exiting 0")
+    parser.add_argument("--follow-all", action="store_true",
+                        help="the agent without --cmdline 'hog|workload': every process's calls reach it (with it, "
+                             "the storm's forked children are filtered in the kernel and only their totals are kept)")
     parser.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
                         help="one more argument of `kvtrace agent` (repeat it; --agent-arg=--flight-max-records ...)")
     args = parser.parse_args()
@@ -309,7 +321,8 @@ def main() -> int:
         parser.error(f"attacks are {', '.join(ATTACKS)}, two at once joined by +")
     require_bpf()
     options = Options(seconds=args.seconds, rate=args.rate, exec_children=args.exec, fill=args.fill,
-                      root_at=args.root_at, kill_fillers=args.kill_fillers, agent_args=tuple(args.agent_arg))
+                      root_at=args.root_at, kill_fillers=args.kill_fillers, agent_args=tuple(args.agent_arg),
+                      follow_all=args.follow_all)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "agent"), *sys.path]))
     work = Path(tempfile.mkdtemp(prefix="kvtrace-attacks-"))
     try:

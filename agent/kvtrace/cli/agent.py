@@ -367,7 +367,7 @@ def add_flight_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds of events the flight recorder keeps to dump (default: %(default)g)")
     parser.add_argument("--flight-max-records", metavar="N", type=bounded_int(1000, 50_000_000),
                         default=defaults.max_records,
-                        help="records it keeps at most, whatever the window; ~310 bytes each "
+                        help="records it keeps at most, whatever the window; ~110 bytes each, packed "
                              "(default: %(default)s)")
     parser.add_argument("--flight-max-dumps", metavar="N", type=bounded_int(1, 10_000), default=defaults.max_dumps,
                         help="dumps kept on disk, the oldest removed first (default: %(default)s)")

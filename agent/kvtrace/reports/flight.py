@@ -22,14 +22,13 @@ says so with the figures; the recorder's health says it before any dump (down, w
 would leave objects out). Deaths come in storms (any user can start thousands of processes that exit
 holding memory): one kind of trigger dumps at most MAX_DUMPS_PER_KIND times per cooldown, whichever processes.
 
-The ring holds model records, not encoded frames: appending costs a reference (this runs under the
-Session's lock for every event); encoding happens only when a dump is written, on its own thread.
+The ring holds its records packed (reports/flight_ring.py: ~110 bytes each, not an object graph of ~390), not
+encoded frames: appending packs the event's fields (this runs under the Session's lock for every event); a
+trigger copies the packed chunks, and decoding and encoding happen only when a dump is written, on its own thread.
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import operator
 import os
 import queue
 import secrets
@@ -37,7 +36,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,12 +46,12 @@ from kvtrace.model.events import Event, EventsLost, Kind
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.gpus import NvmlSample
 from kvtrace.model.ledger import LedgerReadRefused, LedgerResynced
+from kvtrace.reports.flight_ring import PackedRing, RingCopy, RingRecord
 from kvtrace.reports.recorder import FrameEncoder, recording_header
 from kvtrace.reports.recording import RecordingError, RecordingReader, RecordingWriter
 from kvtrace.session import Session, SessionCheckpoint
 
 log = logging.getLogger(__name__)
-_TIMESTAMP_NS = operator.attrgetter("timestamp_ns")
 
 # Dumps copied and waiting for the writer, at most: each holds a copy of the ledger.
 MAX_PENDING_DUMPS = 4
@@ -77,8 +76,6 @@ _TRIGGER_NAMES = {
 }
 _ALWAYS = frozenset({service_pb2.FLIGHT_TRIGGER_KIND_SIGNAL, service_pb2.FLIGHT_TRIGGER_KIND_REQUEST})
 
-RingRecord = Event | EventsLost | NvmlSample
-
 
 def trigger_name(kind: int) -> str:
     return _TRIGGER_NAMES.get(kind, "unknown")  # type: ignore[call-overload]
@@ -88,9 +85,9 @@ def trigger_name(kind: int) -> str:
 class FlightOptions:
     directory: Path = Path("/var/lib/kvtrace/flight")
     window_seconds: float = 120.0
-    # Records kept at most, whatever the window: ~310 bytes each (~30 MiB at the default; 200 000 took
-    # the agent past its 256 MiB goal just after a burst: bench/agent_memory.py). A busier host keeps
-    # fewer seconds; the dump's header says how many.
+    # Records kept at most, whatever the window: ~110 bytes each, packed (~11 MiB at the default:
+    # bench/flight_ring.py; kept as objects they took ~390 by tracemalloc, 540-960 of the agent's RSS under an
+    # exit storm, bench/RESULTS.md §Q). A busier host keeps fewer seconds; the dump's header says how many.
     max_records: int = 100_000
     max_dumps: int = 16
     max_total_bytes: int = 2 << 30
@@ -101,7 +98,7 @@ class FlightOptions:
 @dataclass
 class _Pending:
     trigger: service_pb2.FlightTrigger
-    records: list[RingRecord]
+    records: RingCopy  # the window's, decoded as the dump is written
     cutoff_ns: int  # the window's records are at least this new: the first checkpoint holds the older objects
     # The ledger at the trigger, copied on the writer thread (Session.checkpoint_later_locked), and, for a partial
     # copy, the line that says what it left out, given the objects copied.
@@ -139,10 +136,9 @@ class FlightRecorder:
         self.session = session
         self.options = options
         self._leak_min_age_seconds = leak_min_age_seconds
-        # Full, it drops its oldest as records come (in C); _make_room notes the newest it lets go first.
-        self._ring: deque[RingRecord] = deque(maxlen=options.max_records)
+        # Full, it lets its oldest go as records come, and says the newest time it let go of.
+        self._ring = PackedRing(options.max_records)
         self._window_ns = int(options.window_seconds * 1e9)  # read for every event: not recomputed
-        self._max_records = options.max_records
         # The newest time the ring let go of (evicted, or cleared at a resync); None while it holds all.
         self._let_go_ns: int | None = None
         self._last_dump_monotonic: dict[tuple[int, int], float] = {}  # (trigger kind, pid) -> last dump
@@ -189,8 +185,9 @@ class FlightRecorder:
         """A run of allocation-type events (never a failure: those come to publish, which may dump)."""
         if not events:
             return
-        self._make_room(events)
-        self._ring.extend(events)
+        let_go = self._ring.extend(events)  # full: its oldest go (more records than it holds: some of these too)
+        if let_go is not None:
+            self._note_let_go(let_go)
         self._let_go_before(events[-1].timestamp_ns - self._window_ns)
 
     def publish_loss(self, lost_count: int) -> None:
@@ -204,21 +201,15 @@ class FlightRecorder:
             self._let_go_ns = record.timestamp_ns
 
     def _append(self, record: RingRecord) -> None:
-        self._make_room((record,))
-        self._ring.append(record)
+        let_go = self._ring.append(record)
+        if let_go is not None:
+            self._note_let_go(let_go)
         self._let_go_before(record.timestamp_ns - self._window_ns)
-
-    def _make_room(self, records: Sequence[RingRecord]) -> None:
-        """Notes what the ring will let go of to take `records` (full: its oldest; more records than it
-        holds: some of these too), before extending it drops them."""
-        over = len(self._ring) + len(records) - self._max_records
-        if over > 0:  # a full ring under a steady flood
-            self._note_let_go(max(map(_TIMESTAMP_NS, itertools.islice(itertools.chain(self._ring, records), over))))
 
     def _let_go_before(self, oldest_kept_ns: int) -> None:
         ring = self._ring
-        while ring and ring[0].timestamp_ns < oldest_kept_ns:
-            self._note_let_go(ring.popleft().timestamp_ns)
+        while ring and ring.oldest_timestamp_ns() < oldest_kept_ns:
+            self._note_let_go(ring.popleft_timestamp_ns())
 
     def _note_let_go(self, timestamp_ns: int) -> None:
         if self._let_go_ns is None or timestamp_ns > self._let_go_ns:
@@ -226,7 +217,7 @@ class FlightRecorder:
 
     def expire(self) -> None:
         """Lets go of what is older than the window now, also when no record comes to push it out: an
-        idle agent does not hold a past burst's events (up to --flight-max-records of them, about 310
+        idle agent does not hold a past burst's events (up to --flight-max-records of them, about 110
         bytes each) for ever."""
         with self.session.lock:
             self._let_go_before(self.session.wall_clock_ns() - self._window_ns)
@@ -286,7 +277,7 @@ class FlightRecorder:
             copy, left_out = self._partial_checkpoint_locked(trigger.pid, refused)
             with self._dumps_lock:
                 self.dumps_partial_total += 1
-        records = list(self._ring)
+        records = self._ring.copy()  # packed: decoded on the writer's thread
         # Everything the window's events allocate is replayed from them: the first checkpoint holds the
         # rest. Once the ring has let go of records, those of the same nanosecond as the newest it let go
         # of (or older: events come a little out of order across CPUs) go with the checkpoint too.
@@ -294,7 +285,7 @@ class FlightRecorder:
             cutoff_ns = self._let_go_ns + 1
         else:
             cutoff_ns = min(records[0].timestamp_ns if records else trigger.timestamp_ns, trigger.timestamp_ns)
-        records = [record for record in records if record.timestamp_ns >= cutoff_ns]
+        records = records.since(cutoff_ns)
         trigger.window_seconds = max(0.0, (trigger.timestamp_ns - cutoff_ns) / 1e9)
         pending = _Pending(trigger, records, cutoff_ns, copy, left_out)
         self._pending.put(pending)
