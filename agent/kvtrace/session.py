@@ -590,6 +590,12 @@ class Session:
         with self.lock:
             return self.ledger.stream(pids)
 
+    def outstanding_rows(self, pids: Collection[int] = ()) -> Iterable[tuple]:
+        """outstanding(pids) as rows (model.ledger.entry_row's fields), for a listing in columns: the kernel's
+        entries made rows from its maps without an Outstanding each."""
+        with self.lock:
+            return self.ledger.stream_rows(pids)
+
     def entry_lookup(self) -> Callable[[LedgerKey], Outstanding | None]:
         """The lookup of one live entry by its key (LedgerStore.find), safe from any thread."""
         return self.ledger.find

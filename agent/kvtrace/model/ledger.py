@@ -21,6 +21,7 @@ and reads them from there when a report asks.
 """
 from __future__ import annotations
 
+import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -100,6 +101,25 @@ class EntryColumns(NamedTuple):
     labels: dict[int, tuple[str, str, str]]
 
 
+# An entry as a row: its fields in EntryColumns' order (enums as their numbers), one tuple. A listing in columns
+# goes through rows (Ledger.stream_rows): the kernel's entries are made rows straight from its maps' bytes,
+# without an Outstanding each.
+ENTRY_ROW_FIELDS = ("key.pid", "tid", "key.layer", "key.object", "memory", "api", "size_bytes", "key.address",
+                    "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle",
+                    "stream", "sample_bytes", "sampled")
+entry_row: Callable[[Outstanding], tuple] = operator.attrgetter(*ENTRY_ROW_FIELDS)  # one C call an entry
+ROW_PID, ROW_LAYER, ROW_STACK_ID = 0, 2, 11  # where those fields are in a row
+
+
+def entry_from_row(row: tuple) -> Outstanding:
+    """The entry a row is (ValueError for an enum value this build does not know)."""
+    (pid, tid, layer, kind, memory, api, size_bytes, address, device, timestamp_ns, caller_address, stack_id,
+     mapped_count, released, handle, stream, sample_bytes, sampled) = row
+    return Outstanding(LedgerKey(pid, Layer(layer), ObjectKind(kind), address), size_bytes, timestamp_ns, device,
+                       Api(api), Memory(memory), tid, caller_address, mapped_count, bool(released), handle, stack_id,
+                       stream, sample_bytes, bool(sampled))
+
+
 # tuple.__new__(LedgerKey, (...)) makes the same key as LedgerKey(...) at half the cost (no Python-level
 # __new__): used where a key is made for every event.
 _new_tuple = tuple.__new__
@@ -154,6 +174,10 @@ class LedgerStore(Protocol):
 
     def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live entry of `pids` (empty: all), to go through outside the lock (copies or reads afresh)."""
+        ...
+
+    def stream_rows(self, pids: Collection[int] = ()) -> Iterable[tuple]:
+        """stream(pids) as rows (entry_row's), the same entries."""
         ...
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
@@ -367,6 +391,9 @@ class Ledger:
     def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live entry of `pids` (empty: all): here, a copy of the kept ones."""
         return self.kept(pids)
+
+    def stream_rows(self, pids: Collection[int] = ()) -> Iterable[tuple]:
+        return map(entry_row, self.stream(pids))
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every live entry of `pids`, as a new list: here every entry is kept, and a copy needs no limit."""

@@ -4,8 +4,9 @@ the file reports/memory_viz.py describes, for a million blocks in seconds.
 memory_viz.snapshot_dict makes the structure from the model's segments and blocks, and pickle.dump writes it:
 a model object per ledger entry, then two dicts per block, then the pickler's pass over them. Here the
 entries come in columns (model.ledger.EntryColumns), the blocks' numbers are kept in arrays (no Python object
-per block), and the pickle is written from those (reports/viz_pickle.py): what reads it back (pickle.loads, PyTorch's tools, the
-viewer) finds the same structure, element for element (tests/unit/test_memory_viz_pages.py holds it).
+per block), and the pickle is written from those (reports/viz_pickle.py): what reads it back (pickle.loads,
+PyTorch's tools, the viewer) finds the same structure, element for element
+(tests/unit/test_memory_viz_pages.py holds it).
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ class ExportBuilder:
     A page is taken as it comes, while the agent reads the next one: its blocks' numbers appended to two tables
     of arrays, in the page's address order to one and in its time order to the other. `finish` merges the
     pages' orders (a sort of runs already sorted, of block positions), nests the blocks in their segments (one
-    in none is left out, as segments_of leaves it outside) and says how many; `VizExport.write` lays each segment out (gaps, a
-    rounding clipped by the next block), checks it as snapshot_dict does, and writes the pickle in one pass
-    (reports/viz_pickle.py)."""
+    in none is left out, as segments_of leaves it outside) and says how many; `VizExport.write` lays each
+    segment out (gaps, a rounding clipped by the next block), checks it as snapshot_dict does, and writes the
+    pickle in one pass (reports/viz_pickle.py)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

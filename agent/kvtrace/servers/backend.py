@@ -31,6 +31,10 @@ class AgentState(Protocol):
         """Every live ledger entry, as a copy (the server sorts, filters and pages it)."""
         ...
 
+    def outstanding_rows(self, pids: Collection[int] = ()) -> Iterable[tuple]:
+        """outstanding(pids) as rows (model.ledger.entry_row's fields): what a listing in columns reads."""
+        ...
+
     def process(self, pid: int) -> ProcessInfo | None:
         """Title, comm and container of `pid` from the cache, None if unknown."""
         ...

@@ -23,6 +23,7 @@ Every public name is re-exported here: `from kvtrace import wire; wire.event_to_
 from __future__ import annotations
 
 from kvtrace.wire.agent import (
+    add_processes,
     columns_from_snapshot,
     cross_checks_to_proto,
     gpu_to_proto,
@@ -34,6 +35,7 @@ from kvtrace.wire.agent import (
     outstanding_to_proto,
     process_growth_to_proto,
     process_to_proto,
+    rows_to_columns,
     suspect_to_proto,
 )
 from kvtrace.wire.columns import (
@@ -103,6 +105,7 @@ from kvtrace.wire.vllm import (
 
 __all__ = [
     "FixedColumnsBatch",
+    "add_processes",
     "columns_event_count",
     "columns_from_snapshot",
     "cross_checks_to_proto",
@@ -148,6 +151,7 @@ __all__ = [
     "role_bytes_from_proto",
     "role_bytes_to_json",
     "role_bytes_to_proto",
+    "rows_to_columns",
     "runs_to_fixed_columns",
     "stack_from_proto",
     "stack_message",

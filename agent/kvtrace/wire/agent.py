@@ -7,7 +7,6 @@ kvtrace.wire.columns) and vLLM's (kvtrace.wire.vllm).
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
@@ -17,7 +16,7 @@ from kvtrace.model.crosscheck import ProcessCrossCheck, Side
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakReport, LeakSuspect, ProcessGpu
-from kvtrace.model.ledger import EntryColumns, LedgerKey, Outstanding
+from kvtrace.model.ledger import ENTRY_ROW_FIELDS, EntryColumns, LedgerKey, Outstanding, entry_row
 from kvtrace.model.processes import ProcessInfo, valid_text
 from kvtrace.wire.common import saturated_s64, saturated_u64, wire_number
 from kvtrace.wire.depth import depth_to_proto, depths_to_proto
@@ -83,31 +82,36 @@ _APIS = {int(member): member for member in Api}
 _MEMORIES = {int(member): member for member in Memory}
 
 
-# OutstandingColumns' number columns in its field order, each the Outstanding attribute it is (dotted: of the key).
-_COLUMN_ATTRIBUTES = (
-    ("pid", "key.pid"), ("tid", "tid"), ("layer", "key.layer"), ("object", "key.object"), ("memory", "memory"),
-    ("api", "api"), ("size_bytes", "size_bytes"), ("address", "key.address"), ("device", "device"),
-    ("timestamp_ns", "timestamp_ns"), ("caller_address", "caller_address"), ("stack_id", "stack_id"),
-    ("mapped_count", "mapped_count"), ("released", "released"), ("handle", "handle"), ("stream", "stream"),
-    ("sample_bytes", "sample_bytes"), ("sampled", "sampled"))
-_COLUMN_NAMES = tuple(name for name, _ in _COLUMN_ATTRIBUTES)
-_ROW_OF = operator.attrgetter(*(attribute for _, attribute in _COLUMN_ATTRIBUTES))  # one C call per entry
+# OutstandingColumns' number columns in its field order: a row's fields (model.ledger.entry_row), in order.
+_COLUMN_NAMES = tuple(name.rpartition(".")[2] for name in ENTRY_ROW_FIELDS)
 
 
 def outstanding_to_columns(entries: Sequence[Outstanding], processes: Mapping[int, ProcessInfo | None],
                            message: service_pb2.OutstandingColumns) -> None:
     """A snapshot page's entries into `message` (SNAPSHOT_ENCODING_COLUMNS): one C call per entry to read its
-    fields, a transpose and a packed extend per column; a column that is all defaults stays empty. `processes`:
-    the known ones of the page's pids (None: no longer readable, no label)."""
-    if not entries:
-        return
-    columns = dict(zip(_COLUMN_NAMES, zip(*map(_ROW_OF, entries), strict=True), strict=True))
+    fields, then rows_to_columns. `processes`: the known ones of the page's pids (None: no longer readable, no
+    label)."""
+    rows_to_columns(list(map(entry_row, entries)), message)
+    add_processes(processes, message)
+
+
+def rows_to_columns(rows: Sequence[tuple], message: service_pb2.OutstandingColumns) -> tuple[set[int], set[int]]:
+    """A snapshot page's entries as rows (model.ledger.entry_row's) into `message`'s columns: a transpose and a
+    packed extend per column; a column that is all defaults stays empty. The page's pids and stack ids (0: none)."""
+    if not rows:
+        return set(), set()
+    columns = dict(zip(_COLUMN_NAMES, zip(*rows, strict=True), strict=True))
     if any(columns["sampled"]):  # sampled means something only with a sampling mean, as in outstanding_to_proto
         pairs = zip(columns["sampled"], columns["sample_bytes"], strict=True)
         columns["sampled"] = tuple(bool(sampled and sample_bytes) for sampled, sample_bytes in pairs)
     for name, column in columns.items():
         if name == "pid" or any(column):
             getattr(message, name).extend(column)
+    return set(columns["pid"]), set(columns["stack_id"])
+
+
+def add_processes(processes: Mapping[int, ProcessInfo | None], message: service_pb2.OutstandingColumns) -> None:
+    """Each known process's labels, once (None: no longer readable, no label)."""
     add = message.processes.add
     for pid, process in processes.items():
         if process is not None:

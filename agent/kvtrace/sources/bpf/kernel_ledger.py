@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import psutil
 
@@ -38,6 +38,7 @@ from kvtrace.model.ledger import (
     LedgerReadRefused,
     Outstanding,
     TotalsKey,
+    entry_row,
     placed,
 )
 from kvtrace.sources.bpf import abi
@@ -48,9 +49,11 @@ from kvtrace.sources.bpf.decode import (
     decode_totals,
     doomed_in_chunk,
     gone_in_chunk,
+    ledger_rows_in_chunk,
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The objects the kernel keeps (their entries and totals): those that come in millions.
 COUNTED_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.BLOCK})
@@ -389,6 +392,11 @@ class KernelLedger(Ledger):
         limit): for a reader that goes through them and keeps what it computes, not the entries."""
         return _Entries(self.kept(pids), self.read_kernel, frozenset(pids))
 
+    def stream_rows(self, pids: Collection[int] = ()) -> Iterable[tuple]:
+        """stream(pids) as rows (model.ledger.entry_row's): the kernel's made from its maps' bytes in columns,
+        without an Outstanding each (a listing in columns of millions)."""
+        return _Entries([entry_row(entry) for entry in self.kept(pids)], self.read_kernel_rows, frozenset(pids))
+
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every entry of `pids` as a list: LedgerReadRefused (counted) over read_limit."""
         refused = self.copy_refused(pids)
@@ -419,6 +427,25 @@ class KernelLedger(Ledger):
             entry.stack_id = self._stack_ids.get(found[1].stack_id, 0)
         return entry
 
+    def read_kernel_rows(self, pids: Collection[int] = ()) -> Iterator[tuple]:
+        """read_kernel(pids) as rows (model.ledger.entry_row's), a chunk's in one pass over its columns."""
+        wanted = frozenset(pids) or self._followed()
+        maps = self._maps
+        if self._none_counted(wanted):
+            return
+        with self._lock:
+            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
+        for keys, values in maps.iter_ledger_chunks():
+            yield from ledger_rows_in_chunk(keys, values, self._clock, self._stack_ids, COUNTED_OBJECT_VALUES,
+                                            wanted, gone)
+
+    def _none_counted(self, wanted: frozenset[int]) -> bool:
+        """None by the kernel's totals, while they count every entry (never full, nothing taken out of them by the
+        agent, no exit's totals taken while a process that reused the pid may hold entries): no scan of an empty
+        map's buckets."""
+        return not self._totals_ever_full() and not self._adjustments and not self._gone and not any(
+            value.count for key, value in self._maps.read_totals() if not wanted or key.pid in wanted)
+
     def read_kernel(self, pids: Collection[int] = ()) -> Iterator[Outstanding]:
         """The kernel's allocations and blocks of `pids` (empty: every followed process), from any thread,
         decoded a chunk at a time, with the stacks already named (each allocation's event named its stack; one
@@ -426,11 +453,7 @@ class KernelLedger(Ledger):
         wanted = frozenset(pids) or self._followed()
         stack_ids = self._stack_ids
         maps = self._maps
-        if not self._totals_ever_full() and not self._adjustments and not self._gone and not any(
-                value.count for key, value in maps.read_totals() if not wanted or key.pid in wanted):
-            # None by the kernel's totals, while they count every entry (never full, nothing taken out of them
-            # by the agent, no exit's totals taken while a process that reused the pid may hold entries): no scan of
-            # an empty map's buckets.
+        if self._none_counted(wanted):
             return
         with self._lock:
             gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
@@ -501,15 +524,14 @@ def delete_entries(maps: KernelMaps, pids: frozenset[int], before_ns: int, devic
     return sums
 
 
-class _Entries:
-    """The entries of a KernelLedger's stream: the kept ones as copied, then the kernel's read afresh at every
-    pass (each pass is a moment's view of maps the probes go on changing)."""
+class _Entries(Generic[T]):
+    """The entries (or rows) of a KernelLedger's stream: the kept ones as copied, then the kernel's read afresh at
+    every pass (each pass is a moment's view of maps the probes go on changing)."""
 
-    def __init__(self, kept: list[Outstanding], read: Callable[[Collection[int]], Iterator[Outstanding]],
-                 pids: frozenset[int]) -> None:
+    def __init__(self, kept: list[T], read: Callable[[Collection[int]], Iterator[T]], pids: frozenset[int]) -> None:
         self._kept, self._read, self._pids = kept, read, pids
 
-    def __iter__(self) -> Iterator[Outstanding]:
+    def __iter__(self) -> Iterator[T]:
         yield from self._kept
         yield from self._read(self._pids)
 
