@@ -547,7 +547,8 @@ def test_the_kernels_entries_as_rows_are_the_entries_decoded_one_by_one():
     # value: size, time, caller, aux, tid, device, api, memory, released, sample_kib, sampled, reserved, stack
     rows = [((7, Layer.DRIVER, ObjectKind.ALLOCATION, 0, 0xA000),
              (MiB, 5, 0xC0, 0, 8, 1, Api.cuMemAlloc_v2, 1, 0, 0, 0, 0, 99)),
-            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA100), (512, 6, 0, 3, 8, -1, Api.pytorch_malloc, 1, 0, 0, 0, 0, 0)),
+            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA100),
+             (512, 6, 0, 3, 8, -1, Api.pytorch_malloc, 1, 0, 0, 0, 0, 0)),
             ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA200),  # stack sampling at 256 KiB: chosen, and passed over
              (4096, 6, 0, 3, 2**32 - 1, 1, Api.pytorch_malloc, 1, 0, 256, 1, 0, 5)),
             ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 2**64 - 4096),

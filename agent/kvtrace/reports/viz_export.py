@@ -55,6 +55,10 @@ class ExportBuilder:
     segment out (gaps, a rounding clipped by the next block), checks it as snapshot_dict does, and writes the
     pickle in one pass (reports/viz_pickle.py)."""
 
+    # The EntryColumns it reads (client.snapshot_columns need not make the others).
+    FIELDS = frozenset({"pid", "layer", "object", "memory", "size_bytes", "address", "device", "timestamp_ns",
+                        "stack_id", "stream", "sample_bytes", "sampled"})
+
     def __init__(self, pid: int) -> None:
         self.pid = pid
         # The blocks' numbers in two tables of columns (arrays: no object per block), each page's blocks in
@@ -80,12 +84,21 @@ class ExportBuilder:
             picked = list(itertools.compress(range(count), map(operator.eq, columns.pid, itertools.repeat(self.pid))))
         if picked is not None or objects.count(_BLOCK) != count:  # segments among them, or other processes
             rows: Sequence[int] = range(count) if picked is None else picked
-            blocks = list(map(operator.eq, _picked(objects, picked), itertools.repeat(_BLOCK)))
+            blocks = list(map(operator.eq, objects if picked is None else _gather(objects, picked),
+                              itertools.repeat(_BLOCK)))
             for index in itertools.compress(rows, map(operator.not_, blocks)):
                 self._segment_part(columns, index)
             picked = list(itertools.compress(rows, blocks))
 
-        stack_ids = columns.stack_id if picked is None else _gather(columns.stack_id, picked)
+        if not self.large_numbers and max((max(values, default=0) for values in (
+                columns.address, columns.size_bytes, columns.stream, columns.timestamp_ns)), default=0) >= LIMIT:
+            self.large_numbers = True  # (none in practice) then the writer looks for them
+        # The page's blocks in address order (their indexes in the page), and from that in time order (positions
+        # in the address order; stable: equal times in address order): each column read once in each.
+        by_address = _order(columns.address, picked)
+        timestamps = _gather(columns.timestamp_ns, by_address)
+        by_time = _order(timestamps)
+        stack_ids = _gather(columns.stack_id, by_address)
         frames_of_stack = self._frames_of_stack
         for stack_id in set(stack_ids) - frames_of_stack.keys():
             frames_of_stack[stack_id] = self._number(self._stack_frames(stacks.get(stack_id) if stack_id else None))
@@ -93,20 +106,16 @@ class ExportBuilder:
         passed: Sequence[bool] = [False] * len(frames)
         if any(columns.sample_bytes):
             passed = [bool(sample_bytes) and not sampled for sample_bytes, sampled in
-                      zip(_picked(columns.sample_bytes, picked), _picked(columns.sampled, picked), strict=True)]
+                      zip(_gather(columns.sample_bytes, by_address), _gather(columns.sampled, by_address),
+                          strict=True)]
             frames = [self._not_sampled if passed_over else number for number, passed_over in
                       zip(frames, passed, strict=True)]
-        if not self.large_numbers and max((max(values, default=0) for values in (
-                columns.address, columns.size_bytes, columns.stream, columns.timestamp_ns)), default=0) >= LIMIT:
-            self.large_numbers = True  # (none in practice) then the writer looks for them
-        addresses, timestamps = _picked(columns.address, picked), _picked(columns.timestamp_ns, picked)
-        requested = _picked(columns.size_bytes, picked)
-        by_address = sorted(range(len(addresses)), key=addresses.__getitem__)
-        by_time = sorted(by_address, key=timestamps.__getitem__)  # stable: equal times in address order
-        self._by_address.add(by_address, address=addresses, requested=requested, frames=frames,
-                             device=_picked(columns.device, picked), passed=passed)
-        self._by_time.add(by_time, address=addresses, requested=requested, stream=_picked(columns.stream, picked),
-                          timestamp=timestamps, frames=frames)
+        addresses, requested = _gather(columns.address, by_address), _gather(columns.size_bytes, by_address)
+        self._by_address.add(address=addresses, requested=requested, frames=frames,
+                             device=_gather(columns.device, by_address), passed=passed)
+        self._by_time.add(address=_gather(addresses, by_time), requested=_gather(requested, by_time),
+                          stream=_gather(columns.stream, _gather(by_address, by_time)),
+                          timestamp=_gather(timestamps, by_time), frames=_gather(frames, by_time))
 
     def _segment_part(self, columns: EntryColumns, index: int) -> None:
         """A segment's entry (segments_of's: a runtime device allocation, or a VMM mapping, one of a run)."""
@@ -159,27 +168,23 @@ class ExportBuilder:
         return VizExport(self, segments, len(order))
 
 
-def _order(values: Sequence[int]) -> list[int]:
-    """The numbers of `values`' items in their order (stable: equal values in the order they came). Compared as
-    floats where all differences from the least are exact in one (they are, for addresses and times: a float's
-    compare costs less than an int's of two digits or more), else as ints."""
-    if not values:
+def _order(values: Sequence[int], indexes: Sequence[int] | None = None) -> list[int]:
+    """The indexes of `values`' items (`indexes`, or all) in their order (stable: equal values in the order
+    they came). Compared as floats where all differences from the least are exact in one (they are, for
+    addresses and times: a float's compare costs less than an int's of two digits or more), else as ints."""
+    if not values or indexes is not None and not indexes:
         return []
     least = min(values)
     if max(values) - least < _EXACT_IN_FLOAT:
         keys: Sequence[float | int] = list(map(float, map(operator.sub, values, itertools.repeat(least))))
     else:
         keys = values.tolist() if isinstance(values, array.array) else values
-    return sorted(range(len(values)), key=keys.__getitem__)
+    return sorted(range(len(values)) if indexes is None else indexes, key=keys.__getitem__)
 
 
 def _gather(values: Sequence[int], order: Sequence[int]) -> Sequence[int]:
     """values[i] for each i in `order`, in one C call (a tuple; a list for fewer than two)."""
     return operator.itemgetter(*order)(values) if len(order) > 1 else [values[index] for index in order]
-
-
-def _picked(values: Sequence, picked: list[int] | None) -> Sequence:
-    return values if picked is None else _gather(values, picked)
 
 
 class _Table:
@@ -192,9 +197,10 @@ class _Table:
         self.frames = array.array("L")  # frame list numbers
         self.passed = array.array("B")  # whether the block's stack was passed over (sampled stacks)
 
-    def add(self, order: Sequence[int], **columns: Sequence[int]) -> None:
+    def add(self, **columns: Sequence[int]) -> None:
+        """A page's rows, in the table's order."""
         for name in self.names:
-            getattr(self, name).fromlist(list(_gather(columns[name], order)))
+            getattr(self, name).fromlist(list(columns[name]))
 
 
 _EXACT_IN_FLOAT = 1 << 53

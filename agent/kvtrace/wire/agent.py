@@ -7,7 +7,7 @@ kvtrace.wire.columns) and vLLM's (kvtrace.wire.vllm).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
@@ -118,26 +118,31 @@ def add_processes(processes: Mapping[int, ProcessInfo | None], message: service_
             add(pid=pid, comm=process.comm, title=process.title, container=process.container)
 
 
-def columns_from_snapshot(response: service_pb2.GetSnapshotResponse) -> EntryColumns:
+def columns_from_snapshot(response: service_pb2.GetSnapshotResponse,
+                          fields: Collection[str] | None = None) -> EntryColumns:
     """A snapshot page's entries in columns, whichever way it carried them: `columns`, or `allocations` (an agent
     older than SNAPSHOT_ENCODING_COLUMNS, which sends those whatever was asked). ValueError for columns of
-    different lengths."""
+    different lengths. `fields`: the EntryColumns a reader uses (None: all); the others are left empty (a
+    million entries' columns cost what their numbers do)."""
+    names = _COLUMN_NAMES if fields is None else [name for name in _COLUMN_NAMES if name in fields]
     if len(response.allocations):
         rows = response.allocations
         labels: dict[int, tuple[str, str, str]] = {}
         for row in rows:
             labels.setdefault(row.pid, (row.comm, row.title, row.container))
-        return EntryColumns._make([*([getattr(row, name) for row in rows] for name in _COLUMN_NAMES), labels])
-    columns = response.columns
-    count = len(columns.pid)
-    lists = []
-    for name in _COLUMN_NAMES:
-        values = getattr(columns, name)
-        if len(values) not in (0, count):
-            raise ValueError(f"OutstandingColumns.{name} has {len(values)} entries for {count} objects")
-        lists.append(list(values) if len(values) else [False if name in ("released", "sampled") else 0] * count)
-    labels = {label.pid: (label.comm, label.title, label.container) for label in columns.processes}
-    return EntryColumns._make([*lists, labels])
+        lists = {name: [getattr(row, name) for row in rows] for name in names}
+    else:
+        columns = response.columns
+        count = len(columns.pid)
+        lists = {}
+        for name in _COLUMN_NAMES:
+            values = getattr(columns, name)
+            if len(values) not in (0, count):
+                raise ValueError(f"OutstandingColumns.{name} has {len(values)} entries for {count} objects")
+            if name in names:
+                lists[name] = list(values) if len(values) else [False if name in ("released", "sampled") else 0] * count
+        labels = {label.pid: (label.comm, label.title, label.container) for label in columns.processes}
+    return EntryColumns._make([*(lists.get(name, []) for name in _COLUMN_NAMES), labels])
 
 
 def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:
