@@ -21,6 +21,7 @@ The BPF source makes one while its probes are loaded (BpfSource.start) and gives
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -428,16 +429,17 @@ class KernelLedger(Ledger):
         return entry
 
     def read_kernel_rows(self, pids: Collection[int] = ()) -> Iterator[tuple]:
-        """read_kernel(pids) as rows (model.ledger.entry_row's), a chunk's in one pass over its columns."""
+        """read_kernel(pids) as rows (model.ledger.entry_row's), a chunk's in one pass over its columns; the rows
+        chained in C (no Python step per row), the maps read as they are gone through."""
         wanted = frozenset(pids) or self._followed()
-        maps = self._maps
         if self._none_counted(wanted):
-            return
+            return iter(())
         with self._lock:
             gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
-        for keys, values in maps.iter_ledger_chunks():
-            yield from ledger_rows_in_chunk(keys, values, self._clock, self._stack_ids, COUNTED_OBJECT_VALUES,
-                                            wanted, gone)
+        clock, stack_ids = self._clock, self._stack_ids
+        return itertools.chain.from_iterable(
+            ledger_rows_in_chunk(keys, values, clock, stack_ids, COUNTED_OBJECT_VALUES, wanted, gone)
+            for keys, values in self._maps.iter_ledger_chunks())
 
     def _none_counted(self, wanted: frozenset[int]) -> bool:
         """None by the kernel's totals, while they count every entry (never full, nothing taken out of them by the
@@ -532,6 +534,5 @@ class _Entries(Generic[T]):
         self._kept, self._read, self._pids = kept, read, pids
 
     def __iter__(self) -> Iterator[T]:
-        yield from self._kept
-        yield from self._read(self._pids)
+        return itertools.chain(self._kept, self._read(self._pids))  # (the kernel's read when iteration starts)
 
