@@ -537,12 +537,17 @@ def test_counters_go_on_across_tracing_switched_off_and_on_again():
     assert counts.allocations_total == {(1, Layer.DRIVER): 1}
 
 
-def test_the_kernels_entries_as_rows_are_the_entries_decoded_one_by_one():
-    """A listing in columns reads the kernel's entries as rows, straight from the chunk's bytes (decode.py
-    ledger_rows_in_chunk): each row is entry_row of the entry decode_ledger_chunk makes, its stack named, with
+def test_the_kernels_entries_in_columns_are_the_entries_decoded_one_by_one():
+    """A listing in columns reads the kernel's entries in columns, straight from the chunk's bytes (decode.py
+    ledger_batch_in_chunk): each row is entry_row of the entry decode_ledger_chunk makes, its stack named, with
     the same entries left out (other objects, other pids, values this build does not know, a gone process's)."""
     from kvtrace.model.ledger import entry_from_row, entry_row
-    from kvtrace.sources.bpf.decode import decode_ledger_chunk, ledger_rows_in_chunk
+    from kvtrace.sources.bpf.decode import decode_ledger_chunk, ledger_batch_in_chunk
+
+    def ledger_rows_in_chunk(*arguments):
+        batch = ledger_batch_in_chunk(*arguments)
+        assert {len(column) for column in batch.columns} == {batch.count}
+        return list(batch.rows())
 
     # value: size, time, caller, aux, tid, device, api, memory, released, sample_kib, sampled, reserved, stack
     rows = [((7, Layer.DRIVER, ObjectKind.ALLOCATION, 0, 0xA000),
@@ -590,9 +595,9 @@ def test_the_kernels_entries_as_rows_are_the_entries_decoded_one_by_one():
     assert list(ledger_rows_in_chunk(b"", b"", clock, stack_ids, counted)) == []
 
 
-def test_a_stream_of_rows_is_the_stream_of_entries():
-    """KernelLedger.stream_rows (a listing in columns) goes through the same entries as stream, as rows: the kept
-    ones and the kernel's, of the pids asked for."""
+def test_a_stream_of_batches_is_the_stream_of_entries():
+    """KernelLedger.stream_batches (a listing in columns) goes through the same entries as stream, in batches of
+    rows in columns: the kept ones and the kernel's, of the pids asked for."""
     from kvtrace.model.ledger import entry_row
 
     kernel = Kernel()
@@ -603,5 +608,6 @@ def test_a_stream_of_rows_is_the_stream_of_entries():
         ledger.apply(event)
     ledger.apply(kernel.alloc(100, Layer.VMM, 0x99000, MiB, obj=ObjectKind.VMM_MAPPING, api=Api.cuMemMap))
     for pids in [(), (100,), (101, 102), (7,)]:
-        assert sorted(ledger.stream_rows(pids)) == sorted(map(entry_row, ledger.stream(pids))), pids
-        assert len(list(ledger.stream_rows(pids))) == len(list(ledger.stream(pids)))
+        rows = [row for batch in ledger.stream_batches(pids) for row in batch.rows()]
+        assert sorted(rows) == sorted(map(entry_row, ledger.stream(pids))), pids
+        assert len(rows) == len(list(ledger.stream(pids)))

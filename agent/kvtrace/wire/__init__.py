@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from kvtrace.wire.agent import (
     add_processes,
+    batches_to_columns,
     columns_from_snapshot,
     cross_checks_to_proto,
     gpu_to_proto,
@@ -35,7 +36,6 @@ from kvtrace.wire.agent import (
     outstanding_to_proto,
     process_growth_to_proto,
     process_to_proto,
-    rows_to_columns,
     suspect_to_proto,
 )
 from kvtrace.wire.columns import (
@@ -106,6 +106,7 @@ from kvtrace.wire.vllm import (
 __all__ = [
     "FixedColumnsBatch",
     "add_processes",
+    "batches_to_columns",
     "columns_event_count",
     "columns_from_snapshot",
     "cross_checks_to_proto",
@@ -151,7 +152,6 @@ __all__ = [
     "role_bytes_from_proto",
     "role_bytes_to_json",
     "role_bytes_to_proto",
-    "rows_to_columns",
     "runs_to_fixed_columns",
     "stack_from_proto",
     "stack_message",

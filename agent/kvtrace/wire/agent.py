@@ -7,6 +7,7 @@ kvtrace.wire.columns) and vLLM's (kvtrace.wire.vllm).
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
@@ -16,7 +17,7 @@ from kvtrace.model.crosscheck import ProcessCrossCheck, Side
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakReport, LeakSuspect, ProcessGpu
-from kvtrace.model.ledger import ENTRY_ROW_FIELDS, EntryColumns, LedgerKey, Outstanding, entry_row
+from kvtrace.model.ledger import ENTRY_ROW_FIELDS, EntryColumns, LedgerKey, Outstanding, RowBatch, entry_row
 from kvtrace.model.processes import ProcessInfo, valid_text
 from kvtrace.wire.common import saturated_s64, saturated_u64, wire_number
 from kvtrace.wire.depth import depth_to_proto, depths_to_proto
@@ -84,30 +85,38 @@ _MEMORIES = {int(member): member for member in Memory}
 
 # OutstandingColumns' number columns in its field order: a row's fields (model.ledger.entry_row), in order.
 _COLUMN_NAMES = tuple(name.rpartition(".")[2] for name in ENTRY_ROW_FIELDS)
+_PID, _STACK_ID, _SAMPLE_BYTES = (_COLUMN_NAMES.index(name) for name in ("pid", "stack_id", "sample_bytes"))
 
 
 def outstanding_to_columns(entries: Sequence[Outstanding], processes: Mapping[int, ProcessInfo | None],
                            message: service_pb2.OutstandingColumns) -> None:
     """A snapshot page's entries into `message` (SNAPSHOT_ENCODING_COLUMNS): one C call per entry to read its
-    fields, then rows_to_columns. `processes`: the known ones of the page's pids (None: no longer readable, no
-    label)."""
-    rows_to_columns(list(map(entry_row, entries)), message)
+    fields, then batches_to_columns. `processes`: the known ones of the page's pids (None: no longer readable,
+    no label)."""
+    batches_to_columns([RowBatch.of_rows(map(entry_row, entries))], message)
     add_processes(processes, message)
 
 
-def rows_to_columns(rows: Sequence[tuple], message: service_pb2.OutstandingColumns) -> tuple[set[int], set[int]]:
-    """A snapshot page's entries as rows (model.ledger.entry_row's) into `message`'s columns: a transpose and a
-    packed extend per column; a column that is all defaults stays empty. The page's pids and stack ids (0: none)."""
-    if not rows:
-        return set(), set()
-    columns = dict(zip(_COLUMN_NAMES, zip(*rows, strict=True), strict=True))
-    if any(columns["sampled"]):  # sampled means something only with a sampling mean, as in outstanding_to_proto
-        pairs = zip(columns["sampled"], columns["sample_bytes"], strict=True)
-        columns["sampled"] = tuple(bool(sampled and sample_bytes) for sampled, sample_bytes in pairs)
-    for name, column in columns.items():
-        if name == "pid" or any(column):
-            getattr(message, name).extend(column)
-    return set(columns["pid"]), set(columns["stack_id"])
+def batches_to_columns(batches: Sequence[RowBatch],
+                       message: service_pb2.OutstandingColumns) -> tuple[set[int], set[int]]:
+    """A snapshot page's entries, batches of rows in columns (model.ledger.RowBatch), into `message`'s columns: a
+    packed extend per column and batch; a column that is all defaults stays empty. The page's pids and stack ids
+    (0: none)."""
+    pids: set[int] = set()
+    stack_ids: set[int] = set()
+    for index, name in enumerate(_COLUMN_NAMES):
+        columns = [batch.columns[index] for batch in batches]
+        if name == "sampled" and any(map(any, columns)):  # meant only with a sampling mean (outstanding_to_proto)
+            columns = [list(map(bool, map(operator.and_, map(bool, column), map(bool, batch.columns[_SAMPLE_BYTES]))))
+                       for column, batch in zip(columns, batches, strict=True)]
+        if name == "pid" or any(map(any, columns)):
+            field = getattr(message, name)
+            for column in columns:
+                field.extend(column)
+    for batch in batches:
+        pids.update(batch.columns[_PID])
+        stack_ids.update(batch.columns[_STACK_ID])
+    return pids, stack_ids
 
 
 def add_processes(processes: Mapping[int, ProcessInfo | None], message: service_pb2.OutstandingColumns) -> None:

@@ -22,7 +22,7 @@ from kvtrace.model.events import (
     StackStatus,
     comm_text,
 )
-from kvtrace.model.ledger import LedgerKey, Outstanding, TotalsKey
+from kvtrace.model.ledger import ENTRY_ROW_FIELDS, LedgerKey, Outstanding, RowBatch, TotalsKey
 from kvtrace.sources.bpf import abi
 
 
@@ -302,17 +302,17 @@ def decode_ledger_chunk(keys: bytes, values: bytes, clock: Clock, objects: froze
         yield entry, stack_id
 
 
-def ledger_rows_in_chunk(keys: bytes, values: bytes, clock: Clock, stack_ids: Mapping[int, int],
-                         objects: frozenset[int], pids: Collection[int] = (),
-                         gone: Mapping[int, int] | None = None) -> Iterator[tuple]:
-    """decode_ledger_chunk's entries as rows (model.ledger.entry_row's fields, in order), the stacks named by
-    `stack_ids` (kernel stack id -> the agent's), those of a pid in `gone` at most its wall time old left out:
-    each field is read from the chunk's bytes as a column, in one C call (a strided view of the arrays), and the
-    rows are those columns zipped; no Outstanding, nor a Python step, per entry where every entry of the chunk
-    is taken (where some are not, one step each picks them)."""
+def ledger_batch_in_chunk(keys: bytes, values: bytes, clock: Clock, stack_ids: Mapping[int, int],
+                          objects: frozenset[int], pids: Collection[int] = (),
+                          gone: Mapping[int, int] | None = None) -> RowBatch:
+    """decode_ledger_chunk's entries as a batch of rows in columns (model.ledger.entry_row's fields, in order),
+    the stacks named by `stack_ids` (kernel stack id -> the agent's), those of a pid in `gone` at most its wall
+    time old left out: each field is read from the chunk's bytes as a column, in one C call (a strided view of
+    the arrays); no Outstanding, nor tuple, nor a Python step, per entry where every entry of the chunk is taken
+    (where some are not, one step each picks them)."""
     count = len(keys) // _KEY_BYTES
     if not count:
-        return iter(())
+        return RowBatch([[] for _ in ENTRY_ROW_FIELDS], 0)
     key_words, key_bytes = memoryview(keys).cast("I"), memoryview(keys).cast("B")
     value_words = memoryview(values).cast("Q")
     value_u32, value_s32 = memoryview(values).cast("I"), memoryview(values).cast("i")
@@ -348,14 +348,13 @@ def ledger_rows_in_chunk(keys: bytes, values: bytes, clock: Clock, stack_ids: Ma
         stream = list(map(operator.mul, aux, map(operator.eq, kind, itertools.repeat(block))))
     else:
         stream = [0] * count
-    # (the kernel keeps allocations and blocks only: no VMM handle's mapped count, no mapping's handle)
-    rows = zip(pid, value_u32[8::v // 4].tolist(), layer, kind, memory, api, value_words[0::v // 8].tolist(),
-               memoryview(keys).cast("Q")[1::k // 8].tolist(), value_s32[9::v // 4].tolist(), timestamp,
-               value_words[2::v // 8].tolist(), stacks, itertools.repeat(0, count),
-               map(bool, value_bytes[43::v].tolist()), itertools.repeat(0, count), stream,
-               map(operator.mul, sample_kib, itertools.repeat(1024)),
-               map(bool, map(operator.mul, value_bytes[46::v].tolist(), sample_kib)), strict=True)
-    return rows if taken is None else itertools.compress(rows, taken)
+    none = [0] * count  # (the kernel keeps allocations and blocks only: no VMM handle's mapped count, nor handle)
+    batch = RowBatch([pid, value_u32[8::v // 4].tolist(), layer, kind, memory, api, value_words[0::v // 8].tolist(),
+                      memoryview(keys).cast("Q")[1::k // 8].tolist(), value_s32[9::v // 4].tolist(), timestamp,
+                      value_words[2::v // 8].tolist(), stacks, none, list(map(bool, value_bytes[43::v].tolist())),
+                      none, stream, list(map(operator.mul, sample_kib, itertools.repeat(1024))),
+                      list(map(bool, map(operator.mul, value_bytes[46::v].tolist(), sample_kib)))], count)
+    return batch if taken is None else batch.where(taken)
 
 
 def stacks_in_chunk(keys: bytes, values: bytes, objects: frozenset[int],

@@ -38,6 +38,7 @@ from kvtrace.model.ledger import (
     LedgerKey,
     LedgerReadRefused,
     Outstanding,
+    RowBatch,
     TotalsKey,
     entry_row,
     placed,
@@ -50,7 +51,7 @@ from kvtrace.sources.bpf.decode import (
     decode_totals,
     doomed_in_chunk,
     gone_in_chunk,
-    ledger_rows_in_chunk,
+    ledger_batch_in_chunk,
 )
 
 log = logging.getLogger(__name__)
@@ -393,10 +394,12 @@ class KernelLedger(Ledger):
         limit): for a reader that goes through them and keeps what it computes, not the entries."""
         return _Entries(self.kept(pids), self.read_kernel, frozenset(pids))
 
-    def stream_rows(self, pids: Collection[int] = ()) -> Iterable[tuple]:
-        """stream(pids) as rows (model.ledger.entry_row's): the kernel's made from its maps' bytes in columns,
-        without an Outstanding each (a listing in columns of millions)."""
-        return _Entries([entry_row(entry) for entry in self.kept(pids)], self.read_kernel_rows, frozenset(pids))
+    def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
+        """stream(pids) in batches of rows in columns (model.ledger.RowBatch): the kernel's a chunk at a time, made
+        from its maps' bytes, without an Outstanding, or a tuple, each (a listing in columns of millions)."""
+        kept = self.kept(pids)
+        return _Entries([RowBatch.of_rows(map(entry_row, kept))] if kept else [], self.read_kernel_batches,
+                        frozenset(pids))
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every entry of `pids` as a list: LedgerReadRefused (counted) over read_limit."""
@@ -428,18 +431,17 @@ class KernelLedger(Ledger):
             entry.stack_id = self._stack_ids.get(found[1].stack_id, 0)
         return entry
 
-    def read_kernel_rows(self, pids: Collection[int] = ()) -> Iterator[tuple]:
-        """read_kernel(pids) as rows (model.ledger.entry_row's), a chunk's in one pass over its columns; the rows
-        chained in C (no Python step per row), the maps read as they are gone through."""
+    def read_kernel_batches(self, pids: Collection[int] = ()) -> Iterator[RowBatch]:
+        """read_kernel(pids) a chunk at a time, as batches of rows in columns (model.ledger.RowBatch); the maps
+        read as they are gone through."""
         wanted = frozenset(pids) or self._followed()
         if self._none_counted(wanted):
             return iter(())
         with self._lock:
             gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
         clock, stack_ids = self._clock, self._stack_ids
-        return itertools.chain.from_iterable(
-            ledger_rows_in_chunk(keys, values, clock, stack_ids, COUNTED_OBJECT_VALUES, wanted, gone)
-            for keys, values in self._maps.iter_ledger_chunks())
+        return (ledger_batch_in_chunk(keys, values, clock, stack_ids, COUNTED_OBJECT_VALUES, wanted, gone)
+                for keys, values in self._maps.iter_ledger_chunks())
 
     def _none_counted(self, wanted: frozenset[int]) -> bool:
         """None by the kernel's totals, while they count every entry (never full, nothing taken out of them by the
