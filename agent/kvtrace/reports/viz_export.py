@@ -292,7 +292,8 @@ class VizExport:
                       for device in range(device_count)]
         return [{"addr": _gather(table.address, each), "size": _gather(table.requested, each),
                  "stream": _gather(table.stream, each),
-                 "time_us": list(map(operator.floordiv, _gather(timestamps, each), itertools.repeat(1000))),
+                 "time_us": list(map(operator.floordiv, times if each is order else _gather(timestamps, each),
+                                     itertools.repeat(1000))),
                  "frames": _gather(table.frames, each)} for each in orders]
 
 
