@@ -3,12 +3,12 @@ pickle.dump of snapshot_dict's structure reads back as (pickle.loads gives an eq
 the two million dicts of a million blocks made first.
 
 A block's dict, and its trace entry, are the same bytes but for a few numbers: a run of them is one
-template repeated, each number column laid into its place by strided copies of its bytes (array), with no
-Python step per block. Numbers in
-a run are LONG1 of 8 bytes (little-endian two's complement, so below 2**63);
-a key, a state, an action and a stack's frames are memo references (the pickle stores each once, as
-pickle.dump does). What breaks a run is written one at a time: a gap (an inactive block), the first
-block of a stack whose frames are not yet written, a number of 2**63 or more (none in practice).
+template repeated, each number column laid into its place by strided copies of its bytes (array,
+bytearray), with no Python step per block. Numbers in a run are LONG1 of 8 bytes (little-endian two's
+complement, so below 2**63); a key, a state, an action and a stack's frames are memo references (the
+pickle stores each once, as pickle.dump does). What breaks a run is written one at a time: a gap (an
+inactive block), the first block of a stack whose frames are not yet written, a number of 2**63 or more
+(none in practice).
 
 Only opcodes PyTorch's JavaScript viewer reads are written (MemoryViz.js `unpickle`: no FRAME needed, a
 LONG1 of at most 8 bytes reads as a Number), and lists are filled 1000 items at a time as pickle.dump
