@@ -611,3 +611,22 @@ def test_a_stream_of_batches_is_the_stream_of_entries():
         rows = [row for batch in ledger.stream_batches(pids) for row in batch.rows()]
         assert sorted(rows) == sorted(map(entry_row, ledger.stream(pids))), pids
         assert len(rows) == len(list(ledger.stream(pids)))
+
+
+def test_kept_entries_come_in_batches_made_as_they_are_reached():
+    """A plain Ledger's entries (a replay, --no-ledger-in-kernel) in batches of ROW_BATCH_ENTRIES, each made when
+    reached, at every pass: a listing in columns holds one batch at a time, not every row at once."""
+    from kvtrace.model.ledger import ROW_BATCH_ENTRIES, entry_row
+
+    ledger = Ledger()
+    count = 2 * ROW_BATCH_ENTRIES + 5
+    for index in range(count):
+        ledger.apply(Event(kind=Kind.ALLOC, api=Api.cudaMalloc, pid=100 + index % 2, tid=1, timestamp_ns=index,
+                           layer=Layer.RUNTIME, object=ObjectKind.ALLOCATION, memory=Memory.DEVICE, size_bytes=MiB,
+                           address=0x1000 * (index + 1), device=0))
+    batches = ledger.stream_batches()
+    for _ in range(2):  # each pass the same
+        counts = [batch.count for batch in batches]
+        assert counts == [ROW_BATCH_ENTRIES, ROW_BATCH_ENTRIES, 5]
+        assert [row for batch in batches for row in batch.rows()] == list(map(entry_row, ledger.stream()))
+    assert sum(batch.count for batch in ledger.stream_batches((101,))) == count // 2

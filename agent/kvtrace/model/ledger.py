@@ -139,6 +139,22 @@ class RowBatch:
         return RowBatch(columns, len(columns[0]))
 
 
+ROW_BATCH_ENTRIES = 4096  # entries a batch of kept ones holds (a chunk of the kernel's holds as many)
+
+
+class EntryBatches:
+    """`entries` in batches of rows in columns, each made as it is reached, at every pass (a listing of a million
+    kept entries holds their references, and one batch, at a time: not all their rows at once)."""
+
+    def __init__(self, entries: list[Outstanding]) -> None:
+        self._entries = entries
+
+    def __iter__(self) -> Iterator[RowBatch]:
+        entries = self._entries
+        return (RowBatch.of_rows(map(entry_row, entries[start:start + ROW_BATCH_ENTRIES]))
+                for start in range(0, len(entries), ROW_BATCH_ENTRIES))
+
+
 def entry_from_row(row: tuple) -> Outstanding:
     """The entry a row is (ValueError for an enum value this build does not know)."""
     (pid, tid, layer, kind, memory, api, size_bytes, address, device, timestamp_ns, caller_address, stack_id,
@@ -421,7 +437,7 @@ class Ledger:
         return self.kept(pids)
 
     def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
-        return [RowBatch.of_rows(map(entry_row, self.stream(pids)))]
+        return EntryBatches(self.kept(pids))
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every live entry of `pids`, as a new list: here every entry is kept, and a copy needs no limit."""

@@ -34,13 +34,13 @@ import psutil
 from kvtrace.model.events import Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import (
     DEFAULT_MAX_READ_ENTRIES,
+    EntryBatches,
     Ledger,
     LedgerKey,
     LedgerReadRefused,
     Outstanding,
     RowBatch,
     TotalsKey,
-    entry_row,
     placed,
 )
 from kvtrace.sources.bpf import abi
@@ -397,9 +397,7 @@ class KernelLedger(Ledger):
     def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
         """stream(pids) in batches of rows in columns (model.ledger.RowBatch): the kernel's a chunk at a time, made
         from its maps' bytes, without an Outstanding, or a tuple, each (a listing in columns of millions)."""
-        kept = self.kept(pids)
-        return _Entries([RowBatch.of_rows(map(entry_row, kept))] if kept else [], self.read_kernel_batches,
-                        frozenset(pids))
+        return _Entries(EntryBatches(self.kept(pids)), self.read_kernel_batches, frozenset(pids))
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every entry of `pids` as a list: LedgerReadRefused (counted) over read_limit."""
@@ -532,7 +530,7 @@ class _Entries(Generic[T]):
     """The entries (or rows) of a KernelLedger's stream: the kept ones as copied, then the kernel's read afresh at
     every pass (each pass is a moment's view of maps the probes go on changing)."""
 
-    def __init__(self, kept: list[T], read: Callable[[Collection[int]], Iterator[T]], pids: frozenset[int]) -> None:
+    def __init__(self, kept: Iterable[T], read: Callable[[Collection[int]], Iterator[T]], pids: frozenset[int]) -> None:
         self._kept, self._read, self._pids = kept, read, pids
 
     def __iter__(self) -> Iterator[T]:
