@@ -18,7 +18,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,13 +231,15 @@ class AgentClient:
             pending.cancel()  # a caller that stopped early: the page read ahead is not waited for
 
     def snapshot_columns(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
-                         page_size: int = SNAPSHOT_PAGE_MAX) -> Iterator[tuple[EntryColumns, dict[int, Stack]]]:
+                         page_size: int = SNAPSHOT_PAGE_MAX, fields: Collection[str] | None = None,
+                         ) -> Iterator[tuple[EntryColumns, dict[int, Stack]]]:
         """Every outstanding object, a page at a time in columns, each page with the stacks it refers to: a
         listing of millions without an object for each (an export reads so). Pages are the largest the agent
-        allows: the fewer, the fewer round trips, and the agent reads the next while the caller uses this one."""
+        allows: the fewer, the fewer round trips, and the agent reads the next while the caller uses this one.
+        `fields`: the columns the caller reads (None: all; the others are left empty)."""
         for page in self.snapshot_pages(pids, layers, page_size, encoding=service_pb2.SNAPSHOT_ENCODING_COLUMNS):
             try:
-                columns = columns_from_snapshot(page)
+                columns = columns_from_snapshot(page, fields)
             except ValueError as error:
                 raise CommandError(f"the agent sent a snapshot page this client cannot read: {error}",
                                    ExitCode.FAILURE) from None

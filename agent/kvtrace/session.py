@@ -52,6 +52,7 @@ from kvtrace.model.ledger import (
     LedgerStore,
     LedgerView,
     Outstanding,
+    RowBatch,
     ledger_view,
 )
 from kvtrace.model.processes import ProcessInfo, ProcessTable
@@ -602,6 +603,12 @@ class Session:
         keeps the allocations they are read from it at each pass, outside the lock."""
         with self.lock:
             return self.ledger.stream(pids)
+
+    def outstanding_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
+        """outstanding(pids) in batches of rows in columns (model.ledger.RowBatch), of `pids` only, for a listing
+        in columns: the kernel's entries made columns from its maps without an object each."""
+        with self.lock:
+            return self.ledger.stream_batches(pids)
 
     def entry_lookup(self) -> Callable[[LedgerKey], Outstanding | None]:
         """The lookup of one live entry by its key (LedgerStore.find), safe from any thread."""

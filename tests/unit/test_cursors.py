@@ -37,6 +37,38 @@ def test_every_entry_once_in_one_pass(count, page_size, pages):
     assert cursors.open_count() == 1  # held (its last page only) for a retry, until idle or crowded out
 
 
+@pytest.mark.parametrize("sizes,page_size,pages", [
+    ((), 10, 1), ((0, 0), 10, 1), ((10,), 10, 1), ((4, 6), 10, 1), ((4, 6, 0, 0), 10, 1), ((4, 6, 0, 1), 10, 2),
+    ((4096,) * 3 + (7,), 10000, 2), ((3, 0, 5, 2, 9, 0), 4, 5), ((25,), 1, 25)])
+def test_batches_are_paged_by_their_entries_each_once(sizes, page_size, pages):
+    """A pass in batches (a listing in columns: model.ledger.RowBatch): a page holds `page_size` entries, the
+    last batch split where it ends; empty batches are passed over; a retry gets the same page."""
+    from kvtrace.model.ledger import RowBatch
+
+    starts = []
+
+    def batches():
+        starts.append(1)
+        first = 0
+        for size in sizes:
+            yield RowBatch([list(range(first, first + size))] * 18, size)
+            first += size
+
+    cursors: Cursors[RowBatch] = Cursors()
+    token, listed, taken = "", [], 0
+    while True:
+        page, following = cursors.page(token, "f", batches, page_size)
+        again, following_again = cursors.page(token, "f", batches, page_size) if token else (page, following)
+        assert [batch.columns[0] for batch in again] == [batch.columns[0] for batch in page]
+        assert following_again == following
+        assert sum(batch.count for batch in page) == (page_size if following else sum(sizes) - len(listed))
+        listed += [row[0] for batch in page for row in batch.rows()]
+        taken, token = taken + 1, following
+        if not token:
+            break
+    assert listed == list(range(sum(sizes))) and taken == pages and len(starts) == 1
+
+
 def test_a_page_asked_again_is_the_same_page_and_the_listing_goes_on():
     cursors: Cursors[int] = Cursors()
     source = Pass(25)

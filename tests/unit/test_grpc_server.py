@@ -363,6 +363,33 @@ def test_snapshot_in_columns_lists_what_the_messages_list():
     assert labels == {row.pid: (row.comm, row.title, row.container) for row in rows}
 
 
+def test_a_listing_may_change_encoding_between_pages():
+    """A listing begun in columns (whose pass reads rows) or in messages (entries) answers its next pages in
+    whichever encoding each asks for: every entry once, the same as one listing in messages."""
+    backend = FakeAgent()
+    for i in range(23):
+        backend.apply(event(pid=(100, 200)[i % 2], address=0x1000 * (i + 1), size=MiB + i, device=i % 2))
+    columns_encoding, messages = service_pb2.SNAPSHOT_ENCODING_COLUMNS, service_pb2.SNAPSHOT_ENCODING_MESSAGES
+    with served(backend) as (server, _):
+        with AgentClient.for_socket(server.config.socket) as client:
+            whole = sorted((a.pid, a.address, a.size_bytes, a.device, a.comm) for a in client.snapshot())
+        agent = stub(server)
+        for first, then in [(columns_encoding, messages), (messages, columns_encoding)]:
+            listed, token, encoding = [], "", first
+            while True:
+                page = agent.GetSnapshot(service_pb2.GetSnapshotRequest(page_size=5, page_token=token,
+                                                                       encoding=encoding), timeout=5)
+                labels = {label.pid: label.comm for label in page.columns.processes}
+                listed += [(a.pid, a.address, a.size_bytes, a.device, a.comm) for a in page.allocations]
+                listed += [(pid, address, size, device, labels[pid]) for pid, address, size, device in zip(
+                    page.columns.pid, page.columns.address, page.columns.size_bytes,
+                    page.columns.device or [0] * len(page.columns.pid), strict=True)]
+                token, encoding = page.next_page_token, then
+                if not token:
+                    break
+            assert sorted(listed) == whole and len(whole) == 23, (first, then)
+
+
 def test_list_processes_and_agent_info():
     backend = FakeAgent()
     backend.apply(event(pid=200, address=1, size=MiB, device=0), event(pid=200, address=2, size=MiB, device=1),

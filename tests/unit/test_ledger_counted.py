@@ -535,3 +535,98 @@ def test_counters_go_on_across_tracing_switched_off_and_on_again():
     counts = session.ledger_counts()
     assert counts.failures_total == {(Api.cuMemAlloc_v2, 2): 2}
     assert counts.allocations_total == {(1, Layer.DRIVER): 1}
+
+
+def test_the_kernels_entries_in_columns_are_the_entries_decoded_one_by_one():
+    """A listing in columns reads the kernel's entries in columns, straight from the chunk's bytes (decode.py
+    ledger_batch_in_chunk): each row is entry_row of the entry decode_ledger_chunk makes, its stack named, with
+    the same entries left out (other objects, other pids, values this build does not know, a gone process's)."""
+    from kvtrace.model.ledger import entry_from_row, entry_row
+    from kvtrace.sources.bpf.decode import decode_ledger_chunk, ledger_batch_in_chunk
+
+    def ledger_rows_in_chunk(*arguments):
+        batch = ledger_batch_in_chunk(*arguments)
+        assert {len(column) for column in batch.columns} == {batch.count}
+        return list(batch.rows())
+
+    # value: size, time, caller, aux, tid, device, api, memory, released, sample_kib, sampled, reserved, stack
+    rows = [((7, Layer.DRIVER, ObjectKind.ALLOCATION, 0, 0xA000),
+             (MiB, 5, 0xC0, 0, 8, 1, Api.cuMemAlloc_v2, 1, 0, 0, 0, 0, 99)),
+            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA100),
+             (512, 6, 0, 3, 8, -1, Api.pytorch_malloc, 1, 0, 0, 0, 0, 0)),
+            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 0xA200),  # stack sampling at 256 KiB: chosen, and passed over
+             (4096, 6, 0, 3, 2**32 - 1, 1, Api.pytorch_malloc, 1, 0, 256, 1, 0, 5)),
+            ((7, Layer.TORCH, ObjectKind.BLOCK, 0, 2**64 - 4096),
+             (2**64 - 1, 2**62, 0, 2**64 - 1, 8, 1, Api.pytorch_malloc, 1, 1, 256, 0, 0, 11)),
+            ((8, Layer.VMM, ObjectKind.VMM_HANDLE, 0, 0x55),
+             (2 * MiB, 7, 0xC1, 2, 9, 0, Api.cuMemCreate, 1, 1, 0, 0, 0, 4)),
+            ((8, Layer.RUNTIME, ObjectKind.ALLOCATION, 0, 0xB000),
+             (2 * MiB, 8, 0, 0x55, 9, 0, Api.cudaMalloc, 2, 0, 0, 0, 0, 0)),
+            ((9, Layer.RUNTIME, ObjectKind.ALLOCATION, 0, 0xC000),  # an API this build does not know
+             (2 * MiB, 9, 0, 0, 9, 0, 0xFFFF, 1, 0, 0, 0, 0, 0)),
+            ((9, 0xEE, ObjectKind.ALLOCATION, 0, 0xC100),  # a layer this build does not know
+             (2 * MiB, 9, 0, 0, 9, 0, Api.cudaMalloc, 1, 0, 0, 0, 0, 0)),
+            ((9, Layer.RUNTIME, ObjectKind.ALLOCATION, 0, 0xC200),  # a memory this build does not know
+             (2 * MiB, 9, 0, 0, 9, 0, Api.cudaMalloc, 0xEE, 0, 0, 0, 0, 0))]
+    keys = b"".join(_LEDGER_KEY.pack(*key) for key, _ in rows)
+    values = b"".join(_LEDGER_VALUE.pack(*value) for _, value in rows)
+    clock, stack_ids = Clock(1000), {99: 3, 5: 6}
+    counted = frozenset(kind.value for kind in COUNTED_OBJECTS)
+
+    def expected(objects, pids=(), gone=None):
+        found = []
+        for entry, kernel_stack in decode_ledger_chunk(keys, values, clock, objects, pids):
+            if gone and entry.timestamp_ns <= gone.get(entry.key.pid, -1):
+                continue
+            entry.stack_id = stack_ids.get(kernel_stack, 0) if kernel_stack else 0
+            found.append(entry_row(entry))
+        return found
+
+    for pids, gone in [((), None), ((7,), None), ((8, 9), None), ((), {7: 1006}), ((), {7: 1005, 8: 0}),
+                       ((), {4: 10**6})]:
+        got = list(ledger_rows_in_chunk(keys, values, clock, stack_ids, counted, frozenset(pids), gone))
+        assert got == expected(counted, pids, gone), (pids, gone)
+        assert [entry_row(entry_from_row(row)) for row in got] == got
+    assert [row[7] for row in ledger_rows_in_chunk(keys, values, clock, stack_ids, counted)] == \
+        [0xA000, 0xA100, 0xA200, 2**64 - 4096, 0xB000]
+    only_blocks = frozenset({ObjectKind.BLOCK.value})
+    assert list(ledger_rows_in_chunk(keys[16:64], values[56:224], clock, stack_ids, only_blocks)) == \
+        expected(only_blocks)[:3]
+    assert list(ledger_rows_in_chunk(b"", b"", clock, stack_ids, counted)) == []
+
+
+def test_a_stream_of_batches_is_the_stream_of_entries():
+    """KernelLedger.stream_batches (a listing in columns) goes through the same entries as stream, in batches of
+    rows in columns: the kept ones and the kernel's, of the pids asked for."""
+    from kvtrace.model.ledger import entry_row
+
+    kernel = Kernel()
+    ledger = counted(kernel)
+    for index in range(40):
+        event = kernel.alloc(100 + index % 3, Layer.DRIVER if index % 2 else Layer.RUNTIME, 0x1000 * (index + 1),
+                             MiB, stack_id=11 if index % 5 else 0, ts=index)
+        ledger.apply(event)
+    ledger.apply(kernel.alloc(100, Layer.VMM, 0x99000, MiB, obj=ObjectKind.VMM_MAPPING, api=Api.cuMemMap))
+    for pids in [(), (100,), (101, 102), (7,)]:
+        rows = [row for batch in ledger.stream_batches(pids) for row in batch.rows()]
+        assert sorted(rows) == sorted(map(entry_row, ledger.stream(pids))), pids
+        assert len(rows) == len(list(ledger.stream(pids)))
+
+
+def test_kept_entries_come_in_batches_made_as_they_are_reached():
+    """A plain Ledger's entries (a replay, --no-ledger-in-kernel) in batches of ROW_BATCH_ENTRIES, each made when
+    reached, at every pass: a listing in columns holds one batch at a time, not every row at once."""
+    from kvtrace.model.ledger import ROW_BATCH_ENTRIES, entry_row
+
+    ledger = Ledger()
+    count = 2 * ROW_BATCH_ENTRIES + 5
+    for index in range(count):
+        ledger.apply(Event(kind=Kind.ALLOC, api=Api.cudaMalloc, pid=100 + index % 2, tid=1, timestamp_ns=index,
+                           layer=Layer.RUNTIME, object=ObjectKind.ALLOCATION, memory=Memory.DEVICE, size_bytes=MiB,
+                           address=0x1000 * (index + 1), device=0))
+    batches = ledger.stream_batches()
+    for _ in range(2):  # each pass the same
+        counts = [batch.count for batch in batches]
+        assert counts == [ROW_BATCH_ENTRIES, ROW_BATCH_ENTRIES, 5]
+        assert [row for batch in batches for row in batch.rows()] == list(map(entry_row, ledger.stream()))
+    assert sum(batch.count for batch in ledger.stream_batches((101,))) == count // 2

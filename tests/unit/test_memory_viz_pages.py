@@ -101,7 +101,9 @@ def pages(entries, page_size, encoding):
         else:
             response.allocations.extend(outstanding_to_proto(e, process) for e in page)
         parsed = service_pb2.GetSnapshotResponse.FromString(response.SerializeToString())
-        yield columns_from_snapshot(parsed), {stack.stack_id: STACKS[stack.stack_id] for stack in parsed.stacks}
+        # (the columns the command asks for, as it does)
+        yield (columns_from_snapshot(parsed, ExportBuilder.FIELDS),
+               {stack.stack_id: STACKS[stack.stack_id] for stack in parsed.stacks})
 
 
 def new_export(entries, page_size, encoding):

@@ -92,7 +92,7 @@ class SnapshotCommand:
                                ExitCode.USAGE)
         builder = ExportBuilder(args.pid[0])
         with connect(args) as agent:  # each page into the export as it comes, while the agent reads the next
-            for columns, stacks in agent.snapshot_columns(pids=args.pid):
+            for columns, stacks in agent.snapshot_columns(pids=args.pid, fields=ExportBuilder.FIELDS):
                 builder.add(columns, stacks)
         export = builder.finish()
         if not export.blocks:

@@ -22,8 +22,10 @@ and reads them from there when a report asks.
 from __future__ import annotations
 
 import copy
+import itertools
+import operator
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -101,6 +103,68 @@ class EntryColumns(NamedTuple):
     labels: dict[int, tuple[str, str, str]]
 
 
+# An entry as a row: its fields in EntryColumns' order (enums as their numbers), one tuple. A listing in columns
+# goes through batches of rows in columns (RowBatch, Ledger.stream_batches): the kernel's entries are made columns
+# straight from its maps' bytes, without an Outstanding, or a tuple, each.
+ENTRY_ROW_FIELDS = ("key.pid", "tid", "key.layer", "key.object", "memory", "api", "size_bytes", "key.address",
+                    "device", "timestamp_ns", "caller_address", "stack_id", "mapped_count", "released", "handle",
+                    "stream", "sample_bytes", "sampled")
+entry_row: Callable[[Outstanding], tuple] = operator.attrgetter(*ENTRY_ROW_FIELDS)  # one C call an entry
+ROW_PID, ROW_LAYER, ROW_STACK_ID = 0, 2, 11  # where those fields are in a row
+
+
+class RowBatch:
+    """`count` entries as columns (ENTRY_ROW_FIELDS' order): row i is item i of each."""
+
+    __slots__ = ("columns", "count")
+
+    def __init__(self, columns: Sequence[Sequence], count: int) -> None:
+        self.columns, self.count = columns, count
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[tuple]) -> RowBatch:
+        columns = list(zip(*rows, strict=True))
+        return cls(columns or [()] * len(ENTRY_ROW_FIELDS), len(columns[0]) if columns else 0)
+
+    def rows(self) -> Iterator[tuple]:
+        return zip(*self.columns, strict=True)
+
+    def split(self, at: int) -> tuple[RowBatch, RowBatch]:
+        """The first `at` rows, and the rest."""
+        return (RowBatch([column[:at] for column in self.columns], at),
+                RowBatch([column[at:] for column in self.columns], self.count - at))
+
+    def where(self, taken: Sequence[bool]) -> RowBatch:
+        """The rows `taken` says (one bool a row)."""
+        columns = [list(itertools.compress(column, taken)) for column in self.columns]
+        return RowBatch(columns, len(columns[0]))
+
+
+ROW_BATCH_ENTRIES = 4096  # entries a batch of kept ones holds (a chunk of the kernel's holds as many)
+
+
+class EntryBatches:
+    """`entries` in batches of rows in columns, each made as it is reached, at every pass (a listing of a million
+    kept entries holds their references, and one batch, at a time: not all their rows at once)."""
+
+    def __init__(self, entries: list[Outstanding]) -> None:
+        self._entries = entries
+
+    def __iter__(self) -> Iterator[RowBatch]:
+        entries = self._entries
+        return (RowBatch.of_rows(map(entry_row, entries[start:start + ROW_BATCH_ENTRIES]))
+                for start in range(0, len(entries), ROW_BATCH_ENTRIES))
+
+
+def entry_from_row(row: tuple) -> Outstanding:
+    """The entry a row is (ValueError for an enum value this build does not know)."""
+    (pid, tid, layer, kind, memory, api, size_bytes, address, device, timestamp_ns, caller_address, stack_id,
+     mapped_count, released, handle, stream, sample_bytes, sampled) = row
+    return Outstanding(LedgerKey(pid, Layer(layer), ObjectKind(kind), address), size_bytes, timestamp_ns, device,
+                       Api(api), Memory(memory), tid, caller_address, mapped_count, bool(released), handle, stack_id,
+                       stream, sample_bytes, bool(sampled))
+
+
 # tuple.__new__(LedgerKey, (...)) makes the same key as LedgerKey(...) at half the cost (no Python-level
 # __new__): used where a key is made for every event.
 _new_tuple = tuple.__new__
@@ -155,6 +219,10 @@ class LedgerStore(Protocol):
 
     def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live entry of `pids` (empty: all), to go through outside the lock (copies or reads afresh)."""
+        ...
+
+    def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
+        """stream(pids) in batches of rows in columns (RowBatch), the same entries, of `pids` only."""
         ...
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
@@ -379,6 +447,9 @@ class Ledger:
     def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live entry of `pids` (empty: all): here, a copy of the kept ones."""
         return self.kept(pids)
+
+    def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
+        return EntryBatches(self.kept(pids))
 
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every live entry of `pids`, as a new list: here every entry is kept, and a copy needs no limit."""

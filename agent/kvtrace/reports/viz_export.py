@@ -3,12 +3,14 @@ the file reports/memory_viz.py describes, for a million blocks in seconds.
 
 memory_viz.snapshot_dict makes the structure from the model's segments and blocks, and pickle.dump writes it:
 a model object per ledger entry, then two dicts per block, then the pickler's pass over them. Here the
-entries come in columns (model.ledger.EntryColumns), a tuple per block is all that is kept, and the pickle
-is written from those (reports/viz_pickle.py): what reads it back (pickle.loads, PyTorch's tools, the
-viewer) finds the same structure, element for element (tests/unit/test_memory_viz_pages.py holds it).
+entries come in columns (model.ledger.EntryColumns), the blocks' numbers are kept in arrays (no Python object
+per block), and the pickle is written from those (reports/viz_pickle.py): what reads it back (pickle.loads,
+PyTorch's tools, the viewer) finds the same structure, element for element
+(tests/unit/test_memory_viz_pages.py holds it).
 """
 from __future__ import annotations
 
+import array
 import bisect
 import itertools
 import operator
@@ -46,17 +48,25 @@ class ExportBuilder:
     snapshot_dict(viz_segments(segments_of(entries), stacks.get)) writes reads back the same, without a model
     object per entry or a dict per block.
 
-    A page is taken as it comes, while the agent reads the next one: a tuple per block (its record: the fields
-    named below the class), the page put in address order and, from that, in time order. `finish` merges the
-    pages' orders (a sort of runs already sorted), nests the blocks in their segments (one in none is left out,
-    as segments_of leaves it outside) and says how many; `VizExport.write` lays each segment out (gaps, a
-    rounding clipped by the next block), checks it as snapshot_dict does, and writes the pickle in one pass
-    (reports/viz_pickle.py)."""
+    A page is taken as it comes, while the agent reads the next one: its blocks' numbers appended to two tables
+    of arrays, in the page's address order to one and in its time order to the other. `finish` merges the
+    pages' orders (a sort of runs already sorted, of block positions), nests the blocks in their segments (one
+    in none is left out, as segments_of leaves it outside) and says how many; `VizExport.write` lays each
+    segment out (gaps, a rounding clipped by the next block), checks it as snapshot_dict does, and writes the
+    pickle in one pass (reports/viz_pickle.py)."""
+
+    # The EntryColumns it reads (client.snapshot_columns need not make the others).
+    FIELDS = frozenset({"pid", "layer", "object", "memory", "size_bytes", "address", "device", "timestamp_ns",
+                        "stack_id", "stream", "sample_bytes", "sampled"})
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._by_address: list[tuple] = []  # the blocks' records, each page's in address order
-        self._by_time: list[tuple] = []  # the same, each page's in (time, address) order
+        # The blocks' numbers in two tables of columns (arrays: no object per block), each page's blocks in
+        # address order in one and in (time, address) order in the other: the whole's orders are then the pages'
+        # runs merged, and reading a column in either goes through each page's in order (what a read in an
+        # order unlike the one the numbers were stored in costs: a cache miss each, 0.15 s a million).
+        self._by_address = _Table(("address", "requested", "frames", "device", "passed"))
+        self._by_time = _Table(("address", "requested", "stream", "timestamp", "frames"))
         self.large_numbers = False  # whether a number is 2**63 or more (written alone, not in a run)
         self._runtime: list[tuple[int, int, int]] = []  # (address, size, device) of each runtime allocation
         self._mappings: list[tuple[int, int, int]] = []  # (address, size, device) of each VMM mapping
@@ -71,38 +81,41 @@ class ExportBuilder:
         count, objects = len(columns.pid), columns.object
         picked: list[int] | None = None  # None: all, the columns as they are
         if columns.pid.count(self.pid) != count:
-            pid = self.pid
-            picked = [index for index, entry_pid in enumerate(columns.pid) if entry_pid == pid]
+            picked = list(itertools.compress(range(count), map(operator.eq, columns.pid, itertools.repeat(self.pid))))
         if picked is not None or objects.count(_BLOCK) != count:  # segments among them, or other processes
-            rows = range(count) if picked is None else picked
-            for index in rows:
-                if objects[index] != _BLOCK:
-                    self._segment_part(columns, index)
-            picked = [index for index in rows if objects[index] == _BLOCK]
+            rows: Sequence[int] = range(count) if picked is None else picked
+            blocks = list(map(operator.eq, objects if picked is None else _gather(objects, picked),
+                              itertools.repeat(_BLOCK)))
+            for index in itertools.compress(rows, map(operator.not_, blocks)):
+                self._segment_part(columns, index)
+            picked = list(itertools.compress(rows, blocks))
 
-        def column(values: list) -> list:
-            return values if picked is None else [values[index] for index in picked]
-
-        stack_ids = column(columns.stack_id)
-        frames_of_stack = self._frames_of_stack
-        for stack_id in set(stack_ids) - frames_of_stack.keys():
-            frames_of_stack[stack_id] = self._number(self._stack_frames(stacks.get(stack_id) if stack_id else None))
-        frames = list(map(frames_of_stack.__getitem__, stack_ids))
-        passed = [False] * len(frames)
-        if any(columns.sample_bytes):
-            passed = [bool(sample_bytes) and not sampled for sample_bytes, sampled in
-                      zip(column(columns.sample_bytes), column(columns.sampled), strict=True)]
-            frames = [self._not_sampled if passed_over else number for number, passed_over in
-                      zip(frames, passed, strict=True)]
-        timestamps = column(columns.timestamp_ns)
         if not self.large_numbers and max((max(values, default=0) for values in (
                 columns.address, columns.size_bytes, columns.stream, columns.timestamp_ns)), default=0) >= LIMIT:
             self.large_numbers = True  # (none in practice) then the writer looks for them
-        records = sorted(zip(column(columns.address), column(columns.size_bytes), column(columns.stream),
-                             timestamps, frames, column(columns.device), passed,
-                             [timestamp // 1000 for timestamp in timestamps], strict=True), key=_ADDRESS)
-        self._by_address += records
-        self._by_time += sorted(records, key=_TIME)  # stable: equal times in address order
+        # The page's blocks in address order (their indexes in the page), and from that in time order (positions
+        # in the address order; stable: equal times in address order): each column read once in each.
+        by_address = _order(columns.address, picked)
+        timestamps = _gather(columns.timestamp_ns, by_address)
+        by_time = _order(timestamps)
+        stack_ids = _gather(columns.stack_id, by_address)
+        frames_of_stack = self._frames_of_stack
+        for stack_id in set(stack_ids) - frames_of_stack.keys():
+            frames_of_stack[stack_id] = self._number(self._stack_frames(stacks.get(stack_id) if stack_id else None))
+        frames: Sequence[int] = list(map(frames_of_stack.__getitem__, stack_ids))
+        passed: Sequence[bool] = [False] * len(frames)
+        if any(columns.sample_bytes):
+            passed = [bool(sample_bytes) and not sampled for sample_bytes, sampled in
+                      zip(_gather(columns.sample_bytes, by_address), _gather(columns.sampled, by_address),
+                          strict=True)]
+            frames = [self._not_sampled if passed_over else number for number, passed_over in
+                      zip(frames, passed, strict=True)]
+        addresses, requested = _gather(columns.address, by_address), _gather(columns.size_bytes, by_address)
+        self._by_address.add(address=addresses, requested=requested, frames=frames,
+                             device=_gather(columns.device, by_address), passed=passed)
+        self._by_time.add(address=_gather(addresses, by_time), requested=_gather(requested, by_time),
+                          stream=_gather(columns.stream, _gather(by_address, by_time)),
+                          timestamp=_gather(timestamps, by_time), frames=_gather(frames, by_time))
 
     def _segment_part(self, columns: EntryColumns, index: int) -> None:
         """A segment's entry (segments_of's: a runtime device allocation, or a VMM mapping, one of a run)."""
@@ -137,38 +150,73 @@ class ExportBuilder:
             else:
                 segments.append(_Nested(address, size, device, True))
         segments.sort(key=lambda segment: segment.address)
-        records = sorted(self._by_address, key=_ADDRESS)  # the pages' runs merged
-        columns = _transposed(records)  # one pass: the rest reads columns
-        addresses, requested = columns[0], columns[1]
+        table = self._by_address
+        order = _order(table.address)  # the pages' runs merged: positions in the table
+        addresses, requested = _gather(table.address, order), _gather(table.requested, order)
+        frames = _gather(table.frames, order)
         starts = [segment.address for segment in segments] + [1 << 64]
         for number, segment in enumerate(segments):
             low, high = bisect.bisect_left(addresses, starts[number]), bisect.bisect_left(addresses, starts[number + 1])
             end = segment.address + segment.size
             fits = list(map(operator.le, map(operator.add, addresses[low:high], requested[low:high]),
                             itertools.repeat(end)))
-            segment.records = records[low:high]
-            segment.columns = [values[low:high] for values in columns]
+            segment.blocks = order[low:high]
+            segment.columns = (addresses[low:high], requested[low:high], frames[low:high])
             if not all(fits):
-                segment.records = list(itertools.compress(segment.records, fits))
-                segment.columns = [tuple(itertools.compress(values, fits)) for values in segment.columns]
-        return VizExport(self, segments, len(records))
+                segment.blocks = list(itertools.compress(segment.blocks, fits))
+                segment.columns = tuple(tuple(itertools.compress(values, fits)) for values in segment.columns)
+        return VizExport(self, segments, len(order))
 
 
-# A block's record: (address, requested bytes, stream, timestamp_ns, frame list number, device, passed over,
-# time_us); its columns in that order.
-_ADDRESS, _REQUESTED, _TIME = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(3)
-_FIELDS = 8
+def _order(values: Sequence[int], indexes: Sequence[int] | None = None) -> list[int]:
+    """The indexes of `values`' items (`indexes`, or all) in their order (stable: equal values in the order
+    they came). Compared as floats where all differences from the least are exact in one (they are, for
+    addresses and times: a float's compare costs less than an int's of two digits or more), else as ints."""
+    if not values or indexes is not None and not indexes:
+        return []
+    least = min(values)
+    if max(values) - least < _EXACT_IN_FLOAT:
+        keys: Sequence[float | int] = list(map(float, map(operator.sub, values, itertools.repeat(least))))
+    else:
+        keys = values.tolist() if isinstance(values, array.array) else values
+    return sorted(range(len(values)) if indexes is None else indexes, key=keys.__getitem__)
+
+
+def _gather(values: Sequence[int], order: Sequence[int]) -> Sequence[int]:
+    """values[i] for each i in `order`, in one C call (a tuple; a list for fewer than two)."""
+    return operator.itemgetter(*order)(values) if len(order) > 1 else [values[index] for index in order]
+
+
+class _Table:
+    """Columns of block numbers (arrays), each page's rows appended in an order; `names` are those kept."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = names
+        self.address, self.requested, self.stream = array.array("Q"), array.array("Q"), array.array("Q")
+        self.timestamp, self.device = array.array("Q"), array.array("q")
+        self.frames = array.array("L")  # frame list numbers
+        self.passed = array.array("B")  # whether the block's stack was passed over (sampled stacks)
+
+    def add(self, **columns: Sequence[int]) -> None:
+        """A page's rows, in the table's order."""
+        for name in self.names:
+            getattr(self, name).fromlist(list(columns[name]))
+
+
+_EXACT_IN_FLOAT = 1 << 53
+# A segment's block columns, in address order: address, requested bytes, frame list number.
+_ADDRESS, _REQUESTED, _FRAMES = 0, 1, 2
 
 
 class _Nested:
-    """A segment of the export and its blocks' records, in address order."""
+    """A segment of the export and its blocks (their numbers, and their columns), in address order."""
 
-    __slots__ = ("address", "size", "device", "expandable", "records", "columns")
+    __slots__ = ("address", "size", "device", "expandable", "blocks", "columns")
 
     def __init__(self, address: int, size: int, device: int, expandable: bool) -> None:
         self.address, self.size, self.device, self.expandable = address, size, device, expandable
-        self.records: list[tuple] = []
-        self.columns: list[Sequence] = [()] * _FIELDS
+        self.blocks: Sequence[int] = []
+        self.columns: tuple[Sequence[int], ...] = ((), (), ())
 
 
 class VizExport:
@@ -177,19 +225,21 @@ class VizExport:
     def __init__(self, built: ExportBuilder, segments: list[_Nested], count: int) -> None:
         self._built, self._segments = built, segments
         self.segments = len(segments)
-        self.blocks = sum(len(segment.records) for segment in segments)
+        self.blocks = sum(len(segment.blocks) for segment in segments)
         self.outside = count - self.blocks  # in no traced segment: left out
-        self.passed = sum(sum(segment.columns[6]) for segment in segments)
+        passed = built._by_address.passed
+        self.passed = sum(sum(map(passed.__getitem__, segment.blocks)) for segment in segments) if any(passed) else 0
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """The file write_pickle(path, snapshot_dict(...)) writes for these segments, as pickle.loads reads it
         (the same structure, element for element; 0600, whole or not at all); ValueError for what snapshot_dict
         refuses, before anything is written."""
         viz = []
+        devices = self._built._by_address.device
         for segment in self._segments:
             device = segment.device
             if device < 0:  # viz_segments: the device PyTorch reported for a block in it, else 0
-                device = next((device for device in segment.columns[5] if device >= 0), 0)
+                device = next((device for device in map(devices.__getitem__, segment.blocks) if device >= 0), 0)
             viz.append((VizSegment(device, segment.address, segment.size, 0, (), segment.expandable), segment))
         viz.sort(key=lambda pair: (pair[0].device, pair[0].address))
         _check_segments([shape for shape, _ in viz])
@@ -198,7 +248,7 @@ class VizExport:
         write_whole(path, lambda file: self._write(file, viz, layouts, traces), "snapshot", "snapshot.pickle", 0o600)
 
     def _write(self, file: BinaryIO, viz: list[tuple[VizSegment, _Nested]], layouts: list[_Layout],
-               traces: list[list[Sequence]]) -> None:
+               traces: list[dict[str, Sequence[int]]]) -> None:
         out = PickleWriter(file, self._built.frame_lists)
         out.write(EMPTY_DICT + MARK)
         out.string("segments")
@@ -210,44 +260,41 @@ class VizExport:
         out.write(EMPTY_LIST)
         for trace in traces:
             out.write(EMPTY_LIST)
-            _write_runs(out, {"addr": trace[0], "size": trace[1], "stream": trace[2], "time_us": trace[7],
-                              "frames": trace[4]}, _alloc_entry_template, _alloc_entry_first,
+            _write_runs(out, trace, _alloc_entry_template, _alloc_entry_first,
                         large_numbers=self._built.large_numbers)
             out.write(APPEND)
         out.write(SETITEMS)
         out.end()
 
-    def _device_traces(self, viz: list[tuple[VizSegment, _Nested]]) -> list[list[Sequence]]:
-        """Each device's blocks' columns by (timestamp_ns, address), as snapshot_dict orders its alloc entries:
-        the pages' time orders merged, equal times (rare across pages) put in address order."""
-        records = sorted(self._built._by_time, key=_TIME)
-        columns = _transposed(records)  # one pass over the records
-        times = columns[3]
-        done, tied = 0, False
+    def _device_traces(self, viz: list[tuple[VizSegment, _Nested]]) -> list[dict[str, Sequence[int]]]:
+        """Each device's alloc entries' columns by (timestamp_ns, address), as snapshot_dict orders them (equal
+        times, rare, put in address order)."""
+        table = self._built._by_time
+        timestamps = table.timestamp
+        order = _order(timestamps)  # the pages' runs merged: positions in the table
+        times = _gather(timestamps, order)
+        done = 0
         for tie in itertools.compress(range(len(times)), map(operator.eq, times, itertools.islice(times, 1, None))):
-            if tie >= done:  # a run of equal times starts here
+            if tie >= done:  # a run of equal times starts here (rare across pages: within one, in address order)
                 done = tie + 1
                 while done < len(times) and times[done] == times[tie]:
                     done += 1
-                records[tie:done] = sorted(records[tie:done], key=_ADDRESS)
-                tied = True
+                order[tie:done] = sorted(order[tie:done], key=table.address.__getitem__)
         device_count = viz[-1][0].device + 1 if viz else 0
         if device_count == 1 and not self.outside:
-            return [_transposed(records) if tied else columns]
-        device_of: dict[int, int] = {}  # id of a nested block's record -> its segment's device
-        for shape, segment in viz:
-            device_of.update(dict.fromkeys(map(id, segment.records), shape.device))
-        traces: list[list[tuple]] = [[] for _ in range(device_count)]
-        for record in records:
-            device = device_of.get(id(record))
-            if device is not None:
-                traces[device].append(record)
-        return [_transposed(trace) for trace in traces]
-
-
-def _transposed(records: list[tuple]) -> list[Sequence]:
-    """The records' columns (_FIELDS of them)."""
-    return list(zip(*records, strict=True)) or [()] * _FIELDS
+            orders = [order]
+        else:  # each nested block's device is its segment's (a block is one of its process's by its address)
+            device_of: dict[int, int] = {}
+            for shape, segment in viz:
+                device_of.update(dict.fromkeys(segment.columns[_ADDRESS], shape.device))
+            devices = list(map(device_of.get, _gather(table.address, order), itertools.repeat(-1)))
+            orders = [list(itertools.compress(order, map(operator.eq, devices, itertools.repeat(device))))
+                      for device in range(device_count)]
+        return [{"addr": _gather(table.address, each), "size": _gather(table.requested, each),
+                 "stream": _gather(table.stream, each),
+                 "time_us": list(map(operator.floordiv, times if each is order else _gather(timestamps, each),
+                                     itertools.repeat(1000))),
+                 "frames": _gather(table.frames, each)} for each in orders]
 
 
 class _Layout(NamedTuple):
@@ -262,10 +309,10 @@ class _Layout(NamedTuple):
     pool: str
 
 
-def _layout(segment: VizSegment, columns: list[Sequence]) -> _Layout:
+def _layout(segment: VizSegment, columns: tuple[Sequence[int], ...]) -> _Layout:
     """_segment_dict's layout and _check_blocks' checks, a C loop per column and a step only per gap or clip."""
     start, end = segment.address, segment.address + segment.size_bytes
-    addresses, requested = columns[0], columns[1]
+    addresses, requested = columns[_ADDRESS], columns[_REQUESTED]
     if not addresses:
         return _Layout([], {}, (start, end - start), 0, 0, _pool(segment.size_bytes, segment.is_expandable, 0))
     if min(requested) < 1 or any(map(operator.lt, addresses[1:], map(operator.add, addresses, requested))):
@@ -289,7 +336,7 @@ def _layout(segment: VizSegment, columns: list[Sequence]) -> _Layout:
                    _pool(segment.size_bytes, segment.is_expandable, max(requested)))
 
 
-def _write_segment(out: PickleWriter, segment: VizSegment, columns: list[Sequence], layout: _Layout,
+def _write_segment(out: PickleWriter, segment: VizSegment, columns: tuple[Sequence[int], ...], layout: _Layout,
                    large_numbers: bool) -> None:
     """One entry of ``segments``, as _segment_entry makes it, its blocks as runs."""
     entry = _segment_entry(segment, layout.allocated, layout.requested, layout.pool, [])
@@ -303,8 +350,8 @@ def _write_segment(out: PickleWriter, segment: VizSegment, columns: list[Sequenc
     if layout.first_gap is not None:
         out.mapping(_inactive_block(*layout.first_gap))
         out.write(APPEND)
-    _write_runs(out, {"address": columns[0], "size": layout.sizes, "requested_size": columns[1],
-                      "frames": columns[4]}, _block_template, _block_first, layout.gaps, large_numbers)
+    _write_runs(out, {"address": columns[_ADDRESS], "size": layout.sizes, "requested_size": columns[_REQUESTED],
+                      "frames": columns[_FRAMES]}, _block_template, _block_first, layout.gaps, large_numbers)
     out.write(SETITEMS)
 
 

@@ -3,11 +3,12 @@ pickle.dump of snapshot_dict's structure reads back as (pickle.loads gives an eq
 the two million dicts of a million blocks made first.
 
 A block's dict, and its trace entry, are the same bytes but for a few numbers: a run of them is one
-template filled by struct.pack, called from C for each (map), with no Python step per block. Numbers in
-a run are LONG1 of 8 bytes (little-endian two's complement, so below 2**63);
-a key, a state, an action and a stack's frames are memo references (the pickle stores each once, as
-pickle.dump does). What breaks a run is written one at a time: a gap (an inactive block), the first
-block of a stack whose frames are not yet written, a number of 2**63 or more (none in practice).
+template repeated, each number column laid into its place by strided copies of its bytes (array,
+bytearray), with no Python step per block. Numbers in a run are LONG1 of 8 bytes (little-endian two's
+complement, so below 2**63); a key, a state, an action and a stack's frames are memo references (the
+pickle stores each once, as pickle.dump does). What breaks a run is written one at a time: a gap (an
+inactive block), the first block of a stack whose frames are not yet written, a number of 2**63 or more
+(none in practice).
 
 Only opcodes PyTorch's JavaScript viewer reads are written (MemoryViz.js `unpickle`: no FRAME needed, a
 LONG1 of at most 8 bytes reads as a Number), and lists are filled 1000 items at a time as pickle.dump
@@ -15,9 +16,10 @@ does (the viewer spreads each batch into a call's arguments).
 """
 from __future__ import annotations
 
-import itertools
+import array
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
 PROTO_4, STOP, MARK, MEMOIZE = b"\x80\x04", b".", b"(", b"\x94"
@@ -25,7 +27,9 @@ EMPTY_DICT, EMPTY_LIST, SETITEMS, APPEND, APPENDS = b"}", b"]", b"u", b"a", b"e"
 NEWTRUE, NEWFALSE, TUPLE2 = b"\x88", b"\x89", b"\x86"
 LONG1_8 = b"\x8a\x08"  # LONG1 of 8 bytes
 BATCH = 1000  # items per APPENDS, as pickle.dump
+CHUNK = 16 * BATCH  # items a run fills at once (about 1 MB: a buffer that stays in the caches)
 LIMIT = 1 << 63  # a run's numbers are below it (LONG1 of 8 bytes, signed)
+_BIG_ENDIAN = sys.byteorder == "big"  # (arrays are in the machine's order; the pickle's numbers little-endian)
 
 
 def encode_int(value: int) -> bytes:
@@ -48,35 +52,57 @@ def _get(index: int) -> bytes:
 
 class Template:
     """A dict of fixed keys whose values are numbers (LONG1 of 8 bytes), memo references (fixed) or a stack's
-    frames (LONG_BINGET, 4 bytes): the str parts name the holes, in order. Filled by one struct.pack per item,
-    called from C (map), the fixed bytes passed as they are."""
+    frames (LONG_BINGET, 4 bytes): the str parts name the holes, in order. Filled for a run of items at once:
+    the blank item (holes zero) repeated, then each hole's column laid in, a byte at a time, by strided copies
+    (loops in C over the items: no Python step, nor call, per item)."""
 
     def __init__(self, parts: Sequence[bytes | str]) -> None:
         self.holes: list[str] = []
-        fixed, layout, constants = bytearray(EMPTY_DICT + MARK), ["<"], []
+        self.offsets: list[tuple[int, str, int]] = []  # each hole's (byte offset, array type code, width)
+        blank = bytearray(EMPTY_DICT + MARK)
         for part in [*parts, SETITEMS]:
             if isinstance(part, str):
-                fixed += b"j" if part == "frames" else LONG1_8
-                layout.append(f"{len(fixed)}s" + ("I" if part == "frames" else "Q"))
-                constants.append(bytes(fixed))
-                fixed.clear()
+                frames = part == "frames"
+                blank += b"j" if frames else LONG1_8
+                code, width = ("I", 4) if frames else ("Q", 8)
+                self.offsets.append((len(blank), code, width))
+                blank += bytes(width)
                 self.holes.append(part)
             else:
-                fixed += part
-        layout.append(f"{len(fixed)}s")
-        constants.append(bytes(fixed))
-        self.struct = struct.Struct("".join(layout))
-        self.constants = constants
-        self.size = self.struct.size
+                blank += part
+        self.blank = bytes(blank)
+        self.size = len(blank)
 
-    def fill(self, columns: Mapping[str, Sequence[int]], count: int) -> bytes:
-        """`count` items, each hole from its column."""
-        repeat = itertools.repeat
-        arguments: list[Iterable] = []
-        for constant, hole in zip(self.constants, self.holes, strict=False):
-            arguments += [repeat(constant, count), columns[hole]]
-        arguments.append(repeat(self.constants[-1], count))
-        return b"".join(map(self.struct.pack, *arguments))
+    def fill(self, columns: Mapping[str, Sequence[int]], count: int) -> bytearray:
+        """`count` items, each hole from its column (numbers below 2**63: OverflowError for one not below
+        2**64; frames: memo indexes)."""
+        data = bytearray(self.blank * count)
+        self.fill_into(data, self.numbers(columns, count), 0, count)
+        return data
+
+    def numbers(self, columns: Mapping[str, Sequence[int]], count: int) -> list[bytes]:
+        """Each hole's column as the bytes fill_into copies from (little-endian numbers)."""
+        raw = []
+        for hole, (_, code, _) in zip(self.holes, self.offsets, strict=True):
+            values = columns[hole]
+            if len(values) != count:
+                raise ValueError(f"{hole}: {len(values)} values for {count} items")
+            numbers = array.array(code, values)
+            if _BIG_ENDIAN:
+                numbers.byteswap()
+            raw.append(numbers.tobytes())
+        return raw
+
+    def fill_into(self, data: bytearray, numbers: list[bytes], first: int, count: int) -> None:
+        """Items first..first+count of `numbers` (from numbers()) into the holes of the first `count` items of
+        `data`, blank items (their fixed bytes are not written again): a strided copy per byte of a number
+        (bytearray's, a plain C loop; a buffer of about a megabyte stays in the caches)."""
+        stride = self.size
+        end = count * stride
+        for (offset, _, width), source in zip(self.offsets, numbers, strict=True):
+            low, high = first * width, (first + count) * width
+            for byte in range(width):
+                data[offset + byte:end:stride] = source[low + byte:high:width]
 
 
 class PickleWriter:
@@ -161,13 +187,18 @@ class PickleWriter:
         numbers, each written before), in batches."""
         if "frames" in columns:
             columns = dict(columns, frames=list(map(self.frames.__getitem__, columns["frames"])))
-        data = template.fill(columns, count)
+        numbers = template.numbers(columns, count)
         stride = template.size
+        # A chunk at a time, in one buffer that stays in the caches: only its holes are written again.
+        data = bytearray(template.blank * min(count, CHUNK))
         view = memoryview(data)
-        for start in range(0, count, BATCH):
-            self.write(MARK)
-            self.write(view[start * stride:min(start + BATCH, count) * stride])
-            self.write(APPENDS)
+        for first in range(0, count, CHUNK):
+            items = min(CHUNK, count - first)
+            template.fill_into(data, numbers, first, items)
+            for start in range(0, items, BATCH):
+                self.write(MARK)
+                self.write(view[start * stride:min(start + BATCH, items) * stride])
+                self.write(APPENDS)
 
     def end(self) -> None:
         self.write(STOP)

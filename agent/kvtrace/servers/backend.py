@@ -15,7 +15,7 @@ from kvtrace.model.crosscheck import ProcessCrossCheck
 from kvtrace.model.depth import DepthRequest, ProcessDepth
 from kvtrace.model.events import Api
 from kvtrace.model.findings import AnalysisSnapshot, LeakReport
-from kvtrace.model.ledger import LedgerCounts, Outstanding
+from kvtrace.model.ledger import LedgerCounts, Outstanding, RowBatch
 from kvtrace.model.processes import ProcessInfo
 from kvtrace.model.stacks import NativeFrame, Stack
 
@@ -29,6 +29,11 @@ class AgentState(Protocol):
 
     def outstanding(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
         """Every live ledger entry, as a copy (the server sorts, filters and pages it)."""
+        ...
+
+    def outstanding_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
+        """outstanding(pids) in batches of rows in columns (model.ledger.RowBatch), of `pids` only: what a
+        listing in columns reads."""
         ...
 
     def process(self, pid: int) -> ProcessInfo | None:

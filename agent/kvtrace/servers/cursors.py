@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -71,7 +71,9 @@ class Cursors(Generic[T]):
         """The next `page_size` entries of the listing `token` names ("": a new listing, `start()` its pass),
         and the token of the page after ("" when this was the last). A token for a page already sent is
         answered with that page again; CursorLost where the token names no open listing, CursorMismatch where
-        it names one that selects something else than `filters`."""
+        it names one that selects something else than `filters`. Where the pass's items are batches of entries
+        (with a `count` and a `split(at)`: model.ledger.RowBatch), `page_size` counts their entries: a page is
+        batches, the last one split where the page ends."""
         if not token:
             cursor_id, sequence = secrets.token_hex(8), 0
             cursor: _Cursor[T] = _Cursor(filters, iter(start()), used_monotonic=self._monotonic())
@@ -99,8 +101,7 @@ class Cursors(Generic[T]):
                 page = cursor.last_page
             elif sequence == cursor.sequence:
                 try:
-                    page = cursor.ahead + list(itertools.islice(cursor.entries, page_size - len(cursor.ahead)))
-                    cursor.ahead = list(itertools.islice(cursor.entries, 1))
+                    page = _take(cursor, page_size)
                 except BaseException:  # the pass is broken: its listing cannot go on whole
                     with self._lock:
                         self._open.pop(cursor_id, None)
@@ -122,6 +123,34 @@ class Cursors(Generic[T]):
         deadline = self._monotonic() - self.idle_seconds
         for cursor_id in [key for key, cursor in self._open.items() if cursor.used_monotonic < deadline]:
             del self._open[cursor_id]
+
+
+def _take(cursor: _Cursor[T], page_size: int) -> list[T]:
+    """The cursor's next page, and what follows it read ahead (one entry; or the rest of a batch, or the next
+    batch with entries): whether a page follows is known."""
+    first = cursor.ahead[0] if cursor.ahead else next(cursor.entries, None)
+    if first is None or not hasattr(first, "split"):  # entries
+        page = cursor.ahead if cursor.ahead else [] if first is None else [first]
+        page += itertools.islice(cursor.entries, page_size - len(page))
+        cursor.ahead = list(itertools.islice(cursor.entries, 1))
+        return page
+    batches: Iterator[Any] = itertools.chain((first,), cursor.entries)
+    page, rows, cursor.ahead = [], 0, []
+    for batch in batches:
+        if not batch.count:
+            continue
+        if rows + batch.count > page_size:
+            head, tail = batch.split(page_size - rows)
+            page.append(head)
+            cursor.ahead = [tail]
+            return page
+        page.append(batch)
+        rows += batch.count
+        if rows == page_size:
+            following = next((batch for batch in batches if batch.count), None)
+            cursor.ahead = [] if following is None else [following]
+            break
+    return page
 
 
 def _parse(token: str) -> tuple[str, int]:

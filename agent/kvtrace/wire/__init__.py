@@ -23,6 +23,8 @@ Every public name is re-exported here: `from kvtrace import wire; wire.event_to_
 from __future__ import annotations
 
 from kvtrace.wire.agent import (
+    add_processes,
+    batches_to_columns,
     columns_from_snapshot,
     cross_checks_to_proto,
     gpu_to_proto,
@@ -105,6 +107,8 @@ from kvtrace.wire.vllm import (
 
 __all__ = [
     "FixedColumnsBatch",
+    "add_processes",
+    "batches_to_columns",
     "columns_event_count",
     "columns_from_snapshot",
     "cross_checks_to_proto",

@@ -8,7 +8,7 @@ kvtrace.wire.columns) and vLLM's (kvtrace.wire.vllm).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from kvtrace._proto.kvtrace.v1 import agent_service_pb2 as service_pb2
 from kvtrace._proto.kvtrace.v1 import events_pb2
@@ -17,7 +17,7 @@ from kvtrace.model.crosscheck import ProcessCrossCheck, Side
 from kvtrace.model.depth import ProcessDepth
 from kvtrace.model.events import Api, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, GpuMemory, LeakReport, LeakSuspect, ProcessGpu
-from kvtrace.model.ledger import EntryColumns, LedgerKey, Outstanding
+from kvtrace.model.ledger import ENTRY_ROW_FIELDS, EntryColumns, LedgerKey, Outstanding, RowBatch, entry_row
 from kvtrace.model.processes import ProcessInfo, valid_text
 from kvtrace.wire.common import saturated_s64, saturated_u64, wire_number
 from kvtrace.wire.depth import depth_to_proto, depths_to_proto
@@ -83,57 +83,75 @@ _APIS = {int(member): member for member in Api}
 _MEMORIES = {int(member): member for member in Memory}
 
 
-# OutstandingColumns' number columns in its field order, each the Outstanding attribute it is (dotted: of the key).
-_COLUMN_ATTRIBUTES = (
-    ("pid", "key.pid"), ("tid", "tid"), ("layer", "key.layer"), ("object", "key.object"), ("memory", "memory"),
-    ("api", "api"), ("size_bytes", "size_bytes"), ("address", "key.address"), ("device", "device"),
-    ("timestamp_ns", "timestamp_ns"), ("caller_address", "caller_address"), ("stack_id", "stack_id"),
-    ("mapped_count", "mapped_count"), ("released", "released"), ("handle", "handle"), ("stream", "stream"),
-    ("sample_bytes", "sample_bytes"), ("sampled", "sampled"))
-_COLUMN_NAMES = tuple(name for name, _ in _COLUMN_ATTRIBUTES)
-_ROW_OF = operator.attrgetter(*(attribute for _, attribute in _COLUMN_ATTRIBUTES))  # one C call per entry
+# OutstandingColumns' number columns in its field order: a row's fields (model.ledger.entry_row), in order.
+_COLUMN_NAMES = tuple(name.rpartition(".")[2] for name in ENTRY_ROW_FIELDS)
+_PID, _STACK_ID, _SAMPLE_BYTES = (_COLUMN_NAMES.index(name) for name in ("pid", "stack_id", "sample_bytes"))
 
 
 def outstanding_to_columns(entries: Sequence[Outstanding], processes: Mapping[int, ProcessInfo | None],
                            message: service_pb2.OutstandingColumns) -> None:
     """A snapshot page's entries into `message` (SNAPSHOT_ENCODING_COLUMNS): one C call per entry to read its
-    fields, a transpose and a packed extend per column; a column that is all defaults stays empty. `processes`:
-    the known ones of the page's pids (None: no longer readable, no label)."""
-    if not entries:
-        return
-    columns = dict(zip(_COLUMN_NAMES, zip(*map(_ROW_OF, entries), strict=True), strict=True))
-    if any(columns["sampled"]):  # sampled means something only with a sampling mean, as in outstanding_to_proto
-        pairs = zip(columns["sampled"], columns["sample_bytes"], strict=True)
-        columns["sampled"] = tuple(bool(sampled and sample_bytes) for sampled, sample_bytes in pairs)
-    for name, column in columns.items():
-        if name == "pid" or any(column):
-            getattr(message, name).extend(column)
+    fields, then batches_to_columns. `processes`: the known ones of the page's pids (None: no longer readable,
+    no label)."""
+    batches_to_columns([RowBatch.of_rows(map(entry_row, entries))], message)
+    add_processes(processes, message)
+
+
+def batches_to_columns(batches: Sequence[RowBatch],
+                       message: service_pb2.OutstandingColumns) -> tuple[set[int], set[int]]:
+    """A snapshot page's entries, batches of rows in columns (model.ledger.RowBatch), into `message`'s columns: a
+    packed extend per column and batch; a column that is all defaults stays empty. The page's pids and stack ids
+    (0: none)."""
+    pids: set[int] = set()
+    stack_ids: set[int] = set()
+    for index, name in enumerate(_COLUMN_NAMES):
+        columns = [batch.columns[index] for batch in batches]
+        if name == "sampled" and any(map(any, columns)):  # meant only with a sampling mean (outstanding_to_proto)
+            columns = [list(map(bool, map(operator.and_, map(bool, column), map(bool, batch.columns[_SAMPLE_BYTES]))))
+                       for column, batch in zip(columns, batches, strict=True)]
+        if name == "pid" or any(map(any, columns)):
+            field = getattr(message, name)
+            for column in columns:
+                field.extend(column)
+    for batch in batches:
+        pids.update(batch.columns[_PID])
+        stack_ids.update(batch.columns[_STACK_ID])
+    return pids, stack_ids
+
+
+def add_processes(processes: Mapping[int, ProcessInfo | None], message: service_pb2.OutstandingColumns) -> None:
+    """Each known process's labels, once (None: no longer readable, no label)."""
     add = message.processes.add
     for pid, process in processes.items():
         if process is not None:
             add(pid=pid, comm=process.comm, title=process.title, container=process.container)
 
 
-def columns_from_snapshot(response: service_pb2.GetSnapshotResponse) -> EntryColumns:
+def columns_from_snapshot(response: service_pb2.GetSnapshotResponse,
+                          fields: Collection[str] | None = None) -> EntryColumns:
     """A snapshot page's entries in columns, whichever way it carried them: `columns`, or `allocations` (an agent
     older than SNAPSHOT_ENCODING_COLUMNS, which sends those whatever was asked). ValueError for columns of
-    different lengths."""
+    different lengths. `fields`: the EntryColumns a reader uses (None: all); the others are left empty (a
+    million entries' columns cost what their numbers do)."""
+    names = _COLUMN_NAMES if fields is None else [name for name in _COLUMN_NAMES if name in fields]
     if len(response.allocations):
         rows = response.allocations
         labels: dict[int, tuple[str, str, str]] = {}
         for row in rows:
             labels.setdefault(row.pid, (row.comm, row.title, row.container))
-        return EntryColumns._make([*([getattr(row, name) for row in rows] for name in _COLUMN_NAMES), labels])
-    columns = response.columns
-    count = len(columns.pid)
-    lists = []
-    for name in _COLUMN_NAMES:
-        values = getattr(columns, name)
-        if len(values) not in (0, count):
-            raise ValueError(f"OutstandingColumns.{name} has {len(values)} entries for {count} objects")
-        lists.append(list(values) if len(values) else [False if name in ("released", "sampled") else 0] * count)
-    labels = {label.pid: (label.comm, label.title, label.container) for label in columns.processes}
-    return EntryColumns._make([*lists, labels])
+        lists = {name: [getattr(row, name) for row in rows] for name in names}
+    else:
+        columns = response.columns
+        count = len(columns.pid)
+        lists = {}
+        for name in _COLUMN_NAMES:
+            values = getattr(columns, name)
+            if len(values) not in (0, count):
+                raise ValueError(f"OutstandingColumns.{name} has {len(values)} entries for {count} objects")
+            if name in names:
+                lists[name] = list(values) if len(values) else [False if name in ("released", "sampled") else 0] * count
+        labels = {label.pid: (label.comm, label.title, label.container) for label in columns.processes}
+    return EntryColumns._make([*(lists.get(name, []) for name in _COLUMN_NAMES), labels])
 
 
 def suspect_to_proto(suspect: LeakSuspect) -> service_pb2.LeakSuspect:

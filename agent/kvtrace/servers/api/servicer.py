@@ -13,6 +13,7 @@ import logging
 import operator
 import threading
 from collections.abc import Iterable
+from typing import cast
 
 import grpc
 import psutil
@@ -22,7 +23,7 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.model.depth import NO_REQUEST, REQUEST_WITHDRAWN, Depth, DepthCause, DepthRequest, ProcessDepth
 from kvtrace.model.events import Event, EventRun, Layer
-from kvtrace.model.ledger import LedgerReadRefused, Outstanding
+from kvtrace.model.ledger import ROW_LAYER, LedgerReadRefused, Outstanding, RowBatch, entry_from_row, entry_row
 from kvtrace.model.processes import CONTROL_CHARACTERS, ProcessInfo
 from kvtrace.reports.flight import FlightDumpError, FlightRecorder
 from kvtrace.reports.recorder import FrameEncoder, ProcessFilter, RecordQueue, encode_stream, recording_header
@@ -64,6 +65,8 @@ from kvtrace.servers.cursors import CursorLost, CursorMismatch, Cursors
 from kvtrace.servers.hub import EventHub, Lost, QueueItem, flatten
 from kvtrace.wire import (
     FixedColumnsBatch,
+    add_processes,
+    batches_to_columns,
     cross_checks_to_proto,
     depth_to_proto,
     depths_to_proto,
@@ -73,7 +76,6 @@ from kvtrace.wire import (
     info_to_proto,
     leak_report_to_proto,
     lost_to_proto,
-    outstanding_to_columns,
     outstanding_to_proto,
     process_to_proto,
     stack_message,
@@ -112,7 +114,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         self._slots = slots if slots is not None else StreamSlots(limits)
         self._probe = probe_response(view)  # a probe's filler (slots.py): an empty response to any reader
         # Snapshot listings open on this socket (a token of the other socket's is no token here).
-        self._listings: Cursors[Outstanding] = Cursors()
+        self._listings: Cursors[Outstanding | RowBatch] = Cursors()  # entries, or batches (a listing in columns)
         self.stopping = threading.Event()
 
     def StreamEvents(self, request, context):
@@ -308,9 +310,17 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         timestamp_ns = self._state.wall_clock_ns()
 
-        def one_pass() -> Iterable[Outstanding]:
+        in_columns = request.encoding == service_pb2.SNAPSHOT_ENCODING_COLUMNS
+
+        def one_pass() -> Iterable[Outstanding | RowBatch]:
             # The whole listing is one pass over the ledger, whatever its pages (servers/cursors.py): the kernel's
-            # copy may have millions of entries, read a chunk at a time, never held.
+            # copy may have millions of entries, read a chunk at a time, never held. A listing in columns goes
+            # through batches of rows in columns (a chunk's: no object made for a kernel entry), of `pids` only.
+            if in_columns:
+                batches = self._state.outstanding_batches(pids)
+                if not layers:
+                    return batches
+                return (batch.where([layer in layers for layer in batch.columns[ROW_LAYER]]) for batch in batches)
             return (entry for entry in self._state.outstanding(pids)
                     if (not pids or entry.key.pid in pids) and (not layers or entry.key.layer in layers))
 
@@ -331,17 +341,25 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         processes: dict[int, ProcessInfo | None] = {}
         response = service_pb2.GetSnapshotResponse(next_page_token=next_token, timestamp_ns=timestamp_ns,
                                                    view=VIEW_REDACTED if self._redacted else VIEW_FULL)
-        if request.encoding == service_pb2.SNAPSHOT_ENCODING_COLUMNS:  # filled in place: a page is not copied
-            processes = {pid: self._state.process(pid) for pid in {entry.key.pid for entry in page}}
-            outstanding_to_columns(page, processes, response.columns)
+        # (a page holds what its listing's first page asked for; a later page may ask in the other encoding)
+        # (the items of a listing are all of one kind, its pass's; a later page may ask for the other encoding)
+        if in_columns:  # filled in place: a page is not copied
+            batches = cast(list[RowBatch], page) if not page or isinstance(page[0], RowBatch) else [
+                RowBatch.of_rows(map(entry_row, cast(list[Outstanding], page)))]
+            page_pids, stack_ids = batches_to_columns(batches, response.columns)
+            processes = {pid: self._state.process(pid) for pid in page_pids}
+            add_processes(processes, response.columns)
         else:
+            entries = cast(list[Outstanding], page) if not page or isinstance(page[0], Outstanding) else [
+                entry_from_row(row) for batch in cast(list[RowBatch], page) for row in batch.rows()]
             allocations = []
-            for entry in page:
+            for entry in entries:
                 pid = entry.key.pid
                 if pid not in processes:
                     processes[pid] = self._state.process(pid)
                 allocations.append(outstanding_to_proto(entry, processes[pid]))
             response.allocations.extend(allocations)
+            stack_ids = {entry.stack_id for entry in entries}
         response.depths.extend(depths_to_proto(self._state.process_depths(), processes))
         if self._redacted:
             redact_depths(response.depths)
@@ -350,7 +368,7 @@ class AgentServicer(service_grpc.AgentServiceServicer):
             if response.HasField("columns"):
                 redact_outstanding_columns(response.columns)
             return response
-        for stack_id in sorted({entry.stack_id for entry in page if entry.stack_id}):
+        for stack_id in sorted(stack_ids - {0}):
             stack = self._state.stack(stack_id)
             if stack is not None:
                 response.stacks.append(stack_message(stack_id, stack))

@@ -21,22 +21,25 @@ The BPF source makes one while its probes are loaded (BpfSource.start) and gives
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import psutil
 
 from kvtrace.model.events import Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import (
     DEFAULT_MAX_READ_ENTRIES,
+    EntryBatches,
     Ledger,
     LedgerKey,
     LedgerReadRefused,
     Outstanding,
+    RowBatch,
     TotalsKey,
     placed,
 )
@@ -48,9 +51,11 @@ from kvtrace.sources.bpf.decode import (
     decode_totals,
     doomed_in_chunk,
     gone_in_chunk,
+    ledger_batch_in_chunk,
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The objects the kernel keeps (their entries and totals): those that come in millions.
 COUNTED_OBJECTS = frozenset({ObjectKind.ALLOCATION, ObjectKind.BLOCK})
@@ -392,6 +397,11 @@ class KernelLedger(Ledger):
         limit): for a reader that goes through them and keeps what it computes, not the entries."""
         return _Entries(self.kept(pids), self.read_kernel, frozenset(pids))
 
+    def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
+        """stream(pids) in batches of rows in columns (model.ledger.RowBatch): the kernel's a chunk at a time, made
+        from its maps' bytes, without an Outstanding, or a tuple, each (a listing in columns of millions)."""
+        return _Entries(EntryBatches(self.kept(pids)), self.read_kernel_batches, frozenset(pids))
+
     def entries(self, pids: Collection[int] = ()) -> list[Outstanding]:
         """Every entry of `pids` as a list: LedgerReadRefused (counted) over read_limit."""
         refused = self.copy_refused(pids)
@@ -456,6 +466,25 @@ class KernelLedger(Ledger):
             entry.stack_id = self._stack_ids.get(found[1].stack_id, 0)
         return entry
 
+    def read_kernel_batches(self, pids: Collection[int] = ()) -> Iterator[RowBatch]:
+        """read_kernel(pids) a chunk at a time, as batches of rows in columns (model.ledger.RowBatch); the maps
+        read as they are gone through."""
+        wanted = frozenset(pids) or self._followed()
+        if self._none_counted(wanted):
+            return iter(())
+        with self._lock:
+            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
+        clock, stack_ids = self._clock, self._stack_ids
+        return (ledger_batch_in_chunk(keys, values, clock, stack_ids, COUNTED_OBJECT_VALUES, wanted, gone)
+                for keys, values in self._maps.iter_ledger_chunks())
+
+    def _none_counted(self, wanted: frozenset[int]) -> bool:
+        """None by the kernel's totals, while they count every entry (never full, nothing taken out of them by the
+        agent, no exit's totals taken while a process that reused the pid may hold entries): no scan of an empty
+        map's buckets."""
+        return not self._totals_ever_full() and not self._adjustments and not self._gone and not any(
+            value.count for key, value in self._maps.read_totals() if not wanted or key.pid in wanted)
+
     def read_kernel(self, pids: Collection[int] = (), gone_before: Mapping[int, int] | None = None,
                     ) -> Iterator[Outstanding]:
         """The kernel's allocations and blocks of `pids` (empty: every followed process), from any thread,
@@ -465,11 +494,7 @@ class KernelLedger(Ledger):
         wanted = frozenset(pids) or self._followed()
         stack_ids = self._stack_ids
         maps = self._maps
-        if not self._totals_ever_full() and not self._adjustments and not self._gone and not any(
-                value.count for key, value in maps.read_totals() if not wanted or key.pid in wanted):
-            # None by the kernel's totals, while they count every entry (never full, nothing taken out of them
-            # by the agent, no exit's totals taken while a process that reused the pid may hold entries): no scan of
-            # an empty map's buckets.
+        if self._none_counted(wanted):
             return
         if gone_before is not None:
             gone = dict(gone_before)
@@ -543,15 +568,13 @@ def delete_entries(maps: KernelMaps, pids: frozenset[int], before_ns: int, devic
     return sums
 
 
-class _Entries:
-    """The entries of a KernelLedger's stream: the kept ones as copied, then the kernel's read afresh at every
-    pass (each pass is a moment's view of maps the probes go on changing)."""
+class _Entries(Generic[T]):
+    """The entries (or rows) of a KernelLedger's stream: the kept ones as copied, then the kernel's read afresh at
+    every pass (each pass is a moment's view of maps the probes go on changing)."""
 
-    def __init__(self, kept: list[Outstanding], read: Callable[[Collection[int]], Iterator[Outstanding]],
-                 pids: frozenset[int]) -> None:
+    def __init__(self, kept: Iterable[T], read: Callable[[Collection[int]], Iterator[T]], pids: frozenset[int]) -> None:
         self._kept, self._read, self._pids = kept, read, pids
 
-    def __iter__(self) -> Iterator[Outstanding]:
-        yield from self._kept
-        yield from self._read(self._pids)
+    def __iter__(self) -> Iterator[T]:
+        return itertools.chain(self._kept, self._read(self._pids))  # (the kernel's read when iteration starts)
 
