@@ -121,3 +121,22 @@ def test_a_full_rings_dump_holds_exactly_the_events_put_in(tmp_path):
     got = [("lost", message.timestamp_ns, message.events_lost.kernel_lost_count)
            if message.HasField("events_lost") else message for message in events]
     assert got == expected
+
+
+def test_a_dumps_window_starts_at_its_oldest_record_not_its_first(tmp_path):
+    """Events come a little out of order (a run delivered after a newer one): the dump's window holds every record
+    the ring holds, the late older ones too (from the first record's time they were left out)."""
+    agent = FakeAgent()
+    recorder = FlightRecorder(agent.session, FlightOptions(directory=tmp_path, window_seconds=3600), 60.0)
+    recorder.start()
+    start = time.time_ns() - 60 * NS
+    records = [record for record in varied(40, start, wire=True) if type(record) is Event]
+    recorder.publish_many(records[20:])  # the newer run first
+    recorder.publish_many(records[:20])
+    recorder.request(service_pb2.FLIGHT_TRIGGER_KIND_REQUEST, "a test")
+    recorder.stop()
+    (path,) = sorted(tmp_path.glob("flight-*.kvtrace"))
+    with RecordingReader.open(path) as reader:
+        events = [frame.event for frame in reader.frames()
+                  if frame.WhichOneof("record") == "event" and not frame.event.HasField("stack_definition")]
+    assert sorted(message.timestamp_ns for message in events) == sorted(record.timestamp_ns for record in records)

@@ -276,6 +276,12 @@ class RingCopy:
             position -= end - start
         raise IndexError("ring copy index out of range")
 
+    def oldest_timestamp_ns(self) -> int:
+        """The oldest timestamp of the records (not the first's: records come a little out of order)."""
+        unpack_from = _TIMESTAMP.unpack_from
+        return min(unpack_from(data, index * RECORD_BYTES + _TIMESTAMP_OFFSET)[0]
+                   for data, start, end, _ in self._parts for index in range(start, end))
+
     def since(self, oldest_ns: int) -> RingCopy:
         """These records less those older than `oldest_ns` (filtered as they are read)."""
         return RingCopy(self._parts, self._labels, self._length, oldest_ns)
