@@ -278,6 +278,13 @@ class Daemon:
         self.session.set_depth_refusal(_depth_refusal(source), source.deepenable_pids())
         self.session.set_cupti_witness(True)  # the probes see every process: CUPTI's events are compared
 
+    def _wait_site_sample(self) -> None:
+        """Before the probes go: the analyzer's site sample reads the kernel's maps on a thread of its own, and must
+        not read them while they are closed (nor their descriptors once reused)."""
+        if not self.analyzer.wait_site_sample(SITE_SAMPLE_STOP_SECONDS):
+            log.warning("the site sample was still reading the ledger after %g s: the probes go all the same",
+                        SITE_SAMPLE_STOP_SECONDS)
+
     def _tracing_down(self, reason: str) -> None:
         self.session.report_component("bpf", False, reason)
         log.warning("%s", reason)
@@ -294,6 +301,7 @@ class Daemon:
             return
         if self._switched_off():
             if self.source is not None:
+                self._wait_site_sample()
                 self.source.stop()
                 self.source = None
                 self.session.set_cupti_witness(False)
@@ -424,6 +432,7 @@ class Daemon:
         if self.cupti_listener is not None:
             self.cupti_listener.stop()
         if self.source is not None:
+            self._wait_site_sample()
             self.source.stop()
         if self.recorder is not None:
             self.recorder.stop()  # after the probes: the last events are in the file
@@ -448,6 +457,8 @@ class Daemon:
 # and stacks are freed by their reference counts (they form no cycles), so a collection rarely finds
 # anything: bench/api_throughput.py measured the difference (bench/RESULTS.md §J).
 GC_YOUNG_ALLOCATIONS = 50_000
+# How long a stop waits for a site sample that is reading the kernel's ledger (seconds for millions of entries).
+SITE_SAMPLE_STOP_SECONDS = 10.0
 
 
 def _depth_refusal(source: BpfSource) -> str:

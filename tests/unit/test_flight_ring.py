@@ -58,7 +58,7 @@ def test_a_ring_over_its_bound_reads_back_its_last_records_equal_and_in_order():
     assert len(ring) == 500
     assert list(ring) == records[-500:]
     assert [type(record) for record in ring] == [type(record) for record in records[-500:]]
-    assert ring.oldest_timestamp_ns() == records[1500].timestamp_ns
+    assert ring.first_timestamp_ns() == records[1500].timestamp_ns
     assert ring.extend(records[:3]) == records[1502].timestamp_ns  # let go of: the newest of the three oldest
     # Labels and records kept as themselves go with the chunks that held them: bounded by the chunks held.
     assert len(ring._labels) <= 40 and sum(len(chunk.objects) for chunk in ring._chunks) <= 5 * (500 + 64) // 23 + 5

@@ -193,7 +193,7 @@ class FlightRecorder:
 
     def _let_go_before(self, oldest_kept_ns: int) -> None:
         ring = self._ring
-        while ring and ring.oldest_timestamp_ns() < oldest_kept_ns:
+        while ring and ring.first_timestamp_ns() < oldest_kept_ns:
             self._note_let_go(ring.popleft_timestamp_ns())
 
     def _note_let_go(self, timestamp_ns: int) -> None:

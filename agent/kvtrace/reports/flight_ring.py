@@ -212,14 +212,14 @@ class PackedRing:
 
     # ---- letting go of the oldest ----
 
-    def oldest_timestamp_ns(self) -> int:
-        """The oldest record's timestamp (the ring is not empty)."""
+    def first_timestamp_ns(self) -> int:
+        """The first record's timestamp, the one popleft lets go of next (the ring is not empty)."""
         return _TIMESTAMP.unpack_from(self._chunks[0].data, self._head * RECORD_BYTES + _TIMESTAMP_OFFSET)[0]
 
     def popleft_timestamp_ns(self) -> int:
         """Lets the oldest record go; its timestamp."""
         first = self._chunks[0]
-        timestamp_ns = self.oldest_timestamp_ns()
+        timestamp_ns = self.first_timestamp_ns()
         if first.objects:
             first.objects.pop(self._head, None)
         self._head += 1

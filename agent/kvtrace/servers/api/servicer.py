@@ -341,7 +341,6 @@ class AgentServicer(service_grpc.AgentServiceServicer):
         processes: dict[int, ProcessInfo | None] = {}
         response = service_pb2.GetSnapshotResponse(next_page_token=next_token, timestamp_ns=timestamp_ns,
                                                    view=VIEW_REDACTED if self._redacted else VIEW_FULL)
-        # (a page holds what its listing's first page asked for; a later page may ask in the other encoding)
         # (the items of a listing are all of one kind, its pass's; a later page may ask for the other encoding)
         if in_columns:  # filled in place: a page is not copied
             batches = cast(list[RowBatch], page) if not page or isinstance(page[0], RowBatch) else [
