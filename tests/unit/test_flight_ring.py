@@ -87,6 +87,16 @@ def test_a_packed_record_is_103_bytes_of_every_field_of_an_event():
     assert tuple(field.name for field in dataclasses.fields(Event)) == EVENT_FIELDS
 
 
+def dumped_events(recorder: FlightRecorder, directory) -> list:
+    """The events (no stack definitions) of the one dump an operator's request makes, the recorder stopped after."""
+    recorder.request(service_pb2.FLIGHT_TRIGGER_KIND_REQUEST, "a test")
+    recorder.stop()
+    (path,) = sorted(directory.glob("flight-*.kvtrace"))
+    with RecordingReader.open(path) as reader:
+        return [frame.event for frame in reader.frames()
+                if frame.WhichOneof("record") == "event" and not frame.event.HasField("stack_definition")]
+
+
 def test_a_full_rings_dump_holds_exactly_the_events_put_in(tmp_path):
     """1 500 records into a ring of 1 000 (the smallest --flight-max-records): the dump of the full ring holds its
     1 000, each event's frame equal to that event's own encoding, the losses and samples where they were."""
@@ -106,12 +116,7 @@ def test_a_full_rings_dump_holds_exactly_the_events_put_in(tmp_path):
             else:
                 recorder.publish(record)
     kept = records[-1000:]
-    recorder.request(service_pb2.FLIGHT_TRIGGER_KIND_REQUEST, "a test")
-    recorder.stop()
-    (path,) = sorted(tmp_path.glob("flight-*.kvtrace"))
-    with RecordingReader.open(path) as reader:
-        events = [frame.event for frame in reader.frames()
-                  if frame.WhichOneof("record") == "event" and not frame.event.HasField("stack_definition")]
+    events = dumped_events(recorder, tmp_path)
     expected = []
     for record in kept:
         if type(record) is EventsLost:
@@ -133,10 +138,5 @@ def test_a_dumps_window_starts_at_its_oldest_record_not_its_first(tmp_path):
     records = [record for record in varied(40, start, wire=True) if type(record) is Event]
     recorder.publish_many(records[20:])  # the newer run first
     recorder.publish_many(records[:20])
-    recorder.request(service_pb2.FLIGHT_TRIGGER_KIND_REQUEST, "a test")
-    recorder.stop()
-    (path,) = sorted(tmp_path.glob("flight-*.kvtrace"))
-    with RecordingReader.open(path) as reader:
-        events = [frame.event for frame in reader.frames()
-                  if frame.WhichOneof("record") == "event" and not frame.event.HasField("stack_definition")]
+    events = dumped_events(recorder, tmp_path)
     assert sorted(message.timestamp_ns for message in events) == sorted(record.timestamp_ns for record in records)
