@@ -3,6 +3,7 @@
 silent on the healthy case."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fake_agent import event
@@ -295,6 +296,19 @@ def test_finished_requests_keeping_their_blocks_are_a_low_ratio():
         engine, findings = host.engine()
     (finding,) = [finding for finding in findings if finding.kind is FindingKind.LOW_FREE_RATIO]
     assert finding.value == 0.0 and "0 KV block frees for 1032 allocations over the last minute (" in finding.message
+
+
+def test_a_report_cut_among_finished_holders_nets_nothing_out():
+    """Finished requests alone fill the report (more left out): the blocks in use are not taken for live requests'."""
+    host = Host({100: process(100, "VLLM::EngineCore")})
+    host.view.schedulers[100] = report(100, 0, free=4000, total=4000)
+    host.engine()
+    shown = tuple(KvRequest(f"done{index}", RequestState.FINISHED, 10, 9.0) for index in range(3))
+    host.view.schedulers[100] = dataclasses.replace(
+        report(100, 10, free=3000, total=4000, allocated=1000, freed=0, requests=shown), requests_omitted=97)
+    _, findings = host.engine()
+    (finding,) = [finding for finding in findings if finding.kind is FindingKind.LOW_FREE_RATIO]
+    assert finding.value == 0.0 and "held by running requests" not in finding.message
 
 
 def test_a_burst_over_a_leak_still_owes_the_leaks_frees():

@@ -359,10 +359,13 @@ class VllmAnalysis:
         state.allocated.add(report.timestamp_ns, counters[0])
         state.freed.add(report.timestamp_ns, counters[1])
         # Blocks the live (unfinished) requests hold: in use in the pool, less those of finished requests (listed
-        # first in `requests`, so all of them are there unless they alone fill the report).
+        # first in `requests`, so all of them are there unless they alone fill the report: then finished holders
+        # are left out, and what they hold is not taken for live requests').
         in_use = max(report.blocks_total - report.blocks_free, 0)
         finished = sum(request.blocks for request in report.requests if request.state.done)
-        state.counts.add(report.timestamp_ns, (*counters, max(in_use - finished, 0)))
+        cut_among_finished = report.requests_omitted and all(request.state.done for request in report.requests)
+        live = 0 if cut_among_finished else max(in_use - finished, 0)  # (cut: nothing netted out, as before)
+        state.counts.add(report.timestamp_ns, (*counters, live))
 
     @staticmethod
     def _idle_free_blocks(state: _EngineState, report: SchedulerReport) -> None:
