@@ -299,6 +299,17 @@ def verdicts(result: dict) -> list[tuple[str, str, str, bool]]:
     ]
 
 
+def measure_once(attacks: tuple[str, ...], options: Options, env: dict[str, str]) -> dict:
+    """One run of `attacks` with attackers built in a scratch folder of its own, removed after (the regression
+    tests' way: tests/integration/test_two_attacks.py, test_site_sample_turns.py)."""
+    work = Path(tempfile.mkdtemp(prefix="kvtrace-attacks-"))
+    try:
+        build, hog = build_attackers(work)
+        return measure(attacks, build, hog, work, options, env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="*", default=["storm", "filler", "storm+filler"],

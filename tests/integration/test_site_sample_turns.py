@@ -9,15 +9,13 @@ three times in one turn, looking up a runtime entry per driver one: turns of 4.6
 started meanwhile went untraced; RESULTS §Q.)
 """
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from harness import require_tracing_here
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from attacks import Options, build_attackers, measure  # noqa: E402
+from attacks import Options, measure_once  # noqa: E402
 
 ATTACK_SECONDS = 25  # a sample at ~10 s, when the share is full
 FILL = 300_000  # more than the user's share of the ledger (262 144 entries): the rest refused
@@ -26,13 +24,8 @@ SHARE = 262_144
 
 def test_a_site_sample_over_a_full_share_of_the_ledger_never_makes_a_late_turn():
     require_tracing_here()
-    work = Path(tempfile.mkdtemp(prefix="kvtrace-site-sample-"))
-    try:
-        build, hog = build_attackers(work)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        result = measure(("filler",), build, hog, work, Options(seconds=ATTACK_SECONDS, fill=FILL), env)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = measure_once(("filler",), Options(seconds=ATTACK_SECONDS, fill=FILL), env)
     print(f"\n{result}")
     # THEN the share was full, and a site sample went through it (and more: the runtime and driver entries)
     assert result["fillers"] >= 1 and not result["filler_errors"] and result["share_full"] > 0

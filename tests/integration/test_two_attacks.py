@@ -12,15 +12,13 @@ sample, which read the filler's whole ledger in a turn of the loop for 4-7 s, ru
 The attack and its measures are bench/attacks.py's (RESULTS §Q: the same for 60 s, and each attack alone).
 """
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from harness import require_tracing_here
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from attacks import Options, build_attackers, measure, verdicts  # noqa: E402
+from attacks import Options, measure_once, verdicts  # noqa: E402
 
 ATTACK_SECONDS = 20
 FILL = 300_000  # more than the user's share of the ledger (262 144 entries): the rest refused
@@ -28,13 +26,8 @@ FILL = 300_000  # more than the user's share of the ledger (262 144 entries): th
 
 def test_the_exit_storm_and_the_ledger_filler_at_once_leave_a_root_workload_traced_exactly():
     require_tracing_here()
-    work = Path(tempfile.mkdtemp(prefix="kvtrace-two-attacks-"))
-    try:
-        build, hog = build_attackers(work)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        result = measure(("storm", "filler"), build, hog, work, Options(seconds=ATTACK_SECONDS, fill=FILL), env)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = measure_once(("storm", "filler"), Options(seconds=ATTACK_SECONDS, fill=FILL), env)
     print(f"\n{result}")
     for goal, figure, wanted, met in verdicts(result):
         print(f"  {goal:30} {figure:55} goal {wanted:35} {'met' if met else 'MISSED'}")
