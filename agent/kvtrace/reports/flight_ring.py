@@ -267,15 +267,6 @@ class RingCopy:
     def __bool__(self) -> bool:
         return self._length > 0
 
-    def __getitem__(self, position: int) -> RingRecord:
-        if position < 0:
-            position += self._length
-        for data, start, end, objects in self._parts:
-            if position < end - start:
-                return _decode(data, start + position, objects, self._labels)
-            position -= end - start
-        raise IndexError("ring copy index out of range")
-
     def oldest_timestamp_ns(self) -> int:
         """The oldest timestamp of the records (not the first's: records come a little out of order)."""
         unpack_from = _TIMESTAMP.unpack_from
