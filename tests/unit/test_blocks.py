@@ -132,10 +132,21 @@ def test_growth_ps_snapshot_and_memory_viz_show_the_blocks(tmp_path, capsys):
         assert main(["snapshot", "-p", "200", "--format", "memory-viz", "-o", str(pickle_path),
                      "--socket", socket]) == 0
         assert "wrote" in capsys.readouterr().err
-        # Without blocks, or without -p / -o: one clear line, no file.
+        # Without blocks traced (depth segments): each segment as one block, held by the stack that grew it,
+        # and a line that says so.
+        agent.apply(*segment(pid=300, stack_id=agent.stacks.intern(Stack((Frame("load", "/app/load.py", 4),)))))
+        segments_only = tmp_path / "300.pickle"
+        assert main(["snapshot", "-p", "300", "--format", "memory-viz", "-o", str(segments_only),
+                     "--socket", socket]) == 0
+        said = capsys.readouterr().err
+        assert "no PyTorch block of pid 300 is traced" in said and "kvtrace deep --pid 300" in said
+        (shown,) = pickle.loads(segments_only.read_bytes())["segments"]
+        assert [(block["size"], [frame["name"] for frame in block["frames"]]) for block in shown["blocks"]] == [
+            (20 * MiB, ["[blocks not traced: the stack that allocated this segment]", "load"])]
+        # Without GPU memory, or without -p / -o: one clear line, no file.
         assert main(["snapshot", "-p", "100", "--format", "memory-viz", "-o", str(tmp_path / "x"),
                      "--socket", socket]) == 1
-        assert "no PyTorch blocks are traced in pid 100" in capsys.readouterr().err
+        assert "no GPU memory is traced in pid 100" in capsys.readouterr().err and not (tmp_path / "x").exists()
         assert main(["snapshot", "--format", "memory-viz", "--socket", socket]) == 2
         assert "-p PID -o FILE.pickle" in capsys.readouterr().err
         # Segments the viewer would draw wrong (overlapping): said in one line, no file.

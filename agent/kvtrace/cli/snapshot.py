@@ -84,7 +84,7 @@ class SnapshotCommand:
         return ExitCode.OK
 
     def _memory_viz(self, args: argparse.Namespace) -> int:
-        from kvtrace.reports.memory_viz import NOT_SAMPLED_FRAME
+        from kvtrace.reports.memory_viz import NOT_SAMPLED_FRAME, SEGMENT_HOLDER_FRAME
         from kvtrace.reports.viz_export import ExportBuilder
 
         if len(args.pid) != 1 or args.output is None:
@@ -95,10 +95,9 @@ class SnapshotCommand:
             for columns, stacks in agent.snapshot_columns(pids=args.pid, fields=ExportBuilder.FIELDS):
                 builder.add(columns, stacks)
         export = builder.finish()
-        if not export.blocks:
-            raise CommandError(f"no PyTorch blocks are traced in pid {args.pid[0]} (is it a PyTorch process, "
-                               "traced since it allocated? `kvtrace doctor --pid` says what is traced)",
-                               ExitCode.FAILURE)
+        if not export.segments:
+            raise CommandError(f"no GPU memory is traced in pid {args.pid[0]} (is it a CUDA process, traced since "
+                               "it allocated? `kvtrace doctor --pid` says what is traced)", ExitCode.FAILURE)
         try:
             export.write(args.output)
         except ValueError as error:  # what the viewer would draw wrong; nothing is written
@@ -111,6 +110,11 @@ class SnapshotCommand:
         print(f"wrote {args.output}: {export.segments} segments, {export.blocks} blocks{note}. "
               f"View it: python -m torch.cuda._memory_viz trace_plot {args.output} -o {args.output.stem}.html, "
               "or at https://pytorch.org/memory_viz", file=sys.stderr)
+        if export.segments_as_blocks:
+            print(f"kvtrace: no PyTorch block of pid {args.pid[0]} is traced (its depth is segments, or it does "
+                  f"not use PyTorch's caching allocator): each segment shows as one block under "
+                  f"{SEGMENT_HOLDER_FRAME}, held by the stack that allocated it; `kvtrace deep --pid {args.pid[0]}` "
+                  "traces its blocks from now on", file=sys.stderr)
         if export.passed:
             print(f"kvtrace: block stacks are sampled (--block-sample-bytes): {export.passed} blocks' stacks were "
                   f"passed over and show as {NOT_SAMPLED_FRAME}, so the viewer's bytes per stack are the sampled "

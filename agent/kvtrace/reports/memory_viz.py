@@ -31,6 +31,9 @@ What differs from a snapshot PyTorch takes of itself:
   size and place (a weighed size would not fit its segment), so the viewer's sums per stack are the
   sampled blocks' exact bytes, and the rest sit under that frame. `kvtrace flamegraph --blocks`
   weighs the sampled ones to estimate what each stack holds.
+- A process none of whose blocks are traced (depth `segments`: `kvtrace deep --pid` raises it) has each
+  segment shown as one live block of the segment's size, its frames ``[blocks not traced: ...]`` and then
+  the stack that allocated the segment (reports/viz_export.py; the CLI says so).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ LARGE_SEGMENT_BYTES = 20 * 1024 * 1024  # kLargeBuffer: the large pool's VMM pag
 # The one frame of a block whose stack sampling passed over (no walk made): told apart from a block walked
 # without a Python stack, which has no frame.
 NOT_SAMPLED_FRAME = "[stack not sampled]"
+# The first frame of a whole segment shown as one block because none of its process's blocks are traced (its
+# depth is `segments`): the frames after it are the stack that allocated the segment (grew the cache), which
+# need not be the one holding its tensors.
+SEGMENT_HOLDER_FRAME = "[blocks not traced: the stack that allocated this segment]"
 
 # The pytorch.org viewer reads the pickle with its own JavaScript reader, which refuses any protocol
 # outside 2-4; 4 is also what Python 3.8-3.13 writes by default.

@@ -24,6 +24,7 @@ from kvtrace.model.stacks import Stack
 from kvtrace.reports.memory_viz import (
     BLOCK_GRANULARITY_BYTES,
     NOT_SAMPLED_FRAME,
+    SEGMENT_HOLDER_FRAME,
     VizBlock,
     VizFrame,
     VizSegment,
@@ -68,13 +69,16 @@ class ExportBuilder:
         self._by_address = _Table(("address", "requested", "frames", "device", "passed"))
         self._by_time = _Table(("address", "requested", "stream", "timestamp", "frames"))
         self.large_numbers = False  # whether a number is 2**63 or more (written alone, not in a run)
-        self._runtime: list[tuple[int, int, int]] = []  # (address, size, device) of each runtime allocation
-        self._mappings: list[tuple[int, int, int]] = []  # (address, size, device) of each VMM mapping
+        # (address, size, device, timestamp, frames as a segment's holder) of each runtime allocation, VMM mapping
+        self._runtime: list[tuple[int, int, int, int, int]] = []
+        self._mappings: list[tuple[int, int, int, int, int]] = []
         self._frames_of_stack: dict[int, int] = {}  # stack id -> its frame list's number
         self._frames_of = _FramesCache()
         self.frame_lists: list[list[dict[str, Any]]] = []  # by number: each distinct stack's frames, torch's shape
         self._number_of: dict[int, int] = {}  # id of a frame list -> its number
         self._not_sampled = self._number(self._frames_of((VizFrame(NOT_SAMPLED_FRAME, "", 0),)))
+        self._segment_frames: dict[int, int] = {}  # a segment's stack id -> the frame list number shown for it
+        self.segments_as_blocks = False  # finish(): no block traced, each segment shown as one
 
     def add(self, columns: EntryColumns, stacks: Mapping[int, Stack]) -> None:
         """One page's entries (of any process: only this one's are taken) and the stacks they refer to."""
@@ -87,7 +91,7 @@ class ExportBuilder:
             blocks = list(map(operator.eq, objects if picked is None else _gather(objects, picked),
                               itertools.repeat(_BLOCK)))
             for index in itertools.compress(rows, map(operator.not_, blocks)):
-                self._segment_part(columns, index)
+                self._segment_part(columns, index, stacks)
             picked = list(itertools.compress(rows, blocks))
 
         if not self.large_numbers and max((max(values, default=0) for values in (
@@ -117,14 +121,25 @@ class ExportBuilder:
                           stream=_gather(columns.stream, _gather(by_address, by_time)),
                           timestamp=_gather(timestamps, by_time), frames=_gather(frames, by_time))
 
-    def _segment_part(self, columns: EntryColumns, index: int) -> None:
-        """A segment's entry (segments_of's: a runtime device allocation, or a VMM mapping, one of a run)."""
+    def _segment_part(self, columns: EntryColumns, index: int, stacks: Mapping[int, Stack]) -> None:
+        """A segment's entry (segments_of's: a runtime device allocation, or a VMM mapping, one of a run), with
+        what `finish` shows for it where the process has no block traced: its allocating stack."""
         kind, layer = columns.object[index], columns.layer[index]
-        entry = (columns.address[index], columns.size_bytes[index], columns.device[index])
         if kind == _ALLOCATION and layer == _RUNTIME and columns.memory[index] == _DEVICE_MEMORY:
-            self._runtime.append(entry)
+            kept = self._runtime
         elif kind == _VMM_MAPPING:
-            self._mappings.append(entry)
+            kept = self._mappings
+        else:
+            return
+        stack_id = columns.stack_id[index]
+        frames = self._segment_frames.get(stack_id)
+        if frames is None:
+            stack = stacks.get(stack_id) if stack_id else None
+            frames = self._segment_frames[stack_id] = self._number(self._frames_of(
+                (VizFrame(SEGMENT_HOLDER_FRAME, "", 0),
+                 *(VizFrame(frame.function, frame.file, frame.line) for frame in (stack.frames if stack else ())))))
+        kept.append((columns.address[index], columns.size_bytes[index], columns.device[index],
+                     columns.timestamp_ns[index], frames))
 
     def _stack_frames(self, stack: Stack | None) -> list[dict[str, Any]]:
         """The frames of a stack in torch's shape, one list for equal frames (as viz_segments and snapshot_dict
@@ -141,14 +156,28 @@ class ExportBuilder:
 
     def finish(self) -> VizExport:
         """The blocks nested in their segments (segments_of's rule: the segment that starts last at or before
-        the block's address, if the block ends inside it)."""
-        segments = [_Nested(address, size, device, False) for address, size, device in self._runtime]
-        for address, size, device in sorted(self._mappings):  # contiguous mappings on one device: one segment
+        the block's address, if the block ends inside it). A process none of whose blocks are traced (its depth
+        is `segments`, or its allocator is not PyTorch's) has each segment shown as one block, held by the stack
+        that allocated the segment under a first frame SEGMENT_HOLDER_FRAME: `segments_as_blocks` says so."""
+        segments = [_Nested(address, size, device, False) for address, size, device, _, _ in self._runtime]
+        holders = list(self._runtime)  # the segments' (address, size, device, timestamp, frames), in their order
+        for address, size, device, timestamp, holder in sorted(self._mappings):  # contiguous on one device: one
             last = segments[-1] if segments and segments[-1].expandable else None
             if last is not None and last.address + last.size == address and last.device == device:
                 last.size += size
+                holders[-1] = (*holders[-1][:1], last.size, *holders[-1][2:])  # the run's first mapping holds it
             else:
                 segments.append(_Nested(address, size, device, True))
+                holders.append((address, size, device, timestamp, holder))
+        self.segments_as_blocks = not self._by_address.address and bool(segments)
+        if self.segments_as_blocks:
+            holders.sort()  # one page of blocks: address order, and from that time order
+            by_time = _order([holder[3] for holder in holders])
+            columns = {name: [holder[at] for holder in holders] for at, name in enumerate(
+                ("address", "requested", "device", "timestamp", "frames"))}
+            self._by_address.add(**columns, passed=[False] * len(holders))
+            self._by_time.add(**{name: _gather(columns[name], by_time) for name in
+                                 ("address", "requested", "timestamp", "frames")}, stream=[0] * len(holders))
         segments.sort(key=lambda segment: segment.address)
         table = self._by_address
         order = _order(table.address)  # the pages' runs merged: positions in the table
@@ -227,6 +256,7 @@ class VizExport:
         self.segments = len(segments)
         self.blocks = sum(len(segment.blocks) for segment in segments)
         self.outside = count - self.blocks  # in no traced segment: left out
+        self.segments_as_blocks = built.segments_as_blocks  # no block traced: each segment shown as one
         passed = built._by_address.passed
         self.passed = sum(sum(map(passed.__getitem__, segment.blocks)) for segment in segments) if any(passed) else 0
 
@@ -244,6 +274,9 @@ class VizExport:
         viz.sort(key=lambda pair: (pair[0].device, pair[0].address))
         _check_segments([shape for shape, _ in viz])
         layouts = [_layout(shape, segment.columns) for shape, segment in viz]  # each checked before writing
+        if self.segments_as_blocks:  # a segment's one block is no request: its pool is judged by its size alone
+            layouts = [layout._replace(pool=_pool(shape.size_bytes, shape.is_expandable, 0))
+                       for layout, (shape, _) in zip(layouts, viz, strict=True)]
         traces = self._device_traces(viz)
         write_whole(path, lambda file: self._write(file, viz, layouts, traces), "snapshot", "snapshot.pickle", 0o600)
 
