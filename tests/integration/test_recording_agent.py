@@ -318,6 +318,36 @@ def test_a_process_killed_holding_memory_dumps_and_a_clean_exit_does_not(tmp_pat
     assert {entry["size_bytes"] for entry in replayed} == {MiB}
 
 
+def test_an_oom_and_the_death_right_after_it_each_dump_everything_the_process_held(tmp_path, bpf_here, stub_build):
+    """What a real OOM does (tests/gpu/test_flight_recorder.py): GIVEN a workload followed by the agent that keeps
+    78 x 1 MiB, WHEN its next cudaMalloc fails out of memory and it exits with status 1 at once, THEN the oom dump
+    and the died dump, written one after the other, each replay to the 78 runtime and 78 driver objects it held,
+    and each window holds every call the process made in it (a died dump's copy of the ledger must not lose the
+    objects of the process whose exit made it, however the two dumps' copies and the exit's collection meet)."""
+    kept = 78
+    flight = tmp_path / "flight"
+    socket = tmp_path / "kvtrace.sock"
+    with python_workload(tmp_path, stub_build.libcudart) as workload:
+        pid = workload.wait_ready()
+        with AgentProcess(socket, "-p", str(pid), "--no-nvml", "--flight-dir", str(flight),
+                          "--flight-window", "120") as agent:
+            poll(lambda: kvtrace("ps", "--json", "--socket", str(socket)).returncode == 0, "the agent answering")
+            ask(workload, f"leak {kept}")
+            workload.process.stdin.write("oom\nexit 1\n")
+            workload.process.stdin.flush()
+            assert workload.process.wait(timeout=30) == 1
+            poll(lambda: len(dumps_in(flight)) == 2, "the oom and the died dump")
+            assert agent.stop() == 0, agent.stderr_text()
+    by_trigger = {path.name.split("-")[3]: path for path in dumps_in(flight)}
+    assert sorted(by_trigger) == ["died", "oom"]
+    for trigger, dump in sorted(by_trigger.items()):
+        replayed = json_lines(kvtrace("snapshot", "--json", "--input", str(dump), "-p", str(pid)))
+        assert Counter(entry["layer"] for entry in replayed) == Counter({"runtime": kept, "driver": kept}), trigger
+        events = json_lines(kvtrace("tail", "--input", str(dump), "--json"))
+        allocations = [event for event in events if event["kind"] == "alloc" and event["api"] == "cudaMalloc"]
+        assert len(allocations) == kept, (trigger, len(allocations), len(events))
+
+
 # ---- 3. kvtrace agent --record ----
 
 def test_agent_record_replays_to_the_snapshot_and_processes_the_agent_answered(tmp_path, bpf_here,
