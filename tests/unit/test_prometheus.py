@@ -111,7 +111,8 @@ TRACER_COUNTERS = {"events_submitted": 100_003, "events_lost": 23, "ledger_full"
                    "libraries_refused": 29, "libraries_detached": 26,
                    "flight_dumps": 3, "flight_dump_failures": 1, "resyncs": 1,
                    "share_refused/vllm_senders/alice": 115, "share_refused/group_connections/other": 3,
-                   "vllm_senders_evicted": 1, "vllm_untrusted_senders": 1}
+                   "vllm_senders_evicted": 1, "vllm_untrusted_senders": 1, "site_samples": 4,
+                   "site_sample_entries": 262_144, "site_sample_longest_ms": 1_980}
 
 
 @dataclass
@@ -322,6 +323,8 @@ def test_exact_values_for_a_synthetic_snapshot():
     assert samples(families, "kvtrace_vllm_messages_rejected_total") == {(): 2}
     assert samples(families, "kvtrace_events_undecodable_total") == {(): 2}
     assert samples(families, "kvtrace_event_loop_late_turns_total") == {(): 1}
+    assert samples(families, "kvtrace_site_samples_total") == {(): 4}
+    assert samples(families, "kvtrace_site_sample_objects") == {(): 262_144}
     assert samples(families, "kvtrace_component_up") == {
         labels(component="analysis"): 1, labels(component="bpf"): 1, labels(component="exporter"): 1,
         labels(component="nvml"): 1, labels(component="python_stacks"): 1}
