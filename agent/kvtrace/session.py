@@ -238,19 +238,6 @@ class Session:
         self._checkpoint_position, self._checkpoint_shared = position, weakref.ref(checkpoint)
         return checkpoint
 
-    def checkpoint_later_locked(self, pids: Collection[int] | None = None) -> Callable[[], SessionCheckpoint]:
-        """checkpoint_locked(pids), copied when the function returned is called: on another thread, outside
-        the lock, once. Call this holding `lock` (LedgerReadRefused now, as checkpoint_locked): what must be
-        taken at this point of the stream is taken now (the processes known, the objects kept in the agent),
-        but no whole-ledger read is made under the lock (LedgerStore.entries_later: where the kernel keeps the
-        allocations they are read then, as they are then, less those made since)."""
-        timestamp_ns = self.wall_clock_ns()
-        processes = dict(self.processes.known())
-        if pids is not None and not pids:
-            return lambda: SessionCheckpoint(timestamp_ns, [], processes)
-        read = self.ledger.entries_later(pids or ())
-        return lambda: SessionCheckpoint(timestamp_ns, read(), processes)
-
     def checkpoint_refused(self) -> LedgerReadRefused | None:
         """What a checkpoint copied now would meet (None: it would be made): for health that tells before."""
         with self.lock:

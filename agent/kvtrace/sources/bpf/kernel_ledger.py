@@ -142,9 +142,6 @@ class KernelLedger(Ledger):
         self._scans_begun = 0
         self.gone_entries_deleted_total = 0
         self._totals_cache: dict[TotalsKey, tuple[int, int]] = {}
-        # Reads of the ledger as at a past moment (entries_later) not done yet: `collect` waits for them (the
-        # entries of a process gone since must still be there to be read).
-        self._holds = 0
         self._totals_read_ns: int | None = None  # monotonic; None: read again at the next use
 
     # ---- events: counted objects only count here ----
@@ -235,7 +232,7 @@ class KernelLedger(Ledger):
         """Deletes the entries of processes gone from the kernel's ledger, reading it a chunk at a time for
         about `budget_seconds` (the source's loop calls it every turn: a storm of exits costs a scan of the
         ledger now and then, whatever its size, never a scan each). Nothing to do while no process is gone."""
-        if not self._gone or self._holds:
+        if not self._gone:
             return
         deadline = time.monotonic() + budget_seconds
         while True:
@@ -414,40 +411,6 @@ class KernelLedger(Ledger):
         counted = self.counted_entries(pids)
         return LedgerReadRefused(counted, self.read_limit) if counted > self.read_limit else None
 
-    def entries_later(self, pids: Collection[int] = ()) -> Callable[[], list[Outstanding]]:
-        """Every entry of `pids` as at now, read when the function returned is called, on any thread, once
-        (LedgerReadRefused now, counted, over read_limit): a flight dump's checkpoint, read off the loop and
-        outside the Session's lock (issue 31: a copy of 262 144 entries under it stalled the loop 1.9 s).
-
-        The kept objects are taken now (Ledger.entries_later), the kernel's are read then: those of processes
-        gone before now are left out as a read now would; those of processes gone since are still there, for
-        `collect` waits until the read is done; those made since are left out (by their time). What a process
-        frees in between (or a context destroy drops) is not in the read: the kernel keeps no past."""
-        refused = self.copy_refused(pids)
-        if refused is not None:
-            self.reads_refused_total += 1
-            raise refused
-        kept = super().entries_later(pids)
-        as_of_ns = self._clock.wall_ns(time.monotonic_ns())
-        with self._lock:
-            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
-            self._holds += 1
-        released = False
-
-        def read() -> list[Outstanding]:
-            nonlocal released
-            try:
-                entries = kept()
-                entries.extend(entry for entry in self.read_kernel(pids, gone) if entry.timestamp_ns <= as_of_ns)
-                return entries
-            finally:
-                if not released:
-                    released = True
-                    with self._lock:
-                        self._holds -= 1
-
-        return read
-
     def find(self, key: LedgerKey) -> Outstanding | None:
         if key.object not in COUNTED_OBJECTS:
             return super().find(key)
@@ -485,22 +448,17 @@ class KernelLedger(Ledger):
         return not self._totals_ever_full() and not self._adjustments and not self._gone and not any(
             value.count for key, value in self._maps.read_totals() if not wanted or key.pid in wanted)
 
-    def read_kernel(self, pids: Collection[int] = (), gone_before: Mapping[int, int] | None = None,
-                    ) -> Iterator[Outstanding]:
+    def read_kernel(self, pids: Collection[int] = ()) -> Iterator[Outstanding]:
         """The kernel's allocations and blocks of `pids` (empty: every followed process), from any thread,
         decoded a chunk at a time, with the stacks already named (each allocation's event named its stack; one
-        whose event was lost is named at the resync that follows). `gone_before`: pid -> wall time, the
-        processes gone whose entries are left out (None: those gone now)."""
+        whose event was lost is named at the resync that follows)."""
         wanted = frozenset(pids) or self._followed()
         stack_ids = self._stack_ids
         maps = self._maps
         if self._none_counted(wanted):
             return
-        if gone_before is not None:
-            gone = dict(gone_before)
-        else:
-            with self._lock:
-                gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
+        with self._lock:
+            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
         for keys, values in maps.iter_ledger_chunks():
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self._clock, COUNTED_OBJECT_VALUES,
                                                              wanted):
