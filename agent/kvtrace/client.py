@@ -29,11 +29,18 @@ from kvtrace._proto.kvtrace.v1 import agent_service_pb2_grpc as service_grpc
 from kvtrace._proto.kvtrace.v1 import events_pb2
 from kvtrace.config import DEFAULT_GROUP, DEFAULT_SOCKET, ApiConfig, ConfigError, config_from_args
 from kvtrace.errors import CommandError, ExitCode
-from kvtrace.model.depth import Depth
+from kvtrace.model.depth import Depth, ProcessDepth
 from kvtrace.model.events import Kind, Layer
 from kvtrace.model.ledger import EntryColumns, Outstanding
 from kvtrace.model.stacks import Stack
-from kvtrace.wire import columns_from_snapshot, outstanding_from_proto, stack_from_proto, wire_number, wire_numbers
+from kvtrace.wire import (
+    columns_from_snapshot,
+    depths_by_pid,
+    outstanding_from_proto,
+    stack_from_proto,
+    wire_number,
+    wire_numbers,
+)
 
 DEFAULT_TARGET = f"unix://{DEFAULT_SOCKET}"
 # A snapshot page of 10000 entries with long process titles can pass gRPC's default 4 MiB.
@@ -232,12 +239,16 @@ class AgentClient:
 
     def snapshot_columns(self, pids: Iterable[int] = (), layers: Iterable[Layer] = (),
                          page_size: int = SNAPSHOT_PAGE_MAX, fields: Collection[str] | None = None,
+                         depths: dict[int, ProcessDepth] | None = None,
                          ) -> Iterator[tuple[EntryColumns, dict[int, Stack]]]:
         """Every outstanding object, a page at a time in columns, each page with the stacks it refers to: a
         listing of millions without an object for each (an export reads so). Pages are the largest the agent
         allows: the fewer, the fewer round trips, and the agent reads the next while the caller uses this one.
-        `fields`: the columns the caller reads (None: all; the others are left empty)."""
+        `fields`: the columns the caller reads (None: all; the others are left empty). `depths`, if given, gets
+        each listed process's depth as the pages say it (none from an agent older than depths)."""
         for page in self.snapshot_pages(pids, layers, page_size, encoding=service_pb2.SNAPSHOT_ENCODING_COLUMNS):
+            if depths is not None:
+                depths.update(depths_by_pid(page.depths))
             try:
                 columns = columns_from_snapshot(page, fields)
             except ValueError as error:

@@ -9,6 +9,7 @@ from fake_agent import FakeAgent, MiB, event, served
 from kvtrace.cli.main import main
 from kvtrace.client import AgentClient
 from kvtrace.model.blocks import fragmentation, segments_of
+from kvtrace.model.depth import Depth, DepthCause, ProcessDepth
 from kvtrace.model.events import Api, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.ledger import Ledger
 from kvtrace.model.stacks import Frame, Stack
@@ -135,14 +136,24 @@ def test_growth_ps_snapshot_and_memory_viz_show_the_blocks(tmp_path, capsys):
         # Without blocks traced (depth segments): each segment as one block, held by the stack that grew it,
         # and a line that says so.
         agent.apply(*segment(pid=300, stack_id=agent.stacks.intern(Stack((Frame("load", "/app/load.py", 4),)))))
+        agent.session.set_process_depth(ProcessDepth(300, Depth.SEGMENTS, T0, DepthCause.DEFAULT))
         segments_only = tmp_path / "300.pickle"
         assert main(["snapshot", "-p", "300", "--format", "memory-viz", "-o", str(segments_only),
                      "--socket", socket]) == 0
         said = capsys.readouterr().err
-        assert "no PyTorch block of pid 300 is traced" in said and "kvtrace deep --pid 300" in said
+        assert "1 segments, no block traced" in said and "kvtrace deep --pid 300" in said
+        assert "no PyTorch block of pid 300 is traced (its depth is segments" in said
         (shown,) = pickle.loads(segments_only.read_bytes())["segments"]
         assert [(block["size"], [frame["name"] for frame in block["frames"]]) for block in shown["blocks"]] == [
             (20 * MiB, ["[blocks not traced: the stack that allocated this segment]", "load"])]
+        # A process whose blocks are traced but that holds no tensor: its segments are free cache, not held.
+        agent.apply(*segment(pid=500, address=SEGMENT + 256 * MiB))
+        agent.session.set_process_depth(ProcessDepth(500, Depth.BLOCKS, T0, DepthCause.OPERATOR))
+        empty = tmp_path / "500.pickle"
+        assert main(["snapshot", "-p", "500", "--format", "memory-viz", "-o", str(empty), "--socket", socket]) == 0
+        assert "1 segments, 0 blocks" in capsys.readouterr().err
+        (shown,) = pickle.loads(empty.read_bytes())["segments"]
+        assert [block["state"] for block in shown["blocks"]] == ["inactive"]
         # Without GPU memory, or without -p / -o: one clear line, no file.
         assert main(["snapshot", "-p", "100", "--format", "memory-viz", "-o", str(tmp_path / "x"),
                      "--socket", socket]) == 1

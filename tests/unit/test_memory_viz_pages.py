@@ -181,8 +181,8 @@ def test_a_number_a_run_cannot_hold_is_written_alone(tmp_path):
 
 
 def test_a_process_without_traced_blocks_shows_each_segment_as_one_block_held_by_its_allocating_stack(tmp_path):
-    # GIVEN a process at depth segments: two cudaMalloc segments (their stacks) and a run of two VMM mappings
-    # plus one apart, no block, listed in pages of 2 (another process's block left out)
+    # GIVEN a process at depth segments: two cudaMalloc segments (their stacks) and a run of two VMM mappings,
+    # no block, listed in pages of 2 (another process's block left out)
     a, b, vmm = 0x7E00_0000_0000, 0x7F00_1000_0000, 0x7F80_0000_0000
     entries = [entry(PID, Layer.RUNTIME, ObjectKind.ALLOCATION, b, 20 * MiB, T0 + 5, stack_id=12),
                entry(PID, Layer.DRIVER, ObjectKind.ALLOCATION, b, 20 * MiB, T0 + 5, api=Api.cuMemAlloc_v2),
@@ -191,17 +191,15 @@ def test_a_process_without_traced_blocks_shows_each_segment_as_one_block_held_by
                      stack_id=14, handle=2),
                entry(PID, Layer.VMM, ObjectKind.VMM_MAPPING, vmm, 20 * MiB, T0 + 1, 0, Api.cuMemMap, stack_id=12,
                      handle=1),
-               entry(PID, Layer.VMM, ObjectKind.VMM_MAPPING, vmm + 100 * MiB, 2 * MiB, T0 + 2, 0, Api.cuMemMap,
-                     handle=3),
                *segment(a, 2 * MiB, pid=OTHER), block(a, 512, T0, pid=OTHER, stack_id=12)]
     # WHEN it is exported
     export = new_export(entries, 2, service_pb2.SNAPSHOT_ENCODING_COLUMNS)
     export.write(tmp_path / "segments.pickle")
     written = (tmp_path / "segments.pickle").read_bytes()
     snapshot = pickle.loads(written)
-    # THEN each segment is one live block of its whole size, its frames the marker and then its allocating
-    # stack (the VMM run's first mapping's), and the trace has one alloc per segment, in time order
-    assert export.segments_as_blocks and (export.segments, export.blocks, export.outside) == (4, 4, 0)
+    # THEN each runtime segment and each VMM mapping is one live block of its whole size, its frames the marker and
+    # then its allocating stack, and the trace has one alloc each, in time order; no traced block is counted
+    assert export.segments_as_blocks and (export.segments, export.blocks, export.outside) == (3, 0, 0)
     marker = {"name": "[blocks not traced: the stack that allocated this segment]", "filename": "", "line": 0}
     keeper = [marker, {"name": "keep_activation", "filename": "/srv/model.py", "line": 111},
               {"name": "forward", "filename": "/srv/model.py", "line": 5}]
@@ -212,14 +210,24 @@ def test_a_process_without_traced_blocks_shows_each_segment_as_one_block_held_by
     assert shown == [
         (a, 1 << 30, 1 << 30, "large", [(a, 1 << 30, "active_allocated", keeper)]),
         (b, 20 * MiB, 20 * MiB, "large", [(b, 20 * MiB, "active_allocated", cache)]),
-        (vmm, 40 * MiB, 40 * MiB, "large", [(vmm, 40 * MiB, "active_allocated", cache)]),
-        (vmm + 100 * MiB, 2 * MiB, 2 * MiB, "small", [(vmm + 100 * MiB, 2 * MiB, "active_allocated", [marker])])]
+        (vmm, 40 * MiB, 40 * MiB, "large", [(vmm, 20 * MiB, "active_allocated", cache),
+                                            (vmm + 20 * MiB, 20 * MiB, "active_allocated", [marker])])]
     (trace,) = snapshot["device_traces"]
     assert [(alloc["action"], alloc["addr"], alloc["size"], alloc["time_us"]) for alloc in trace] == [
-        ("alloc", vmm, 40 * MiB, (T0 + 1) // 1000), ("alloc", vmm + 100 * MiB, 2 * MiB, (T0 + 2) // 1000),
+        ("alloc", vmm, 20 * MiB, (T0 + 1) // 1000), ("alloc", vmm + 20 * MiB, 20 * MiB, (T0 + 3) // 1000),
         ("alloc", b, 20 * MiB, (T0 + 5) // 1000), ("alloc", a, 1 << 30, (T0 + 9) // 1000)]
     assert {op.name for op, _, _ in pickletools.genops(written)} <= VIEWER_OPCODES
-    # and a process with blocks is shown as before: no marker
+    # and a process with blocks is shown as before: no marker; nor one whose blocks are traced but holds none
     with_blocks = new_export([*entries, block(a, 4096, T0 + 10, stack_id=11)], 3,
                              service_pb2.SNAPSHOT_ENCODING_COLUMNS)
     assert not with_blocks.segments_as_blocks and with_blocks.blocks == 1
+    builder = ExportBuilder(PID)
+    for columns, stacks in pages(entries, 2, service_pb2.SNAPSHOT_ENCODING_COLUMNS):
+        builder.add(columns, stacks)
+    traced_but_empty = builder.finish(blocks_traced=True)
+    traced_but_empty.write(tmp_path / "empty.pickle")
+    assert not traced_but_empty.segments_as_blocks and traced_but_empty.blocks == 0
+    assert [[block["state"] for block in s["blocks"]] for s in pickle.loads(
+        (tmp_path / "empty.pickle").read_bytes())["segments"]] == [["inactive"]] * 3
+    with pytest.raises(RuntimeError, match="finished once"):
+        builder.finish()

@@ -90,13 +90,16 @@ class SnapshotCommand:
         if len(args.pid) != 1 or args.output is None:
             raise CommandError("--format memory-viz takes one process and a file: -p PID -o FILE.pickle",
                                ExitCode.USAGE)
-        builder = ExportBuilder(args.pid[0])
+        pid = args.pid[0]
+        builder = ExportBuilder(pid)
+        depths: dict[int, ProcessDepth] = {}
         with connect(args) as agent:  # each page into the export as it comes, while the agent reads the next
-            for columns, stacks in agent.snapshot_columns(pids=args.pid, fields=ExportBuilder.FIELDS):
+            for columns, stacks in agent.snapshot_columns(pids=args.pid, fields=ExportBuilder.FIELDS, depths=depths):
                 builder.add(columns, stacks)
-        export = builder.finish()
+        depth = depths.get(pid)
+        export = builder.finish(blocks_traced=depth is not None and depth.knows_holders)
         if not export.segments:
-            raise CommandError(f"no GPU memory is traced in pid {args.pid[0]} (is it a CUDA process, traced since "
+            raise CommandError(f"no GPU memory is traced in pid {pid} (is it a CUDA process, traced since "
                                "it allocated? `kvtrace doctor --pid` says what is traced)", ExitCode.FAILURE)
         try:
             export.write(args.output)
@@ -107,20 +110,25 @@ class SnapshotCommand:
         except OSError as error:
             raise CommandError(f"cannot write {args.output}: {error.strerror or error}", ExitCode.FAILURE) from None
         note = f"; {export.outside} blocks outside any traced segment left out" if export.outside else ""
-        print(f"wrote {args.output}: {export.segments} segments, {export.blocks} blocks{note}. "
+        blocks = "no block traced" if export.segments_as_blocks else f"{export.blocks} blocks"
+        print(f"wrote {args.output}: {export.segments} segments, {blocks}{note}. "
               f"View it: python -m torch.cuda._memory_viz trace_plot {args.output} -o {args.output.stem}.html, "
               "or at https://pytorch.org/memory_viz", file=sys.stderr)
         if export.segments_as_blocks:
-            print(f"kvtrace: no PyTorch block of pid {args.pid[0]} is traced (its depth is segments, or it does "
-                  f"not use PyTorch's caching allocator): each segment shows as one block under "
-                  f"{SEGMENT_HOLDER_FRAME}, held by the stack that allocated it; `kvtrace deep --pid {args.pid[0]}` "
-                  "traces its blocks from now on", file=sys.stderr)
+            how = "" if getattr(args, "input", None) else f"; `kvtrace deep --pid {pid}` traces its blocks from now on"
+            print(f"kvtrace: no PyTorch block of pid {pid} is traced ({_depth_said(depth)}, or it does not use "
+                  f"PyTorch's caching allocator): each segment (each mapping of an expandable one) shows as one "
+                  f"block under {SEGMENT_HOLDER_FRAME}, held by the stack that allocated it{how}", file=sys.stderr)
         if export.passed:
             print(f"kvtrace: block stacks are sampled (--block-sample-bytes): {export.passed} blocks' stacks were "
                   f"passed over and show as {NOT_SAMPLED_FRAME}, so the viewer's bytes per stack are the sampled "
                   f"blocks' only; `kvtrace flamegraph --blocks -p {args.pid[0]}` estimates each stack's",
                   file=sys.stderr)
         return ExitCode.OK
+
+
+def _depth_said(depth: ProcessDepth | None) -> str:
+    return f"its depth is {depth.depth.name.lower()}" if depth is not None else "the agent does not say its depth"
 
 
 def _line(entry: Outstanding, now_ns: int, indent: str = "  ") -> str:

@@ -32,8 +32,9 @@ What differs from a snapshot PyTorch takes of itself:
   sampled blocks' exact bytes, and the rest sit under that frame. `kvtrace flamegraph --blocks`
   weighs the sampled ones to estimate what each stack holds.
 - A process none of whose blocks are traced (depth `segments`: `kvtrace deep --pid` raises it) has each
-  segment shown as one live block of the segment's size, its frames ``[blocks not traced: ...]`` and then
-  the stack that allocated the segment (reports/viz_export.py; the CLI says so).
+  segment (each VMM mapping of an expandable one) shown as one live block of its size, its frames
+  ``[blocks not traced: ...]`` and then the stack that allocated it (reports/viz_export.py; the CLI says so).
+  A process whose blocks are traced but which holds no tensor shows its segments free.
 """
 
 from __future__ import annotations

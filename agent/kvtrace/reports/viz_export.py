@@ -79,6 +79,7 @@ class ExportBuilder:
         self._not_sampled = self._number(self._frames_of((VizFrame(NOT_SAMPLED_FRAME, "", 0),)))
         self._segment_frames: dict[int, int] = {}  # a segment's stack id -> the frame list number shown for it
         self.segments_as_blocks = False  # finish(): no block traced, each segment shown as one
+        self._finished = False
 
     def add(self, columns: EntryColumns, stacks: Mapping[int, Stack]) -> None:
         """One page's entries (of any process: only this one's are taken) and the stacks they refer to."""
@@ -154,24 +155,25 @@ class ExportBuilder:
             self.frame_lists.append(frames)
         return number
 
-    def finish(self) -> VizExport:
+    def finish(self, blocks_traced: bool = False) -> VizExport:
         """The blocks nested in their segments (segments_of's rule: the segment that starts last at or before
-        the block's address, if the block ends inside it). A process none of whose blocks are traced (its depth
-        is `segments`, or its allocator is not PyTorch's) has each segment shown as one block, held by the stack
-        that allocated the segment under a first frame SEGMENT_HOLDER_FRAME: `segments_as_blocks` says so."""
+        the block's address, if the block ends inside it); once. A process none of whose blocks came, unless its
+        blocks are traced (`blocks_traced`: its depth knows its holders, and it holds no tensor), has each
+        runtime segment and each VMM mapping shown as one block held by the stack that allocated it, under a
+        first frame SEGMENT_HOLDER_FRAME: `segments_as_blocks` says so."""
+        if self._finished:
+            raise RuntimeError("an ExportBuilder is finished once")
+        self._finished = True
         segments = [_Nested(address, size, device, False) for address, size, device, _, _ in self._runtime]
-        holders = list(self._runtime)  # the segments' (address, size, device, timestamp, frames), in their order
-        for address, size, device, timestamp, holder in sorted(self._mappings):  # contiguous on one device: one
+        for address, size, device, _, _ in sorted(self._mappings):  # contiguous mappings on one device: one segment
             last = segments[-1] if segments and segments[-1].expandable else None
             if last is not None and last.address + last.size == address and last.device == device:
                 last.size += size
-                holders[-1] = (*holders[-1][:1], last.size, *holders[-1][2:])  # the run's first mapping holds it
             else:
                 segments.append(_Nested(address, size, device, True))
-                holders.append((address, size, device, timestamp, holder))
-        self.segments_as_blocks = not self._by_address.address and bool(segments)
-        if self.segments_as_blocks:
-            holders.sort()  # one page of blocks: address order, and from that time order
+        self.segments_as_blocks = not blocks_traced and not self._by_address.address and bool(segments)
+        if self.segments_as_blocks:  # each (address, size, device, timestamp, frames) as one page of blocks
+            holders = sorted(self._runtime + self._mappings)  # address order, and from that time order
             by_time = _order([holder[3] for holder in holders])
             columns = {name: [holder[at] for holder in holders] for at, name in enumerate(
                 ("address", "requested", "device", "timestamp", "frames"))}
@@ -254,8 +256,9 @@ class VizExport:
     def __init__(self, built: ExportBuilder, segments: list[_Nested], count: int) -> None:
         self._built, self._segments = built, segments
         self.segments = len(segments)
-        self.blocks = sum(len(segment.blocks) for segment in segments)
-        self.outside = count - self.blocks  # in no traced segment: left out
+        nested = sum(len(segment.blocks) for segment in segments)
+        self.blocks = 0 if built.segments_as_blocks else nested  # the traced blocks written
+        self.outside = count - nested  # in no traced segment: left out
         self.segments_as_blocks = built.segments_as_blocks  # no block traced: each segment shown as one
         passed = built._by_address.passed
         self.passed = sum(sum(map(passed.__getitem__, segment.blocks)) for segment in segments) if any(passed) else 0
@@ -274,7 +277,9 @@ class VizExport:
         viz.sort(key=lambda pair: (pair[0].device, pair[0].address))
         _check_segments([shape for shape, _ in viz])
         layouts = [_layout(shape, segment.columns) for shape, segment in viz]  # each checked before writing
-        if self.segments_as_blocks:  # a segment's one block is no request: its pool is judged by its size alone
+        # A segment's stand-in block is no request: its pool is judged by its size alone (an expandable segment of a
+        # whole number of 20 MiB pages is then called large, as segment_type calls it without a large block).
+        if self.segments_as_blocks:
             layouts = [layout._replace(pool=_pool(shape.size_bytes, shape.is_expandable, 0))
                        for layout, (shape, _) in zip(layouts, viz, strict=True)]
         traces = self._device_traces(viz)
