@@ -153,9 +153,10 @@ class Analyzer:
             self._apply_site_sample(job.result, job.view)
         self.site_samples_total += 1
         self._site_sample_longest_ms = max(self._site_sample_longest_ms, job.wall_ns // 1_000_000)
-        self.session.report_counters({
-            "site_samples": self.site_samples_total, "site_sample_longest_ms": self._site_sample_longest_ms,
-            "site_sample_entries": job.result.entries if job.result is not None else 0})
+        counters = {"site_samples": self.site_samples_total, "site_sample_longest_ms": self._site_sample_longest_ms}
+        if job.result is not None:  # (a pass that failed went through no known number: the last one's stays)
+            counters["site_sample_entries"] = job.result.entries
+        self.session.report_counters(counters)
         if self._next_site_sample_ns == 0:
             return  # the vLLM plugin said memory moved while it ran (update): roles again at once
         if self._roles_again_ns > job.view.monotonic_ns:

@@ -218,8 +218,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "Passes of the site sample over the ledger (roles, leak suspects' call sites, fragmentation), "
                "each on a thread of its own beside the event loop (--site-sample-interval)."),
     MetricSpec("kvtrace_site_sample_objects", "gauge", "objects", (),
-               "Ledger entries the last site sample went through: its cost grows with them (about 2 s for "
-               "262 144 on a 2-core VM)."),
+               "Ledger entries the last site sample that ended went through: its time grows with them."),
     MetricSpec("kvtrace_attached_libraries", "gauge", "libraries", (),
                "Libraries (files, by device and inode) with the agent's probes in."),
     MetricSpec("kvtrace_libraries_refused_total", "counter", "attempts", (),
