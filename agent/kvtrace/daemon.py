@@ -285,6 +285,13 @@ class Daemon:
             log.warning("the site sample was still reading the ledger after %g s: the probes go all the same",
                         SITE_SAMPLE_STOP_SECONDS)
 
+    def _wait_flight_reads(self) -> None:
+        """Before the probes go: a death's flight dump reads the kernel's maps on the recorder's thread (the same
+        reason as the site sample's)."""
+        if self.flight is not None and not self.flight.wait_reads(SITE_SAMPLE_STOP_SECONDS):
+            log.warning("flight dumps were still reading the ledger after %g s: the probes go all the same (those "
+                        "dumps fail)", SITE_SAMPLE_STOP_SECONDS)
+
     def _tracing_down(self, reason: str) -> None:
         self.session.report_component("bpf", False, reason)
         log.warning("%s", reason)
@@ -302,6 +309,7 @@ class Daemon:
         if self._switched_off():
             if self.source is not None:
                 self._wait_site_sample()
+                self._wait_flight_reads()
                 self.source.stop()
                 self.source = None
                 self.session.set_cupti_witness(False)
@@ -433,6 +441,7 @@ class Daemon:
             self.cupti_listener.stop()
         if self.source is not None:
             self._wait_site_sample()
+            self._wait_flight_reads()
             self.source.stop()
         if self.recorder is not None:
             self.recorder.stop()  # after the probes: the last events are in the file

@@ -110,8 +110,8 @@ class Sink(Protocol):
 class ExitWatcher(Protocol):
     def __call__(self, exit_event: Event) -> None:
         """Called under the Session's lock just before a process's exit drops what it held from the
-        ledger (`exit_event.freed_bytes` is set): the flight recorder copies the ledger for a process
-        that died holding memory."""
+        ledger (`exit_event.freed_bytes` is set): the flight recorder readies a dump's checkpoint for a
+        process that died holding memory (read later, its entries held until then)."""
         ...
 
 
@@ -237,6 +237,19 @@ class Session:
         checkpoint = SessionCheckpoint(self.wall_clock_ns(), entries, dict(self.processes.known()))
         self._checkpoint_position, self._checkpoint_shared = position, weakref.ref(checkpoint)
         return checkpoint
+
+    def checkpoint_later_locked(self, pids: Collection[int] | None = None) -> Callable[[], SessionCheckpoint]:
+        """checkpoint_locked(pids), copied when the function returned is called: on another thread, outside
+        the lock, once. Call this holding `lock` (LedgerReadRefused now, as checkpoint_locked): what must be
+        taken at this point of the stream is taken now (the processes known, the objects kept in the agent),
+        but no whole-ledger read is made under the lock (LedgerStore.entries_later: where the kernel keeps the
+        allocations they are read then, as they are then, less those made since)."""
+        timestamp_ns = self.wall_clock_ns()
+        processes = dict(self.processes.known())
+        if pids is not None and not pids:
+            return lambda: SessionCheckpoint(timestamp_ns, [], processes)
+        read = self.ledger.entries_later(pids or ())
+        return lambda: SessionCheckpoint(timestamp_ns, read(), processes)
 
     def checkpoint_refused(self) -> LedgerReadRefused | None:
         """What a checkpoint copied now would meet (None: it would be made): for health that tells before."""

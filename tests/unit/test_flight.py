@@ -5,6 +5,7 @@ disk stay private and bounded."""
 import dataclasses
 import io
 import json
+import threading
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -22,7 +23,7 @@ from kvtrace.model.events import Api, Event, Kind, Layer, Memory, ObjectKind
 from kvtrace.model.findings import AnalysisSnapshot, ProcessGpu
 from kvtrace.model.ledger import Ledger, LedgerReadRefused
 from kvtrace.model.stacks import Frame, Stack
-from kvtrace.reports.flight import FlightDumpError, FlightOptions, FlightRecorder
+from kvtrace.reports.flight import FlightDumpError, FlightOptions, FlightRecorder, _Pending
 from kvtrace.reports.recording import RecordingReader
 from kvtrace.reports.replay import replay
 from kvtrace.servers.api.server import AgentServer
@@ -269,6 +270,30 @@ def test_a_process_that_dies_holding_memory_dumps_what_it_held(tmp_path, recorde
     replayed = replay(path)  # at its trigger: just before the exit took effect
     assert ledger_of(replayed.session) == held and len(held) == 23
     assert len(written(recorder)) == 1
+
+
+def test_the_daemon_can_wait_for_a_deaths_checkpoint_to_be_read_before_the_probes_go(tmp_path, recorders,
+                                                                                   monkeypatch):
+    # GIVEN a writer held back before it reads a death's checkpoint (on its own thread, from the kernel's maps)
+    let_read = threading.Event()
+    read_checkpoints = _Pending.checkpoints
+
+    def held_back(pending):
+        let_read.wait(10)
+        return read_checkpoints(pending)
+
+    monkeypatch.setattr(_Pending, "checkpoints", held_back)
+    agent = FakeAgent()
+    recorder = recorders(agent, tmp_path)
+    start = time.time_ns() - 60 * NS
+    leaky(agent, start)
+    assert recorder.wait_reads(0)  # nothing queued
+    agent.apply(process_exit(200, start + 23 * NS, 9))
+    # THEN waiting for its reads times out while it has not read, and returns once it has
+    assert not recorder.wait_reads(0.2)
+    let_read.set()
+    assert recorder.wait_reads(10)
+    assert len(wait_for_dumps(recorder, 1)) == 1
 
 
 def test_a_clean_exit_or_a_death_holding_nothing_writes_no_dump(tmp_path, recorders):

@@ -1,9 +1,10 @@
-"""The analyzer's site sample (analysis/analyzer.py sample_sites), issue 31: no whole-ledger read in a turn of
-the agent's loop.
+"""The analyzer's site sample (analysis/analyzer.py sample_sites) and a flight dump's checkpoint read later
+(LedgerStore.entries_later), issue 31: no whole-ledger read in a turn of the agent's loop.
 
 - one pass over the kernel's ledger gives exactly what the three passes gave (roles, sites and suspects,
   fragmentation), with no lookup in the kernel's map per entry;
-- the agent's tick runs it on a thread: a slow pass never makes a slow tick, and its result is the same."""
+- the agent's tick runs it on a thread: a slow pass never makes a slow tick, and its result is the same;
+- a dump's checkpoint read after the trigger still holds the dying process's entries, and none made since."""
 import threading
 import time
 
@@ -15,9 +16,10 @@ from kvtrace.model.events import Api, Layer, ObjectKind
 from kvtrace.model.ledger import Ledger, LedgerKey, ledger_view
 from kvtrace.model.stacks import Frame, Stack, StackTable
 from kvtrace.session import Session
+from kvtrace.sources.bpf import kernel_ledger
 from kvtrace.sources.bpf.decode import Clock
 from kvtrace.sources.bpf.kernel_ledger import KernelLedger
-from test_ledger_counted import Kernel
+from test_ledger_counted import Kernel, counted
 
 MiB = 1 << 20
 NS = 1_000_000_000
@@ -154,3 +156,53 @@ def test_the_agents_tick_samples_sites_on_a_thread_and_takes_the_same_result_lat
         {(r.pid, r.device): r.role_bytes for r in snapshot.processes}
     # AND the next sample waits: paced to its share of a core
     assert not analyzer.site_sample_due(time.monotonic_ns())
+
+
+def test_a_checkpoint_read_after_an_exit_keeps_the_dying_process_and_nothing_made_since():
+    # GIVEN pid 7 holding three allocations in the kernel's ledger, pid 8 one, and pid 9 gone before
+    kernel = Kernel()
+    ledger = counted(kernel)
+    for index in range(3):
+        ledger.apply(kernel.alloc(7, Layer.DRIVER, 0x7000 + index, MiB, ts=index + 1))
+    ledger.apply(kernel.alloc(8, Layer.DRIVER, 0x8000, MiB, ts=5))
+    ledger.apply(kernel.alloc(9, Layer.DRIVER, 0x9000, MiB, ts=5))
+    ledger.drop(9, before_wall_ns=10)
+    # WHEN a dump's checkpoint is taken at pid 7's death (before its exit drops what it held)
+    read = ledger.entries_later()
+    # AND its exit is dropped, the agent's collection runs, and pid 8 allocates again, before the read
+    ledger.drop(7, before_wall_ns=20)
+    ledger.collect(1.0)
+    ledger.apply(kernel.alloc(8, Layer.DRIVER, 0x8001, MiB, ts=time.monotonic_ns() + 60 * NS))
+    # THEN the read holds what was there at the death: pid 7's three and pid 8's first, not pid 9's (gone before)
+    assert sorted(entry.key.address for entry in read()) == [0x7000, 0x7001, 0x7002, 0x8000]
+    # AND the collection waited for it, and deletes pid 7's entries after
+    assert len(kernel.counted()) == 6
+    ledger.collect(1.0)
+    assert sorted(entry.key.address for entry in kernel.counted()) == [0x8000, 0x8001]
+
+
+def test_a_later_read_goes_through_the_processes_followed_at_the_trigger():
+    # GIVEN an agent following pids 7 and 8 by their command lines (--cmdline), 7 holding three allocations
+    followed = {7, 8}
+    kernel = Kernel()
+    ledger = KernelLedger(kernel, Clock(0), {11: 11, 99: 99}, lambda: frozenset(followed), read_limit=1000)
+    for index in range(3):
+        ledger.apply(kernel.alloc(7, Layer.DRIVER, 0x7000 + index, MiB, ts=index + 1))
+    ledger.apply(kernel.alloc(8, Layer.DRIVER, 0x8000, MiB, ts=5))
+    # WHEN pid 7's death readies a dump's checkpoint, and its exit takes it out of the followed set before the read
+    read = ledger.entries_later()
+    followed.discard(7)
+    ledger.drop(7, before_wall_ns=20)
+    # THEN the read still holds the dead process's entries
+    assert sorted(entry.key.address for entry in read()) == [0x7000, 0x7001, 0x7002, 0x8000]
+
+
+def test_a_read_that_never_comes_holds_collection_no_longer_than_its_time(monkeypatch):
+    kernel = Kernel()
+    ledger = counted(kernel)
+    ledger.apply(kernel.alloc(7, Layer.DRIVER, 0x7000, MiB, ts=1))
+    monkeypatch.setattr(kernel_ledger, "HOLD_SECONDS", 0.0)
+    ledger.entries_later()  # (its dump never written: the read never called)
+    ledger.drop(7, before_wall_ns=20)
+    ledger.collect(1.0)
+    assert kernel.counted() == []

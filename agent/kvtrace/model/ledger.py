@@ -21,6 +21,7 @@ and reads them from there when a report asks.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import operator
 from collections import Counter, defaultdict
@@ -230,6 +231,12 @@ class LedgerStore(Protocol):
 
     def copy_refused(self, pids: Collection[int] = ()) -> LedgerReadRefused | None:
         """What entries(pids) would raise now (None: it would copy them): health that tells before a copy fails."""
+        ...
+
+    def entries_later(self, pids: Collection[int] = ()) -> Callable[[], list[Outstanding]]:
+        """entries(pids) as at this point of the stream, copied when the function returned is called, outside
+        the lock, on any thread, once (LedgerReadRefused now, over read_limit). What must be taken now is taken
+        now, without going through every entry where the kernel keeps them."""
         ...
 
     def find(self, key: LedgerKey) -> Outstanding | None:
@@ -450,6 +457,24 @@ class Ledger:
 
     def copy_refused(self, pids: Collection[int] = ()) -> LedgerReadRefused | None:
         return None
+
+    def entries_later(self, pids: Collection[int] = ()) -> Callable[[], list[Outstanding]]:
+        """The entries kept now (a list of them: C speed) with the VMM handles copied now (the only entries
+        later events change in place: mapped, released); the others are copied when it is called."""
+        refused = self.copy_refused(pids)  # (none here; a subclass that keeps fewer may refuse)
+        if refused is not None:
+            raise refused
+        kept = self.kept(pids)
+        changing = [(index, copy.copy(entry)) for index, entry in enumerate(kept)
+                    if entry.key.object is ObjectKind.VMM_HANDLE]
+
+        def copied() -> list[Outstanding]:
+            entries = [copy.copy(entry) for entry in kept]
+            for index, entry in changing:
+                entries[index] = entry
+            return entries
+
+        return copied
 
     def find(self, key: LedgerKey) -> Outstanding | None:
         return self._entries.get(key)

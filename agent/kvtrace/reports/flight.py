@@ -14,7 +14,13 @@ A dump is a recording (reports/recording.py) that replays like any other:
 The first checkpoint is the ledger at the trigger less what the window's events allocate, so a
 replay rebuilds the window; the last one makes the state at the trigger exact whatever happened in
 between (an allocation from before the window freed inside it, a VMM handle mapped inside it).
-Reports read a dump at its trigger unless asked for another time.
+Reports read a dump at its trigger unless asked for another time. A death's dump (`died`) reads the kernel's
+part of the ledger on its writer thread, not under the Session's lock in the loop (any user chooses how its
+processes die, and a death holding a quarter of the ledger stalled the loop 1.9 s): what the agent keeps itself
+is taken at the trigger, the kernel's entries as they are at the read, less those made since, of the processes
+followed at the trigger; the dead process's entries wait for the read (LedgerStore.entries_later), and what
+another process frees in between is not in the last checkpoint (the kernel keeps no past). Every other trigger
+copies the ledger at the trigger: an OOM's process frees its cache right after the failed call.
 
 A ledger larger than --max-read-entries is not copied whole (issue 31): the dump still holds every event of
 the window, its checkpoints hold the trigger's process's objects only (or none), and its trigger's `left_out`
@@ -36,6 +42,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +59,7 @@ from kvtrace.session import Session, SessionCheckpoint
 
 log = logging.getLogger(__name__)
 
-# Dumps copied and waiting for the writer, at most: each holds a copy of the ledger.
+# Dumps waiting for the writer, at most: each holds a copy of the ledger, or a death's holds its collection.
 MAX_PENDING_DUMPS = 4
 # Dumps of one trigger kind per cooldown, whatever their processes (the signal and the API call: no limit).
 MAX_DUMPS_PER_KIND = 4
@@ -97,12 +104,26 @@ class FlightOptions:
 @dataclass
 class _Pending:
     trigger: service_pb2.FlightTrigger
-    start: SessionCheckpoint  # held before the window
     records: RingCopy  # the window's, decoded as the dump is written
-    end: SessionCheckpoint  # the ledger at the trigger
+    cutoff_ns: int  # the window's records are at least this new: the first checkpoint holds the older objects
+    # The ledger at the trigger, copied on the writer thread (Session.checkpoint_later_locked), and, for a partial
+    # copy, the line that says what it left out, given the objects copied.
+    copy: Callable[[], SessionCheckpoint]
+    left_out: Callable[[int], str] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     dump: service_pb2.FlightDump | None = None
     error: str | None = None
+
+    def checkpoints(self) -> tuple[SessionCheckpoint, SessionCheckpoint]:
+        """(held before the window, the ledger at the trigger), copied now (on the writer thread)."""
+        copied = self.copy()
+        if self.left_out is not None:
+            self.trigger.left_out = self.left_out(len(copied.entries))
+            log.warning("flight recorder: %s: %s", self.trigger.reason, self.trigger.left_out)
+        end = SessionCheckpoint(self.trigger.timestamp_ns, copied.entries, copied.processes)
+        start = SessionCheckpoint(self.cutoff_ns - 1, [entry for entry in end.entries
+                                                       if entry.timestamp_ns < self.cutoff_ns], end.processes)
+        return start, end
 
 
 class FlightDumpError(Exception):
@@ -129,6 +150,10 @@ class FlightRecorder:
         self._last_dump_monotonic: dict[tuple[int, int], float] = {}  # (trigger kind, pid) -> last dump
         self._recent_by_kind: dict[int, deque[float]] = {}  # trigger kind -> its dumps within the cooldown
         self._pending: queue.Queue[_Pending | None] = queue.Queue()
+        # Dumps queued whose checkpoints are not read yet (a death's is read from the kernel's maps on the writer
+        # thread): the daemon waits for them before the probes and their maps go (wait_reads).
+        self._reads_done = threading.Condition()
+        self._reads_outstanding = 0
         self._thread: threading.Thread | None = None
         self._dumps_lock = threading.Lock()  # guards the counters below, read by servers
         self.dumps_total = 0
@@ -147,6 +172,12 @@ class FlightRecorder:
         self.session.add_exit_watcher(self._on_exit)
         self._thread = threading.Thread(target=self._write_dumps, name="kvtrace-flight", daemon=True)
         self._thread.start()
+
+    def wait_reads(self, timeout_seconds: float) -> bool:
+        """Waits until every queued dump has read its checkpoints (before the probes' maps close); False if
+        some had not after `timeout_seconds` (the writer stuck behind a slow disk: those dumps then fail)."""
+        with self._reads_done:
+            return self._reads_done.wait_for(lambda: self._reads_outstanding == 0, timeout_seconds)
 
     def stop(self) -> None:
         self.session.remove_sink(self)
@@ -221,8 +252,8 @@ class FlightRecorder:
                    f"{human_bytes(exit_event.freed_bytes)} of GPU memory"))
 
     def _trigger_locked(self, trigger: service_pb2.FlightTrigger) -> _Pending | None:
-        """Copies the ring and the ledger for a dump (the Session's lock is held); None when the
-        trigger's kind dumped less than a cooldown ago."""
+        """Copies the ring and the ledger (a death's: readies its later read) for a dump (the Session's lock is
+        held); None when the trigger's kind dumped less than a cooldown ago."""
         now = time.monotonic()
         key = (trigger.kind, trigger.pid)
         last = self._last_dump_monotonic.get(key)
@@ -251,14 +282,19 @@ class FlightRecorder:
         recent.append(now)
         # Stamped at the trigger, not at the copy (later): a replay asked for the trigger's time (--at)
         # stops at the first record after it, and would leave out the very checkpoint that makes it exact.
+        # A death's ledger is not copied here, under the Session's lock in the loop (issue 31: a death holding
+        # 262 144 entries stalled it 1.9 s, and any user chooses how its processes die), but on the writer thread:
+        # what the agent keeps is taken now, the kernel's entries are read there as they are then, less those made
+        # since; the dead process frees nothing more, another process's object freed in between is not in the last
+        # checkpoint (LedgerStore.entries_later). Other triggers copy now: an OOM's process frees its cache at once.
+        later = trigger.kind == service_pb2.FLIGHT_TRIGGER_KIND_PROCESS_DIED
+        left_out: Callable[[int], str] | None = None
         try:
-            copied = self.session.checkpoint_locked()
+            copy = self._checkpoint_locked(None, later)
         except LedgerReadRefused as refused:
-            copied, trigger.left_out = self._partial_checkpoint_locked(trigger.pid, refused)
+            copy, left_out = self._partial_checkpoint_locked(trigger.pid, refused, later)
             with self._dumps_lock:
                 self.dumps_partial_total += 1
-            log.warning("flight recorder: %s: %s", trigger.reason, trigger.left_out)
-        end = SessionCheckpoint(trigger.timestamp_ns, copied.entries, copied.processes)
         records = self._ring.copy()  # packed: decoded on the writer's thread
         # Everything the window's events allocate is replayed from them: the first checkpoint holds the
         # rest. Once the ring has let go of records, those of the same nanosecond as the newest it let go
@@ -270,28 +306,36 @@ class FlightRecorder:
         else:
             cutoff_ns = min(records.oldest_timestamp_ns() if records else trigger.timestamp_ns, trigger.timestamp_ns)
         records = records.since(cutoff_ns)
-        start = SessionCheckpoint(cutoff_ns - 1, [entry for entry in end.entries if entry.timestamp_ns < cutoff_ns],
-                                  end.processes)
         trigger.window_seconds = max(0.0, (trigger.timestamp_ns - cutoff_ns) / 1e9)
-        pending = _Pending(trigger, start, records, end)
+        pending = _Pending(trigger, records, cutoff_ns, copy, left_out)
+        with self._reads_done:
+            self._reads_outstanding += 1
         self._pending.put(pending)
         log.warning("flight recorder: %s: dumping the last %.0f s", trigger.reason, trigger.window_seconds)
         return pending
 
-    def _partial_checkpoint_locked(self, pid: int, refused: LedgerReadRefused) -> tuple[SessionCheckpoint, str]:
+    def _checkpoint_locked(self, pids: Collection[int] | None, later: bool) -> Callable[[], SessionCheckpoint]:
+        """The checkpoint of `pids` (None: all) at this point of the stream: copied when called (`later`), or now."""
+        if later:
+            return self.session.checkpoint_later_locked(pids)
+        copied = self.session.checkpoint_locked(pids)
+        return lambda: copied
+
+    def _partial_checkpoint_locked(self, pid: int, refused: LedgerReadRefused, later: bool,
+                                   ) -> tuple[Callable[[], SessionCheckpoint], Callable[[int], str]]:
         """The ledger is too large to copy whole: the trigger's process's objects if they fit (none else), and
-        a line that says what is left out, with the figures."""
+        the line that says what is left out, with the figures (given the objects copied)."""
         why = (f"the ledger's {refused.entries:,} allocations and blocks are more than --max-read-entries "
                f"{refused.limit:,}")
         if pid:
             try:
-                copied = self.session.checkpoint_locked((pid,))
-                return copied, (f"{why}: the checkpoints hold pid {pid}'s {len(copied.entries):,} objects only "
-                                "(every event of the window is here; a free in it of another process's older "
-                                "object replays as unknown)")
+                copy = self._checkpoint_locked((pid,), later)
+                return copy, lambda count: (
+                    f"{why}: the checkpoints hold pid {pid}'s {count:,} objects only (every event of the window is "
+                    "here; a free in it of another process's older object replays as unknown)")
             except LedgerReadRefused as also:
                 why = f"{why}, pid {pid}'s {also.entries:,} too"
-        return self.session.checkpoint_locked(()), (
+        return self._checkpoint_locked((), later), lambda _: (
             f"{why}: the checkpoints hold no objects (every event of the window is here; a free in it of an "
             "older object replays as unknown)")
 
@@ -404,6 +448,12 @@ class FlightRecorder:
                                           "flight_dumps_suppressed": self.dumps_suppressed_total})
 
     def _write(self, pending: _Pending) -> service_pb2.FlightDump:
+        try:  # first: a read of the kernel's ledger holds its collection until done
+            start, end = pending.checkpoints()
+        finally:
+            with self._reads_done:
+                self._reads_outstanding -= 1
+                self._reads_done.notify_all()
         trigger = pending.trigger
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(trigger.timestamp_ns / 1e9))
         name = f"{DUMP_PREFIX}{stamp}-{trigger_name(trigger.kind)}" + (f"-{trigger.pid}" if trigger.pid else "")
@@ -414,22 +464,21 @@ class FlightRecorder:
             path = self.options.directory / f"{name}.{number}{DUMP_SUFFIX}"
         else:  # a hundred dumps of this name within a second: a name that cannot be taken
             path = self.options.directory / f"{name}.{secrets.token_hex(4)}{DUMP_SUFFIX}"
-        header = recording_header(self.session.started_wall_seconds, self._leak_min_age_seconds,
-                                  pending.start.timestamp_ns,
+        header = recording_header(self.session.started_wall_seconds, self._leak_min_age_seconds, start.timestamp_ns,
                                   trigger=trigger)
         # Written under a hidden name, renamed whole: what lists or watches the directory never sees half.
         partial = path.with_name(f".{path.name}.partial")
         writer = RecordingWriter.create(partial, header, exclusive=True)
         # Depths as they stand at the dump (the ring keeps no history of them): what reports read it at.
-        encoder = FrameEncoder(self.session.stack, lambda pid: pending.end.processes.get(pid),
+        encoder = FrameEncoder(self.session.stack, lambda pid: end.processes.get(pid),
                                depths_of=self.session.process_depths, native_of=self.session.native_caller)
         try:
-            for frame in encoder.checkpoint(pending.start):
+            for frame in encoder.checkpoint(start):
                 writer.write(frame)
             for record in pending.records:
                 for frame in encoder.record(record):
                     writer.write(frame)
-            for frame in encoder.checkpoint(pending.end):
+            for frame in encoder.checkpoint(end):
                 writer.write(frame)
             writer.close()
             os.rename(partial, path)

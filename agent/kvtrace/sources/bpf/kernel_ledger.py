@@ -63,6 +63,9 @@ COUNTED_OBJECT_VALUES = frozenset(kind.value for kind in COUNTED_OBJECTS)
 BLOCK_OBJECT_VALUES = frozenset({ObjectKind.BLOCK.value})
 # The kernel's totals are read again after a counted event, a deletion by the agent, or this long.
 TOTALS_MAX_AGE_NS = 1_000_000_000
+# How long a later read (entries_later) may hold the collection of gone processes' entries: a flight dump queued
+# behind slow writes is read well within it; one whose read never comes (its writer stopped) holds no longer.
+HOLD_SECONDS = 30.0
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where counted objects live
 _ALL_TIME_NS = 2**64 - 1
 _new_tuple = tuple.__new__  # a TotalsKey at half a NamedTuple call's cost (each key a run of events names)
@@ -142,6 +145,10 @@ class KernelLedger(Ledger):
         self._scans_begun = 0
         self.gone_entries_deleted_total = 0
         self._totals_cache: dict[TotalsKey, tuple[int, int]] = {}
+        # Reads of the ledger as at a past moment (entries_later) not done yet: `collect` waits for them (the
+        # entries of a process gone since must still be there to be read).
+        self._holds = 0
+        self._held_until = 0.0  # monotonic: a hold not released by then (a read that never came) stops holding
         self._totals_read_ns: int | None = None  # monotonic; None: read again at the next use
 
     # ---- events: counted objects only count here ----
@@ -232,7 +239,7 @@ class KernelLedger(Ledger):
         """Deletes the entries of processes gone from the kernel's ledger, reading it a chunk at a time for
         about `budget_seconds` (the source's loop calls it every turn: a storm of exits costs a scan of the
         ledger now and then, whatever its size, never a scan each). Nothing to do while no process is gone."""
-        if not self._gone:
+        if not self._gone or self._holds and time.monotonic() < self._held_until:
             return
         deadline = time.monotonic() + budget_seconds
         while True:
@@ -411,6 +418,43 @@ class KernelLedger(Ledger):
         counted = self.counted_entries(pids)
         return LedgerReadRefused(counted, self.read_limit) if counted > self.read_limit else None
 
+    def entries_later(self, pids: Collection[int] = ()) -> Callable[[], list[Outstanding]]:
+        """Every entry of `pids` as at now, read when the function returned is called, on any thread, once
+        (LedgerReadRefused now, counted, over read_limit): a flight dump's checkpoint, read off the loop and
+        outside the Session's lock (issue 31: a copy of 262 144 entries under it stalled the loop 1.9 s).
+
+        The kept objects are taken now (Ledger.entries_later), the kernel's are read then: those of processes
+        gone before now are left out as a read now would; those of processes gone since are still there, for
+        `collect` waits until the read is done (HOLD_SECONDS at most: a read that never comes holds no longer);
+        those made since are left out (by their time); the processes are those followed now. What a process
+        frees in between (or a context destroy drops) is not in the read: the kernel keeps no past."""
+        try:
+            kept = super().entries_later(pids)
+        except LedgerReadRefused:
+            self.reads_refused_total += 1
+            raise
+        as_of_ns = self._clock.wall_ns(time.monotonic_ns())
+        wanted = frozenset(pids) or self._followed()  # now: a process that exits leaves the followed set
+        with self._lock:
+            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
+            self._holds += 1
+            self._held_until = time.monotonic() + HOLD_SECONDS
+        released = False
+
+        def read() -> list[Outstanding]:
+            nonlocal released
+            try:
+                entries = kept()
+                entries.extend(entry for entry in self.read_kernel(wanted, gone) if entry.timestamp_ns <= as_of_ns)
+                return entries
+            finally:
+                if not released:
+                    released = True
+                    with self._lock:
+                        self._holds -= 1
+
+        return read
+
     def find(self, key: LedgerKey) -> Outstanding | None:
         if key.object not in COUNTED_OBJECTS:
             return super().find(key)
@@ -448,17 +492,22 @@ class KernelLedger(Ledger):
         return not self._totals_ever_full() and not self._adjustments and not self._gone and not any(
             value.count for key, value in self._maps.read_totals() if not wanted or key.pid in wanted)
 
-    def read_kernel(self, pids: Collection[int] = ()) -> Iterator[Outstanding]:
+    def read_kernel(self, pids: Collection[int] = (), gone_before: Mapping[int, int] | None = None,
+                    ) -> Iterator[Outstanding]:
         """The kernel's allocations and blocks of `pids` (empty: every followed process), from any thread,
         decoded a chunk at a time, with the stacks already named (each allocation's event named its stack; one
-        whose event was lost is named at the resync that follows)."""
+        whose event was lost is named at the resync that follows). `gone_before`: pid -> wall time, the
+        processes gone whose entries are left out (None: those gone now)."""
         wanted = frozenset(pids) or self._followed()
         stack_ids = self._stack_ids
         maps = self._maps
         if self._none_counted(wanted):
             return
-        with self._lock:
-            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
+        if gone_before is not None:
+            gone = dict(gone_before)
+        else:
+            with self._lock:
+                gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
         for keys, values in maps.iter_ledger_chunks():
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self._clock, COUNTED_OBJECT_VALUES,
                                                              wanted):
