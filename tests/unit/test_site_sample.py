@@ -8,6 +8,8 @@
 import threading
 import time
 
+import pytest
+
 from kvtrace.analysis.analyzer import AnalysisOptions, Analyzer, sample_sites
 from kvtrace.analysis.leaks import survey_sites
 from kvtrace.analysis.roles import RoleMemo, role_bytes
@@ -206,3 +208,22 @@ def test_a_read_that_never_comes_holds_collection_no_longer_than_its_time(monkey
     ledger.drop(7, before_wall_ns=20)
     ledger.collect(1.0)
     assert kernel.counted() == []
+
+
+def test_a_later_read_names_the_dead_processs_stacks_as_at_the_trigger_and_fails_once_the_maps_close():
+    # GIVEN pid 7 holding an allocation whose stack the agent named (kernel stack 11 -> 11)
+    stack_ids = {11: 11, 99: 99}
+    kernel = Kernel()
+    ledger = KernelLedger(kernel, Clock(0), stack_ids, frozenset, read_limit=1000)
+    ledger.apply(kernel.alloc(7, Layer.DRIVER, 0x7000, MiB, ts=1, stack_id=11))
+    # WHEN its death readies a checkpoint, and its exit forgets its stacks' names before the read
+    read = ledger.entries_later()
+    ledger.drop(7, before_wall_ns=20)
+    del stack_ids[11]
+    # THEN the read names its stack as at the trigger
+    assert [(entry.key.address, entry.stack_id) for entry in read()] == [(0x7000, 11)]
+    # AND a read that comes after the probes' maps closed fails, saying so, rather than read them
+    later = ledger.entries_later()
+    ledger.detached()
+    with pytest.raises(kernel_ledger.LedgerClosed, match="closed before this checkpoint was read"):
+        later()

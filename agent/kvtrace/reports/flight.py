@@ -106,10 +106,11 @@ class _Pending:
     trigger: service_pb2.FlightTrigger
     records: RingCopy  # the window's, decoded as the dump is written
     cutoff_ns: int  # the window's records are at least this new: the first checkpoint holds the older objects
-    # The ledger at the trigger, copied on the writer thread (Session.checkpoint_later_locked), and, for a partial
-    # copy, the line that says what it left out, given the objects copied.
+    # The ledger at the trigger (a death's read on the writer thread, Session.checkpoint_later_locked: `reads_later`),
+    # and, for a partial copy, the line that says what it left out, given the objects copied.
     copy: Callable[[], SessionCheckpoint]
     left_out: Callable[[int], str] | None = None
+    reads_later: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     dump: service_pb2.FlightDump | None = None
     error: str | None = None
@@ -150,8 +151,8 @@ class FlightRecorder:
         self._last_dump_monotonic: dict[tuple[int, int], float] = {}  # (trigger kind, pid) -> last dump
         self._recent_by_kind: dict[int, deque[float]] = {}  # trigger kind -> its dumps within the cooldown
         self._pending: queue.Queue[_Pending | None] = queue.Queue()
-        # Dumps queued whose checkpoints are not read yet (a death's is read from the kernel's maps on the writer
-        # thread): the daemon waits for them before the probes and their maps go (wait_reads).
+        # Deaths' dumps queued whose checkpoints are not read yet (read from the kernel's maps on the writer thread):
+        # the daemon waits for them before the probes and their maps go (wait_reads).
         self._reads_done = threading.Condition()
         self._reads_outstanding = 0
         self._thread: threading.Thread | None = None
@@ -174,8 +175,9 @@ class FlightRecorder:
         self._thread.start()
 
     def wait_reads(self, timeout_seconds: float) -> bool:
-        """Waits until every queued dump has read its checkpoints (before the probes' maps close); False if
-        some had not after `timeout_seconds` (the writer stuck behind a slow disk: those dumps then fail)."""
+        """Waits until every queued death's dump has read its checkpoints (before the probes' maps close); False
+        if some had not after `timeout_seconds` (the writer behind a slow disk: those dumps then fail, saying
+        so: kernel_ledger.LedgerClosed)."""
         with self._reads_done:
             return self._reads_done.wait_for(lambda: self._reads_outstanding == 0, timeout_seconds)
 
@@ -307,9 +309,10 @@ class FlightRecorder:
             cutoff_ns = min(records.oldest_timestamp_ns() if records else trigger.timestamp_ns, trigger.timestamp_ns)
         records = records.since(cutoff_ns)
         trigger.window_seconds = max(0.0, (trigger.timestamp_ns - cutoff_ns) / 1e9)
-        pending = _Pending(trigger, records, cutoff_ns, copy, left_out)
-        with self._reads_done:
-            self._reads_outstanding += 1
+        pending = _Pending(trigger, records, cutoff_ns, copy, left_out, reads_later=later)
+        if later:
+            with self._reads_done:
+                self._reads_outstanding += 1
         self._pending.put(pending)
         log.warning("flight recorder: %s: dumping the last %.0f s", trigger.reason, trigger.window_seconds)
         return pending
@@ -448,12 +451,13 @@ class FlightRecorder:
                                           "flight_dumps_suppressed": self.dumps_suppressed_total})
 
     def _write(self, pending: _Pending) -> service_pb2.FlightDump:
-        try:  # first: a read of the kernel's ledger holds its collection until done
+        try:  # first: a death's read of the kernel's ledger holds its collection until done
             start, end = pending.checkpoints()
         finally:
-            with self._reads_done:
-                self._reads_outstanding -= 1
-                self._reads_done.notify_all()
+            if pending.reads_later:
+                with self._reads_done:
+                    self._reads_outstanding -= 1
+                    self._reads_done.notify_all()
         trigger = pending.trigger
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(trigger.timestamp_ns / 1e9))
         name = f"{DUMP_PREFIX}{stamp}-{trigger_name(trigger.kind)}" + (f"-{trigger.pid}" if trigger.pid else "")

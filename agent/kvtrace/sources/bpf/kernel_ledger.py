@@ -66,6 +66,10 @@ TOTALS_MAX_AGE_NS = 1_000_000_000
 # How long a later read (entries_later) may hold the collection of gone processes' entries: a flight dump queued
 # behind slow writes is read well within it; one whose read never comes (its writer stopped) holds no longer.
 HOLD_SECONDS = 30.0
+
+
+class LedgerClosed(RuntimeError):
+    """A later read (entries_later) came after the probes and their maps were closed: its dump fails, saying so."""
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where counted objects live
 _ALL_TIME_NS = 2**64 - 1
 _new_tuple = tuple.__new__  # a TotalsKey at half a NamedTuple call's cost (each key a run of events names)
@@ -147,8 +151,12 @@ class KernelLedger(Ledger):
         self._totals_cache: dict[TotalsKey, tuple[int, int]] = {}
         # Reads of the ledger as at a past moment (entries_later) not done yet: `collect` waits for them (the
         # entries of a process gone since must still be there to be read).
-        self._holds = 0
-        self._held_until = 0.0  # monotonic: a hold not released by then (a read that never came) stops holding
+        # Reads of the ledger as at a past moment (entries_later) not done yet, each by its number: `collect` waits
+        # for them (the entries of a process gone since must still be there to be read), each until its deadline
+        # (monotonic: a read that never comes, its dump not written, holds no longer).
+        self._holds: dict[int, float] = {}
+        self._hold_numbers = itertools.count()
+        self._closed = False  # detached: the probes' maps are closed (a read that comes later must not use them)
         self._totals_read_ns: int | None = None  # monotonic; None: read again at the next use
 
     # ---- events: counted objects only count here ----
@@ -239,7 +247,7 @@ class KernelLedger(Ledger):
         """Deletes the entries of processes gone from the kernel's ledger, reading it a chunk at a time for
         about `budget_seconds` (the source's loop calls it every turn: a storm of exits costs a scan of the
         ledger now and then, whatever its size, never a scan each). Nothing to do while no process is gone."""
-        if not self._gone or self._holds and time.monotonic() < self._held_until:
+        if not self._gone or self._reads_waiting():
             return
         deadline = time.monotonic() + budget_seconds
         while True:
@@ -434,24 +442,25 @@ class KernelLedger(Ledger):
             self.reads_refused_total += 1
             raise
         as_of_ns = self._clock.wall_ns(time.monotonic_ns())
-        wanted = frozenset(pids) or self._followed()  # now: a process that exits leaves the followed set
+        # Now: a process that exits leaves the followed set, and its stacks' names are forgotten.
+        wanted = frozenset(pids) or self._followed()
+        stack_ids = dict(self._stack_ids)
         with self._lock:
             gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
-            self._holds += 1
-            self._held_until = time.monotonic() + HOLD_SECONDS
-        released = False
+            number = next(self._hold_numbers)
+            self._holds[number] = time.monotonic() + HOLD_SECONDS
 
         def read() -> list[Outstanding]:
-            nonlocal released
             try:
+                if self._closed:
+                    raise LedgerClosed("the probes' maps were closed before this checkpoint was read")
                 entries = kept()
-                entries.extend(entry for entry in self.read_kernel(wanted, gone) if entry.timestamp_ns <= as_of_ns)
+                entries.extend(entry for entry in self.read_kernel(wanted, gone, stack_ids)
+                               if entry.timestamp_ns <= as_of_ns)
                 return entries
             finally:
-                if not released:
-                    released = True
-                    with self._lock:
-                        self._holds -= 1
+                with self._lock:
+                    self._holds.pop(number, None)
 
         return read
 
@@ -493,13 +502,15 @@ class KernelLedger(Ledger):
             value.count for key, value in self._maps.read_totals() if not wanted or key.pid in wanted)
 
     def read_kernel(self, pids: Collection[int] = (), gone_before: Mapping[int, int] | None = None,
-                    ) -> Iterator[Outstanding]:
+                    stack_ids: Mapping[int, int] | None = None) -> Iterator[Outstanding]:
         """The kernel's allocations and blocks of `pids` (empty: every followed process), from any thread,
         decoded a chunk at a time, with the stacks already named (each allocation's event named its stack; one
         whose event was lost is named at the resync that follows). `gone_before`: pid -> wall time, the
-        processes gone whose entries are left out (None: those gone now)."""
+        processes gone whose entries are left out (None: those gone now); `stack_ids`: the names of stacks to
+        use (None: those known now)."""
         wanted = frozenset(pids) or self._followed()
-        stack_ids = self._stack_ids
+        if stack_ids is None:
+            stack_ids = self._stack_ids
         maps = self._maps
         if self._none_counted(wanted):
             return
@@ -521,9 +532,18 @@ class KernelLedger(Ledger):
         return {"ledger_entries_in_kernel": self.counted_entries(), "ledger_reads_refused": self.reads_refused_total,
                 "exits_collecting": len(self._gone), "exit_entries_collected": self.gone_entries_deleted_total}
 
+    def _reads_waiting(self) -> bool:
+        """Whether a later read waits (its deadline not passed); those past theirs are let go."""
+        now = time.monotonic()
+        with self._lock:
+            for number in [number for number, until in self._holds.items() if until <= now]:
+                del self._holds[number]
+            return bool(self._holds)
+
     def detached(self) -> Ledger:
         """A plain Ledger with what is kept here (VMM objects, and the counters): the probes and their maps are
-        going."""
+        going (a later read not done yet fails, LedgerClosed, rather than read them)."""
+        self._closed = True
         ledger = Ledger()
         ledger._entries, ledger._bytes, ledger._counts = self._entries, self._bytes, self._counts
         ledger._keys_of, ledger._held = self._keys_of, self._held
