@@ -288,9 +288,9 @@ class Daemon:
     def _wait_flight_reads(self) -> None:
         """Before the probes go: a death's flight dump reads the kernel's maps on the recorder's thread (the same
         reason as the site sample's)."""
-        if self.flight is not None and not self.flight.wait_reads(SITE_SAMPLE_STOP_SECONDS):
+        if self.flight is not None and not self.flight.wait_reads(FLIGHT_READS_STOP_SECONDS):
             log.warning("flight dumps were still reading the ledger after %g s: the probes go all the same (those "
-                        "dumps fail)", SITE_SAMPLE_STOP_SECONDS)
+                        "dumps fail)", FLIGHT_READS_STOP_SECONDS)
 
     def _tracing_down(self, reason: str) -> None:
         self.session.report_component("bpf", False, reason)
@@ -468,6 +468,8 @@ class Daemon:
 GC_YOUNG_ALLOCATIONS = 50_000
 # How long a stop waits for a site sample that is reading the kernel's ledger (seconds for millions of entries).
 SITE_SAMPLE_STOP_SECONDS = 10.0
+# How long a stop (or the off switch) waits for deaths' flight dumps to read the kernel's ledger before the probes go.
+FLIGHT_READS_STOP_SECONDS = 10.0
 
 
 def _depth_refusal(source: BpfSource) -> str:

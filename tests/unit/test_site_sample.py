@@ -225,5 +225,5 @@ def test_a_later_read_names_the_dead_processs_stacks_as_at_the_trigger_and_fails
     # AND a read that comes after the probes' maps closed fails, saying so, rather than read them
     later = ledger.entries_later()
     ledger.detached()
-    with pytest.raises(kernel_ledger.LedgerClosed, match="closed before this checkpoint was read"):
+    with pytest.raises(kernel_ledger.LedgerClosed, match="maps closed. before the ledger was read"):
         later()

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import gc
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TextIO
@@ -115,10 +116,16 @@ class SnapshotCommand:
               f"View it: python -m torch.cuda._memory_viz trace_plot {args.output} -o {args.output.stem}.html, "
               "or at https://pytorch.org/memory_viz", file=sys.stderr)
         if export.segments_as_blocks:
-            how = "" if getattr(args, "input", None) else f"; `kvtrace deep --pid {pid}` traces its blocks from now on"
+            how = "" if args.input else f"; `kvtrace deep --pid {pid}` traces its blocks from now on"
             print(f"kvtrace: no PyTorch block of pid {pid} is traced ({_depth_said(depth)}, or it does not use "
                   f"PyTorch's caching allocator): each segment (each mapping of an expandable one) shows as one "
                   f"block under {SEGMENT_HOLDER_FRAME}, held by the stack that allocated it{how}", file=sys.stderr)
+        older = builder.segments_before(depth.since_ns) if depth is not None and depth.knows_holders else 0
+        if older and depth is not None:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(depth.since_ns / 1e9))
+            print(f"kvtrace: pid {pid}'s blocks are traced since {since} (its depth was raised then): {older} of its "
+                  "segments are older, and what PyTorch placed in them before then is not known and shows as free",
+                  file=sys.stderr)
         if export.passed:
             print(f"kvtrace: block stacks are sampled (--block-sample-bytes): {export.passed} blocks' stacks were "
                   f"passed over and show as {NOT_SAMPLED_FRAME}, so the viewer's bytes per stack are the sampled "
@@ -128,7 +135,7 @@ class SnapshotCommand:
 
 
 def _depth_said(depth: ProcessDepth | None) -> str:
-    return f"its depth is {depth.depth.name.lower()}" if depth is not None else "the agent does not say its depth"
+    return f"its depth is {depth.depth.label}" if depth is not None else "the agent does not say its depth"
 
 
 def _line(entry: Outstanding, now_ns: int, indent: str = "  ") -> str:

@@ -177,6 +177,10 @@ class TotalsKey(NamedTuple):
     memory: Memory
 
 
+class LedgerClosed(RuntimeError):
+    """A read from another thread (LedgerStore.entries_later) came after the probes' maps closed: it fails."""
+
+
 class LedgerReadRefused(Exception):
     """Reading the entries would copy more of them than the agent is configured to hold at once."""
 
@@ -234,9 +238,8 @@ class LedgerStore(Protocol):
         ...
 
     def entries_later(self, pids: Collection[int] = ()) -> Callable[[], list[Outstanding]]:
-        """entries(pids) as at this point of the stream, copied when the function returned is called, outside
-        the lock, on any thread, once (LedgerReadRefused now, over read_limit). What must be taken now is taken
-        now, without going through every entry where the kernel keeps them."""
+        """entries(pids) as at this point of the stream, copied when the function returned is called (on any thread,
+        once; LedgerReadRefused now): what must be taken now is, without going through every kernel entry."""
         ...
 
     def find(self, key: LedgerKey) -> Outstanding | None:

@@ -12,8 +12,9 @@ A dump is a recording (reports/recording.py) that replays like any other:
     | checkpoint: the ledger at the trigger
 
 The first checkpoint is the ledger at the trigger less what the window's events allocate, so a
-replay rebuilds the window; the last one makes the state at the trigger exact whatever happened in
-between (an allocation from before the window freed inside it, a VMM handle mapped inside it).
+replay rebuilds the window; the last one makes the state at the trigger exact, as the kernel's ledger
+stood when it was read (below), whatever happened in between (an allocation from before the window freed
+inside it, a VMM handle mapped inside it).
 Reports read a dump at its trigger unless asked for another time. A death's dump (`died`) reads the kernel's
 part of the ledger on its writer thread, not under the Session's lock in the loop (any user chooses how its
 processes die, and a death holding a quarter of the ledger stalled the loop 1.9 s): what the agent keeps itself
@@ -51,7 +52,7 @@ from kvtrace.human import human_bytes
 from kvtrace.model.events import Event, EventsLost, Kind
 from kvtrace.model.findings import AnalysisSnapshot
 from kvtrace.model.gpus import NvmlSample
-from kvtrace.model.ledger import LedgerReadRefused, LedgerResynced
+from kvtrace.model.ledger import LedgerClosed, LedgerReadRefused, LedgerResynced
 from kvtrace.reports.flight_ring import PackedRing, RingCopy, RingRecord
 from kvtrace.reports.recorder import FrameEncoder, recording_header
 from kvtrace.reports.recording import RecordingError, RecordingReader, RecordingWriter
@@ -116,7 +117,8 @@ class _Pending:
     error: str | None = None
 
     def checkpoints(self) -> tuple[SessionCheckpoint, SessionCheckpoint]:
-        """(held before the window, the ledger at the trigger), copied now (on the writer thread)."""
+        """(held before the window, the ledger at the trigger): a death's read now, on the writer thread; any other
+        trigger's copied at the trigger."""
         copied = self.copy()
         if self.left_out is not None:
             self.trigger.left_out = self.left_out(len(copied.entries))
@@ -437,12 +439,15 @@ class FlightRecorder:
                             pending.dump.event_count, human_bytes(pending.dump.size_bytes))
                 self._enforce_bounds(keep=Path(pending.dump.path))
             except Exception as error:  # the thread lives on: the next dump may well succeed
-                reason = error.strerror if isinstance(error, OSError) else repr(error)
+                if isinstance(error, LedgerClosed):  # (not the disk: the agent stopped before its death's read)
+                    reason = f"{error}; the dump of {pending.trigger.reason} is not written"
+                else:
+                    reason = (error.strerror or str(error)) if isinstance(error, OSError) else repr(error)
                 pending.error = f"cannot write a flight recorder dump in {self.options.directory}: {reason}"
                 with self._dumps_lock:
                     self.dump_failures_total += 1
                     self._failing = True
-                log.error("%s", pending.error, exc_info=not isinstance(error, OSError))
+                log.error("%s", pending.error, exc_info=not isinstance(error, (OSError, LedgerClosed)))
             finally:
                 pending.done.set()
             self.session.report_counters({"flight_dumps": self.dumps_total,

@@ -155,12 +155,16 @@ class ExportBuilder:
             self.frame_lists.append(frames)
         return number
 
+    def segments_before(self, timestamp_ns: int) -> int:
+        """How many of the process's runtime segments and VMM mappings were allocated before `timestamp_ns`."""
+        return sum(1 for entry in (*self._runtime, *self._mappings) if entry[3] < timestamp_ns)
+
     def finish(self, blocks_traced: bool = False) -> VizExport:
         """The blocks nested in their segments (segments_of's rule: the segment that starts last at or before
-        the block's address, if the block ends inside it); once. A process none of whose blocks came, unless its
-        blocks are traced (`blocks_traced`: its depth knows its holders, and it holds no tensor), has each
-        runtime segment and each VMM mapping shown as one block held by the stack that allocated it, under a
-        first frame SEGMENT_HOLDER_FRAME: `segments_as_blocks` says so."""
+        the block's address, if the block ends inside it); once. Where no block came and the process's blocks
+        are not traced (`blocks_traced` False: its depth is segments), each runtime segment and each VMM mapping
+        is shown as one block held by the stack that allocated it, under a first frame SEGMENT_HOLDER_FRAME
+        (`segments_as_blocks` says so); where they are traced, no block means free segments."""
         if self._finished:
             raise RuntimeError("an ExportBuilder is finished once")
         self._finished = True

@@ -218,7 +218,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Passes of the site sample over the ledger (roles, leak suspects' call sites, fragmentation), "
                "each on a thread of its own beside the event loop (--site-sample-interval)."),
     MetricSpec("kvtrace_site_sample_objects", "gauge", "objects", (),
-               "Ledger entries the last site sample that ended went through: its time grows with them."),
+               "Ledger objects (allocations and blocks) the last completed site sample went through: its time "
+               "grows with them."),
     MetricSpec("kvtrace_attached_libraries", "gauge", "libraries", (),
                "Libraries (files, by device and inode) with the agent's probes in."),
     MetricSpec("kvtrace_libraries_refused_total", "counter", "attempts", (),

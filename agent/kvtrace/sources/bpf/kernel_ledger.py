@@ -36,6 +36,7 @@ from kvtrace.model.ledger import (
     DEFAULT_MAX_READ_ENTRIES,
     EntryBatches,
     Ledger,
+    LedgerClosed,
     LedgerKey,
     LedgerReadRefused,
     Outstanding,
@@ -66,10 +67,6 @@ TOTALS_MAX_AGE_NS = 1_000_000_000
 # How long a later read (entries_later) may hold the collection of gone processes' entries: a flight dump queued
 # behind slow writes is read well within it; one whose read never comes (its writer stopped) holds no longer.
 HOLD_SECONDS = 30.0
-
-
-class LedgerClosed(RuntimeError):
-    """A later read (entries_later) came after the probes and their maps were closed: its dump fails, saying so."""
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where counted objects live
 _ALL_TIME_NS = 2**64 - 1
 _new_tuple = tuple.__new__  # a TotalsKey at half a NamedTuple call's cost (each key a run of events names)
@@ -149,8 +146,6 @@ class KernelLedger(Ledger):
         self._scans_begun = 0
         self.gone_entries_deleted_total = 0
         self._totals_cache: dict[TotalsKey, tuple[int, int]] = {}
-        # Reads of the ledger as at a past moment (entries_later) not done yet: `collect` waits for them (the
-        # entries of a process gone since must still be there to be read).
         # Reads of the ledger as at a past moment (entries_later) not done yet, each by its number: `collect` waits
         # for them (the entries of a process gone since must still be there to be read), each until its deadline
         # (monotonic: a read that never comes, its dump not written, holds no longer).
@@ -452,8 +447,11 @@ class KernelLedger(Ledger):
 
         def read() -> list[Outstanding]:
             try:
-                if self._closed:
-                    raise LedgerClosed("the probes' maps were closed before this checkpoint was read")
+                with self._lock:
+                    late = number not in self._holds
+                if late:  # (its deadline passed: the dead process's entries may be collected already)
+                    log.warning("a flight dump's checkpoint is read more than %g s after its trigger: the dead "
+                                "process's objects may be missing from it", HOLD_SECONDS)
                 entries = kept()
                 entries.extend(entry for entry in self.read_kernel(wanted, gone, stack_ids)
                                if entry.timestamp_ns <= as_of_ns)
@@ -520,6 +518,8 @@ class KernelLedger(Ledger):
             with self._lock:
                 gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
         for keys, values in maps.iter_ledger_chunks():
+            if self._closed:  # (a read from another thread: checked at each chunk, as the maps may close meanwhile)
+                raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self._clock, COUNTED_OBJECT_VALUES,
                                                              wanted):
                 if gone and entry.timestamp_ns <= gone.get(entry.key.pid, -1):
