@@ -440,8 +440,8 @@ class KernelLedger(Ledger):
         # Now: a process that exits leaves the followed set, and its stacks' names are forgotten.
         wanted = frozenset(pids) or self._followed()
         stack_ids = dict(self._stack_ids)
+        gone = self._gone_wall_befores()
         with self._lock:
-            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
             number = next(self._hold_numbers)
             self._holds[number] = time.monotonic() + HOLD_SECONDS
 
@@ -486,11 +486,23 @@ class KernelLedger(Ledger):
         wanted = frozenset(pids) or self._followed()
         if self._none_counted(wanted):
             return iter(())
-        with self._lock:
-            gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
+        gone = self._gone_wall_befores()
         clock, stack_ids = self._clock, self._stack_ids
         return (ledger_batch_in_chunk(keys, values, clock, stack_ids, COUNTED_OBJECT_VALUES, wanted, gone)
-                for keys, values in self._maps.iter_ledger_chunks())
+                for keys, values in self._ledger_chunks())
+
+    def _gone_wall_befores(self) -> Mapping[int, int]:
+        """pid -> wall time, of the processes gone now: their entries as old or older wait for `collect`."""
+        with self._lock:
+            return {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
+
+    def _ledger_chunks(self) -> Iterator[tuple[bytes, bytes]]:
+        """The kernel's ledger a chunk at a time, for a reader on any thread: LedgerClosed once the probes' maps
+        are closed (checked at each chunk: they may close while a read goes through them)."""
+        for chunk in self._maps.iter_ledger_chunks():
+            if self._closed:
+                raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
+            yield chunk
 
     def _none_counted(self, wanted: frozenset[int]) -> bool:
         """None by the kernel's totals, while they count every entry (never full, nothing taken out of them by the
@@ -509,17 +521,10 @@ class KernelLedger(Ledger):
         wanted = frozenset(pids) or self._followed()
         if stack_ids is None:
             stack_ids = self._stack_ids
-        maps = self._maps
         if self._none_counted(wanted):
             return
-        if gone_before is not None:
-            gone = dict(gone_before)
-        else:
-            with self._lock:
-                gone = {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
-        for keys, values in maps.iter_ledger_chunks():
-            if self._closed:  # (a read from another thread: checked at each chunk, as the maps may close meanwhile)
-                raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
+        gone = self._gone_wall_befores() if gone_before is None else gone_before
+        for keys, values in self._ledger_chunks():
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self._clock, COUNTED_OBJECT_VALUES,
                                                              wanted):
                 if gone and entry.timestamp_ns <= gone.get(entry.key.pid, -1):
