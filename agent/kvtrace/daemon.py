@@ -278,16 +278,12 @@ class Daemon:
         self.session.set_depth_refusal(_depth_refusal(source), source.deepenable_pids())
         self.session.set_cupti_witness(True)  # the probes see every process: CUPTI's events are compared
 
-    def _wait_site_sample(self) -> None:
-        """Before the probes go: the analyzer's site sample reads the kernel's maps on a thread of its own, and must
-        not read them while they are closed (nor their descriptors once reused)."""
+    def _wait_map_readers(self) -> None:
+        """Before the probes go: the analyzer's site sample and a death's flight dump read the kernel's maps on
+        threads of their own, and must not read them while they are closed (nor their descriptors once reused)."""
         if not self.analyzer.wait_site_sample(SITE_SAMPLE_STOP_SECONDS):
             log.warning("the site sample was still reading the ledger after %g s: the probes go all the same",
                         SITE_SAMPLE_STOP_SECONDS)
-
-    def _wait_flight_reads(self) -> None:
-        """Before the probes go: a death's flight dump reads the kernel's maps on the recorder's thread (the same
-        reason as the site sample's)."""
         if self.flight is not None and not self.flight.wait_reads(FLIGHT_READS_STOP_SECONDS):
             log.warning("flight dumps were still reading the ledger after %g s: the probes go all the same (those "
                         "dumps fail)", FLIGHT_READS_STOP_SECONDS)
@@ -308,8 +304,7 @@ class Daemon:
             return
         if self._switched_off():
             if self.source is not None:
-                self._wait_site_sample()
-                self._wait_flight_reads()
+                self._wait_map_readers()
                 self.source.stop()
                 self.source = None
                 self.session.set_cupti_witness(False)
@@ -440,8 +435,7 @@ class Daemon:
         if self.cupti_listener is not None:
             self.cupti_listener.stop()
         if self.source is not None:
-            self._wait_site_sample()
-            self._wait_flight_reads()
+            self._wait_map_readers()
             self.source.stop()
         if self.recorder is not None:
             self.recorder.stop()  # after the probes: the last events are in the file
