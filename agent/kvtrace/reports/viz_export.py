@@ -98,11 +98,8 @@ class ExportBuilder:
         if not self.large_numbers and max((max(values, default=0) for values in (
                 columns.address, columns.size_bytes, columns.stream, columns.timestamp_ns)), default=0) >= LIMIT:
             self.large_numbers = True  # (none in practice) then the writer looks for them
-        # The page's blocks in address order (their indexes in the page), and from that in time order (positions
-        # in the address order; stable: equal times in address order): each column read once in each.
+        # The page's blocks in address order (their indexes in the page).
         by_address = _order(columns.address, picked)
-        timestamps = _gather(columns.timestamp_ns, by_address)
-        by_time = _order(timestamps)
         stack_ids = _gather(columns.stack_id, by_address)
         frames_of_stack = self._frames_of_stack
         for stack_id in set(stack_ids) - frames_of_stack.keys():
@@ -115,12 +112,20 @@ class ExportBuilder:
                           strict=True)]
             frames = [self._not_sampled if passed_over else number for number, passed_over in
                       zip(frames, passed, strict=True)]
-        addresses, requested = _gather(columns.address, by_address), _gather(columns.size_bytes, by_address)
-        self._by_address.add(address=addresses, requested=requested, frames=frames,
-                             device=_gather(columns.device, by_address), passed=passed)
-        self._by_time.add(address=_gather(addresses, by_time), requested=_gather(requested, by_time),
-                          stream=_gather(columns.stream, _gather(by_address, by_time)),
-                          timestamp=_gather(timestamps, by_time), frames=_gather(frames, by_time))
+        self._add_blocks(_gather(columns.address, by_address), _gather(columns.size_bytes, by_address), frames,
+                         _gather(columns.device, by_address), passed, _gather(columns.stream, by_address),
+                         _gather(columns.timestamp_ns, by_address))
+
+    def _add_blocks(self, address: Sequence[int], requested: Sequence[int], frames: Sequence[int],
+                    device: Sequence[int], passed: Sequence[bool], stream: Sequence[int],
+                    timestamp: Sequence[int]) -> None:
+        """Blocks' columns, in address order, into both tables: as they are, and in time order (stable: equal
+        times in address order)."""
+        by_time = _order(timestamp)
+        self._by_address.add(address=address, requested=requested, frames=frames, device=device, passed=passed)
+        self._by_time.add(address=_gather(address, by_time), requested=_gather(requested, by_time),
+                          stream=_gather(stream, by_time), timestamp=_gather(timestamp, by_time),
+                          frames=_gather(frames, by_time))
 
     def _segment_part(self, columns: EntryColumns, index: int, stacks: Mapping[int, Stack]) -> None:
         """A segment's entry (segments_of's: a runtime device allocation, or a VMM mapping, one of a run), with
@@ -155,6 +160,11 @@ class ExportBuilder:
             self.frame_lists.append(frames)
         return number
 
+    def _add_stand_ins(self) -> None:
+        """Each runtime segment and VMM mapping (address, size, device, timestamp, frames) as one block."""
+        address, requested, device, timestamp, frames = zip(*sorted(self._runtime + self._mappings), strict=True)
+        self._add_blocks(address, requested, frames, device, [False] * len(address), [0] * len(address), timestamp)
+
     def segments_before(self, timestamp_ns: int) -> int:
         """How many of the process's runtime segments and VMM mappings were allocated before `timestamp_ns`."""
         return sum(1 for entry in (*self._runtime, *self._mappings) if entry[3] < timestamp_ns)
@@ -176,14 +186,8 @@ class ExportBuilder:
             else:
                 segments.append(_Nested(address, size, device, True))
         self.segments_as_blocks = not blocks_traced and not self._by_address.address and bool(segments)
-        if self.segments_as_blocks:  # each (address, size, device, timestamp, frames) as one page of blocks
-            holders = sorted(self._runtime + self._mappings)  # address order, and from that time order
-            by_time = _order([holder[3] for holder in holders])
-            columns = {name: [holder[at] for holder in holders] for at, name in enumerate(
-                ("address", "requested", "device", "timestamp", "frames"))}
-            self._by_address.add(**columns, passed=[False] * len(holders))
-            self._by_time.add(**{name: _gather(columns[name], by_time) for name in
-                                 ("address", "requested", "timestamp", "frames")}, stream=[0] * len(holders))
+        if self.segments_as_blocks:
+            self._add_stand_ins()
         segments.sort(key=lambda segment: segment.address)
         table = self._by_address
         order = _order(table.address)  # the pages' runs merged: positions in the table
