@@ -630,3 +630,58 @@ def test_kept_entries_come_in_batches_made_as_they_are_reached():
         assert counts == [ROW_BATCH_ENTRIES, ROW_BATCH_ENTRIES, 5]
         assert [row for batch in batches for row in batch.rows()] == list(map(entry_row, ledger.stream()))
     assert sum(batch.count for batch in ledger.stream_batches((101,))) == count // 2
+
+
+class ChunkedKernel(Kernel):
+    """A kernel whose ledger is read one entry a chunk (a pass has a point between each two)."""
+
+    def iter_ledger_chunks(self):
+        self.chunk_reads += 1
+        for entry in self.ledger.entries():
+            yield self._raw(entry)
+
+
+def test_the_site_samples_pass_waits_while_a_clients_listing_is_open_and_no_longer_than_its_bound(monkeypatch):
+    import threading
+    import time
+
+    kernel = ChunkedKernel()
+    session = Session(ledger=counted(kernel))
+    for i in range(4):
+        session.ingest(kernel.alloc(7, Layer.DRIVER, 0x1000 + i, MiB))
+
+    def background_pass() -> tuple[threading.Thread, list]:
+        read: list = []
+        view = session.ledger_view(with_entries=True)  # the site sample's entries
+        thread = threading.Thread(target=lambda: read.extend(view.entries or ()), daemon=True)
+        thread.start()
+        return thread, read
+
+    listing = iter(session.outstanding())  # a client's listing, open across its pages
+    first = next(listing)
+    sample, read = background_pass()
+    sample.join(0.3)
+    assert sample.is_alive() and read == []  # it waits before its first chunk
+    assert [first, *listing] and not list(listing)  # the listing ends: its pass closes
+    sample.join(5)
+    assert not sample.is_alive() and len(read) == 4
+    assert session.counters()["ledger_background_wait_ms"] >= 250
+
+    # A listing dropped half-way (its client went) closes its pass too.
+    listing = iter(session.outstanding())
+    next(listing)
+    del listing
+    sample, read = background_pass()
+    sample.join(5)
+    assert not sample.is_alive() and len(read) == 4
+
+    # A listing left open (a client that stopped asking for pages) holds the sample back BACKGROUND_WAIT_SECONDS.
+    monkeypatch.setattr(kernel_ledger_module, "BACKGROUND_WAIT_SECONDS", 0.3)
+    listing = iter(session.outstanding())
+    next(listing)
+    started = time.monotonic()
+    sample, read = background_pass()
+    sample.join(5)
+    assert not sample.is_alive() and len(read) == 4 and 0.25 <= time.monotonic() - started < 3
+    assert len(list(session.outstanding())) == 4  # foreground passes never wait for each other
+    assert len(list(listing)) == 3  # and the listing still reads on

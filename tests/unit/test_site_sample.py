@@ -112,7 +112,7 @@ class _SlowLedger(Ledger):
         self.seconds = seconds
         self.passes_on: list[str] = []
 
-    def stream(self, pids=()):
+    def stream(self, pids=(), background=False):
         kept = self.kept(pids)
 
         def slow():

@@ -221,8 +221,9 @@ class LedgerStore(Protocol):
 
     def physical_device_bytes(self, pid: int | None = None, device: int | None = None) -> int: ...
 
-    def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
-        """Every live entry of `pids` (empty: all), to go through outside the lock (copies or reads afresh)."""
+    def stream(self, pids: Collection[int] = (), background: bool = False) -> Iterable[Outstanding]:
+        """Every live entry of `pids` (empty: all), to go through outside the lock (copies or reads afresh); a
+        `background` pass (the site sample) may wait while a foreground one (a client's) reads the same store."""
         ...
 
     def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
@@ -447,8 +448,8 @@ class Ledger:
             return list(self._held.get(pid, {}).values())
         return [entry for entry in self._entries.values() if entry.key.pid in pids]
 
-    def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
-        """Every live entry of `pids` (empty: all): here, a copy of the kept ones."""
+    def stream(self, pids: Collection[int] = (), background: bool = False) -> Iterable[Outstanding]:
+        """Every live entry of `pids` (empty: all): here, a copy of the kept ones (none to wait for)."""
         return self.kept(pids)
 
     def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
@@ -606,15 +607,14 @@ def pids_with_blocks(totals: Mapping[TotalsKey, tuple[int, int]]) -> set[int]:
 def ledger_view(ledger: LedgerStore, wall_ns: int, monotonic_ns: int, with_entries: bool = True,
                 titles: dict[int, str] | None = None, traced_only: bool = False,
                 predates_agent: frozenset[int] = frozenset()) -> LedgerView:
-    """A view of `ledger`; call it under the lock that guards the ledger."""
-    allocations: dict[int, int] = defaultdict(int)
-    frees: dict[int, int] = defaultdict(int)
+    """A view of `ledger`, taken under the lock that guards it; its entries (the site sample's) a background pass."""
+    allocations, frees = defaultdict[int, int](int), defaultdict[int, int](int)
     for (pid, layer), count in ledger.allocations_total.items():
         if layer in PHYSICAL_LAYERS:  # the runtime call and the driver call inside it are one
             allocations[pid] += count
     for (pid, layer), count in ledger.frees_total.items():
         if layer in PHYSICAL_LAYERS:
             frees[pid] += count
-    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), ledger.stream() if with_entries else None,
-                      dict(allocations), dict(frees), titles or {}, traced_only, predates_agent, ledger.find,
-                      ledger.read_limit)
+    entries = ledger.stream(background=True) if with_entries else None
+    return LedgerView(wall_ns, monotonic_ns, ledger.totals(), entries, dict(allocations), dict(frees), titles or {},
+                      traced_only, predates_agent, ledger.find, ledger.read_limit)

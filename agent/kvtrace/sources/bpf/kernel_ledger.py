@@ -14,13 +14,19 @@ the maps when a report asks. What this module owns:
   Its totals leave the kernel at once, found by the keys its events named (`_kernel_keys`; a key no event named,
   its event lost or a quiet PyTorch block's, is taken at the next read of all the totals); its entries are
   hidden from every read at once and deleted by `collect`, a scan of the ledger that the source's loop
-  advances a few chunks a turn, for every process gone since it began (`_Gone`).
+  advances a few chunks a turn, for every process gone since it began (`_Gone`);
+- who goes first when two read the maps at once: a background reader (the site sample) waits between chunks
+  while a foreground one (a listing, a report, a dump's checkpoint: a client waiting) has a pass open.
+
+Why this module is long: the four are one bargain over the same maps and the same lock; cut apart, each would
+reach into the others' state.
 
 The BPF source makes one while its probes are loaded (BpfSource.start) and gives the Session a plain
 `Ledger` again when they go (`detached`).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -67,6 +73,10 @@ TOTALS_MAX_AGE_NS = 1_000_000_000
 # How long a later read (entries_later) may hold the collection of gone processes' entries: a flight dump queued
 # behind slow writes is read well within it; one whose read never comes (its writer stopped) holds no longer.
 HOLD_SECONDS = 30.0
+# What a background pass (the site sample) waits for foreground ones, in all: on a host of few cores two passes at
+# once each take twice as long, and a foreground one has a client waiting (issue 33: a memory-viz export of
+# 1 000 000 blocks took 4.9–6.2 s instead of 3.1 s in the rounds where a site sample began during it).
+BACKGROUND_WAIT_SECONDS = 10.0
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where counted objects live
 _ALL_TIME_NS = 2**64 - 1
 _new_tuple = tuple.__new__  # a TotalsKey at half a NamedTuple call's cost (each key a run of events names)
@@ -153,6 +163,10 @@ class KernelLedger(Ledger):
         self._hold_numbers = itertools.count()
         self._closed = False  # detached: the probes' maps are closed (a read that comes later must not use them)
         self._totals_read_ns: int | None = None  # monotonic; None: read again at the next use
+        # Foreground passes over the kernel's ledger open now (background_waits: a background pass waits for none).
+        self._foreground = threading.Condition(threading.Lock())
+        self._foreground_passes = 0
+        self.background_wait_ns_total = 0
 
     # ---- events: counted objects only count here ----
 
@@ -399,10 +413,11 @@ class KernelLedger(Ledger):
         return sum(count for totals, (_, count) in self._counted_totals().items()
                    if totals.layer in _COUNTED_LAYERS and (not pids or totals.pid in pids))
 
-    def stream(self, pids: Collection[int] = ()) -> Iterable[Outstanding]:
+    def stream(self, pids: Collection[int] = (), background: bool = False) -> Iterable[Outstanding]:
         """The kept entries copied now; the kernel's read afresh at every pass (outside any lock, without a
-        limit): for a reader that goes through them and keeps what it computes, not the entries."""
-        return _Entries(self.kept(pids), self.read_kernel, frozenset(pids))
+        limit): for a reader that goes through them and keeps what it computes, not the entries. A `background`
+        pass yields to foreground ones (_ledger_chunks)."""
+        return _Entries(self.kept(pids), functools.partial(self.read_kernel, background=background), frozenset(pids))
 
     def stream_batches(self, pids: Collection[int] = ()) -> Iterable[RowBatch]:
         """stream(pids) in batches of rows in columns (model.ledger.RowBatch): the kernel's a chunk at a time, made
@@ -496,13 +511,41 @@ class KernelLedger(Ledger):
         with self._lock:
             return {pid: gone.before_wall_ns for pid, gone in self._gone.items()}
 
-    def _ledger_chunks(self) -> Iterator[tuple[bytes, bytes]]:
+    def _ledger_chunks(self, background: bool = False) -> Iterator[tuple[bytes, bytes]]:
         """The kernel's ledger a chunk at a time, for a reader on any thread: LedgerClosed once the probes' maps
-        are closed (checked at each chunk: they may close while a read goes through them)."""
-        for chunk in self._maps.iter_ledger_chunks():
-            if self._closed:
-                raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
-            yield chunk
+        are closed (checked at each chunk: they may close while a read goes through them).
+
+        A foreground pass counts as open from its first chunk until it ends or is dropped (a listing's, across
+        its pages). A `background` pass waits before each chunk while one is open, BACKGROUND_WAIT_SECONDS at
+        most in all (a listing whose client went away stays open until it is idle long enough to close)."""
+        if background:
+            deadline = time.monotonic() + BACKGROUND_WAIT_SECONDS
+            for chunk in self._maps.iter_ledger_chunks():
+                self._wait_for_foreground(deadline)
+                if self._closed:
+                    raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
+                yield chunk
+            return
+        with self._foreground:
+            self._foreground_passes += 1
+        try:
+            for chunk in self._maps.iter_ledger_chunks():
+                if self._closed:
+                    raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
+                yield chunk
+        finally:
+            with self._foreground:
+                self._foreground_passes -= 1
+                self._foreground.notify_all()
+
+    def _wait_for_foreground(self, deadline: float) -> None:
+        """Until no foreground pass is open, or `deadline` (monotonic)."""
+        with self._foreground:
+            if not self._foreground_passes:
+                return
+            started = time.monotonic_ns()
+            self._foreground.wait_for(lambda: not self._foreground_passes, max(0.0, deadline - time.monotonic()))
+            self.background_wait_ns_total += time.monotonic_ns() - started
 
     def _none_counted(self, wanted: frozenset[int]) -> bool:
         """None by the kernel's totals, while they count every entry (never full, nothing taken out of them by the
@@ -512,19 +555,19 @@ class KernelLedger(Ledger):
             value.count for key, value in self._maps.read_totals() if not wanted or key.pid in wanted)
 
     def read_kernel(self, pids: Collection[int] = (), gone_before: Mapping[int, int] | None = None,
-                    stack_ids: Mapping[int, int] | None = None) -> Iterator[Outstanding]:
+                    stack_ids: Mapping[int, int] | None = None, background: bool = False) -> Iterator[Outstanding]:
         """The kernel's allocations and blocks of `pids` (empty: every followed process), from any thread,
         decoded a chunk at a time, with the stacks already named (each allocation's event named its stack; one
         whose event was lost is named at the resync that follows). `gone_before`: pid -> wall time, the
         processes gone whose entries are left out (None: those gone now); `stack_ids`: the names of stacks to
-        use (None: those known now)."""
+        use (None: those known now); `background`: it yields to foreground reads (_ledger_chunks)."""
         wanted = frozenset(pids) or self._followed()
         if stack_ids is None:
             stack_ids = self._stack_ids
         if self._none_counted(wanted):
             return
         gone = self._gone_wall_befores() if gone_before is None else gone_before
-        for keys, values in self._ledger_chunks():
+        for keys, values in self._ledger_chunks(background):
             for entry, kernel_stack_id in decode_ledger_chunk(keys, values, self._clock, COUNTED_OBJECT_VALUES,
                                                              wanted):
                 if gone and entry.timestamp_ns <= gone.get(entry.key.pid, -1):
@@ -535,7 +578,8 @@ class KernelLedger(Ledger):
 
     def counters(self) -> dict[str, int]:
         return {"ledger_entries_in_kernel": self.counted_entries(), "ledger_reads_refused": self.reads_refused_total,
-                "exits_collecting": len(self._gone), "exit_entries_collected": self.gone_entries_deleted_total}
+                "exits_collecting": len(self._gone), "exit_entries_collected": self.gone_entries_deleted_total,
+                "ledger_background_wait_ms": self.background_wait_ns_total // 1_000_000}
 
     def _reads_waiting(self) -> bool:
         """Whether a later read waits (its deadline not passed); those past theirs are let go."""
