@@ -9,7 +9,10 @@ A `kvtrace agent` process (`--cmdline 'hog|workload' --no-nvml`, the kernel's ma
   cuMemAlloc_v2 at made-up addresses, held; when one is done the next starts, until the attack ends (its share of
   the kernel ledger stays full, the rest refused); at the attack's end they exit 0 (--kill-fillers: SIGKILL, deaths
   holding memory, which the flight recorder dumps);
-- storm+filler: both at once.
+- spin: uid nobody keeps --spinners busy loops running (a user who only burns CPU: the agent's loop then waits
+  for a core); --spin-apart puts them in a cpu cgroup of their own, as systemd puts a user's session (user.slice)
+  apart from the agent's service (system.slice), and Kubernetes each pod;
+- storm+filler: two at once (any two, joined by +).
 
 In the middle (--root-at, half the attack by default) root runs `workload hold` (13 cudaMalloc of 1 MiB, held).
 Printed per run, each with the issue's goal and met/missed:
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,7 +59,8 @@ from kvtrace.sources.bpf.loader import ProbeSettings  # noqa: E402
 from kvtrace.sources.bpf.shares import Share  # noqa: E402
 from share_attacks import as_attacker  # noqa: E402
 
-ATTACKS = ("storm", "filler")
+ATTACKS = ("storm", "filler", "spin")
+SPIN_CGROUP = "kvtrace-bench-spinners"
 LISTED_GOAL_S, GAP_GOAL_MS, RSS_GOAL_MIB, PHANTOM_GOAL_S = 1.0, 1000, 256, 5.0
 MiB = 1 << 20
 # The filler's share of the agent's memory: its share of the kernel ledger (a quarter of the default 2^20 entries)
@@ -76,6 +81,8 @@ class Options:
     agent_args: tuple[str, ...] = ()  # more of `kvtrace agent`'s options
     kill_fillers: bool = False  # SIGKILL (a death holding memory: the flight recorder dumps) instead of stdin closed
     follow_all: bool = False  # the agent without --cmdline: every process's calls reach it (the storm's children too)
+    spinners: int = 40  # the spin attack's busy loops
+    spin_apart: bool = False  # in a cpu cgroup of their own
 
 
 @dataclass
@@ -89,6 +96,8 @@ class Attackers:
     storm_children: int = 0
     fillers: list[Workload] = field(default_factory=list)
     filler_errors: list[str] = field(default_factory=list)
+    spinners: list[subprocess.Popen] = field(default_factory=list)
+    spin_cgroup: Path | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -103,6 +112,13 @@ class Attackers:
         if "filler" in self.attacks:
             self._thread = threading.Thread(target=self._fill, daemon=True)
             self._thread.start()
+        if "spin" in self.attacks:
+            self.spinners = [subprocess.Popen(as_nobody("sh", "-c", "while :; do :; done"))
+                             for _ in range(self.options.spinners)]
+            if self.options.spin_apart:
+                self.spin_cgroup = cpu_cgroup(SPIN_CGROUP)
+                for spinner in self.spinners:
+                    (self.spin_cgroup / "cgroup.procs").write_text(f"{spinner.pid}\n")
 
     def _fill(self) -> None:
         """One filler after another until stopped: each holds what it made."""
@@ -139,6 +155,31 @@ class Attackers:
                 filler.kill()
             else:
                 filler.finish(timeout_s=600)  # exits 0 (a filler still calling ends its calls first)
+        for spinner in self.spinners:
+            spinner.kill()
+            spinner.wait()
+        if self.spin_cgroup is not None:
+            self.spin_cgroup.rmdir()
+
+
+def cpu_cgroup(name: str) -> Path:
+    """A new cpu cgroup under the root's, of the default weight (cgroup v1's cpu hierarchy, or v2's with the cpu
+    controller); SystemExit where there is none."""
+    for root in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
+        v2 = root == Path("/sys/fs/cgroup") and "cpu" in _read(root / "cgroup.subtree_control").split()
+        if (root / "cpu.shares").exists() or v2:
+            group = root / name
+            group.mkdir(exist_ok=True)
+            return group
+    raise SystemExit("--spin-apart: no cpu cgroup hierarchy here (cgroup v1 cpu, or v2 with the cpu controller "
+                     "in /sys/fs/cgroup/cgroup.subtree_control)")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def as_nobody(*argv) -> list[str]:
@@ -160,6 +201,11 @@ def _rss_mib(pid: int) -> float:
         return psutil.Process(pid).memory_info().rss / MiB
     except psutil.Error:
         return 0.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def phantom_objects(processes) -> int:
@@ -209,6 +255,7 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
 
     socket = work / f"{'-'.join(attacks)}.sock"
     result: dict = {"attacks": "+".join(attacks), "seconds": options.seconds, "agent_args": options.agent_args,
+                    **({"spinners": options.spinners, "spin_apart": options.spin_apart} if "spin" in attacks else {}),
                     "fillers_end": "killed" if options.kill_fillers else "exit 0"}
     selection = () if options.follow_all else ("--cmdline", "hog|workload")
     with AgentProcess(socket, *selection, "--no-nvml", *options.agent_args, env=env) as agent, \
@@ -217,6 +264,7 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
         before = _counters(client)
         rss_before = _rss_mib(agent.process.pid)
         rss_peak = [rss_before]
+        cpu_before = _cpu_seconds(agent.process.pid)
         attackers = Attackers(build, hog, attacks, options)
         attackers.start()
         started = time.monotonic()
@@ -241,6 +289,7 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
         attackers.stop()
         ended = time.monotonic()
         result["attack_ended_s"] = round(ended - started, 1)
+        result["agent_cpu_share"] = round((_cpu_seconds(agent.process.pid) - cpu_before) / (ended - started), 3)
         root_thread.join(timeout=60)
         phantoms = phantom_objects(client.processes())
         while phantoms and time.monotonic() - ended < options.phantom_wait:
@@ -326,6 +375,9 @@ def main() -> int:
                              "the storm's forked children are filtered in the kernel and only their totals are kept)")
     parser.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
                         help="one more argument of `kvtrace agent` (repeat it; --agent-arg=--flight-max-records ...)")
+    parser.add_argument("--spinners", type=int, default=40, help="the spin attack's busy loops (default: %(default)s)")
+    parser.add_argument("--spin-apart", action="store_true",
+                        help="the spinners in a cpu cgroup of their own (as systemd's user.slice, a pod's cgroup)")
     args = parser.parse_args()
     runs = [tuple(run.split("+")) for run in args.runs]
     if any(attack not in ATTACKS for run in runs for attack in run):
@@ -333,7 +385,7 @@ def main() -> int:
     require_bpf()
     options = Options(seconds=args.seconds, rate=args.rate, exec_children=args.exec, fill=args.fill,
                       root_at=args.root_at, kill_fillers=args.kill_fillers, agent_args=tuple(args.agent_arg),
-                      follow_all=args.follow_all)
+                      follow_all=args.follow_all, spinners=args.spinners, spin_apart=args.spin_apart)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "agent"), *sys.path]))
     work = Path(tempfile.mkdtemp(prefix="kvtrace-attacks-"))
     try:
