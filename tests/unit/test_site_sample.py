@@ -227,3 +227,38 @@ def test_a_later_read_names_the_dead_processs_stacks_as_at_the_trigger_and_fails
     ledger.detached()
     with pytest.raises(kernel_ledger.LedgerClosed, match="maps closed. before the ledger was read"):
         later()
+
+
+def test_the_runtime_index_of_a_pass_holds_under_a_hundred_bytes_an_allocation():
+    """A site sample keeps every runtime allocation's stack and caller until its pass ends (RuntimeIndex): with
+    1 000 000 cudaMalloc that was 260 MiB of agent RSS. Entries made one at a time as a pass decodes them (their
+    numbers are the index's to keep or let go); found again by key, stack and caller exact."""
+    import tracemalloc
+
+    from kvtrace.analysis.leaks import RuntimeIndex
+    from kvtrace.model.events import Memory
+    from kvtrace.model.ledger import Outstanding
+
+    count, base = 100_000, 0x7F00_0000_0000
+
+    def entry(i: int) -> Outstanding:
+        return Outstanding(LedgerKey(int(f"{4242 + i % 3}"), Layer.RUNTIME, ObjectKind.ALLOCATION, base + i * 4096),
+                           4096, 1, 0, Api.cudaMalloc, Memory.DEVICE, tid=4242,
+                           caller_address=0x5555_0000_0000 + i % 7, stack_id=int(f"{10 + i % 5}"))
+
+    index = RuntimeIndex()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(count):
+        index.add(entry(i))
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    print(f"runtime index: {grown / count:.0f} bytes an allocation")
+    assert grown / count < 100
+    for i in (0, 1, 2, 99_999):
+        key = entry(i).key
+        above = index.find(key)
+        assert above is not None and above.stack_id == 10 + i % 5 and above.caller_address == 0x5555_0000_0000 + i % 7
+        assert index.stack(key.pid, key.address) == 10 + i % 5
+    assert index.find(LedgerKey(4242, Layer.RUNTIME, ObjectKind.ALLOCATION, base + 1)) is None
+    assert index.find(LedgerKey(4242, Layer.DRIVER, ObjectKind.ALLOCATION, base)) is None

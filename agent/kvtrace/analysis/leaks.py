@@ -72,21 +72,27 @@ Find = Callable[[LedgerKey], RuntimeCall | None]  # one ledger entry by key (Non
 class RuntimeIndex:
     """The runtime allocations (cudaMalloc) of one pass over the ledger, by (pid, pointer): their stack and
     caller only, for the driver allocations of the same pass without a stack (a dict built from the pass's
-    own entries, where a lookup in the kernel's map was a system call per entry). `find` is a Find."""
+    own entries, where a lookup in the kernel's map was a system call per entry). `find` is a Find.
+
+    Kept small, for it holds every runtime allocation until the pass ends: keyed by one int (pid << 64 |
+    pointer), each distinct (stack, caller) one shared Above; about 90 bytes an allocation instead of 270 (a
+    site sample over 1 000 000 cudaMalloc grew the agent by 260 MiB)."""
 
     def __init__(self) -> None:
-        self.above: dict[tuple[int, int], Above] = {}
+        self.above: dict[int, Above] = {}
+        self._shared: dict[Above, Above] = {}
 
     def add(self, entry: Outstanding) -> None:
         key = entry.key
         if key.layer is _RUNTIME and key.object is _ALLOCATION:
-            self.above[(key.pid, key.address)] = Above(entry.stack_id, entry.caller_address)
+            above = Above(entry.stack_id, entry.caller_address)
+            self.above[key.pid << 64 | key.address] = self._shared.setdefault(above, above)
 
     def find(self, key: LedgerKey) -> Above | None:
-        return self.above.get((key.pid, key.address)) if key.layer is _RUNTIME else None
+        return self.above.get(key.pid << 64 | key.address) if key.layer is _RUNTIME else None
 
     def stack(self, pid: int, address: int) -> int:
-        above = self.above.get((pid, address))
+        above = self.above.get(pid << 64 | address)
         return above.stack_id if above is not None else 0
 
 

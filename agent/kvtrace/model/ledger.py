@@ -607,7 +607,7 @@ def pids_with_blocks(totals: Mapping[TotalsKey, tuple[int, int]]) -> set[int]:
 def ledger_view(ledger: LedgerStore, wall_ns: int, monotonic_ns: int, with_entries: bool = True,
                 titles: dict[int, str] | None = None, traced_only: bool = False,
                 predates_agent: frozenset[int] = frozenset()) -> LedgerView:
-    """A view of `ledger`, taken under the lock that guards it; its entries (the site sample's) a background pass."""
+    """A view of `ledger`, its lock held by the caller; its entries (the site sample's) a background pass."""
     allocations, frees = defaultdict[int, int](int), defaultdict[int, int](int)
     for (pid, layer), count in ledger.allocations_total.items():
         if layer in PHYSICAL_LAYERS:  # the runtime call and the driver call inside it are one

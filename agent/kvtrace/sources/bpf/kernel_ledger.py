@@ -16,10 +16,10 @@ the maps when a report asks. What this module owns:
   hidden from every read at once and deleted by `collect`, a scan of the ledger that the source's loop
   advances a few chunks a turn, for every process gone since it began (`_Gone`);
 - who goes first when two read the maps at once: a background reader (the site sample) waits between chunks
-  while a foreground one (a listing, a report, a dump's checkpoint: a client waiting) has a pass open.
+  while a foreground one (a listing, a report, a recording's or dump's checkpoint) has a pass open.
 
-Why this module is long: the four are one bargain over the same maps and the same lock; cut apart, each would
-reach into the others' state.
+Why this module is long: the four are one bargain over the same maps; cut apart, each would reach into the
+others' state.
 
 The BPF source makes one while its probes are loaded (BpfSource.start) and gives the Session a plain
 `Ledger` again when they go (`detached`).
@@ -74,8 +74,9 @@ TOTALS_MAX_AGE_NS = 1_000_000_000
 # behind slow writes is read well within it; one whose read never comes (its writer stopped) holds no longer.
 HOLD_SECONDS = 30.0
 # What a background pass (the site sample) waits for foreground ones, in all: on a host of few cores two passes at
-# once each take twice as long, and a foreground one has a client waiting (issue 33: a memory-viz export of
-# 1 000 000 blocks took 4.9–6.2 s instead of 3.1 s in the rounds where a site sample began during it).
+# once each take twice as long, and a foreground one has someone waiting (a client's listing or report, a dump;
+# issue 33: a memory-viz export of 1 000 000 blocks took 4.9–6.2 s instead of 3.1 s in the rounds where a site
+# sample began during it).
 BACKGROUND_WAIT_SECONDS = 10.0
 _COUNTED_LAYERS = frozenset({Layer.RUNTIME, Layer.DRIVER, Layer.TORCH})  # where counted objects live
 _ALL_TIME_NS = 2**64 - 1
@@ -164,7 +165,7 @@ class KernelLedger(Ledger):
         self._closed = False  # detached: the probes' maps are closed (a read that comes later must not use them)
         self._totals_read_ns: int | None = None  # monotonic; None: read again at the next use
         # Foreground passes over the kernel's ledger open now (background_waits: a background pass waits for none).
-        self._foreground = threading.Condition(threading.Lock())
+        self._foreground = threading.Condition(threading.RLock())
         self._foreground_passes = 0
         self.background_wait_ns_total = 0
 
@@ -516,16 +517,21 @@ class KernelLedger(Ledger):
         are closed (checked at each chunk: they may close while a read goes through them).
 
         A foreground pass counts as open from its first chunk until it ends or is dropped (a listing's, across
-        its pages). A `background` pass waits before each chunk while one is open, BACKGROUND_WAIT_SECONDS at
-        most in all (a listing whose client went away stays open until it is idle long enough to close)."""
+        its pages). A `background` pass, before it reads each chunk, waits while one is open, at most
+        BACKGROUND_WAIT_SECONDS of waiting in all (a listing whose client went away stays open until a later
+        listing finds it idle, or it is crowded out)."""
         if background:
-            deadline = time.monotonic() + BACKGROUND_WAIT_SECONDS
-            for chunk in self._maps.iter_ledger_chunks():
-                self._wait_for_foreground(deadline)
+            chunks = iter(self._maps.iter_ledger_chunks())
+            budget_ns = int(BACKGROUND_WAIT_SECONDS * 1e9)
+            while True:
+                if budget_ns > 0:
+                    budget_ns -= self._wait_for_foreground(budget_ns)
+                chunk = next(chunks, None)
+                if chunk is None:
+                    return
                 if self._closed:
                     raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
                 yield chunk
-            return
         with self._foreground:
             self._foreground_passes += 1
         try:
@@ -533,19 +539,21 @@ class KernelLedger(Ledger):
                 if self._closed:
                     raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
                 yield chunk
-        finally:
+        finally:  # (also where the collector finalizes a dropped pass, on any thread: the lock is re-entrant)
             with self._foreground:
                 self._foreground_passes -= 1
                 self._foreground.notify_all()
 
-    def _wait_for_foreground(self, deadline: float) -> None:
-        """Until no foreground pass is open, or `deadline` (monotonic)."""
+    def _wait_for_foreground(self, budget_ns: int) -> int:
+        """Waits until no foreground pass is open, `budget_ns` at most; the nanoseconds it waited."""
         with self._foreground:
             if not self._foreground_passes:
-                return
+                return 0
             started = time.monotonic_ns()
-            self._foreground.wait_for(lambda: not self._foreground_passes, max(0.0, deadline - time.monotonic()))
-            self.background_wait_ns_total += time.monotonic_ns() - started
+            self._foreground.wait_for(lambda: not self._foreground_passes, budget_ns / 1e9)
+            waited = time.monotonic_ns() - started
+            self.background_wait_ns_total += waited
+            return waited
 
     def _none_counted(self, wanted: frozenset[int]) -> bool:
         """None by the kernel's totals, while they count every entry (never full, nothing taken out of them by the
