@@ -113,12 +113,12 @@ class Attackers:
             self._thread = threading.Thread(target=self._fill, daemon=True)
             self._thread.start()
         if "spin" in self.attacks:
-            self.spinners = [subprocess.Popen(as_nobody("sh", "-c", "while :; do :; done"))
-                             for _ in range(self.options.spinners)]
             if self.options.spin_apart:
                 self.spin_cgroup = cpu_cgroup(SPIN_CGROUP)
-                for spinner in self.spinners:
-                    (self.spin_cgroup / "cgroup.procs").write_text(f"{spinner.pid}\n")
+            for _ in range(self.options.spinners):
+                self.spinners.append(subprocess.Popen(as_nobody("sh", "-c", "while :; do :; done")))
+                if self.spin_cgroup is not None:
+                    (self.spin_cgroup / "cgroup.procs").write_text(f"{self.spinners[-1].pid}\n")
 
     def _fill(self) -> None:
         """One filler after another until stopped: each holds what it made."""
@@ -141,8 +141,22 @@ class Attackers:
                     self.filler_errors.append(str(error)[:300])
                     return
 
+    def stop_spinners(self) -> None:
+        """Kills the spin attack's loops (whatever else failed: they would go on burning the host's CPU)."""
+        for spinner in self.spinners:
+            spinner.kill()
+            spinner.wait()
+        self.spinners = []
+        if self.spin_cgroup is not None:
+            try:
+                self.spin_cgroup.rmdir()
+            except OSError as error:
+                progress(f"WARNING: {self.spin_cgroup} left: {error}")
+            self.spin_cgroup = None
+
     def stop(self) -> None:
         """Waits for the storm's end; ends the fillers (killed: they hold their allocations to the end)."""
+        self.stop_spinners()
         if self.storm is not None:
             lines = self.storm.read_calls(timeout_s=self.options.seconds + 600)  # one: {"storm_children": N}
             self.storm_children = sum(line.get("storm_children", 0) for line in lines)
@@ -155,11 +169,6 @@ class Attackers:
                 filler.kill()
             else:
                 filler.finish(timeout_s=600)  # exits 0 (a filler still calling ends its calls first)
-        for spinner in self.spinners:
-            spinner.kill()
-            spinner.wait()
-        if self.spin_cgroup is not None:
-            self.spin_cgroup.rmdir()
 
 
 def cpu_cgroup(name: str) -> Path:
@@ -264,32 +273,37 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
         before = _counters(client)
         rss_before = _rss_mib(agent.process.pid)
         rss_peak = [rss_before]
-        cpu_before = _cpu_seconds(agent.process.pid)
         attackers = Attackers(build, hog, attacks, options)
-        attackers.start()
-        started = time.monotonic()
-        root_at = options.root_at if options.root_at is not None else options.seconds / 2
-        root_thread = threading.Thread(target=root_workload, args=(build, client, result), daemon=True)
-        gaps: list[tuple[float, int]] = []  # (seconds into the attack, the longest gap) where it grew
+        try:
+            attackers.start()
+            started = time.monotonic()
+            cpu_before = _cpu_seconds(agent.process.pid)
+            root_at = options.root_at if options.root_at is not None else options.seconds / 2
+            root_thread = threading.Thread(target=root_workload, args=(build, client, result), daemon=True)
+            gaps: list[tuple[float, int]] = []  # (seconds into the attack, the longest gap) where it grew
 
-        def note_gap() -> None:
-            gap = _counters(client).get("event_loop_longest_gap_ms", 0)
-            if gap > (gaps[-1][1] if gaps else before.get("event_loop_longest_gap_ms", 0)):
-                gaps.append((round(time.monotonic() - started, 1), gap))
+            def note_gap() -> None:
+                gap = _counters(client).get("event_loop_longest_gap_ms", 0)
+                if gap > (gaps[-1][1] if gaps else before.get("event_loop_longest_gap_ms", 0)):
+                    gaps.append((round(time.monotonic() - started, 1), gap))
 
-        turn = 0
-        while time.monotonic() - started < options.seconds:
-            if not root_thread.is_alive() and root_thread.ident is None and time.monotonic() - started >= root_at:
-                root_thread.start()
-            rss_peak.append(_rss_mib(agent.process.pid))
-            turn += 1
-            if turn % 5 == 0:
-                note_gap()
-            time.sleep(0.2)
-        attackers.stop()
+            turn = 0
+            while time.monotonic() - started < options.seconds:
+                if not root_thread.is_alive() and root_thread.ident is None and time.monotonic() - started >= root_at:
+                    root_thread.start()
+                rss_peak.append(_rss_mib(agent.process.pid))
+                turn += 1
+                if turn % 5 == 0:
+                    note_gap()
+                time.sleep(0.2)
+            # The agent's CPU over the attack's seconds (not the attackers' start and stop).
+            result["agent_cpu_share"] = round((_cpu_seconds(agent.process.pid) - cpu_before)
+                                              / (time.monotonic() - started), 3)
+            attackers.stop()
+        finally:
+            attackers.stop_spinners()
         ended = time.monotonic()
         result["attack_ended_s"] = round(ended - started, 1)
-        result["agent_cpu_share"] = round((_cpu_seconds(agent.process.pid) - cpu_before) / (ended - started), 3)
         root_thread.join(timeout=60)
         phantoms = phantom_objects(client.processes())
         while phantoms and time.monotonic() - ended < options.phantom_wait:
