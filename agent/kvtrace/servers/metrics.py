@@ -216,7 +216,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "waited meanwhile and `kvtrace ps` lagged. `kvtrace doctor` names the longest gap."),
     MetricSpec("kvtrace_site_samples_total", "counter", "passes", (),
                "Passes of the site sample over the ledger (roles, leak suspects' call sites, fragmentation), "
-               "each on a thread of its own beside the event loop (--site-sample-interval)."),
+               "each on a thread of its own beside the event loop (--site-sample-interval); where the kernel keeps "
+               "the ledger a pass gives way to a client's listing or report while it reads (10 s at most)."),
     MetricSpec("kvtrace_site_sample_objects", "gauge", "objects", (),
                "Ledger objects (allocations and blocks) the last completed site sample went through: its time "
                "grows with them."),
