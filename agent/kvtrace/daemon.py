@@ -281,6 +281,8 @@ class Daemon:
     def _wait_map_readers(self) -> None:
         """Before the probes go: the analyzer's site sample and a death's flight dump read the kernel's maps on
         threads of their own, and must not read them while they are closed (nor their descriptors once reused)."""
+        if self.source is not None:
+            self.source.hurry_readers()  # the site sample waits for no listing from now on
         if not self.analyzer.wait_site_sample(SITE_SAMPLE_STOP_SECONDS):
             log.warning("the site sample was still reading the ledger after %g s: the probes go all the same",
                         SITE_SAMPLE_STOP_SECONDS)

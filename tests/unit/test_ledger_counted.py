@@ -686,3 +686,29 @@ def test_the_site_samples_pass_waits_while_a_clients_listing_is_open_and_no_long
     assert not sample.is_alive() and len(read) == 4 and 0.25 <= time.monotonic() - started < 3
     assert len(list(session.outstanding())) == 4  # foreground passes never wait for each other
     assert len(list(listing)) == 3  # and the listing still reads on
+
+
+def test_a_pass_giving_way_reads_on_at_once_when_the_probes_are_about_to_go(monkeypatch):
+    """A stop waits for the site sample before the probes go; a listing the servers' stop left open must not make
+    it wait BACKGROUND_WAIT_SECONDS (systemd kills a stop after 10 s)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(kernel_ledger_module, "BACKGROUND_WAIT_SECONDS", 30.0)
+    kernel = ChunkedKernel()
+    ledger = counted(kernel)
+    session = Session(ledger=ledger)
+    for i in range(4):
+        session.ingest(kernel.alloc(7, Layer.DRIVER, 0x1000 + i, MiB))
+    listing = iter(session.outstanding())
+    next(listing)  # left open
+    read: list = []
+    view = session.ledger_view(with_entries=True)
+    sample = threading.Thread(target=lambda: read.extend(view.entries or ()), daemon=True)
+    sample.start()
+    sample.join(0.3)
+    assert sample.is_alive() and read == []
+    started = time.monotonic()
+    ledger.stop_giving_way()
+    sample.join(5)
+    assert not sample.is_alive() and len(read) == 4 and time.monotonic() - started < 1.0

@@ -167,6 +167,7 @@ class KernelLedger(Ledger):
         # Foreground passes over the kernel's ledger open now (background_waits: a background pass waits for none).
         self._foreground = threading.Condition(threading.RLock())
         self._foreground_passes = 0
+        self._giving_way = True  # False once the probes are about to go (stop_giving_way)
         self.background_wait_ns_total = 0
 
     # ---- events: counted objects only count here ----
@@ -544,13 +545,20 @@ class KernelLedger(Ledger):
                 self._foreground_passes -= 1
                 self._foreground.notify_all()
 
+    def stop_giving_way(self) -> None:
+        """The probes go soon: background passes read on without waiting (a stop waits for them, and a listing
+        left open by the servers' stop must not hold it)."""
+        with self._foreground:
+            self._giving_way = False
+            self._foreground.notify_all()
+
     def _wait_for_foreground(self, budget_ns: int) -> int:
         """Waits until no foreground pass is open, `budget_ns` at most; the nanoseconds it waited."""
         with self._foreground:
-            if not self._foreground_passes:
+            if not self._foreground_passes or not self._giving_way:
                 return 0
             started = time.monotonic_ns()
-            self._foreground.wait_for(lambda: not self._foreground_passes, budget_ns / 1e9)
+            self._foreground.wait_for(lambda: not self._foreground_passes or not self._giving_way, budget_ns / 1e9)
             waited = time.monotonic_ns() - started
             self.background_wait_ns_total += waited
             return waited

@@ -306,6 +306,12 @@ class BpfSource:
                                          lambda: self._totals_ever_full, self.options.max_read_entries)
         self.session.replace_ledger(self.kernel_store)
 
+    def hurry_readers(self) -> None:
+        """The probes go soon: readers of the kernel's ledger on other threads (the site sample) stop giving way
+        to clients' reads, so that the wait for them before stop() is short."""
+        if self.kernel_store is not None:
+            self.kernel_store.stop_giving_way()
+
     def stop(self) -> None:
         if self.probes is not None:
             self.session.set_block_readers_hook(None)
