@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent / "tests" / "integration")]
 
 from agent_process import AgentProcess  # noqa: E402
-from benchlib import code_version, progress, require_bpf  # noqa: E402
+from benchlib import CpuMeter, code_version, progress, require_bpf  # noqa: E402
 from cuda_stubs import _CFLAGS, STUBS_DIR, StubBuild, Workload, WorkloadError, _gcc, build_stubs_for_anyone  # noqa: E402
 from exit_storm import NOBODY, ROOT_CALLS  # noqa: E402
 from kvtrace.sources.bpf.loader import ProbeSettings  # noqa: E402
@@ -212,11 +212,6 @@ def _rss_mib(pid: int) -> float:
         return 0.0
 
 
-def _cpu_seconds(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
-
-
 def phantom_objects(processes) -> int:
     """Objects ListProcesses gives to pids that are gone (what `kvtrace ps` would list for them)."""
     return sum(total.object_count for process in processes if not psutil.pid_exists(process.pid)
@@ -277,7 +272,8 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
         try:
             attackers.start()
             started = time.monotonic()
-            cpu_before = _cpu_seconds(agent.process.pid)
+            agent_cpu = CpuMeter(agent.process.pid)
+            agent_cpu.start()
             root_at = options.root_at if options.root_at is not None else options.seconds / 2
             root_thread = threading.Thread(target=root_workload, args=(build, client, result), daemon=True)
             gaps: list[tuple[float, int]] = []  # (seconds into the attack, the longest gap) where it grew
@@ -297,8 +293,7 @@ def measure(attacks: tuple[str, ...], build: StubBuild, hog: Path, work: Path, o
                     note_gap()
                 time.sleep(0.2)
             # The agent's CPU over the attack's seconds (not the attackers' start and stop).
-            result["agent_cpu_share"] = round((_cpu_seconds(agent.process.pid) - cpu_before)
-                                              / (time.monotonic() - started), 3)
+            result["agent_cpu_share"] = round(agent_cpu.stop(), 3)
             attackers.stop()
         finally:
             attackers.stop_spinners()
