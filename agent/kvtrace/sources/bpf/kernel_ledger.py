@@ -530,20 +530,22 @@ class KernelLedger(Ledger):
                 chunk = next(chunks, None)
                 if chunk is None:
                     return
-                if self._closed:
-                    raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
+                self._check_open()
                 yield chunk
         with self._foreground:
             self._foreground_passes += 1
         try:
             for chunk in self._maps.iter_ledger_chunks():
-                if self._closed:
-                    raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
+                self._check_open()
                 yield chunk
         finally:  # (also where the collector finalizes a dropped pass, on any thread: the lock is re-entrant)
             with self._foreground:
                 self._foreground_passes -= 1
                 self._foreground.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LedgerClosed("the probes stopped (their maps closed) before the ledger was read")
 
     def stop_giving_way(self) -> None:
         """The probes go soon: background passes read on without waiting (a stop waits for them, and a listing
