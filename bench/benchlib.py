@@ -32,7 +32,7 @@ from kvtrace.sources.bpf.source import BpfOptions, BpfSource  # noqa: E402
 __all__ = ["EMPTY_PROGRAM", "empty_probes", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer",
            "counters_of", "Pump", "median", "progress", "require_bpf", "counters_delta", "rotated", "CpuMeter",
            "foreign_uprobes", "Guard", "code_version",
-           "bpf_stats", "program_ns", "body_ns_per_pair"]
+           "bpf_stats", "program_ns", "body_ns_per_pair", "torch_traps", "process_program_stats"]
 
 
 # The baseline every probe cost is compared with: entry and return probes that do nothing.
@@ -55,6 +55,53 @@ def empty_probes(points):
         bpf.attach_uprobe(name=str(path).encode(), sym=symbol.encode(), fn_name=b"empty_entry", pid=pid)
         bpf.attach_uretprobe(name=str(path).encode(), sym=symbol.encode(), fn_name=b"empty_return", pid=pid)
     return bpf
+
+
+@contextlib.contextmanager
+def torch_traps(pid: int):
+    """PyTorch's allocator probe sites (pytorch:malloc and pytorch:free of the libc10_cuda.so `pid` maps)
+    trapping into an empty program, for that process only, its semaphores raised as kvtrace raises them
+    (one uprobe_multi link, ref_ctr_offsets): what every block costs before kvtrace's program does anything.
+    Yields the number of sites."""
+    from bcc import BPF
+
+    from kvtrace.sources.bpf import links
+    from kvtrace.sources.bpf.usdt import read_usdt_probes
+
+    paths = sorted({line.split()[-1] for line in open(f"/proc/{pid}/maps")
+                    if line.rstrip().endswith("/libc10_cuda.so")})
+    if not paths:
+        raise RuntimeError(f"process {pid} maps no libc10_cuda.so: initialise CUDA in it first")
+    path = f"/proc/{pid}/root{paths[0]}"  # the process's own file, in whatever mount namespace it runs
+    sites = [probe for probe in read_usdt_probes(path)
+             if probe.provider == "pytorch" and probe.name in ("malloc", "free") and probe.usable]
+    if not sites:
+        raise RuntimeError(f"{paths[0]} has no usable pytorch:malloc/free probe sites")
+    bpf = BPF(text=b"int empty_site(struct pt_regs *ctx) { return 0; }")
+    try:
+        link = links.attach_uprobe_multi(links.load_uprobe_multi(bpf, "empty_site"), path,
+                                         [site.pc_file_offset for site in sites],
+                                         ref_ctr_offsets=[site.semaphore_file_offset for site in sites], pid=pid)
+        try:
+            yield len(sites)
+        finally:
+            link.close()
+    finally:
+        bpf.cleanup()
+
+
+def process_program_stats(pid: int) -> dict[int, tuple[int, int]]:
+    """(run_time_ns, run_cnt) of every BPF program another process holds open, by program id (root; the
+    counts move only under kernel.bpf_stats_enabled=1, see bpf_stats)."""
+    stats = {}
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/fdinfo/{fd}") if ":" in line)
+        except OSError:
+            continue  # closed meanwhile
+        if "prog_id" in fields and "run_cnt" in fields:
+            stats[int(fields["prog_id"])] = (int(fields["run_time_ns"]), int(fields["run_cnt"]))
+    return stats
 
 
 def code_version() -> str:
