@@ -393,22 +393,36 @@ def report(results: dict) -> None:
                 print(f"   {role} vs {base}, counters of the last run: {', '.join(differ[:12])}")
     # The same runs by the workload's own CPU a token: a uprobe's trap and its BPF program are the kernel's time on
     # the workload's behalf (system), which wall-clock noise (idle states, scheduling) moves less than tokens/s.
-    for name, key in (("CPU a token", "cpu_us_per_token"), ("of it in the kernel", "system_us_per_token")):
+    # The kernel's share is the quietest figure: a role's added kernel time a token (the traps and programs of its
+    # probes, run on the workload's threads) over the control's whole CPU a token of the same round. The control's
+    # own kernel time is near zero, so a ratio of kernel times would say nothing. (psutil counts CPU in ticks of
+    # 10 ms: a run of 4 096 tokens resolves 2.4 µs a token.)
+    cpu = results.get("cpu_us_per_token")
+    for name, key, explained in (
+            ("CPU a token", "cpu_us_per_token", "role / control - 1"),
+            ("of it in the kernel", "system_us_per_token", "(role - control) / control's CPU a token")):
         per_token = results.get(key)
-        if not per_token or not all(per_token.values()):
+        if not per_token or not cpu or not all(cpu.values()):
             continue
-        extra = {role: [v / c - 1 if c else 0.0 for v, c in zip(per_token[role], per_token["control"], strict=True)]
+        extra = {role: [(v - c) / whole if whole else 0.0 for v, c, whole
+                        in zip(per_token[role], per_token["control"], cpu["control"], strict=True)]
                  for role in roles[1:]}
         results[f"{key}_cost"] = {role: median(values) for role, values in extra.items()}
         spread = max((abs(value) for value in extra.get("floor", [])), default=None)
-        print(f"   {name} (µs; cost = role / control - 1, medians of rounds; floor's rounds reach "
+        print(f"   {name} (µs; cost = {explained}, medians of rounds; floor's rounds reach "
               f"{'-' if spread is None else f'{spread * 100:.1f} %'}):")
         print(f"   {'control':<8} {median(per_token['control']):>9.2f}")
         for role in roles[1:]:
             rounds = " ".join(f"{value * 100:+.1f}" for value in extra[role])
             role_cost = results[f"{key}_cost"][role]
-            print(f"   {role:<8} {median(per_token[role]):>9.2f} {role_cost * 100:>7.2f}%  [{rounds}]")
-
+            goal = GOALS.get(role)
+            verdict = ""
+            if key == "system_us_per_token" and goal is not None and spread is not None and spread < goal:
+                # The kernel's part is a lower bound of the cost: above the goal, the goal is missed whatever the
+                # rest; within it, the rest (the user-side effects) still counts, as tokens/s say above.
+                verdict = (f"  goal <= {goal * 100:.0f} %: MISSED by the kernel's part alone" if role_cost > goal
+                           else f"  goal <= {goal * 100:.0f} %: the kernel's part is within it")
+            print(f"   {role:<8} {median(per_token[role]):>9.2f} {role_cost * 100:>7.2f}%  [{rounds}]{verdict}")
 
 if __name__ == "__main__":
     sys.exit(main())
