@@ -13,12 +13,15 @@ call) under four roles, each round in a rotated order, an agent started and stop
   traps   the same agent, and an empty BPF program on the same sites with their semaphores raised
           (benchlib.torch_traps): the trap alone, what any uprobe-based design pays per block
   blocks  `--blocks always`: depth blocks as shipped (stacks sampled, quiet blocks)
-  full    `--blocks always --block-sample-bytes 0`: every block's stack walked
+  full    `--blocks always --block-sample-bytes 0 --max-block-events-per-second 0`: every block's stack walked
+          (the default limit of 100 000 block events a second would leave most of this loop's stacks unwalked)
 
 Then per hit (a pair is two): trap = (traps - never) / 2, program = (blocks - traps) / 2; and, with
 kernel.bpf_stats_enabled=1 for one more pass per role, the time inside the program that ran twice a pair
 (the kernel's own count, no wall-clock noise). --ns-per-token and --hits-per-token project the per-hit
-cost onto a generation loop (bench/depth_overhead.py prints both): cost = hits x ns per hit / ns a token.
+cost onto a generation loop: cost = hits x ns per hit / ns a token (a loop's ns a token from its tokens/s; its hits,
+twice its blocks, from the blocks_sampled and blocks_not_sampled counters of bench/depth_overhead.py's --json-out,
+over the tokens its agent saw).
 
 --workload stub: the same roles around tests/integration's stub allocator (torch_workload loop N, a C
 loop: no Python, so no stack is walked and `full` is left out), a fresh process a run.
@@ -58,7 +61,7 @@ AGENT_FLAGS = {
     "never": ("--blocks", "never"),
     "traps": ("--blocks", "never"),
     "blocks": ("--blocks", "always"),
-    "full": ("--blocks", "always", "--block-sample-bytes", "0"),
+    "full": ("--blocks", "always", "--block-sample-bytes", "0", "--max-block-events-per-second", "0"),
 }
 
 
@@ -72,8 +75,12 @@ class TorchPairs:
 
         self.args = args
         self.worker = TorchWorker({})
-        self.worker.send(op="init")
-        self.pairs()  # the first block makes the segment; every later one is a cache hit
+        try:
+            self.worker.send(op="init")
+            self.pairs()  # the first block makes the segment; every later one is a cache hit
+        except BaseException:
+            self.close()
+            raise
 
     @contextlib.contextmanager
     def process(self):
@@ -122,8 +129,7 @@ def measure(workload, role: str, directory: Path, settle_seconds: float, with_st
     """One run of the pair loop under the role's agent: ns per pair, and with_stats the busiest program's
     ns per run (kernel.bpf_stats_enabled=1 during that run only)."""
     with workload.process() as pid:
-        agent = AgentProcess(directory / f"{role}.sock", "-p", str(pid), "--no-nvml", *AGENT_FLAGS[role])
-        try:
+        with AgentProcess(directory / f"{role}.sock", "-p", str(pid), "--no-nvml", *AGENT_FLAGS[role]) as agent:
             time.sleep(settle_seconds)
             with contextlib.ExitStack() as stack:
                 if role == "traps":
@@ -138,10 +144,11 @@ def measure(workload, role: str, directory: Path, settle_seconds: float, with_st
             runs = {key: (after[key][0] - before.get(key, (0, 0))[0], after[key][1] - before.get(key, (0, 0))[1])
                     for key in after}
             busiest = max(runs.values(), key=lambda value: value[1], default=(0, 0))
+            if abs(busiest[1] - 2 * workload.args.pairs) > 0.01 * workload.args.pairs:
+                progress(f"bpf_stats {role}: the busiest program ran {busiest[1]} times, not 2 x {workload.args.pairs}"
+                         ": something else fired too, or the probes missed hits; its time is not the probe's alone")
             return {"ns_per_pair": ns_per_pair, "program_runs": busiest[1],
                     "program_ns_per_run": busiest[0] / busiest[1] if busiest[1] else 0.0}
-        finally:
-            agent.stop()
 
 
 def main() -> int:
@@ -165,6 +172,7 @@ def main() -> int:
         roles = workload.roles
         ns_per_pair: dict[str, list[float]] = {role: [] for role in roles}
         program: dict[str, list[float]] = {role: [] for role in roles}
+        program_runs: dict[str, int] = {}
         try:
             for round_index in range(args.rounds):
                 for role in rotated(roles, round_index):
@@ -175,12 +183,14 @@ def main() -> int:
             for role in roles[1:]:  # one pass each with the kernel counting the programs' time
                 seen = measure(workload, role, directory, args.settle_seconds, True)
                 program[role] = [seen["program_ns_per_run"]]
+                program_runs[role] = seen["program_runs"]
                 progress(f"bpf_stats {role}: {seen['program_runs']} runs of the busiest program, "
                          f"{seen['program_ns_per_run']:.0f} ns a run")
         finally:
             workload.close()
     results["ns_per_pair"] = ns_per_pair
     results["program_ns_per_run"] = {role: values[0] for role, values in program.items() if values}
+    results["program_runs"] = program_runs
     report(results, args)
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=1))
@@ -197,7 +207,7 @@ def report(results: dict, args) -> None:
     print(f"block probe cost ({args.workload}, {args.pairs} pairs a run, {args.rounds} rounds), {results['date']}, "
           f"{results['machine']}; measured: {results['version']}")
     print(f"   {'role':<7} {'ns/pair':>8} {'added ns a hit':>15}  rounds' added ns a hit"
-          "  program ns a run (bpf_stats)")
+          "  ns a run of the program on the sites (bpf_stats; traps: the empty one)")
     print(f"   {'never':<7} {median(pairs['never']):>8.0f}")
     for role in roles[1:]:
         rounds = " ".join(f"{value:.0f}" for value in added[role])
@@ -206,8 +216,10 @@ def report(results: dict, args) -> None:
               f"   {'' if stats is None else f'{stats:.0f}'}")
     trap = results["added_ns_per_hit"]["traps"]
     blocks = results["added_ns_per_hit"]["blocks"]
+    stats = results["program_ns_per_run"]
     print(f"   a block's hit at depth blocks: {blocks:.0f} ns = the trap {trap:.0f} ns + kvtrace's program "
-          f"{blocks - trap:.0f} ns")
+          f"{blocks - trap:.0f} ns (by difference; bpf_stats: {stats.get('blocks', 0) - stats.get('traps', 0):.0f} ns "
+          "above the empty program)")
     if args.ns_per_token and args.hits_per_token:
         results["projected_cost"] = {role: args.hits_per_token * value / args.ns_per_token
                                      for role, value in results["added_ns_per_hit"].items()}
