@@ -32,7 +32,7 @@ from kvtrace.sources.bpf.source import BpfOptions, BpfSource  # noqa: E402
 __all__ = ["EMPTY_PROGRAM", "empty_probes", "ROOT", "StubBuild", "Workload", "build_copies", "scoped_tracer",
            "counters_of", "Pump", "median", "progress", "require_bpf", "counters_delta", "rotated", "CpuMeter",
            "foreign_uprobes", "Guard", "code_version",
-           "bpf_stats", "program_ns", "body_ns_per_pair", "torch_traps", "process_program_stats"]
+           "bpf_stats", "program_ns", "body_ns_per_pair", "torch_traps", "NoTorchSites", "process_program_stats"]
 
 
 # The baseline every probe cost is compared with: entry and return probes that do nothing.
@@ -57,37 +57,42 @@ def empty_probes(points):
     return bpf
 
 
+class NoTorchSites(RuntimeError):
+    """The process maps no file with usable PyTorch allocator probe sites (torch_traps)."""
+
+
 @contextlib.contextmanager
 def torch_traps(pid: int):
-    """PyTorch's allocator probe sites (pytorch:malloc and pytorch:free of the libc10_cuda.so `pid` maps)
-    trapping into an empty program, for that process only, its semaphores raised as kvtrace raises them
-    (one uprobe_multi link, ref_ctr_offsets): what every block costs before kvtrace's program does anything.
-    Yields the number of sites."""
+    """PyTorch's allocator probe sites (pytorch:malloc and pytorch:free, in the files `pid` maps that carry them,
+    found as the agent finds them: kvtrace's Discovery) trapping into an empty program, for that process only,
+    their semaphores raised as kvtrace raises them (one uprobe_multi link a file, ref_ctr_offsets): what every
+    block costs before kvtrace's program does anything. Yields the number of sites; raises NoTorchSites first
+    where there are none."""
     from bcc import BPF
 
     from kvtrace.sources.bpf import links
-    from kvtrace.sources.bpf.usdt import read_usdt_probes
+    from kvtrace.sources.bpf.discovery import Discovery
 
-    paths = sorted({line.split()[-1] for line in open(f"/proc/{pid}/maps")
-                    if line.rstrip().endswith("/libc10_cuda.so")})
-    if not paths:
-        raise RuntimeError(f"process {pid} maps no libc10_cuda.so: initialise CUDA in it first")
-    path = f"/proc/{pid}/root{paths[0]}"  # the process's own file, in whatever mount namespace it runs
-    sites = [probe for probe in read_usdt_probes(path)
-             if probe.provider == "pytorch" and probe.name in ("malloc", "free") and probe.usable]
-    if not sites:
-        raise RuntimeError(f"{paths[0]} has no usable pytorch:malloc/free probe sites")
+    files = [(target.path, sites) for target in Discovery().scan_pid(pid)
+             if (sites := [probe for probe in target.torch_probes if probe.usable])]
+    if not files:
+        raise NoTorchSites(f"process {pid} maps no file with usable pytorch:malloc/free probe sites "
+                           "(initialise CUDA in it first)")
     bpf = BPF(text=b"int empty_site(struct pt_regs *ctx) { return 0; }")
-    try:
-        link = links.attach_uprobe_multi(links.load_uprobe_multi(bpf, "empty_site"), path,
-                                         [site.pc_file_offset for site in sites],
-                                         ref_ctr_offsets=[site.semaphore_file_offset for site in sites], pid=pid)
-        try:
-            yield len(sites)
-        finally:
-            link.close()
-    finally:
-        bpf.cleanup()
+    with contextlib.ExitStack() as made:
+        made.callback(bpf.cleanup)
+        program = links.load_uprobe_multi(bpf, "empty_site")
+        for path, sites in files:
+            made.callback(links.attach_uprobe_multi(
+                program, path, [site.pc_file_offset for site in sites],
+                ref_ctr_offsets=[site.semaphore_file_offset for site in sites], pid=pid).close)
+        yield sum(len(sites) for _, sites in files)
+
+
+def _fdinfo(path: str) -> dict[str, str]:
+    """The fields of one /proc/PID/fdinfo/FD file."""
+    with open(path) as lines:
+        return dict(line.split(":", 1) for line in lines if ":" in line)
 
 
 def process_program_stats(pid: int) -> dict[int, tuple[int, int]]:
@@ -96,7 +101,7 @@ def process_program_stats(pid: int) -> dict[int, tuple[int, int]]:
     stats = {}
     for fd in os.listdir(f"/proc/{pid}/fdinfo"):
         try:
-            fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/fdinfo/{fd}") if ":" in line)
+            fields = _fdinfo(f"/proc/{pid}/fdinfo/{fd}")
         except OSError:
             continue  # closed meanwhile
         if "prog_id" in fields and "run_cnt" in fields:
@@ -246,7 +251,7 @@ def program_ns(bpf) -> dict[str, tuple[int, int]]:
     """(run_time_ns, run_cnt) per program of a bcc BPF object (kernel.bpf_stats_enabled=1)."""
     stats = {}
     for name, function in bpf.funcs.items():
-        fields = dict(line.split(":", 1) for line in open(f"/proc/self/fdinfo/{function.fd}"))
+        fields = _fdinfo(f"/proc/self/fdinfo/{function.fd}")
         stats[name.decode()] = (int(fields.get("run_time_ns", 0)), int(fields.get("run_cnt", 0)))
     return stats
 

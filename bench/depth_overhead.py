@@ -66,6 +66,7 @@ from worker_client import TorchWorker  # noqa: E402
 
 from agent_process import AgentProcess  # noqa: E402
 from benchlib import (  # noqa: E402
+    NoTorchSites,
     code_version,
     median,
     parse_cpus,
@@ -219,10 +220,6 @@ def stop_profiler(profiler: subprocess.Popen) -> None:
         profiler.kill()
 
 
-def maps_torch(pid: int) -> bool:
-    return any(line.rstrip().endswith("/libc10_cuda.so") for line in open(f"/proc/{pid}/maps"))
-
-
 def one_run(workload, role: str, directory: Path, settle_seconds: float,
             agent_cpus: set[int] | None = None, profile_to: Path | None = None,
             best_of: int = 1) -> tuple[Run, AgentSeen]:
@@ -240,11 +237,12 @@ def one_run(workload, role: str, directory: Path, settle_seconds: float,
     cleanup.callback(agent.stop)
     try:
         if role == "traps":
-            torch_pids = [pid for pid in workload.pids() if maps_torch(pid)]
-            if not torch_pids:
-                raise RuntimeError("traps: no process of the workload maps libc10_cuda.so: nothing to trap")
-            for pid in torch_pids:
-                cleanup.enter_context(torch_traps(pid))
+            sites = 0
+            for pid in workload.pids():
+                with contextlib.suppress(NoTorchSites):  # (a vLLM driver without CUDA: nothing to trap there)
+                    sites += cleanup.enter_context(torch_traps(pid))
+            if not sites:
+                raise RuntimeError("traps: no process of the workload has PyTorch's allocator probe sites")
         started = sum(agent_process.cpu_times()[:2])
         time.sleep(settle_seconds)
         if role in RECORDER_MODES:
