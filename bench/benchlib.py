@@ -89,6 +89,85 @@ def torch_traps(pid: int):
         yield sum(len(sites) for _, sites in files)
 
 
+# A prototype of the kernel's side of kvtrace's PyTorch hook (agent/kvtrace/sources/torch_hook), for the benches:
+# the batch read in one copy, a hash of live blocks kept exact.
+HOOK_LEDGER_PROGRAM = r"""
+#include <uapi/linux/ptrace.h>
+#define BATCH_MAX 64
+struct entry { u64 address; u64 size_bytes; u64 stream; u8 kind; s8 device; u8 walk; u8 reserved[5]; };
+struct batch { struct entry entries[BATCH_MAX]; };
+struct seen { u64 value[4]; }; /* entries, allocations, frees, frees of a block not in `live` */
+BPF_PERCPU_ARRAY(scratch, struct batch, 1);
+BPF_PERCPU_ARRAY(seen, struct seen, 1);
+BPF_HASH(live, u64, u64, 1048576);
+
+int empty_flush(struct pt_regs *ctx) { return 0; }
+
+int ledger_flush(struct pt_regs *ctx) {
+    u32 zero = 0;
+    struct batch *batch = scratch.lookup(&zero);
+    struct seen *seen_now = seen.lookup(&zero);
+    if (!batch || !seen_now)
+        return 0;
+    u32 count = (u32)PT_REGS_PARM2(ctx);
+    if (count > BATCH_MAX)
+        count = BATCH_MAX;
+    /* The hook's buffer holds BATCH_MAX entries: one copy of all of it (a constant size for the verifier). */
+    if (count == 0 || bpf_probe_read_user(batch, sizeof(*batch), (void *)PT_REGS_PARM1(ctx)))
+        return 0;
+#pragma clang loop unroll(full)
+    for (u32 i = 0; i < BATCH_MAX; i++) { /* unrolled: straight code the verifier walks once */
+        if (i >= count)
+            continue;
+        struct entry *entry = &batch->entries[i];
+        u64 address = entry->address;
+        u64 size = entry->size_bytes;
+        u8 allocation = entry->kind == 1;
+        if (allocation)
+            live.update(&address, &size);
+        else
+            seen_now->value[3] += live.delete(&address) != 0;
+        seen_now->value[0] += 1;
+        seen_now->value[1] += allocation;
+        seen_now->value[2] += !allocation;
+    }
+    return 0;
+}
+"""
+
+
+@contextlib.contextmanager
+def hook_flush_probe(library: Path, pid: int, fn_name: str):
+    """`fn_name` (empty_flush or ledger_flush) of HOOK_LEDGER_PROGRAM on the hook's kvtrace_hook_flush in `pid`, the
+    hook's semaphore raised by the kernel while it is in (the link's ref_ctr_offset, as kvtrace raises USDT
+    semaphores). Yields the bcc module."""
+    from bcc import BPF
+
+    from kvtrace.sources import elf
+    from kvtrace.sources.bpf import links
+    from kvtrace.sources.torch_hook import FLUSH_SYMBOL, SEMAPHORE_SYMBOL
+
+    offsets = elf.symbol_file_offsets(library, [FLUSH_SYMBOL, SEMAPHORE_SYMBOL], types=())
+    missing = {FLUSH_SYMBOL, SEMAPHORE_SYMBOL} - set(offsets)
+    if missing:
+        raise RuntimeError(f"{library} has no {', '.join(sorted(missing))}: not kvtrace's PyTorch hook")
+    bpf = BPF(text=HOOK_LEDGER_PROGRAM.encode())
+    with contextlib.ExitStack() as made:
+        made.callback(bpf.cleanup)
+        program = links.load_uprobe_multi(bpf, fn_name)
+        made.callback(links.attach_uprobe_multi(program, library, [offsets[FLUSH_SYMBOL]],
+                                                ref_ctr_offsets=[offsets[SEMAPHORE_SYMBOL]], pid=pid).close)
+        yield bpf
+
+
+def hook_seen_counts(bpf) -> dict[str, int]:
+    """What HOOK_LEDGER_PROGRAM's ledger_flush saw, over every CPU."""
+    table = bpf[b"seen"]
+    per_cpu = table[table.Key(0)]  # one struct seen a CPU
+    return {name: sum(int(cpu.value[index]) for cpu in per_cpu)
+            for index, name in enumerate(("entries", "allocations", "frees", "unknown_frees"))}
+
+
 def _fdinfo(path: str) -> dict[str, str]:
     """The fields of one /proc/PID/fdinfo/FD file."""
     with open(path) as lines:

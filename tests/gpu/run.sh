@@ -6,6 +6,7 @@
 #   bash tests/gpu/run.sh blocks-bench [bench args]    # bench/torch_blocks_overhead.py: block tracing's cost
 #   bash tests/gpu/run.sh depth-bench [bench args]     # bench/depth_overhead.py: each depth's cost, one process
 #   bash tests/gpu/run.sh block-probe-cost [args]      # bench/block_probe_cost.py: a block's hit, trap and program
+#   bash tests/gpu/run.sh block-hook-cost [args]       # bench/block_hook_cost.py: a block through kvtrace's in-process hook
 #   bash tests/gpu/run.sh flight [pytest args]         # tests/gpu/test_flight_recorder.py: a real OOM's dump
 #   bash tests/gpu/run.sh cupti [pytest args]          # tests/gpu/test_cupti.py: kvtrace run (CUPTI) vs the uprobes
 #   bash tests/gpu/run.sh cupti-bench [bench args]     # bench/cupti_overhead.py: CUPTI's cost, side by side
@@ -24,7 +25,7 @@
 # -d .whl cupti-python==13.0.1). Both are used only when bcc or a package is not importable already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-what=${1:?usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|block-probe-cost|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth|vllm-depth-bench [args]}; shift
+what=${1:?usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|block-probe-cost|block-hook-cost|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth|vllm-depth-bench [args]}; shift
 python=${PYTHON:-python3}
 
 if ! $python -c 'import bcc' 2>/dev/null; then
@@ -56,6 +57,7 @@ case $what in
   blocks-bench) exec $python bench/torch_blocks_overhead.py "$@" ;;
   depth-bench) exec $python bench/depth_overhead.py "$@" ;;
   block-probe-cost) exec $python bench/block_probe_cost.py "$@" ;;
+  block-hook-cost) exec $python bench/block_hook_cost.py "$@" ;;
   depth) exec $python -m pytest tests/gpu/test_depth.py -s -q -p no:cacheprovider "$@" ;;
   vllm|vllm-bench|vllm-depth|vllm-depth-bench)
     [ -f /tmp/vsite/.vllm_bundle_ok ] || { echo "vLLM is not installed in /tmp/vsite: bash .vllm/install.sh (twice)" >&2; exit 1; }
@@ -68,5 +70,5 @@ case $what in
     fi
     if [ "$what" = vllm-depth-bench ]; then exec $python bench/depth_overhead.py --workload vllm "$@"; fi
     exec $python bench/vllm_overhead.py "$@" ;;
-  *) echo "usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|block-probe-cost|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth|vllm-depth-bench [args]" >&2; exit 2 ;;
+  *) echo "usage: run.sh tests|blocks|depth|flight|cupti|bench|blocks-bench|depth-bench|block-probe-cost|block-hook-cost|cupti-bench|throughput|idle|vllm|vllm-bench|vllm-depth|vllm-depth-bench [args]" >&2; exit 2 ;;
 esac

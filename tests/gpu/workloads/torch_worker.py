@@ -11,6 +11,10 @@ bench/torch_blocks_overhead.py): "blocks" (tensors of mixed sizes, a third freed
 "memory_snapshot" (torch.cuda.memory_snapshot() without frames, with memory_reserved/allocated per
 device), "clone_leak" (keep_activation() keeps a clone per step while scratch_temporary() makes the
 cache grow) and "tensor_pairs" (torch.empty + del in a tight loop, timed).
+
+"torch_hook" builds kvtrace's PyTorch hook (agent/kvtrace/sources/torch_hook) against this torch, or loads the
+library named, and attaches it to the caching allocator (for the rest of the process); "torch_hook_settings" sets
+its sample size and batch in this process; "torch_hook_counts" reads its counts.
 """
 import ctypes
 import json
@@ -145,6 +149,33 @@ def tensor_pairs(count, numel, depth):
         tensor = empty(numel, device="cuda")
         del tensor
     return (time.perf_counter_ns() - start) / count
+
+
+hook_state = {}  # "hook": kvtrace.sources.torch_hook.Hook once "torch_hook" ran
+
+
+def torch_hook(command):
+    """kvtrace's PyTorch hook, built (or the library given) and attached; the build's seconds."""
+    from pathlib import Path
+
+    from kvtrace.sources import torch_hook as hook_module
+
+    start = time.perf_counter()
+    path = command.get("library") or hook_module.build(hook_module.TorchBuild.of_imported_torch(),
+                                                       Path(command.get("cache_dir", "/tmp/kvtrace-hook-cache")))
+    built = time.perf_counter() - start
+    hook = hook_module.Hook(Path(path))
+    hook.attach()
+    hook_state["hook"] = hook
+    return {"library": str(path), "build_seconds": built}
+
+
+def torch_hook_settings(command):
+    """The hook's sample size and batch, written in this process (the agent writes the same fields from outside)."""
+    settings = hook_state["hook"].settings()
+    settings.sample_bytes = command.get("sample_bytes", settings.sample_bytes)
+    settings.batch = command.get("batch", settings.batch)
+    return {"sample_bytes": settings.sample_bytes, "batch": settings.batch}
 
 
 def cudart():
@@ -314,6 +345,13 @@ def main():
         elif op == "tensor_pairs":
             answer = {"ns_per_pair": tensor_pairs(command["count"], command.get("numel", 4096),
                                                   command.get("depth", 0))}
+        elif op == "torch_hook":
+            answer = torch_hook(command)
+        elif op == "torch_hook_settings":
+            answer = torch_hook_settings(command)
+        elif op == "torch_hook_counts":
+            hook_state["hook"].flush_now()
+            answer = {"counts": hook_state["hook"].counts()}
         elif op in MODEL_OPS:
             answer = model_command(op, command)
         elif op == "exit":

@@ -1,0 +1,223 @@
+// hook.cpp — kvtrace's hook inside a PyTorch process: the caching allocator's blocks handed to the kernel in
+// batches, so that a block costs a function call instead of two traps.
+//
+// Why: at depth `blocks` every tensor the caching allocator hands out and takes back fires pytorch:malloc and
+// pytorch:free, and each is a uprobe trap (0.5-0.7 us on the H100, bench/RESULTS.md section K) before kvtrace's
+// program runs. A generation loop makes about 44 blocks a token, so the trap alone took 4.7-7.9 % of the loop's CPU:
+// no per-block trap can meet issue 34's 3 %. This hook registers with the allocator's own trace tracker
+// (c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker, called for every allocator event whether or not
+// PyTorch's history is recorded) and appends each block event to a buffer; the buffer goes to the kernel in one
+// call of kvtrace_hook_flush(entries, count), the function kvtrace's uprobe sits on: one trap for many blocks.
+//
+// Depth: kvtrace_hook_semaphore is the uprobe's reference counter (ref_ctr_offset), raised by the kernel while the
+// agent's link on kvtrace_hook_flush is attached: zero means depth `segments`, and every event returns at its
+// first comparison. The allocator has no way to detach a tracker, so attaching is for the life of the process.
+//
+// Stacks: a block whose stack is to be walked (sampled, the heap profilers' countdown, as probes/usdt.h does it in
+// the kernel) is flushed at once, last in its batch and marked `walk`, so that the program walks the stack that is
+// allocating it. Blocks of at least the sample size are always walked; a sample size of 0 walks every block.
+//
+// Order: entries of every thread go into one buffer under one lock, in the order the allocator reported them, so a
+// block's free never reaches the kernel before its allocation. A buffer left partly full is flushed by a helper
+// thread within kvtrace_hook_settings.flush_interval_ms (only while the semaphore is raised).
+//
+// No PyTorch call is made from the tracker (the allocator's rule: its mutex is held), and no Python.
+// Built against the process's own torch headers (kvtrace/sources/torch_hook/__init__.py).
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+
+extern "C" {
+
+// One block event as the kernel reads it (probes/hook.h struct kvt_hook_entry: the same 32 bytes).
+struct kvtrace_hook_entry {
+  uint64_t address;
+  uint64_t size_bytes;  // the block's size; for a free, the size it was allocated with
+  uint64_t stream;      // the cudaStream_t the block belongs to
+  uint8_t kind;         // KVTRACE_HOOK_ALLOC or KVTRACE_HOOK_FREE
+  int8_t device;
+  uint8_t walk;         // 1: this block's stack is walked (always the last entry of its batch)
+  uint8_t reserved[5];
+};
+static_assert(sizeof(kvtrace_hook_entry) == 32, "the kernel reads 32-byte entries");
+
+enum { KVTRACE_HOOK_ALLOC = 1, KVTRACE_HOOK_FREE = 2 };
+enum { KVTRACE_HOOK_BATCH_MAX = 64 };  // the most entries one flush carries (probes/hook.h KVT_HOOK_BATCH)
+
+// The settings, read at each event: in .probes (file-backed, writable) so that the agent can find them by symbol
+// and write them in a running process (/proc/PID/mem) as it raises the depth.
+struct kvtrace_hook_settings {
+  uint64_t sample_bytes;       // mean bytes between walked stacks (0: every block's stack)
+  uint32_t batch;              // entries a flush carries, 1 .. KVTRACE_HOOK_BATCH_MAX
+  uint32_t flush_interval_ms;  // a partly full buffer waits no longer than this
+};
+
+__attribute__((section(".probes"), used, visibility("default")))
+volatile uint16_t kvtrace_hook_semaphore = 0;
+__attribute__((section(".probes"), used, visibility("default")))
+volatile kvtrace_hook_settings kvtrace_hook_settings_now = {512 * 1024, 64, 100};
+
+// What the hook has done, for tests and benches (never read by the kernel).
+struct kvtrace_hook_counts {
+  uint64_t events;   // block events heard while the semaphore was raised
+  uint64_t entries;  // block entries flushed
+  uint64_t flushes;  // calls of kvtrace_hook_flush
+  uint64_t walks;    // entries marked walk
+  uint64_t dropped;  // entries dropped because the semaphore went down before their flush
+};
+
+// The function the agent's uprobe is on: it does nothing itself. noipa keeps the compiler from removing the call
+// or assuming what it does.
+__attribute__((noipa, used, visibility("default")))
+void kvtrace_hook_flush(const kvtrace_hook_entry* entries, uint32_t count) {
+  asm volatile("" : : "r"(entries), "r"(count) : "memory");
+}
+
+}  // extern "C"
+
+namespace {
+
+using c10::CachingDeviceAllocator::TraceEntry;
+
+std::mutex buffer_lock;
+kvtrace_hook_entry buffer[KVTRACE_HOOK_BATCH_MAX];
+uint32_t buffered = 0;
+std::chrono::steady_clock::time_point oldest;  // when the first entry of the buffer came
+kvtrace_hook_counts counts = {};
+std::atomic<bool> attached{false};
+std::atomic<bool> flusher_started{false};
+
+// xorshift64*, one per thread: the countdown's draws need no quality beyond independence from the sizes.
+uint64_t next_random() {
+  thread_local uint64_t state = 0;
+  if (state == 0) {
+    state = reinterpret_cast<uint64_t>(&state) ^
+            static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+            0x9E3779B97F4A7C15ULL;
+  }
+  state ^= state >> 12;
+  state ^= state << 25;
+  state ^= state >> 27;
+  return state * 0x2545F4914F6CDD1DULL;
+}
+
+// A draw of the exponential distribution of mean `mean` (bytes until the next walked block).
+int64_t draw(uint64_t mean) {
+  double uniform = (static_cast<double>(next_random() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+  return static_cast<int64_t>(-std::log(uniform) * static_cast<double>(mean));
+}
+
+// Whether the stack of a block of `size_bytes` is walked: the per-thread byte countdown of probes/usdt.h.
+bool walked(uint64_t size_bytes, uint64_t mean) {
+  if (mean == 0 || size_bytes >= mean)
+    return true;
+  thread_local int64_t left = -1;
+  thread_local bool drawn = false;
+  if (!drawn) {
+    left = draw(mean);
+    drawn = true;
+  }
+  left -= static_cast<int64_t>(size_bytes);
+  if (left >= 0)
+    return false;
+  left = draw(mean);
+  return true;
+}
+
+void flush_locked() {
+  if (buffered == 0)
+    return;
+  kvtrace_hook_flush(buffer, buffered);
+  counts.flushes += 1;
+  counts.entries += buffered;
+  buffered = 0;
+}
+
+// Flushes a buffer left partly full by threads that stopped allocating; sleeps while the semaphore is down.
+void flusher() {
+  for (;;) {
+    uint32_t interval_ms = kvtrace_hook_settings_now.flush_interval_ms;
+    std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms ? interval_ms : 100));
+    std::lock_guard<std::mutex> guard(buffer_lock);
+    if (buffered == 0)
+      continue;
+    if (kvtrace_hook_semaphore == 0) {
+      counts.dropped += buffered;
+      buffered = 0;
+    } else if (std::chrono::steady_clock::now() - oldest >= std::chrono::milliseconds(interval_ms)) {
+      flush_locked();
+    }
+  }
+}
+
+void on_trace(const TraceEntry& event) {
+  if (__builtin_expect(kvtrace_hook_semaphore == 0, 1))
+    return;
+  uint8_t kind;
+  if (event.action_ == TraceEntry::ALLOC)
+    kind = KVTRACE_HOOK_ALLOC;
+  else if (event.action_ == TraceEntry::FREE_COMPLETED)
+    kind = KVTRACE_HOOK_FREE;
+  else
+    return;
+  if (!flusher_started.load(std::memory_order_relaxed) && !flusher_started.exchange(true))
+    std::thread(flusher).detach();
+  uint64_t sample_bytes = kvtrace_hook_settings_now.sample_bytes;
+  uint32_t batch = kvtrace_hook_settings_now.batch;
+  if (batch == 0 || batch > KVTRACE_HOOK_BATCH_MAX)
+    batch = KVTRACE_HOOK_BATCH_MAX;
+  bool walk = kind == KVTRACE_HOOK_ALLOC && walked(event.size_, sample_bytes);
+  std::lock_guard<std::mutex> guard(buffer_lock);
+  counts.events += 1;
+  if (buffered == 0)
+    oldest = std::chrono::steady_clock::now();
+  kvtrace_hook_entry& entry = buffer[buffered++];
+  entry.address = event.addr_;
+  entry.size_bytes = event.size_;
+  entry.stream = reinterpret_cast<uint64_t>(event.stream_);
+  entry.kind = kind;
+  entry.device = static_cast<int8_t>(event.device_);
+  entry.walk = walk;
+  if (walk)
+    counts.walks += 1;
+  if (walk || buffered >= batch)
+    flush_locked();
+}
+
+}  // namespace
+
+extern "C" {
+
+// Registers the tracker with the caching allocator, once per process (later calls do nothing). Returns 0, or -1
+// when the allocator refused (a PyTorch error: CUDA not initialised, or an allocator without trace trackers).
+__attribute__((visibility("default"))) int kvtrace_hook_attach() {
+  if (attached.exchange(true))
+    return 0;
+  try {
+    c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(&on_trace);
+  } catch (...) {
+    attached = false;
+    return -1;
+  }
+  return 0;
+}
+
+// Copies the hook's counts (tests and benches).
+__attribute__((visibility("default"))) void kvtrace_hook_read_counts(kvtrace_hook_counts* out) {
+  std::lock_guard<std::mutex> guard(buffer_lock);
+  *out = counts;
+}
+
+// Flushes what is buffered now (a test's or an exiting process's last word).
+__attribute__((visibility("default"))) void kvtrace_hook_flush_now() {
+  std::lock_guard<std::mutex> guard(buffer_lock);
+  if (kvtrace_hook_semaphore != 0)
+    flush_locked();
+}
+
+}  // extern "C"

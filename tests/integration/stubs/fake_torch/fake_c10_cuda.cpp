@@ -1,0 +1,30 @@
+// The fake caching allocator behind CUDACachingAllocator.h here: it keeps the trackers attached and calls each
+// with the events a test fires, as torch's record_trace does (built as the fake torch's lib/libc10_cuda.so).
+#include "c10/cuda/CUDACachingAllocator.h"
+
+#include <mutex>
+#include <vector>
+
+namespace {
+std::recursive_mutex allocator_mutex;  // torch calls the trackers with its allocator's mutex held
+std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers;
+}  // namespace
+
+namespace c10::cuda::CUDACachingAllocator {
+void attachAllocatorTraceTracker(AllocatorTraceTracker tracker) {
+  std::lock_guard<std::recursive_mutex> guard(allocator_mutex);
+  trackers.push_back(std::move(tracker));
+}
+}  // namespace c10::cuda::CUDACachingAllocator
+
+extern "C" void fake_allocator_event(int action, uint64_t address, uint64_t size_bytes, int device, uint64_t stream) {
+  std::lock_guard<std::recursive_mutex> guard(allocator_mutex);
+  c10::CachingDeviceAllocator::TraceEntry entry{};
+  entry.action_ = static_cast<c10::CachingDeviceAllocator::TraceEntry::Action>(action);
+  entry.device_ = static_cast<c10::DeviceIndex>(device);
+  entry.addr_ = address;
+  entry.size_ = size_bytes;
+  entry.stream_ = reinterpret_cast<void*>(stream);
+  for (const auto& tracker : trackers)
+    tracker(entry);
+}

@@ -1,0 +1,88 @@
+// A process that loads kvtrace's PyTorch hook over the fake allocator and fires block events on command
+// (tests/integration/test_torch_hook.py). Lines on stdin, one answer line (JSON) each on stdout:
+//   attach                      kvtrace_hook_attach()
+//   blocks N SIZE [DEVICE]      N allocations of SIZE bytes at distinct addresses, then their N frees, each free
+//                               as torch reports one (FREE_REQUESTED, then FREE_COMPLETED), a segment event between
+//   settings SAMPLE_BYTES BATCH the hook's settings, written in this process
+//   counts                      the hook's counts
+//   semaphore                   the hook's semaphore (the kernel raises it while a probe is on the flush function)
+//   exit
+// argv[1]: the hook library. The first line out is {"ready": true, "pid": PID}.
+#include "c10/cuda/CUDACachingAllocator.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+struct Counts { uint64_t events, entries, flushes, walks, dropped; };
+struct Settings { uint64_t sample_bytes; uint32_t batch; uint32_t flush_interval_ms; };
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: hook_driver HOOK_LIBRARY\n");
+    return 2;
+  }
+  void* hook = dlopen(argv[1], RTLD_NOW);
+  if (!hook) {
+    std::fprintf(stderr, "%s\n", dlerror());
+    return 1;
+  }
+  auto attach = reinterpret_cast<int (*)()>(dlsym(hook, "kvtrace_hook_attach"));
+  auto read_counts = reinterpret_cast<void (*)(Counts*)>(dlsym(hook, "kvtrace_hook_read_counts"));
+  auto settings = reinterpret_cast<volatile Settings*>(dlsym(hook, "kvtrace_hook_settings_now"));
+  auto semaphore = reinterpret_cast<volatile uint16_t*>(dlsym(hook, "kvtrace_hook_semaphore"));
+  if (!attach || !read_counts || !settings || !semaphore) {
+    std::fprintf(stderr, "the hook library lacks a symbol: %s\n", dlerror());
+    return 1;
+  }
+  std::printf("{\"ready\": true, \"pid\": %d}\n", static_cast<int>(getpid()));
+  std::fflush(stdout);
+  using Entry = c10::CachingDeviceAllocator::TraceEntry;
+  uint64_t next_address = 0x7f0000000000ULL;
+  char line[256];
+  while (std::fgets(line, sizeof line, stdin)) {
+    char op[32] = {};
+    unsigned long long a = 0, b = 0, c = 0;
+    int fields = std::sscanf(line, "%31s %llu %llu %llu", op, &a, &b, &c);
+    if (fields < 1)
+      continue;
+    if (!std::strcmp(op, "attach")) {
+      std::printf("{\"attached\": %d}\n", attach());
+    } else if (!std::strcmp(op, "blocks")) {
+      uint64_t first = next_address;
+      for (unsigned long long i = 0; i < a; i++)
+        fake_allocator_event(Entry::ALLOC, first + i * b, b, static_cast<int>(c), 7);
+      fake_allocator_event(Entry::SEGMENT_ALLOC, first + a * b, 1 << 21, static_cast<int>(c), 7);
+      for (unsigned long long i = 0; i < a; i++) {
+        fake_allocator_event(Entry::FREE_REQUESTED, first + i * b, b, static_cast<int>(c), 7);
+        fake_allocator_event(Entry::FREE_COMPLETED, first + i * b, b, static_cast<int>(c), 7);
+      }
+      next_address = first + a * b + (1 << 21);
+      std::printf("{\"first\": %" PRIu64 "}\n", first);
+    } else if (!std::strcmp(op, "settings")) {
+      settings->sample_bytes = a;
+      settings->batch = static_cast<uint32_t>(b);
+      std::printf("{}\n");
+    } else if (!std::strcmp(op, "counts")) {
+      Counts counts{};
+      read_counts(&counts);
+      std::printf("{\"events\": %" PRIu64 ", \"entries\": %" PRIu64 ", \"flushes\": %" PRIu64
+                  ", \"walks\": %" PRIu64 ", \"dropped\": %" PRIu64 "}\n",
+                  counts.events, counts.entries, counts.flushes, counts.walks, counts.dropped);
+    } else if (!std::strcmp(op, "semaphore")) {
+      std::printf("{\"semaphore\": %u}\n", static_cast<unsigned>(*semaphore));
+    } else if (!std::strcmp(op, "exit")) {
+      std::printf("{}\n");
+      std::fflush(stdout);
+      return 0;
+    } else {
+      std::printf("{\"error\": \"unknown op %s\"}\n", op);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}

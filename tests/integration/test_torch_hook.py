@@ -1,0 +1,261 @@
+"""kvtrace's PyTorch hook (agent/kvtrace/sources/torch_hook/hook.cpp) over a fake caching allocator, with the
+kernel's side as a uprobe on kvtrace_hook_flush whose reference counter is the hook's semaphore.
+
+The hook is built by its own builder against a fake torch (stubs/fake_torch: torch 2.11's TraceEntry and
+attachAllocatorTraceTracker, a libc10_cuda.so that calls the trackers), loaded by a driver process that fires
+block events on command. A test BPF program reads each batch the hook hands over and counts what it sees; every
+count is exact (or, for sampled walks, within 4 sigma of its expectation). The real torch is the GPU machine's:
+bench/block_hook_cost.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cuda_stubs import STUBS_DIR
+from kvtrace.sources import elf
+from kvtrace.sources.torch_hook import (
+    BATCH_MAX,
+    FLUSH_SYMBOL,
+    SEMAPHORE_SYMBOL,
+    HookBuildError,
+    TorchBuild,
+    build,
+    library_name,
+)
+
+FAKE = STUBS_DIR / "fake_torch"
+
+# What the kernel sees of each batch: entries by kind, walks, walks not last in their batch, frees of a block it
+# never saw allocated (order), bytes allocated, and the live blocks it holds.
+COUNTING_PROGRAM = r"""
+#include <uapi/linux/ptrace.h>
+#define BATCH_MAX %(batch_max)d
+struct entry { u64 address; u64 size_bytes; u64 stream; u8 kind; s8 device; u8 walk; u8 reserved[5]; };
+struct batch { struct entry entries[BATCH_MAX]; };
+struct seen { u64 value[8]; };
+BPF_PERCPU_ARRAY(scratch, struct batch, 1);
+BPF_PERCPU_ARRAY(seen, struct seen, 1);
+BPF_HASH(live, u64, u64, 65536);
+
+int hook_flush(struct pt_regs *ctx) {
+    u32 zero = 0;
+    struct batch *batch = scratch.lookup(&zero);
+    struct seen *seen_now = seen.lookup(&zero);
+    if (!batch || !seen_now)
+        return 0;
+    u32 count = (u32)PT_REGS_PARM2(ctx);
+    if (count > BATCH_MAX)
+        count = BATCH_MAX;
+    /* The hook's buffer holds BATCH_MAX entries: one copy of all of it (a constant size for the verifier). */
+    if (count == 0 || bpf_probe_read_user(batch, sizeof(*batch), (void *)PT_REGS_PARM1(ctx)))
+        return 0;
+    seen_now->value[0] += 1;
+#pragma clang loop unroll(full)
+    for (u32 i = 0; i < BATCH_MAX; i++) { /* unrolled: straight code the verifier walks once */
+        if (i >= count)
+            continue;
+        struct entry *entry = &batch->entries[i];
+        u64 address = entry->address;
+        u64 size = entry->size_bytes;
+        u8 allocation = entry->kind == 1;
+        if (allocation) {
+            live.update(&address, &size);
+        } else {
+            seen_now->value[4] += live.delete(&address) != 0;
+        }
+        seen_now->value[1] += allocation;
+        seen_now->value[2] += !allocation;
+        seen_now->value[3] += entry->walk != 0;
+        seen_now->value[5] += allocation ? size : 0;
+        seen_now->value[6] += entry->walk != 0 && i + 1 != count;
+        seen_now->value[7] += entry->device != 1 || entry->stream != 7;
+    }
+    return 0;
+}
+"""
+SEEN = ("flushes", "allocations", "frees", "walks", "unknown_frees", "bytes", "walks_not_last", "wrong_fields")
+
+
+@pytest.fixture(scope="module")
+def fake_torch(tmp_path_factory) -> TorchBuild:
+    """A torch directory the builder takes: include/c10/cuda/CUDACachingAllocator.h, lib/libc10_cuda.so and
+    lib/libc10.so, and beside it nvidia/stub/include/cuda_runtime_api.h (as the NVIDIA wheels lay it out)."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here: the hook is C++ (apt-get install g++)")
+    root = tmp_path_factory.mktemp("fake-site")
+    torch = root / "torch"
+    (torch / "include" / "c10" / "cuda").mkdir(parents=True)
+    (torch / "lib").mkdir()
+    (root / "nvidia" / "stub" / "include").mkdir(parents=True)
+    (root / "nvidia" / "stub" / "include" / "cuda_runtime_api.h").write_text("/* the hook needs none of it */\n")
+    shutil.copy(FAKE / "CUDACachingAllocator.h", torch / "include" / "c10" / "cuda")
+    subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{torch / 'include'}",
+                    FAKE / "fake_c10_cuda.cpp", "-o", torch / "lib" / "libc10_cuda.so"], check=True)
+    subprocess.run(["g++", "-shared", "-fPIC", "-x", "c++", "/dev/null", "-o", torch / "lib" / "libc10.so"],
+                   check=True)
+    return TorchBuild("2.11.0+fake", torch, cxx11_abi=True)
+
+
+@pytest.fixture(scope="module")
+def hook_build(fake_torch, tmp_path_factory) -> tuple[Path, Path]:
+    """(the hook library as the builder made it, the driver that loads it)."""
+    library = build(fake_torch, tmp_path_factory.mktemp("hook-cache"))
+    driver = library.parent / "hook_driver"
+    subprocess.run(["g++", "-O2", "-std=c++17", f"-I{fake_torch.directory / 'include'}", FAKE / "hook_driver.cpp",
+                    "-o", driver, f"-L{fake_torch.directory / 'lib'}", f"-Wl,-rpath,{fake_torch.directory / 'lib'}",
+                    "-lc10_cuda", "-ldl", "-pthread"], check=True)
+    return library, driver
+
+
+class Driver:
+    def __init__(self, driver: Path, library: Path) -> None:
+        self.process = subprocess.Popen([str(driver), str(library)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        self.pid = json.loads(self.process.stdout.readline())["pid"]
+
+    def send(self, line: str) -> dict:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def driver(hook_build):
+    library, binary = hook_build
+    running = Driver(binary, library)
+    yield running
+    running.close()
+
+
+@contextlib.contextmanager
+def flush_probe(library: Path, pid: int):
+    """COUNTING_PROGRAM on kvtrace_hook_flush in `pid`, the hook's semaphore as its reference counter."""
+    from bcc import BPF
+
+    from kvtrace.sources.bpf import links
+
+    offsets = elf.symbol_file_offsets(library, [FLUSH_SYMBOL, SEMAPHORE_SYMBOL], ())
+    bpf = BPF(text=(COUNTING_PROGRAM % {"batch_max": BATCH_MAX}).encode())
+    with contextlib.ExitStack() as made:
+        made.callback(bpf.cleanup)
+        program = links.load_uprobe_multi(bpf, "hook_flush")
+        made.callback(links.attach_uprobe_multi(program, library, [offsets[FLUSH_SYMBOL]],
+                                                ref_ctr_offsets=[offsets[SEMAPHORE_SYMBOL]], pid=pid).close)
+        yield bpf
+
+
+def seen(bpf) -> dict[str, int]:
+    table = bpf[b"seen"]
+    per_cpu = table[table.Key(0)]  # one struct seen a CPU
+    return {name: sum(int(cpu.value[index]) for cpu in per_cpu) for index, name in enumerate(SEEN)}
+
+
+def test_the_builder_names_the_library_by_torch_and_source(fake_torch):
+    other = TorchBuild("2.12.0+fake", fake_torch.directory, cxx11_abi=True)
+    assert library_name(fake_torch) != library_name(other)
+    assert library_name(fake_torch) == library_name(TorchBuild("2.11.0+fake", Path("/elsewhere"), True))
+
+
+def test_the_builder_says_what_is_missing(fake_torch, tmp_path, monkeypatch):
+    with pytest.raises(HookBuildError, match="install g\\+\\+"):
+        build(fake_torch, tmp_path, compiler="no-such-compiler-kvtrace")
+    bare = tmp_path / "site" / "torch"
+    bare.mkdir(parents=True)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr("kvtrace.sources.torch_hook.SYSTEM_CUDA_INCLUDE", tmp_path / "no-cuda")
+    with pytest.raises(HookBuildError, match="CUDA_HOME"):
+        build(TorchBuild("x", bare, True), tmp_path)
+
+
+def test_a_failed_build_shows_the_compiler(fake_torch, tmp_path):
+    broken = TorchBuild("2.11.0+broken", tmp_path / "site" / "torch", True)
+    (broken.directory / "include").mkdir(parents=True)  # no CUDACachingAllocator.h in it
+    shutil.copytree(fake_torch.directory.parent / "nvidia", broken.directory.parent / "nvidia")
+    with pytest.raises(HookBuildError, match="CUDACachingAllocator.h"):
+        build(broken, tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.so")), "a failed build leaves no library behind"
+
+
+def test_without_the_probe_the_hook_hands_nothing_over(driver):
+    assert driver.send("attach") == {"attached": 0}
+    driver.send("blocks 100 4096")
+    counts = driver.send("counts")
+    assert driver.send("semaphore") == {"semaphore": 0}
+    assert counts["events"] == 0 and counts["flushes"] == 0 and counts["entries"] == 0
+
+
+@pytest.mark.usefixtures("bpf_here")
+def test_every_block_reaches_the_kernel_in_order_in_batches(driver, hook_build):
+    library, _ = hook_build
+    driver.send("attach")
+    with flush_probe(library, driver.pid) as bpf:
+        assert driver.send("semaphore") == {"semaphore": 1}, "the kernel raises the semaphore while the probe is in"
+        driver.send(f"settings {1 << 30} 64")  # a sample size no block reaches: batches of 64, no walk
+        driver.send("blocks 23 4096 1")
+        driver.send("blocks 1000 16384 1")
+        counts = driver.send("counts")
+        time.sleep(0.5)  # the hook's flusher hands over the partly full last batch within 100 ms
+        kernel = seen(bpf)
+        live = len(bpf[b"live"])
+    assert counts["events"] == 2 * 1023
+    assert kernel["allocations"] == 1023 and kernel["frees"] == 1023, kernel
+    assert kernel["bytes"] == 23 * 4096 + 1000 * 16384
+    assert kernel["unknown_frees"] == 0, "a free reached the kernel before its allocation"
+    assert kernel["wrong_fields"] == 0, "device or stream read wrong"
+    assert kernel["walks"] == 0
+    # Batches of 64; the flusher may have handed over the first command's 46 events alone before the second's.
+    assert math.ceil(2 * 1023 / 64) <= kernel["flushes"] <= math.ceil(2 * 1023 / 64) + 1, kernel
+    assert live == 0, "every block freed: none left in the kernel's table"
+
+
+@pytest.mark.usefixtures("bpf_here")
+def test_a_walked_block_is_flushed_at_once_last_in_its_batch(driver, hook_build):
+    library, _ = hook_build
+    driver.send("attach")
+    with flush_probe(library, driver.pid) as bpf:
+        driver.send("settings 0 64")  # sample size 0: every block's stack walked
+        driver.send("blocks 23 4096 1")
+        driver.send("settings 524288 64")  # 512 KiB: a 16 KiB block walked with p = 1 - exp(-1/32)
+        driver.send("blocks 4000 16384 1")
+        driver.send("blocks 10 1048576 1")  # at least the sample size: always walked
+        counts = driver.send("counts")
+        time.sleep(0.5)
+        kernel = seen(bpf)
+    assert kernel["walks_not_last"] == 0, "a walked block must be the last of its batch (its stack is now)"
+    assert kernel["walks"] == counts["walks"]
+    sampled = kernel["walks"] - 23 - 10
+    p = 1 - math.exp(-16384 / 524288)
+    mean, sigma = 4000 * p, math.sqrt(4000 * p * (1 - p))
+    assert abs(sampled - mean) < 4 * sigma, (sampled, mean, sigma)
+    assert kernel["allocations"] == kernel["frees"] == 23 + 4000 + 10
+    assert kernel["unknown_frees"] == 0
+
+
+@pytest.mark.usefixtures("bpf_here")
+def test_lowering_stops_the_hook_and_drops_what_waited(driver, hook_build):
+    library, _ = hook_build
+    driver.send("attach")
+    with flush_probe(library, driver.pid) as bpf:
+        driver.send(f"settings {1 << 30} 64")
+        driver.send("blocks 64 4096 1")  # 128 events: two full batches
+        during = seen(bpf)
+    assert during["allocations"] == 64 and during["frees"] == 64
+    assert driver.send("semaphore") == {"semaphore": 0}, "the kernel lowers the semaphore with the probe"
+    before = driver.send("counts")
+    driver.send("blocks 50 4096 1")
+    after = driver.send("counts")
+    assert after["events"] == before["events"], "at depth segments the hook returns at once"
+    assert after["flushes"] == before["flushes"]
