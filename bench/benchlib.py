@@ -143,20 +143,16 @@ def hook_flush_probe(library: Path, pid: int, fn_name: str):
     semaphores). Yields the bcc module."""
     from bcc import BPF
 
-    from kvtrace.sources import elf
     from kvtrace.sources.bpf import links
-    from kvtrace.sources.torch_hook import FLUSH_SYMBOL, SEMAPHORE_SYMBOL
+    from kvtrace.sources.torch_hook import probe_site
 
-    offsets = elf.symbol_file_offsets(library, [FLUSH_SYMBOL, SEMAPHORE_SYMBOL], types=())
-    missing = {FLUSH_SYMBOL, SEMAPHORE_SYMBOL} - set(offsets)
-    if missing:
-        raise RuntimeError(f"{library} has no {', '.join(sorted(missing))}: not kvtrace's PyTorch hook")
+    site = probe_site(library)
     bpf = BPF(text=HOOK_LEDGER_PROGRAM.encode())
     with contextlib.ExitStack() as made:
         made.callback(bpf.cleanup)
         program = links.load_uprobe_multi(bpf, fn_name)
-        made.callback(links.attach_uprobe_multi(program, library, [offsets[FLUSH_SYMBOL]],
-                                                ref_ctr_offsets=[offsets[SEMAPHORE_SYMBOL]], pid=pid).close)
+        made.callback(links.attach_uprobe_multi(program, library, [site.pc_file_offset],
+                                                ref_ctr_offsets=[site.semaphore_file_offset], pid=pid).close)
         yield bpf
 
 

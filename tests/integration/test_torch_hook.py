@@ -20,15 +20,13 @@ from pathlib import Path
 import pytest
 
 from cuda_stubs import STUBS_DIR
-from kvtrace.sources import elf
 from kvtrace.sources.torch_hook import (
     BATCH_MAX,
-    FLUSH_SYMBOL,
-    SEMAPHORE_SYMBOL,
     HookBuildError,
     TorchBuild,
     build,
     library_name,
+    probe_site,
 )
 
 FAKE = STUBS_DIR / "fake_torch"
@@ -146,13 +144,13 @@ def flush_probe(library: Path, pid: int):
 
     from kvtrace.sources.bpf import links
 
-    offsets = elf.symbol_file_offsets(library, [FLUSH_SYMBOL, SEMAPHORE_SYMBOL], ())
+    site = probe_site(library)
     bpf = BPF(text=(COUNTING_PROGRAM % {"batch_max": BATCH_MAX}).encode())
     with contextlib.ExitStack() as made:
         made.callback(bpf.cleanup)
         program = links.load_uprobe_multi(bpf, "hook_flush")
-        made.callback(links.attach_uprobe_multi(program, library, [offsets[FLUSH_SYMBOL]],
-                                                ref_ctr_offsets=[offsets[SEMAPHORE_SYMBOL]], pid=pid).close)
+        made.callback(links.attach_uprobe_multi(program, library, [site.pc_file_offset],
+                                                ref_ctr_offsets=[site.semaphore_file_offset], pid=pid).close)
         yield bpf
 
 

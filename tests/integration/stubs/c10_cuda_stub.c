@@ -22,8 +22,8 @@
  * Segment "addresses" come from the stub libcuda's bump allocator: numbers, never dereferenced;
  * the books live in host memory here. Thread safe (one mutex, as torch's per-device one).
  *
- * <sys/sdt.h> is the vendored copy next to this file (systemtap 4.8, CC0); it includes
- * "sdt-config.h", which the build writes (../torch_stubs.py).
+ * <sys/sdt.h> is the vendored copy shipped with kvtrace's PyTorch hook (agent/kvtrace/sources/torch_hook/sdt.h,
+ * systemtap 4.8, CC0, with its sdt-config.h; ../torch_stubs.py puts that directory on the include path).
  *
  * Build: gcc -shared -fPIC -O2 -fno-omit-frame-pointer -Wl,-soname,libc10_cuda.so
  *        -l:libcudart.so.12 (see ../torch_stubs.py).

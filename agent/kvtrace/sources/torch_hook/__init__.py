@@ -25,14 +25,25 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("hook.cpp")
 LIBRARY_PREFIX = "libkvtrace_torch_hook"
-# The symbols the agent finds in the library (names fixed by hook.cpp's extern "C" block).
-FLUSH_SYMBOL = "kvtrace_hook_flush"
-SEMAPHORE_SYMBOL = "kvtrace_hook_semaphore"
+# The probe site the agent's uprobe goes on (a USDT note in the library, provider and name), and the symbol of the
+# settings it writes (names fixed by hook.cpp).
+PROBE_PROVIDER, PROBE_NAME = "kvtrace", "blocks"
 SETTINGS_SYMBOL = "kvtrace_hook_settings_now"
 # A CUDA toolkit's headers where no CUDA_HOME says otherwise.
 SYSTEM_CUDA_INCLUDE = Path("/usr/local/cuda/include")
 ENTRY_BYTES = 32
 BATCH_MAX = 64
+
+
+def probe_site(library: str | os.PathLike[str]):
+    """The hook library's kvtrace:blocks site (kvtrace.sources.bpf.usdt.UsdtProbe): where a uprobe goes and its
+    semaphore. Raises HookBuildError for a file without one."""
+    from kvtrace.sources.bpf.usdt import read_usdt_probes  # the agent's side only: never inside the engine
+
+    for probe in read_usdt_probes(library):
+        if (probe.provider, probe.name) == (PROBE_PROVIDER, PROBE_NAME) and probe.problem is None:
+            return probe
+    raise HookBuildError(f"{library} has no usable {PROBE_PROVIDER}:{PROBE_NAME} probe site: not kvtrace's PyTorch hook")
 
 
 class HookBuildError(RuntimeError):
@@ -86,7 +97,8 @@ def cuda_include_dirs(torch: TorchBuild) -> list[Path]:
 
 def library_name(torch: TorchBuild) -> str:
     """The cached library's file name: one per torch build and hook source."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.version} {torch.cxx11_abi}".encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in (SOURCE, SOURCE.with_name("sdt.h"), SOURCE.with_name("sdt-config.h")))
+    digest = hashlib.sha256(sources + f"{torch.version} {torch.cxx11_abi}".encode()).hexdigest()[:16]
     return f"{LIBRARY_PREFIX}-{digest}.so"
 
 
@@ -98,7 +110,7 @@ def compile_command(torch: TorchBuild, output: Path, compiler: str = "g++") -> l
             f"nvidia-cuda-runtime wheel of torch {torch.version}'s CUDA beside torch")
     lib = torch.directory / "lib"
     return [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.cxx11_abi)}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.cxx11_abi)}", "-iquote", str(SOURCE.parent),
             "-isystem", str(torch.directory / "include"),
             *[arg for path in cuda for arg in ("-isystem", str(path))],
             str(SOURCE), "-o", str(output),

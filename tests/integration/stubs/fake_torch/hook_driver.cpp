@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
   auto attach = reinterpret_cast<int (*)()>(dlsym(hook, "kvtrace_hook_attach"));
   auto read_counts = reinterpret_cast<void (*)(Counts*)>(dlsym(hook, "kvtrace_hook_read_counts"));
   auto settings = reinterpret_cast<volatile Settings*>(dlsym(hook, "kvtrace_hook_settings_now"));
-  auto semaphore = reinterpret_cast<volatile uint16_t*>(dlsym(hook, "kvtrace_hook_semaphore"));
+  auto semaphore = reinterpret_cast<volatile uint16_t*>(dlsym(hook, "kvtrace_blocks_semaphore"));
   if (!attach || !read_counts || !settings || !semaphore) {
     std::fprintf(stderr, "the hook library lacks a symbol: %s\n", dlerror());
     return 1;
