@@ -35,15 +35,16 @@ ENTRY_BYTES = 32
 BATCH_MAX = 64
 
 
-def probe_site(library: str | os.PathLike[str]):
+def probe_site(library: Path):
     """The hook library's kvtrace:blocks site (kvtrace.sources.bpf.usdt.UsdtProbe): where a uprobe goes and its
     semaphore. Raises HookBuildError for a file without one."""
     from kvtrace.sources.bpf.usdt import read_usdt_probes  # the agent's side only: never inside the engine
 
-    for probe in read_usdt_probes(library):
+    for probe in read_usdt_probes(Path(library)):
         if (probe.provider, probe.name) == (PROBE_PROVIDER, PROBE_NAME) and probe.problem is None:
             return probe
-    raise HookBuildError(f"{library} has no usable {PROBE_PROVIDER}:{PROBE_NAME} probe site: not kvtrace's PyTorch hook")
+    raise HookBuildError(f"{library} has no usable {PROBE_PROVIDER}:{PROBE_NAME} probe site: "
+                         "not kvtrace's PyTorch hook")
 
 
 class HookBuildError(RuntimeError):
@@ -97,7 +98,7 @@ def cuda_include_dirs(torch: TorchBuild) -> list[Path]:
 
 def library_name(torch: TorchBuild) -> str:
     """The cached library's file name: one per torch build and hook source."""
-    sources = b"".join(path.read_bytes() for path in (SOURCE, SOURCE.with_name("sdt.h"), SOURCE.with_name("sdt-config.h")))
+    sources = b"".join(SOURCE.with_name(name).read_bytes() for name in (SOURCE.name, "sdt.h", "sdt-config.h"))
     digest = hashlib.sha256(sources + f"{torch.version} {torch.cxx11_abi}".encode()).hexdigest()[:16]
     return f"{LIBRARY_PREFIX}-{digest}.so"
 
