@@ -15,8 +15,8 @@
 // the kernel while the agent's link on the site is attached: zero means depth `segments`, and every event returns at
 // its first comparison. The allocator has no way to detach a tracker, so attaching is for the life of the process.
 //
-// Stacks: a block whose stack is to be walked (sampled, the heap profilers' countdown, as probes/usdt.h does it in
-// the kernel) is flushed at once, last in its batch and marked `walk`, so that the program walks the stack that is
+// Stacks: a block whose stack is to be walked (sampled, the heap profilers' byte countdown, as probes/usdt.h does it
+// in the kernel, one countdown for the process) is flushed at once, last in its batch and marked `walk`, so that the program walks the stack that is
 // allocating it. Blocks of at least the sample size are always walked; a sample size of 0 walks every block.
 //
 // Order: entries of every thread go into one buffer under one lock, in the order the allocator reported them, so a
@@ -99,18 +99,23 @@ kvtrace_hook_counts counts = {};
 std::atomic<bool> attached{false};
 std::atomic<bool> flusher_started{false};
 
-// xorshift64*, one per thread: the countdown's draws need no quality beyond independence from the sizes.
+// The sampling state, under buffer_lock like the buffer (so no thread-local storage, which costs a call a use in a
+// dlopen'ed library): one byte countdown for the whole process. The points where it crosses zero are a Poisson
+// process over the process's bytes, whichever thread allocates them, so the estimates stay unbiased.
+uint64_t random_state = 0;
+int64_t countdown = 0;
+bool countdown_drawn = false;
+
+// xorshift64*: the countdown's draws need no quality beyond independence from the sizes.
 uint64_t next_random() {
-  thread_local uint64_t state = 0;
-  if (state == 0) {
-    state = reinterpret_cast<uint64_t>(&state) ^
-            static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-            0x9E3779B97F4A7C15ULL;
+  if (random_state == 0) {
+    random_state = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+                   0x9E3779B97F4A7C15ULL;
   }
-  state ^= state >> 12;
-  state ^= state << 25;
-  state ^= state >> 27;
-  return state * 0x2545F4914F6CDD1DULL;
+  random_state ^= random_state >> 12;
+  random_state ^= random_state << 25;
+  random_state ^= random_state >> 27;
+  return random_state * 0x2545F4914F6CDD1DULL;
 }
 
 // A draw of the exponential distribution of mean `mean` (bytes until the next walked block).
@@ -119,20 +124,18 @@ int64_t draw(uint64_t mean) {
   return static_cast<int64_t>(-std::log(uniform) * static_cast<double>(mean));
 }
 
-// Whether the stack of a block of `size_bytes` is walked: the per-thread byte countdown of probes/usdt.h.
-bool walked(uint64_t size_bytes, uint64_t mean) {
+// Whether the stack of a block of `size_bytes` is walked: the byte countdown of probes/usdt.h (buffer_lock held).
+bool walked_locked(uint64_t size_bytes, uint64_t mean) {
   if (mean == 0 || size_bytes >= mean)
     return true;
-  thread_local int64_t left = -1;
-  thread_local bool drawn = false;
-  if (!drawn) {
-    left = draw(mean);
-    drawn = true;
+  if (!countdown_drawn) {
+    countdown = draw(mean);
+    countdown_drawn = true;
   }
-  left -= static_cast<int64_t>(size_bytes);
-  if (left >= 0)
+  countdown -= static_cast<int64_t>(size_bytes);
+  if (countdown >= 0)
     return false;
-  left = draw(mean);
+  countdown = draw(mean);
   return true;
 }
 
@@ -178,8 +181,8 @@ void on_trace(const TraceEntry& event) {
   uint32_t batch = kvtrace_hook_settings_now.batch;
   if (batch == 0 || batch > KVTRACE_HOOK_BATCH_MAX)
     batch = KVTRACE_HOOK_BATCH_MAX;
-  bool walk = kind == KVTRACE_HOOK_ALLOC && walked(event.size_, sample_bytes);
   std::lock_guard<std::mutex> guard(buffer_lock);
+  bool walk = kind == KVTRACE_HOOK_ALLOC && walked_locked(event.size_, sample_bytes);
   counts.events += 1;
   if (buffered == 0)
     oldest = std::chrono::steady_clock::now();
