@@ -93,7 +93,7 @@ def torch_traps(pid: int):
 # the batch read in one copy, a hash of live blocks kept exact.
 HOOK_LEDGER_PROGRAM = r"""
 #include <uapi/linux/ptrace.h>
-#define BATCH_MAX 64
+#define BATCH_MAX 32 /* torch_hook.BATCH_MAX */
 struct entry { u64 address; u64 size_bytes; u64 stream; u8 kind; s8 device; u8 walk; u8 reserved[5]; };
 struct batch { struct entry entries[BATCH_MAX]; };
 struct seen { u64 value[4]; }; /* entries, allocations, frees, frees of a block not in `live` */

@@ -16,7 +16,7 @@ depth bench). The allocator cannot detach a tracker, so there are two phases, ro
   traps    an empty BPF program on pytorch:malloc/free, semaphores raised (benchlib.torch_traps): today's trap
  after it is attached
   idle     the hook's semaphore down: what a process keeps paying once it was raised (the tracker is called, returns)
-  batched  an empty program on kvtrace_hook_flush (semaphore raised): batches of 64, stacks sampled at 512 KiB
+  batched  an empty program on kvtrace_hook_flush (semaphore raised): batches of 32, stacks sampled at 512 KiB
   ledger   a program on kvtrace_hook_flush that reads the batch and keeps a hash of live blocks (insert at
            allocation, delete at free): the map work an in-kernel ledger does, in a prototype program (not kvtrace's
            own; its totals, counters and stack walks are not in it)
@@ -54,6 +54,7 @@ from benchlib import (  # noqa: E402
     rotated,
     torch_traps,
 )
+from kvtrace.sources.torch_hook import BATCH_MAX  # noqa: E402
 
 BEFORE = ("none", "traps")
 AFTER = ("idle", "batched", "ledger", "each", "traps2")
@@ -109,7 +110,7 @@ def measure(worker: HookedWorker, role: str, checks: list[str]) -> float:
         if role in ("none", "idle"):
             return worker.pairs()
         assert worker.hook_library is not None
-        worker.hook_settings(batch=1 if role == "each" else 64, sample_bytes=SAMPLE_BYTES)
+        worker.hook_settings(batch=1 if role == "each" else BATCH_MAX, sample_bytes=SAMPLE_BYTES)
         bpf = stack.enter_context(hook_flush_probe(worker.hook_library, worker.pid,
                                               "ledger_flush" if role == "ledger" else "empty_flush"))
         before = worker.hook_counts()

@@ -18,10 +18,14 @@ static __always_inline u64 count_submitted(void) {
     return *submitted % KVT_WAKEUP_EVENTS == 0 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 }
 
-static __always_inline void count(u32 index) {
+static __always_inline void counter_add(u32 index, u64 amount) {
     u64 *value = counters.lookup(&index);
     if (value)
-        *value += 1;
+        *value += amount;
+}
+
+static __always_inline void count(u32 index) {
+    counter_add(index, 1);
 }
 
 /* The calling thread's name into `comm` (16 bytes, NUL-terminated: bytes after the NUL may be left from an

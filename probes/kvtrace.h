@@ -110,7 +110,10 @@
                                             * pthread key): once per thread, and again when its state changed */
 #define KVT_COUNTER_SHARE_UIDS_FULL  22 /* processes of a user with no record of its own (uid_shares full):
                                          * charged to every user's record, under the users' share (shares.h) */
-#define KVT_COUNTER_COUNT            23
+#define KVT_COUNTER_HOOK_ENTRIES_LOST 23 /* block entries of kvtrace's PyTorch hook the kernel could not take (a
+                                          * batch unreadable or too long, the entries program not in place):
+                                          * the ledger misses them (hook.h) */
+#define KVT_COUNTER_COUNT            24
 
 /* Index of the filter switch in the config array: 1 = only pids in pid_filter are traced. */
 #define KVT_CONFIG_FILTER_ENABLED 0
@@ -247,7 +250,7 @@ struct kvt_usdt_arg {
 
 struct kvt_usdt_site {
     u16 api;         /* KVT_API_pytorch_malloc or KVT_API_pytorch_free */
-    u16 reserved;
+    u16 batch;       /* 1: kvtrace's hook's kvtrace:blocks(entries, count, sample_bytes), a batch of blocks (hook.h) */
     u32 arg_count;
     struct kvt_usdt_arg args[KVT_USDT_MAX_ARGS];
 };

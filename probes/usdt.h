@@ -177,7 +177,83 @@ static __always_inline int quiet_blocks(void) {
     return quiet && *quiet;
 }
 
-/* Entry of every pytorch:malloc and pytorch:free site (the cookie tells which). */
+/* A block the allocator handed out (address, device, size_bytes, stream) in process `pid`: into the ledger, then
+ * its event, with its stack where `walk` (sample_kib: the S it was sampled at, 0: not subject to sampling).
+ * Returns without a stack walked, or not at all: a walk is a tail call. */
+static __always_inline void block_allocated(struct pt_regs *ctx, u32 pid, int python, u64 address, u64 device,
+                                            u64 size_bytes, u64 stream, int walk, u16 sample_kib) {
+    if (sample_kib)
+        count(walk ? KVT_COUNTER_BLOCKS_SAMPLED : KVT_COUNTER_BLOCKS_NOT_SAMPLED);
+    /* Quiet: only a block whose stack is walked is told (its stack must reach user space); the others are
+     * in the ledger, exact, and their frees are not told either. */
+    u8 unsent = !(python && walk) && quiet_blocks();
+    /* Into the ledger first, whatever follows: the walk only adds the stack (and over the rate the
+     * event is not sent and the stack not walked, which is what the rate saves). */
+    size_bytes = bounded_size(size_bytes);
+    s32 block_device = bounded_device((s32)device);
+    struct kvt_walk_request block = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
+                                     .address = address, .size_bytes = size_bytes, .stream = stream,
+                                     .device = block_device, .sampling = sample_kib != 0};
+    block.inserted_ns = ledger_insert_sampled(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+                                              KVT_API_pytorch_malloc, address, size_bytes, block_device, 0,
+                                              stream, 0, 0, sample_kib, sample_kib && walk, unsent);
+    if (!block.inserted_ns)
+        return; /* over its user's share: counted there */
+    if (unsent) {
+        count(KVT_COUNTER_BLOCKS_QUIET);
+        return;
+    }
+    if (over_block_rate(pid, block.inserted_ns)) {
+        count(KVT_COUNTER_BLOCKS_UNSENT);
+        return;
+    }
+    if (!python) {
+        block_event(&block, 0, KVT_STACK_NOT_PYTHON);
+        return;
+    }
+    if (!walk) {
+        block_event(&block, 0, KVT_STACK_NOT_SAMPLED);
+        return;
+    }
+    tail_call_walker(ctx, &block); /* returns only without the walker: no stack */
+    block_event(&block, 0, KVT_STACK_NOT_WALKED);
+}
+
+/* A block the allocator took back in process `pid`: out of the ledger, and its event. */
+static __always_inline void block_freed(u32 pid, u64 address) {
+    u64 now = bpf_ktime_get_ns();
+    struct kvt_ledger_key key;
+    struct kvt_ledger_value *value = ledger_lookup(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, address, &key);
+    if (!value) {
+        count(KVT_COUNTER_UNKNOWN_FREES);
+        if (!over_block_rate(pid, now))
+            emit_at(now, KVT_KIND_FREE_UNKNOWN, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
+                    KVT_MEMORY_DEVICE, address, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0, 0, KVT_STACK_NOT_WALKED);
+        return;
+    }
+    u64 size_bytes = value->size_bytes;
+    s32 device = value->device;
+    u64 stream = value->aux;
+    u8 unsent = value->unsent;
+    ledger_delete(&key, device, KVT_MEMORY_DEVICE, size_bytes);
+    /* Its allocation was not told: its free is not either, while nobody reads every block. (A reader that came
+     * since has the block from its checkpoint, and gets the free.) */
+    if (unsent && quiet_blocks()) {
+        count(KVT_COUNTER_BLOCKS_QUIET);
+        return;
+    }
+    if (over_block_rate(pid, now)) {
+        count(KVT_COUNTER_BLOCKS_UNSENT);
+        return;
+    }
+    emit_at(now, KVT_KIND_FREE, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
+            address, size_bytes, device, 0, 0, stream, 0, KVT_STACK_NOT_WALKED);
+}
+
+#include "hook.h"
+
+/* Entry of every pytorch:malloc and pytorch:free site, and of kvtrace's own hook's kvtrace:blocks (hook.h); the
+ * cookie tells which. */
 int usdt_pytorch(struct pt_regs *ctx) {
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     if (filtered_out(pid))
@@ -193,6 +269,10 @@ int usdt_pytorch(struct pt_regs *ctx) {
     }
     if (address == 0)
         return 0; /* no block: allocate(0), or a free of nothing */
+    if (site->batch) {
+        hook_batch(ctx, regs, site, address);
+        return 0;
+    }
     if (site->api == KVT_API_pytorch_malloc) {
         u64 device = 0, size_bytes = 0, stream = 0;
         if (site->arg_count < 3 || usdt_argument(regs, &site->args[1], &device) != 0 ||
@@ -207,70 +287,10 @@ int usdt_pytorch(struct pt_regs *ctx) {
         int python = python_target(pid);
         u16 sample_kib = 0;
         int walk = python ? block_walked(pid, size_bytes, &sample_kib) : 0;
-        if (sample_kib)
-            count(walk ? KVT_COUNTER_BLOCKS_SAMPLED : KVT_COUNTER_BLOCKS_NOT_SAMPLED);
-        /* Quiet: only a block whose stack is walked is told (its stack must reach user space); the others are
-         * in the ledger, exact, and their frees are not told either. */
-        u8 unsent = !(python && walk) && quiet_blocks();
-        /* Into the ledger first, whatever follows: the walk only adds the stack (and over the rate the
-         * event is not sent and the stack not walked, which is what the rate saves). */
-        size_bytes = bounded_size(size_bytes);
-        s32 block_device = bounded_device((s32)device);
-        struct kvt_walk_request block = {.purpose = KVT_WALK_FOR_BLOCK, .api = KVT_API_pytorch_malloc,
-                                         .address = address, .size_bytes = size_bytes, .stream = stream,
-                                         .device = block_device, .sampling = sample_kib != 0};
-        block.inserted_ns = ledger_insert_sampled(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-                                                  KVT_API_pytorch_malloc, address, size_bytes, block_device, 0,
-                                                  stream, 0, 0, sample_kib, sample_kib && walk, unsent);
-        if (!block.inserted_ns)
-            return 0; /* over its user's share: counted there */
-        if (unsent) {
-            count(KVT_COUNTER_BLOCKS_QUIET);
-            return 0;
-        }
-        if (over_block_rate(pid, block.inserted_ns)) {
-            count(KVT_COUNTER_BLOCKS_UNSENT);
-            return 0;
-        }
-        if (!python) {
-            block_event(&block, 0, KVT_STACK_NOT_PYTHON);
-            return 0;
-        }
-        if (!walk) {
-            block_event(&block, 0, KVT_STACK_NOT_SAMPLED);
-            return 0;
-        }
-        tail_call_walker(ctx, &block); /* returns only without the walker: no stack */
-        block_event(&block, 0, KVT_STACK_NOT_WALKED);
+        block_allocated(ctx, pid, python, address, device, size_bytes, stream, walk, sample_kib);
         return 0;
     }
-    u64 now = bpf_ktime_get_ns();
-    struct kvt_ledger_key key;
-    struct kvt_ledger_value *value = ledger_lookup(KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, address, &key);
-    if (!value) {
-        count(KVT_COUNTER_UNKNOWN_FREES);
-        if (!over_block_rate(pid, now))
-            emit_at(now, KVT_KIND_FREE_UNKNOWN, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK,
-                    KVT_MEMORY_DEVICE, address, 0, KVT_DEVICE_UNKNOWN, 0, 0, 0, 0, KVT_STACK_NOT_WALKED);
-        return 0;
-    }
-    u64 size_bytes = value->size_bytes;
-    s32 device = value->device;
-    u64 stream = value->aux;
-    u8 unsent = value->unsent;
-    ledger_delete(&key, device, KVT_MEMORY_DEVICE, size_bytes);
-    /* Its allocation was not told: its free is not either, while nobody reads every block. (A reader that came
-     * since has the block from its checkpoint, and gets the free.) */
-    if (unsent && quiet_blocks()) {
-        count(KVT_COUNTER_BLOCKS_QUIET);
-        return 0;
-    }
-    if (over_block_rate(pid, now)) {
-        count(KVT_COUNTER_BLOCKS_UNSENT);
-        return 0;
-    }
-    emit_at(now, KVT_KIND_FREE, KVT_API_pytorch_free, KVT_LAYER_TORCH, KVT_OBJECT_BLOCK, KVT_MEMORY_DEVICE,
-            address, size_bytes, device, 0, 0, stream, 0, KVT_STACK_NOT_WALKED);
+    block_freed(pid, address);
     return 0;
 }
 

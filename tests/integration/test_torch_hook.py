@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import subprocess
 import time
@@ -20,6 +21,10 @@ from pathlib import Path
 import pytest
 
 from cuda_stubs import STUBS_DIR
+from harness import TracingHarness
+from kvtrace.model.depth import BlocksMode, Depth
+from kvtrace.model.events import Api, Kind, Layer
+from kvtrace.sources.bpf.discovery import FileId
 from kvtrace.sources.torch_hook import (
     BATCH_MAX,
     HookBuildError,
@@ -201,7 +206,7 @@ def test_every_block_reaches_the_kernel_in_order_in_batches(driver, hook_build):
     driver.send("attach")
     with flush_probe(library, driver.pid) as bpf:
         assert driver.send("semaphore") == {"semaphore": 1}, "the kernel raises the semaphore while the probe is in"
-        driver.send(f"settings {1 << 30} 64")  # a sample size no block reaches: batches of 64, no walk
+        driver.send(f"settings {1 << 30} {BATCH_MAX}")  # a sample size no block reaches: full batches, no walk
         driver.send("blocks 23 4096 1")
         driver.send("blocks 1000 16384 1")
         counts = driver.send("counts")
@@ -214,8 +219,8 @@ def test_every_block_reaches_the_kernel_in_order_in_batches(driver, hook_build):
     assert kernel["unknown_frees"] == 0, "a free reached the kernel before its allocation"
     assert kernel["wrong_fields"] == 0, "device or stream read wrong"
     assert kernel["walks"] == 0
-    # Batches of 64; the flusher may have handed over the first command's 46 events alone before the second's.
-    assert math.ceil(2 * 1023 / 64) <= kernel["flushes"] <= math.ceil(2 * 1023 / 64) + 1, kernel
+    # Full batches; the flusher may have handed over the first command's 46 events apart from the second's.
+    assert math.ceil(2 * 1023 / BATCH_MAX) <= kernel["flushes"] <= math.ceil(2 * 1023 / BATCH_MAX) + 1, kernel
     assert live == 0, "every block freed: none left in the kernel's table"
 
 
@@ -224,9 +229,9 @@ def test_a_walked_block_is_flushed_at_once_last_in_its_batch(driver, hook_build)
     library, _ = hook_build
     driver.send("attach")
     with flush_probe(library, driver.pid) as bpf:
-        driver.send("settings 0 64")  # sample size 0: every block's stack walked
+        driver.send(f"settings 0 {BATCH_MAX}")  # sample size 0: every block's stack walked
         driver.send("blocks 23 4096 1")
-        driver.send("settings 524288 64")  # 512 KiB: a 16 KiB block walked with p = 1 - exp(-1/32)
+        driver.send(f"settings 524288 {BATCH_MAX}")  # 512 KiB: a 16 KiB block walked with p = 1 - exp(-1/32)
         driver.send("blocks 4000 16384 1")
         driver.send("blocks 10 1048576 1")  # at least the sample size: always walked
         counts = driver.send("counts")
@@ -247,13 +252,97 @@ def test_lowering_stops_the_hook_and_drops_what_waited(driver, hook_build):
     library, _ = hook_build
     driver.send("attach")
     with flush_probe(library, driver.pid) as bpf:
-        driver.send(f"settings {1 << 30} 64")
-        driver.send("blocks 64 4096 1")  # 128 events: two full batches
+        driver.send(f"settings {1 << 30} {BATCH_MAX}")
+        driver.send(f"blocks {BATCH_MAX} 4096 1")  # two full batches
         during = seen(bpf)
-    assert during["allocations"] == 64 and during["frees"] == 64
+    assert during["allocations"] == BATCH_MAX and during["frees"] == BATCH_MAX
     assert driver.send("semaphore") == {"semaphore": 0}, "the kernel lowers the semaphore with the probe"
     before = driver.send("counts")
     driver.send("blocks 50 4096 1")
     after = driver.send("counts")
     assert after["events"] == before["events"], "at depth segments the hook returns at once"
     assert after["flushes"] == before["flushes"]
+
+
+def hook_totals(harness, pid):
+    """(bytes, count) of `pid`'s PyTorch blocks in the agent's totals."""
+    totals = harness.session.ledger_counts().totals
+    held = [value for key, value in totals.items() if key.pid == pid and key.layer is Layer.TORCH]
+    return sum(size for size, _ in held), sum(count for _, count in held)
+
+
+@pytest.mark.usefixtures("bpf_here")
+def test_the_agent_traces_a_hooked_process_through_its_batches(driver, hook_build):
+    """GIVEN a process with kvtrace's hook over its allocator, followed by an agent at --blocks auto, WHEN the agent
+    raises it to BLOCKS, THEN it links the hook's site for that process alone (the semaphore goes up), writes its
+    sample size into the hook, and every block the allocator reports reaches the agent exactly: 23 + 1000 blocks
+    allocated and freed, 5 kept; WHEN it is lowered, the site is unlinked and its blocks leave the totals."""
+    library, _ = hook_build
+    driver.send("attach")
+    harness = TracingHarness([driver.pid], blocks=BlocksMode.AUTO, block_sample_bytes=256 * 1024)
+    try:
+        probes = harness.source.probes
+        assert probes is not None
+        file_id = FileId(os.stat(library).st_dev, os.stat(library).st_ino)
+        assert driver.send("semaphore") == {"semaphore": 0}
+        harness.source.set_block_depths({driver.pid: Depth.BLOCKS})
+        assert probes.torch_attached_pids(file_id) == {driver.pid}
+        assert driver.send("semaphore") == {"semaphore": 1}
+        assert driver.send("sample_bytes") == {"sample_bytes": 256 * 1024}, "the agent writes its S into the hook"
+        driver.send("blocks 23 4096 1")
+        driver.send("blocks 1000 16384 1")
+        driver.send("keep 5 8192 1")
+        assert harness.pump_until(lambda: len(harness.of(driver.pid, Kind.ALLOC, Api.pytorch_malloc)) >= 1028)
+        harness.pump(0.3)
+        assert len(harness.of(driver.pid, Kind.ALLOC, Api.pytorch_malloc)) == 1028
+        assert len(harness.of(driver.pid, Kind.FREE, Api.pytorch_free)) == 1023
+        assert hook_totals(harness, driver.pid) == (5 * 8192, 5)
+        counters = harness.source.counters()
+        assert counters["hook_entries_lost"] == 0 and counters["unknown_frees"] == 0, counters
+        assert counters["usdt_unreadable"] == 0
+
+        harness.source.set_block_depths({driver.pid: Depth.SEGMENTS})
+        assert probes.torch_attached_pids(file_id) == set()
+        assert driver.send("semaphore") == {"semaphore": 0}
+        assert hook_totals(harness, driver.pid) == (0, 0)
+    finally:
+        harness.close()
+
+
+@pytest.mark.usefixtures("bpf_here")
+def test_at_full_every_block_carries_the_stack_that_allocates_it(fake_torch, hook_build):
+    """GIVEN a CPython 3.12 process whose allocator reports 20 blocks through kvtrace's hook from one line, WHEN the
+    agent raises it to FULL, THEN the agent sets the hook's S to 0 (every block walked), each block reaches the
+    kernel last in its batch and carries the process's own stack, and the kernel's entry holds the same stack."""
+    from cuda_stubs import Workload
+    from kvtrace.model.events import StackStatus
+    from test_python_stacks import as_lists, pyenv_python
+
+    python = pyenv_python("3.12")
+    library, _ = hook_build
+    target = Path(__file__).parent / "pytargets" / "hook_target.py"
+    with Workload([python, target, fake_torch.directory / "lib" / "libc10_cuda.so", library]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], blocks=BlocksMode.AUTO, block_sample_bytes=256 * 1024)
+        try:
+            harness.source.set_block_depths({pid: Depth.FULL})
+            before = harness.source.counters()
+            workload.go()
+            blocks = workload.read_calls()
+            assert len(blocks) == 20
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) == 20, 10)
+            harness.pump(0.3)
+            events = {e.address: e for e in harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)}
+            assert sorted(events) == sorted(b["address"] for b in blocks)
+            for block in blocks:
+                event = events[block["address"]]
+                assert event.stack_status is StackStatus.OK, event
+                assert as_lists(harness.session.stacks.get(event.stack_id)) == block["expected"]
+            kernel = {key.address: value.stack_id for key, value in harness.source.probes.ledger_items()
+                      if key.pid == pid and key.layer == Layer.TORCH}
+            assert sorted(kernel) == sorted(events) and all(kernel.values())
+            after = harness.source.counters()
+            assert after["stack_walks"] - before["stack_walks"] == 20
+            assert after["hook_entries_lost"] == before["hook_entries_lost"]
+        finally:
+            harness.close()

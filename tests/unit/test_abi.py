@@ -69,7 +69,7 @@ def test_struct_layout_matches_header(c_name, py_type):
 
 
 def test_usdt_site_matches_header():
-    assert [name for name, _ in _struct_fields("kvt_usdt_site")] == ["api", "reserved", "arg_count"]
+    assert [name for name, _ in _struct_fields("kvt_usdt_site")] == ["api", "batch", "arg_count"]
     assert abi.RawUsdtSite.args.offset == 8 and abi.USDT_MAX_ARGS == defines("KVT_USDT_")["MAX_ARGS"]
     assert ctypes.sizeof(abi.RawUsdtSite) == 8 + abi.USDT_MAX_ARGS * ctypes.sizeof(abi.RawUsdtArg)
     kinds = defines("KVT_USDT_ARG_")

@@ -134,7 +134,7 @@ COUNTERS = ("events_submitted", "events_lost", "ledger_full", "unknown_frees", "
             "filtered", "blocks_unsent", "usdt_unreadable", "ledger_replaced", "stack_walks",
             "stack_windows", "stack_frame_reads", "stack_walker_missing", "stack_walks_preempted",
             "totals_full", "blocks_sampled", "blocks_not_sampled", "blocks_quiet", "share_full",
-            "sizes_clamped", "devices_clamped", "stack_thread_lists", "share_uids_full")
+            "sizes_clamped", "devices_clamped", "stack_thread_lists", "share_uids_full", "hook_entries_lost")
 CONFIG_FILTER_ENABLED = 0
 CONFIG_BLOCK_EVENTS_PER_SECOND = 1
 CONFIG_PROCESS_GENERATION = 2
@@ -164,7 +164,7 @@ class RawUsdtArg(ctypes.Structure):
 class RawUsdtSite(ctypes.Structure):
     _fields_ = [
         ("api", ctypes.c_uint16),
-        ("reserved", ctypes.c_uint16),
+        ("batch", ctypes.c_uint16),
         ("arg_count", ctypes.c_uint32),
         ("args", RawUsdtArg * USDT_MAX_ARGS),
     ]

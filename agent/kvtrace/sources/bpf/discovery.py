@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrace.sources import procfs
-from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, TORCH_PROBE_NAMES, TORCH_PROVIDER, TRIGGER_SYMBOLS
+from kvtrace.sources.bpf.symbols import ALL_SYMBOLS, HOOK_PROBE, TORCH_PROBES, TRIGGER_SYMBOLS
 from kvtrace.sources.bpf.usdt import UsdtProbe, read_usdt_probes
 from kvtrace.sources.elf import FUNCTION_TYPES, READ_ERRORS, find_symbols
 
@@ -34,7 +34,13 @@ class Target:
     path: str  # a path that opens it from the agent's mount namespace
     symbols: tuple[str, ...]
     pids: set[int] = field(default_factory=set)
-    torch_probes: tuple[UsdtProbe, ...] = ()  # pytorch:malloc / pytorch:free sites (libc10_cuda)
+    torch_probes: tuple[UsdtProbe, ...] = ()  # pytorch:malloc / pytorch:free sites (libc10_cuda), or kvtrace:blocks
+
+    @property
+    def torch_hook(self) -> bool:
+        """kvtrace's own PyTorch hook (sources/torch_hook): its kvtrace:blocks site hands over the blocks that
+        pytorch:malloc/free would, in batches; a process that maps it is traced through it instead."""
+        return any((probe.provider, probe.name) == HOOK_PROBE for probe in self.torch_probes)
 
 
 def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, procfs.Mapping]:
@@ -47,16 +53,15 @@ def executable_mappings(pid: int, proc: Path = procfs.PROC) -> dict[FileId, proc
 
 
 def torch_allocator_probes(path: str) -> tuple[UsdtProbe, ...]:
-    """PyTorch's caching allocator probes (provider `pytorch`, `malloc` and `free`) in the file,
-    usable or not (an unusable one says why); () for files without them. Looked for by content,
-    not by name: libc10_cuda.so under any path, or a build that links the allocator elsewhere."""
+    """PyTorch's caching allocator probes (provider `pytorch`, `malloc` and `free`; or kvtrace's own hook's
+    `kvtrace:blocks`) in the file, usable or not (an unusable one says why); () for files without them. Looked for
+    by content, not by name: libc10_cuda.so under any path, or a build that links the allocator elsewhere."""
     try:
         probes = read_usdt_probes(path)
     except READ_ERRORS as error:
         log.debug("cannot read the USDT notes of %s: %s", path, error)
         return ()
-    return tuple(probe for probe in probes
-                 if probe.provider == TORCH_PROVIDER and probe.name in TORCH_PROBE_NAMES)
+    return tuple(probe for probe in probes if (probe.provider, probe.name) in TORCH_PROBES)
 
 
 def defined_symbols(path: str, wanted: tuple[str, ...] = ALL_SYMBOLS) -> tuple[str, ...]:

@@ -28,7 +28,13 @@ from kvtrace.sources.bpf import abi, links
 from kvtrace.sources.bpf.btf import VMLINUX_BTF
 from kvtrace.sources.bpf.ring import RingReader
 from kvtrace.sources.bpf.shares import UID_USERS, RawShare, share_cflags
-from kvtrace.sources.bpf.symbols import TORCH_PROGRAM, entry_function, return_function
+from kvtrace.sources.bpf.symbols import (
+    HOOK_ENTRIES_PROGRAM,
+    HOOK_PROBE,
+    TORCH_PROGRAM,
+    entry_function,
+    return_function,
+)
 from kvtrace.sources.bpf.usdt import ArgumentKind, UsdtProbe
 from kvtrace.sources.elf import function_file_offsets
 from kvtrace.sources.python.offsets import GLIBC_SPECIFIC_1STBLOCK
@@ -262,6 +268,7 @@ class BpfProbes:
         started = time.monotonic()
         text = abi.program_text()
         self._walker_in_program = f"int {STACK_WALKER}(" in text
+        self._hook_in_program = f"int {HOOK_ENTRIES_PROGRAM}(" in text
         try:
             self._bpf = BPF(text=text.encode(), cflags=settings.cflags())
         except Exception as error:  # bcc raises plain Exception
@@ -306,6 +313,7 @@ class BpfProbes:
             if why_not:
                 log.warning("probes go in as perf-event uprobes (stopping takes ~0.1 s per probe): %s", why_not)
         self._put_in_stack_walker()
+        self._put_in_hook_entries()
         self._epoll: select.epoll | None = None
         self._ring_reader: RingReader | None = None
         self._callback_records: list[bytes] = []  # bcc's callback path: records of this poll
@@ -490,6 +498,20 @@ class BpfProbes:
             return
         self._bpf[b"stack_walker"][ctypes.c_int(0)] = ctypes.c_int(fd)
         log.info("stack walker loaded in %.2f s", time.monotonic() - started)
+
+    def _put_in_hook_entries(self) -> None:
+        """Loads usdt_hook_entries, the program a batch of kvtrace's PyTorch hook goes through entry by entry
+        (probes/hook.h), and puts it where usdt_pytorch finds it. Only with uprobe_multi links (the hook's site
+        is linked as PyTorch's are); without it, batches are counted in hook_entries_lost."""
+        if not self.uprobe_links or not self._hook_in_program:
+            return  # no PyTorch links at all; or probes built from older sources (bench --baseline)
+        try:
+            fd = self._program(HOOK_ENTRIES_PROGRAM)
+        except Exception as error:  # bcc raises plain Exception when the kernel refuses a program
+            log.error("kvtrace's PyTorch hook cannot be read: its entries program did not load (%s); its "
+                      "batches are counted in hook_entries_lost", error)
+            return
+        self._bpf[b"hook_entries_next"][ctypes.c_int(0)] = ctypes.c_int(fd)
 
     def _program(self, function: str) -> int:
         fd = self._programs.get(function)
@@ -866,23 +888,28 @@ class TorchProbesRefused(Exception):
     """PyTorch's allocator probes cannot be traced in a library; the message says why."""
 
 
-_TORCH_APIS = {"malloc": Api.pytorch_malloc, "free": Api.pytorch_free}
+# By (provider, name): the API its blocks are, whether its hits are batches (kvtrace's hook), its arguments.
+_TORCH_APIS = {("pytorch", "malloc"): Api.pytorch_malloc, ("pytorch", "free"): Api.pytorch_free,
+               HOOK_PROBE: Api.pytorch_malloc}
 _ARGUMENT_KINDS = {ArgumentKind.CONSTANT: abi.USDT_ARG_CONSTANT, ArgumentKind.REGISTER: abi.USDT_ARG_REGISTER,
                    ArgumentKind.MEMORY: abi.USDT_ARG_MEMORY}
-# What each probe must give: malloc (pointer, device, size[, stream]), free (pointer).
-_TORCH_ARGUMENTS = {"malloc": 3, "free": 1}
+# What each probe must give: malloc (pointer, device, size[, stream]), free (pointer), the hook's blocks (entries,
+# count, sample_bytes).
+_TORCH_ARGUMENTS = {("pytorch", "malloc"): 3, ("pytorch", "free"): 1, HOOK_PROBE: 3}
 
 
 def torch_site(probe: UsdtProbe) -> abi.RawUsdtSite | str:
     """The probe's entry in usdt_sites, or why the probes cannot read it (never a guess)."""
     if not probe.usable:
         return probe.problem or "unusable"
-    if probe.name not in _TORCH_APIS:
-        return f"not an allocator probe: {probe.name}"
-    if len(probe.arguments) < _TORCH_ARGUMENTS[probe.name]:
+    kind = (probe.provider, probe.name)
+    if kind not in _TORCH_APIS:
+        return f"not an allocator probe: {probe.provider}:{probe.name}"
+    if len(probe.arguments) < _TORCH_ARGUMENTS[kind]:
         return (f"{len(probe.arguments)} arguments ({probe.arguments_text!r}); {probe.name} needs "
-                f"{_TORCH_ARGUMENTS[probe.name]}")
-    site = abi.RawUsdtSite(api=_TORCH_APIS[probe.name], arg_count=min(len(probe.arguments), abi.USDT_MAX_ARGS))
+                f"{_TORCH_ARGUMENTS[kind]}")
+    site = abi.RawUsdtSite(api=_TORCH_APIS[kind], batch=int(kind == HOOK_PROBE),
+                           arg_count=min(len(probe.arguments), abi.USDT_MAX_ARGS))
     for index, argument in enumerate(probe.arguments[:abi.USDT_MAX_ARGS]):
         if argument.index is not None:
             return f"argument {argument.text!r}: an index register is not read by the probes"

@@ -204,7 +204,7 @@ class BpfSource:
         self.targets = Targets(probes, self.session, self.discovery, self.selection, self.stack_names, AttachPolicy(
             max_libraries=options.max_libraries, detach_idle_seconds=options.detach_idle_seconds, per_pid=per_pid,
             blocks=options.blocks, python_stacks=not self.python_stacks_down,
-            torch_blocks_down=self.torch_blocks_down))
+            torch_blocks_down=self.torch_blocks_down, block_sample_bytes=options.block_sample_bytes))
         self.shares = ShareWatch(probes, self.session, options.settings.max_ledger_entries, options.settings.max_totals)
 
     # What the parts hold, read where it was read before (the kernel ledger's readers, tests, benches).
@@ -559,7 +559,8 @@ class BpfSource:
             for pid, depth in sorted(wanted.items()):
                 if deep.get(pid) is not depth:
                     probes.set_block_full(pid, depth is Depth.FULL)
-                deep[pid] = depth
+                    deep[pid] = depth
+                    self.targets.hook_depth_changed(pid)
             if self.options.blocks is not BlocksMode.AUTO or self.torch_blocks_down:
                 return
             self.targets.attach_torch_of(wanted.keys())

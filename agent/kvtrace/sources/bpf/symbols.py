@@ -22,10 +22,13 @@ VMM_SYMBOLS = (
 )
 ALL_SYMBOLS = RUNTIME_SYMBOLS + DRIVER_SYMBOLS + VMM_SYMBOLS
 
-# PyTorch's caching allocator: USDT probes of provider `pytorch` (libc10_cuda.so), one program for all.
-TORCH_PROVIDER = "pytorch"
-TORCH_PROBE_NAMES = ("malloc", "free")
+# PyTorch's caching allocator: USDT probes of provider `pytorch` (libc10_cuda.so), and kvtrace's own hook inside a
+# PyTorch process, which hands the same blocks over in batches (kvtrace:blocks, sources/torch_hook, probes/hook.h);
+# one program for all, and the one its batches' entries go through.
+TORCH_PROBES = (("pytorch", "malloc"), ("pytorch", "free"), ("kvtrace", "blocks"))
+HOOK_PROBE = ("kvtrace", "blocks")
 TORCH_PROGRAM = "usdt_pytorch"
+HOOK_ENTRIES_PROGRAM = "usdt_hook_entries"
 
 # A library is worth attaching to when it defines one of these (the allocation entry points).
 TRIGGER_SYMBOLS = frozenset(("cudaMalloc", "cuMemAlloc_v2", "cuMemCreate"))

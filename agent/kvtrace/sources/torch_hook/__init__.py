@@ -32,7 +32,7 @@ SETTINGS_SYMBOL = "kvtrace_hook_settings_now"
 # A CUDA toolkit's headers where no CUDA_HOME says otherwise.
 SYSTEM_CUDA_INCLUDE = Path("/usr/local/cuda/include")
 ENTRY_BYTES = 32
-BATCH_MAX = 64
+BATCH_MAX = 32  # hook.cpp KVTRACE_HOOK_BATCH_MAX = probes/hook.h KVT_HOOK_BATCH
 
 
 def probe_site(library: Path):

@@ -7,7 +7,7 @@
 // no per-block trap can meet issue 34's 3 %. This hook registers with the allocator's own trace tracker
 // (c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker, called for every allocator event whether or not
 // PyTorch's history is recorded) and appends each block event to a buffer; the buffer goes to the kernel in one
-// call of kvtrace_hook_flush(entries, count), whose body is one USDT probe site, kvtrace:blocks(entries, count), the
+// call of kvtrace_hook_flush(entries, count, sample_bytes), whose body is one USDT probe site, kvtrace:blocks, the
 // place kvtrace's uprobe sits: one trap for many blocks. A USDT site is a `nop`, which the kernel emulates; a uprobe on
 // any other first instruction (a `ret`) is single-stepped, and that cost 9 us a hit on the H100 VM instead of 0.7.
 //
@@ -52,7 +52,9 @@ struct kvtrace_hook_entry {
 static_assert(sizeof(kvtrace_hook_entry) == 32, "the kernel reads 32-byte entries");
 
 enum { KVTRACE_HOOK_ALLOC = 1, KVTRACE_HOOK_FREE = 2 };
-enum { KVTRACE_HOOK_BATCH_MAX = 64 };  // the most entries one flush carries (probes/hook.h KVT_HOOK_BATCH)
+// The most entries one flush carries (probes/hook.h KVT_HOOK_BATCH: the kernel takes them one tail call each, and a
+// chain of tail calls stops at 33).
+enum { KVTRACE_HOOK_BATCH_MAX = 32 };
 
 // The settings, read at each event: in .probes (file-backed, writable) so that the agent can find them by symbol
 // and write them in a running process (/proc/PID/mem) as it raises the depth.
@@ -66,7 +68,7 @@ struct kvtrace_hook_settings {
 __attribute__((section(".probes"), used, visibility("default")))
 volatile unsigned short kvtrace_blocks_semaphore = 0;
 __attribute__((section(".probes"), used, visibility("default")))
-volatile kvtrace_hook_settings kvtrace_hook_settings_now = {512 * 1024, 64, 100};
+volatile kvtrace_hook_settings kvtrace_hook_settings_now = {512 * 1024, KVTRACE_HOOK_BATCH_MAX, 100};
 
 // What the hook has done, for tests and benches (never read by the kernel).
 struct kvtrace_hook_counts {
@@ -77,11 +79,12 @@ struct kvtrace_hook_counts {
   uint64_t dropped;  // entries dropped because the semaphore went down before their flush
 };
 
-// The probe site the agent's uprobe is on, kvtrace:blocks(entries, count): a nop and a note (its arguments' registers,
-// its semaphore). noipa keeps the compiler from removing the call or assuming what it does.
+// The probe site the agent's uprobe is on, kvtrace:blocks(entries, count, sample_bytes): a nop and a note (its
+// arguments' registers, its semaphore). sample_bytes is the S the walked entries were drawn at, so that the kernel
+// records what the hook did. noipa keeps the compiler from removing the call or assuming what it does.
 __attribute__((noipa, used, visibility("default")))
-void kvtrace_hook_flush(const kvtrace_hook_entry* entries, uint32_t count) {
-  STAP_PROBE2(kvtrace, blocks, entries, count);
+void kvtrace_hook_flush(const kvtrace_hook_entry* entries, uint32_t count, uint64_t sample_bytes) {
+  STAP_PROBE3(kvtrace, blocks, entries, count, sample_bytes);
   asm volatile("" : : : "memory");
 }
 
@@ -142,7 +145,7 @@ bool walked_locked(uint64_t size_bytes, uint64_t mean) {
 void flush_locked() {
   if (buffered == 0)
     return;
-  kvtrace_hook_flush(buffer, buffered);
+  kvtrace_hook_flush(buffer, buffered, kvtrace_hook_settings_now.sample_bytes);
   counts.flushes += 1;
   counts.entries += buffered;
   buffered = 0;

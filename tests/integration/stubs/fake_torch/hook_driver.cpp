@@ -3,7 +3,9 @@
 //   attach                      kvtrace_hook_attach()
 //   blocks N SIZE [DEVICE]      N allocations of SIZE bytes at distinct addresses, then their N frees, each free
 //                               as torch reports one (FREE_REQUESTED, then FREE_COMPLETED), a segment event between
+//   keep N SIZE [DEVICE]        N allocations of SIZE bytes that stay (no free)
 //   settings SAMPLE_BYTES BATCH the hook's settings, written in this process
+//   sample_bytes                the hook's sample size now (the agent writes it from outside)
 //   counts                      the hook's counts
 //   semaphore                   the hook's semaphore (the kernel raises it while a probe is on the flush function)
 //   exit
@@ -63,6 +65,14 @@ int main(int argc, char** argv) {
       }
       next_address = first + a * b + (1 << 21);
       std::printf("{\"first\": %" PRIu64 "}\n", first);
+    } else if (!std::strcmp(op, "keep")) {
+      uint64_t first = next_address;
+      for (unsigned long long i = 0; i < a; i++)
+        fake_allocator_event(Entry::ALLOC, first + i * b, b, static_cast<int>(c), 7);
+      next_address = first + a * b;
+      std::printf("{\"first\": %" PRIu64 "}\n", first);
+    } else if (!std::strcmp(op, "sample_bytes")) {
+      std::printf("{\"sample_bytes\": %" PRIu64 "}\n", static_cast<uint64_t>(settings->sample_bytes));
     } else if (!std::strcmp(op, "settings")) {
       settings->sample_bytes = a;
       settings->batch = static_cast<uint32_t>(b);

@@ -1,0 +1,55 @@
+"""A CPython target for kvtrace's PyTorch hook: loads the fake torch's libc10_cuda.so (argv[1]) and the hook built
+against it (argv[2]) with ctypes, attaches the hook, and makes BLOCKS blocks of SIZE_BYTES from one line, several
+frames deep, keeping them (tests/integration/test_torch_hook.py).
+
+Protocol: `ready <pid>`, waits for a line, then one JSON line per block ({"address", "size_bytes", "expected":
+[[function, file, line], ...] innermost first}), `done`, and waits for a line (or EOF) before it exits."""
+import ctypes
+import json
+import os
+import sys
+
+BLOCKS = 20
+SIZE_BYTES = 4096
+ALLOC = 0  # TraceEntry::ALLOC
+
+
+def stack_here(frame):
+    stack = []
+    while frame is not None:
+        stack.append([frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name,
+                      frame.f_code.co_filename, frame.f_lineno])
+        frame = frame.f_back
+    return stack
+
+
+def allocate(allocator, first_address):
+    made = []
+    for index in range(BLOCKS):
+        address = first_address + index * SIZE_BYTES
+        expected = stack_here(sys._getframe()); allocator.fake_allocator_event(ALLOC, address, SIZE_BYTES, 1, 7)  # noqa: E702
+        made.append({"address": address, "size_bytes": SIZE_BYTES, "expected": expected})
+    return made
+
+
+def middle(allocator):
+    return allocate(allocator, 0x7e0000000000)
+
+
+def main():
+    allocator = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    allocator.fake_allocator_event.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
+                                               ctypes.c_uint64]
+    hook = ctypes.CDLL(sys.argv[2])
+    if hook.kvtrace_hook_attach() != 0:
+        sys.exit("the hook did not attach")
+    print(f"ready {os.getpid()}", flush=True)
+    sys.stdin.readline()
+    for block in middle(allocator):
+        print(json.dumps(block))
+    print("done", flush=True)
+    sys.stdin.readline()
+
+
+if __name__ == "__main__":
+    main()
