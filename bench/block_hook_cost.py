@@ -22,6 +22,8 @@ depth bench). The allocator cannot detach a tracker, so there are two phases, ro
            own; its totals, counters and stack walks are not in it)
   each     batch 1, the empty program: a trap per event (what batching saves)
   traps2   the per-block trap again, the hook attached and idle (so that phase two compares within itself)
+  agent    a second agent, `--blocks always` (-p the worker): depth blocks as shipped, through the hook (the agent
+           links its kvtrace:blocks site, not PyTorch's own): what a block really costs there
 
 Checks (printed, and failing the run): the hook handed over every allocation and free of the loop (its counts), and
 the ledger program saw as many entries as the hook flushed, with no free of an unknown block once the loop ran.
@@ -57,7 +59,7 @@ from benchlib import (  # noqa: E402
 from kvtrace.sources.torch_hook import BATCH_MAX  # noqa: E402
 
 BEFORE = ("none", "traps")
-AFTER = ("idle", "batched", "ledger", "each", "traps2")
+AFTER = ("idle", "batched", "ledger", "each", "traps2", "agent")
 SAMPLE_BYTES = 512 * 1024
 
 class HookedWorker:
@@ -100,10 +102,26 @@ class HookedWorker:
         self.worker.process.kill()
 
 
-def measure(worker: HookedWorker, role: str, checks: list[str]) -> float:
+def measure(worker: HookedWorker, role: str, checks: list[str], directory: Path) -> float:
     """One run of the pair loop under `role`; appends to `checks` what did not add up."""
     pairs = worker.args.pairs
     with contextlib.ExitStack() as stack:
+        if role == "agent":
+            agent = stack.enter_context(AgentProcess(directory / "blocks.sock", "-p", str(worker.pid), "--no-nvml",
+                                                     "--blocks", "always"))
+            time.sleep(worker.args.settle_seconds)
+            before = worker.hook_counts()
+            ns_per_pair = worker.pairs()
+            after = worker.hook_counts()
+            counters = agent.counters()
+            flushed = after["entries"] - before["entries"]
+            if flushed != 2 * pairs or counters.get("hook_entries_lost", 0) or counters.get("unknown_frees", 0) > 1:
+                checks.append(f"agent: the hook flushed {flushed} entries for {pairs} pairs; the agent's counters "
+                              f"hook_entries_lost {counters.get('hook_entries_lost')}, unknown_frees "
+                              f"{counters.get('unknown_frees')}")
+            progress(f"   agent: {after['flushes'] - before['flushes']} flushes, {after['walks'] - before['walks']} "
+                     f"walks; counters {', '.join(f'{k} {v}' for k, v in sorted(counters.items()) if v)}")
+            return ns_per_pair
         if role in ("traps", "traps2"):
             stack.enter_context(torch_traps(worker.pid))
             return worker.pairs()
@@ -135,6 +153,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=200_000, help="tensor pairs a run")
     parser.add_argument("--depth", type=int, default=16, help="Python frames below the worker's loop")
+    parser.add_argument("--settle-seconds", type=float, default=2.0, help="agent role: wait after its start")
     parser.add_argument("--library", type=Path, help="a hook library built for this torch (default: build it)")
     parser.add_argument("--cpu-ns-per-token", type=float, default=669_000,
                         help="a generation loop's CPU ns a token (depth_overhead's control; 669 us on the H100, §K)")
@@ -159,7 +178,7 @@ def main() -> int:
                         progress(f"hook attached: {built['library']} (built in {built['build_seconds']:.1f} s)")
                     for round_index in range(args.rounds):
                         for role in rotated(roles, round_index):
-                            ns_per_pair[role].append(measure(worker, role, checks))
+                            ns_per_pair[role].append(measure(worker, role, checks, Path(name)))
                         progress(f"{phase} round {round_index + 1}/{args.rounds}: " + ", ".join(
                             f"{role} {ns_per_pair[role][-1]:.0f}" for role in roles) + " ns/pair")
         finally:

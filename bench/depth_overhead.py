@@ -21,11 +21,6 @@ are kernel time on the workload's behalf, which idle states and scheduling move 
   traps    the control's agent, and an empty BPF program on PyTorch's allocator probe sites with their
            semaphores raised (benchlib.torch_traps): what every block's trap costs before any program does
            anything, the floor of any uprobe-based depth blocks (bench/block_probe_cost.py splits it per hit)
-  hook     the control's agent, and kvtrace's PyTorch hook inside the worker (agent/kvtrace/sources/torch_hook)
-           raised: blocks in batches through kvtrace_hook_flush into a prototype kernel ledger
-           (benchlib.HOOK_LEDGER_PROGRAM: a hash of live blocks, no stack walk). With this role the worker attaches
-           the hook at its start, so every role pays the attached hook's idle cost (the allocator cannot detach
-           it): bench/block_hook_cost.py measures that part apart. Torch only.
   full     `--blocks always --block-sample-bytes 0`: every block's stack (what the agent did before depth).
   history  PyTorch's own torch.cuda.memory._record_memory_history(enabled="all"), a control agent beside.
   state    PyTorch's recorder at its cheapest: enabled="state", context="state", stacks="python" (only the
@@ -36,6 +31,11 @@ are kernel time on the workload's behalf, which idle states and scheduling move 
 reporting to each agent (the default agent's vLLM side on); each run is `throughput --prompts --new-tokens`,
 the agent following the engine's processes (the driver and its EngineCore). Needs the vLLM bundle
 (bash tests/gpu/run.sh vllm-depth-bench ...).
+
+--hook (torch): the worker attaches kvtrace's PyTorch hook (agent/kvtrace/sources/torch_hook) at its start, so that
+depth blocks and full go through the hook's batches (kvtrace:blocks) instead of a trap on every pytorch:malloc/free;
+traps still times the per-block trap on PyTorch's own sites. Every role then pays the attached hook's idle cost (the
+allocator cannot detach a tracker): bench/block_hook_cost.py measures that part apart.
 
 --best-of K: K runs under each role's agent, the fastest (by tokens/s) kept: a run is only ever slowed by what else
 the machine does, so the fastest of a few is the quieter figure. Only the kept run's figures are reported; the
@@ -73,7 +73,6 @@ from agent_process import AgentProcess  # noqa: E402
 from benchlib import (  # noqa: E402
     NoTorchSites,
     code_version,
-    hook_flush_probe,
     median,
     parse_cpus,
     progress,
@@ -84,20 +83,19 @@ from benchlib import (  # noqa: E402
 )
 from vllm_overhead import Engine, plugin_site  # noqa: E402
 
-ROLES = ("control", "floor", "auto", "blocks", "traps", "hook", "full", "history", "state")
+ROLES = ("control", "floor", "auto", "blocks", "traps", "full", "history", "state")
 AGENT_FLAGS = {
     "control": ("--blocks", "never"),
     "floor": ("--blocks", "never"),
     "auto": (),
     "blocks": ("--blocks", "always"),
     "traps": ("--blocks", "never"),
-    "hook": ("--blocks", "never"),
     "full": ("--blocks", "always", "--block-sample-bytes", "0"),
     "history": ("--blocks", "never"),
     "state": ("--blocks", "never"),
 }
 RECORDER_MODES = {"history": "all", "state": "state"}  # roles with PyTorch's own recorder on
-GOALS = {"auto": 0.01, "blocks": 0.03, "hook": 0.03}
+GOALS = {"auto": 0.01, "blocks": 0.03}
 BLOCK_COUNTERS = ("blocks_sampled", "blocks_not_sampled", "stack_walks", "events_submitted")
 
 
@@ -142,11 +140,9 @@ class TorchLoop:
         self.worker.send(op="init")
         self.worker.send(timeout_seconds=600, op="llama_load")
         self.worker.send(timeout_seconds=600, op="generate", batch=8, prompt=256, new_tokens=args.new_tokens, calls=1)
-        self.hook_library: Path | None = None
-        if args.roles and "hook" in args.roles:
+        if args.hook:
             attached = self.worker.send(timeout_seconds=600, op="torch_hook",
                                         **({"library": str(args.hook_library)} if args.hook_library else {}))
-            self.hook_library = Path(attached["library"])
             progress(f"kvtrace's PyTorch hook attached in the worker: {attached['library']} "
                      f"(built in {attached['build_seconds']:.1f} s)")
 
@@ -172,7 +168,7 @@ class VllmEngineLoop:
     """One vLLM engine with the kvtrace plugin inside, reporting to whichever agent runs (one socket path)."""
 
     # PyTorch's recorder would have to start inside EngineCore: not compared here
-    roles = tuple(role for role in ROLES if role not in RECORDER_MODES and role != "hook")
+    roles = tuple(role for role in ROLES if role not in RECORDER_MODES)
 
     def __init__(self, args, directory: Path) -> None:
         self.args = args
@@ -257,9 +253,6 @@ def one_run(workload, role: str, directory: Path, settle_seconds: float,
                     sites += cleanup.enter_context(torch_traps(pid))
             if not sites:
                 raise RuntimeError("traps: no process of the workload has PyTorch's allocator probe sites")
-        if role == "hook":
-            for pid in workload.pids():
-                cleanup.enter_context(hook_flush_probe(workload.hook_library, pid, "ledger_flush"))
         started = sum(agent_process.cpu_times()[:2])
         time.sleep(settle_seconds)
         if role in RECORDER_MODES:
@@ -305,8 +298,10 @@ def main() -> int:
     parser.add_argument("--best-of", type=int, default=1, metavar="K",
                         help="K runs under each role's agent, the fastest kept (what else the machine does only ever "
                              "slows a run); the agent's figures then cover all K")
+    parser.add_argument("--hook", action="store_true",
+                        help="torch: kvtrace's PyTorch hook in the worker (depth blocks through its batches)")
     parser.add_argument("--hook-library", type=Path,
-                        help="hook role: a hook library built for this torch (default: the worker builds it)")
+                        help="with --hook: a hook library built for this torch (default: the worker builds it)")
     parser.add_argument("--profile-agents", type=Path, metavar="DIR",
                         help="py-spy each agent during its run (not paused: --nonblocking), collapsed stacks in DIR")
     args = parser.parse_args()
@@ -369,7 +364,8 @@ def report(results: dict) -> None:
     roles = list(tps)
     cost = {role: [1 - v / c for v, c in zip(tps[role], tps["control"], strict=True)] for role in roles[1:]}
     results["cost"] = {role: median(values) for role, values in cost.items()}
-    print(f"depth overhead ({results['args']['workload']}{' graphs' if results['args']['graphs'] == 'True' else ''}), "
+    print(f"depth overhead ({results['args']['workload']}{' graphs' if results['args']['graphs'] == 'True' else ''}"
+          f"{', through kvtrace PyTorch hook' if results['args'].get('hook') == 'True' else ''}), "
           f"{results['date']}, {results['machine']}; measured: {results['version']}")
     print(f"   {'role':<8} {'tokens/s':>9} {'cost':>8}  rounds' costs                     agent counters (last run)")
     print(f"   {'control':<8} {median(tps['control']):>9.0f}")
