@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -344,5 +345,39 @@ def test_at_full_every_block_carries_the_stack_that_allocates_it(fake_torch, hoo
             after = harness.source.counters()
             assert after["stack_walks"] - before["stack_walks"] == 20
             assert after["hook_entries_lost"] == before["hook_entries_lost"]
+        finally:
+            harness.close()
+
+
+@pytest.mark.usefixtures("bpf_here")
+def test_a_hooked_process_is_not_traced_twice(fake_torch, hook_build, torch_stub_build):
+    """GIVEN a process that maps kvtrace's hook and also a library with PyTorch's own pytorch:malloc/free sites,
+    WHEN the agent raises it (--blocks auto), THEN it links the hook's site alone: PyTorch's own semaphore stays 0,
+    and the process's blocks arrive once each, through the hook."""
+    from cuda_stubs import Workload
+
+    library, _ = hook_build
+    target = Path(__file__).parent / "pytargets" / "hook_target.py"
+    stub = os.stat(torch_stub_build.libc10_cuda)
+    hook = os.stat(library)
+    with Workload([sys.executable, target, fake_torch.directory / "lib" / "libc10_cuda.so", library,
+                   torch_stub_build.libc10_cuda]) as workload:
+        pid = workload.wait_ready()
+        harness = TracingHarness([pid], blocks=BlocksMode.AUTO)
+        try:
+            stub_id = FileId(stub.st_dev, stub.st_ino)
+            attached = harness.source.targets.attached
+            assert stub_id in attached and attached[stub_id].torch_probes and pid in attached[stub_id].pids, \
+                "the agent sees PyTorch's own sites in the process (else this test proves nothing)"
+            harness.source.set_block_depths({pid: Depth.BLOCKS})
+            probes = harness.source.probes
+            assert probes.torch_attached_pids(FileId(hook.st_dev, hook.st_ino)) == {pid}
+            workload.go()
+            lines = workload.read_calls()
+            assert lines[-1] == {"stub_semaphore": 0}, "PyTorch's own sites must not be linked for a hooked process"
+            assert probes.torch_attached_pids(stub_id) == set()
+            assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) >= 20, 10)
+            harness.pump(0.3)
+            assert len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) == 20
         finally:
             harness.close()

@@ -1,6 +1,8 @@
 """A CPython target for kvtrace's PyTorch hook: loads the fake torch's libc10_cuda.so (argv[1]) and the hook built
 against it (argv[2]) with ctypes, attaches the hook, and makes BLOCKS blocks of SIZE_BYTES from one line, several
-frames deep, keeping them (tests/integration/test_torch_hook.py).
+frames deep, keeping them (tests/integration/test_torch_hook.py). With argv[3], the stub allocator's libc10_cuda.so
+(tests/integration/stubs/c10_cuda_stub.c, with PyTorch's own pytorch:malloc/free probe sites) is loaded too and makes
+5 blocks of its own; the last JSON line then says its malloc semaphore: whether anything linked PyTorch's own sites.
 
 Protocol: `ready <pid>`, waits for a line, then one JSON line per block ({"address", "size_bytes", "expected":
 [[function, file, line], ...] innermost first}), `done`, and waits for a line (or EOF) before it exits."""
@@ -40,13 +42,22 @@ def main():
     allocator = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
     allocator.fake_allocator_event.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
                                                ctypes.c_uint64]
-    hook = ctypes.CDLL(sys.argv[2])
+    hook = ctypes.CDLL(sys.argv[2])  # its libc10_cuda.so is the fake one, loaded first (by soname)
     if hook.kvtrace_hook_attach() != 0:
         sys.exit("the hook did not attach")
+    stub = None
+    if len(sys.argv) > 3:  # mapped before `ready`: the agent sees both libraries from its first scan
+        stub = ctypes.CDLL(sys.argv[3])
+        stub.c10_stub_malloc.restype = ctypes.c_void_p
+        stub.c10_stub_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_long]
     print(f"ready {os.getpid()}", flush=True)
     sys.stdin.readline()
     for block in middle(allocator):
         print(json.dumps(block))
+    if stub is not None:
+        for _ in range(5):
+            stub.c10_stub_malloc(SIZE_BYTES, 0, 0)
+        print(json.dumps({"stub_semaphore": stub.c10_stub_semaphore_value()}))
     print("done", flush=True)
     sys.stdin.readline()
 
