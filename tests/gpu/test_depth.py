@@ -7,12 +7,18 @@ raises it to depth blocks within 60 s of the growth starting, and `kvtrace leaks
 the clones first within 120 s, its estimated bytes within 25 % of the clones made since the raise.
 AND WHEN another process then takes all but 96 MiB of the GPU, so that the leak runs the worker out of memory,
 THEN the flight recorder's `oom` dump, replayed, ranks the same function first.
+Twice: with PyTorch's own probe sites (a trap per pytorch:malloc/free), and with kvtrace's PyTorch hook in the
+worker (agent/kvtrace/sources/torch_hook: blocks in batches through kvtrace:blocks), which the agent then links
+instead.
 
 Figures are printed first (run with -s), then every check is asserted at once."""
 import json
+import re
 import subprocess
 import sys
 import time
+
+import pytest
 
 from agent_process import AgentProcess, kvtrace
 from conftest import TorchWorker, check_all, source_line, wait_for
@@ -46,7 +52,8 @@ def keeps_the_clones(frame: dict) -> bool:
     return (frame.get("function"), frame.get("line")) == ("keep_activation", source_line("# KEEP_CLONE_LINE"))
 
 
-def test_a_planted_leak_raises_depth_and_names_its_holder(agent_socket):
+@pytest.mark.parametrize("hooked", [False, True], ids=["pytorch-sites", "kvtrace-hook"])
+def test_a_planted_leak_raises_depth_and_names_its_holder(agent_socket, hooked):
     flight_dir = agent_socket.parent / "flight"
     failures: list[str] = []
     worker = TorchWorker({})
@@ -54,8 +61,12 @@ def test_a_planted_leak_raises_depth_and_names_its_holder(agent_socket):
     report = suspect = None
     try:
         worker.send(op="init")
+        if hooked:
+            built = worker.send(timeout_seconds=300, op="torch_hook")
+            print(f"\nkvtrace's PyTorch hook attached: {built['library']} (built in {built['build_seconds']:.1f} s)")
         # The worker started seconds ago: no start-up grace, or the test would wait two minutes for it.
-        with AgentProcess(agent_socket, "-p", str(worker.pid), "--no-nvml", "--deepen-grace-seconds", "0",
+        # -v: the agent logs which library it linked PyTorch's blocks through (checked below).
+        with AgentProcess(agent_socket, "-v", "-p", str(worker.pid), "--no-nvml", "--deepen-grace-seconds", "0",
                           "--leak-min-age", "0", "--site-sample-interval", "2",
                           "--flight-dir", str(flight_dir)) as agent, \
                 AgentClient.for_socket(agent_socket) as client:
@@ -108,6 +119,17 @@ def test_a_planted_leak_raises_depth_and_names_its_holder(agent_socket):
             print(f"oom dump after {time.monotonic() - oom_started:.1f} s: {[path.name for path in dumps or []]}")
             counters = agent.counters()
             print(f"agent counters: { {k: v for k, v in counters.items() if v} }")
+            links = sorted(set(re.findall(r"attached PyTorch's allocator probes \(\d+ sites\) in (\S+)",
+                                          agent.stderr_text())))
+            print(f"PyTorch links: {links}")
+            through_hook = any("kvtrace_torch_hook" in link for link in links)
+            if hooked and (not through_hook or len(links) != 1):
+                failures.append(f"the hooked worker was linked through {links}, not the hook alone")
+            if not hooked and through_hook:
+                failures.append(f"a worker without the hook was linked through {links}")
+            if counters.get("hook_entries_lost") or counters.get("usdt_unreadable"):
+                failures.append(f"hook_entries_lost {counters.get('hook_entries_lost')}, usdt_unreadable "
+                                f"{counters.get('usdt_unreadable')}")
         if not dumps:
             failures.append(f"no oom dump in {flight_dir}: {sorted(p.name for p in flight_dir.glob('*'))}")
         else:
