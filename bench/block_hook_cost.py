@@ -107,6 +107,7 @@ def measure(worker: HookedWorker, role: str, checks: list[str], directory: Path)
     pairs = worker.args.pairs
     with contextlib.ExitStack() as stack:
         if role == "agent":
+            worker.hook_settings(batch=BATCH_MAX, sample_bytes=SAMPLE_BYTES)  # as shipped (each leaves batch 1)
             agent = stack.enter_context(AgentProcess(directory / "blocks.sock", "-p", str(worker.pid), "--no-nvml",
                                                      "--blocks", "always"))
             time.sleep(worker.args.settle_seconds)
