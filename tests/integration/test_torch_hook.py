@@ -193,6 +193,30 @@ def test_a_failed_build_shows_the_compiler(fake_torch, tmp_path):
     assert not list((tmp_path / "cache").glob("*.so")), "a failed build leaves no library behind"
 
 
+@pytest.mark.usefixtures("bpf_here")
+def test_an_armed_hook_attaches_when_first_raised_and_the_allocator_is_ready(driver, hook_build):
+    """GIVEN an armed hook (kvtrace_hook_arm), WHEN nothing raises the process, THEN the tracker stays out (the
+    allocator pays nothing); WHEN the semaphore goes up before the allocator is initialised, it still waits (a
+    tracker attached then would be lost); once both hold, it attaches within 0.1 s and blocks flow."""
+    library, _ = hook_build
+    driver.send("initialized 0")
+    assert driver.send("arm") == {"armed": 0}
+    time.sleep(0.3)
+    assert driver.send("attached") == {"attached": 0}
+    with flush_probe(library, driver.pid) as bpf:
+        time.sleep(0.3)
+        assert driver.send("attached") == {"attached": 0}, "attached before the allocator was initialised"
+        driver.send("initialized 1")
+        deadline = time.monotonic() + 2
+        while driver.send("attached") != {"attached": 1} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert driver.send("attached") == {"attached": 1}
+        driver.send(f"settings {1 << 30} {BATCH_MAX}")
+        driver.send(f"blocks {BATCH_MAX} 4096 1")
+        kernel = seen(bpf)
+    assert kernel["allocations"] == BATCH_MAX and kernel["frees"] == BATCH_MAX
+
+
 def test_without_the_probe_the_hook_hands_nothing_over(driver):
     assert driver.send("attach") == {"attached": 0}
     driver.send("blocks 100 4096")

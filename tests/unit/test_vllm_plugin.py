@@ -733,3 +733,54 @@ def test_the_agents_listener_takes_every_message_the_plugin_sends(fake_vllm, age
         ("leak-1", RequestState.ABORTED, 2), ("running", RequestState.RUNNING, 3)]
     assert report.usage_ratio == pytest.approx(5 / 100)
     assert [record.level for record in records if type(record) is SleepReport] == [1, 0]
+
+
+def _wait_for(predicate, timeout_seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_pytorch_hook_is_left_alone_unless_asked(fake_vllm, agent, quiet_reporter, monkeypatch):
+    monkeypatch.delenv(plugin.TORCH_HOOK_ENV, raising=False)
+    plugin.register()
+    assert plugin._STATE.torch_hook_started is False and plugin._STATE.torch_hook is None
+
+
+def test_the_pytorch_hook_is_armed_off_vllms_thread(fake_vllm, agent, quiet_reporter, monkeypatch):
+    """KVTRACE_TORCH_HOOK=1: the hook is built and armed on a thread of its own, once per process."""
+    import types
+
+    from kvtrace.sources import torch_hook
+
+    armed = []
+    monkeypatch.setenv(plugin.TORCH_HOOK_ENV, "1")
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setattr(torch_hook, "arm_in_this_process",
+                        lambda: armed.append(threading.current_thread().name) or types.SimpleNamespace(path="x.so"))
+    plugin.register()
+    plugin.register()
+    assert _wait_for(lambda: plugin._STATE.torch_hook is not None)
+    assert armed == ["kvtrace-torch-hook"]
+
+
+def test_a_pytorch_hook_that_cannot_be_built_is_switched_off_with_one_warning(fake_vllm, agent, quiet_reporter,
+                                                                              monkeypatch, caplog):
+    """A host without g++ (or torch without its headers): one warning naming the fix, vLLM goes on."""
+    import types
+
+    from kvtrace.sources import torch_hook
+
+    def no_compiler():
+        raise torch_hook.HookBuildError("no C++ compiler 'g++' to build kvtrace's PyTorch hook: install g++")
+
+    monkeypatch.setenv(plugin.TORCH_HOOK_ENV, "1")
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setattr(torch_hook, "arm_in_this_process", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="kvtrace.vllm"):
+        plugin.register()
+        assert _wait_for(lambda: plugin.PART_TORCH_HOOK in plugin.stats()["off"])
+    warnings = [record.getMessage() for record in caplog.records if record.name == "kvtrace.vllm"]
+    assert len(warnings) == 1 and "PyTorch hook" in warnings[0] and "install g++" in warnings[0]
+    assert plugin._STATE.torch_hook is None

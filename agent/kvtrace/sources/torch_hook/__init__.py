@@ -148,6 +148,8 @@ class Hook:
                                  "(built for another torch? remove it and build again)") from error
         self.path = path
         self.library.kvtrace_hook_attach.restype = ctypes.c_int
+        self.library.kvtrace_hook_arm.restype = ctypes.c_int
+        self.library.kvtrace_hook_attached.restype = ctypes.c_int
         self.library.kvtrace_hook_read_counts.argtypes = [ctypes.POINTER(HookCounts)]
 
     def attach(self) -> None:
@@ -155,6 +157,19 @@ class Hook:
         if self.library.kvtrace_hook_attach() != 0:
             raise HookBuildError("PyTorch's CUDA caching allocator refused the trace tracker: initialise CUDA "
                                  "first (torch.cuda.init()), and use the native allocator (not cudaMallocAsync)")
+
+    def arm(self) -> None:
+        """Attaches the tracker once the agent first raises this process (and CUDA is initialised): a process
+        never raised pays nothing (hook.cpp kvtrace_hook_arm)."""
+        self.library.kvtrace_hook_arm()
+
+    def arm_again_after_fork(self) -> None:
+        """In a forked child: the parent's watcher thread did not come along; a new one, unless attached."""
+        self.library.kvtrace_hook_rearm_after_fork()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.library.kvtrace_hook_attached())
 
     def settings(self) -> HookSettings:
         """The settings the hook reads at each event, in place (writes take effect at the next event)."""
@@ -167,3 +182,17 @@ class Hook:
 
     def flush_now(self) -> None:
         self.library.kvtrace_hook_flush_now()
+
+
+# Where engines build the hook (one library per torch build and hook source), unless KVTRACE_TORCH_HOOK_CACHE says.
+CACHE_ENV = "KVTRACE_TORCH_HOOK_CACHE"
+DEFAULT_CACHE_DIR = Path("/var/cache/kvtrace/torch-hook")
+
+
+def arm_in_this_process() -> Hook:
+    """Builds the hook for the torch this process imported (or finds it built), loads it and arms it: what an
+    in-process part of kvtrace (the vLLM plugin under KVTRACE_TORCH_HOOK=1) calls. Raises HookBuildError."""
+    cache = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR)
+    hook = Hook(build(TorchBuild.of_imported_torch(), cache))
+    hook.arm()
+    return hook

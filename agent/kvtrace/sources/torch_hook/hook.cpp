@@ -11,6 +11,10 @@
 // place kvtrace's uprobe sits: one trap for many blocks. A USDT site is a `nop`, which the kernel emulates; a uprobe on
 // any other first instruction (a `ret`) is single-stepped, and that cost 9 us a hit on the H100 VM instead of 0.7.
 //
+// Loading: a process loads the library and arms it (kvtrace_hook_arm): the tracker is attached when the agent first
+// raises the process, so a process never raised pays nothing. Attaching at once (kvtrace_hook_attach) is for tests
+// and benches.
+//
 // Depth: kvtrace_blocks_semaphore is the site's semaphore, the uprobe's reference counter (ref_ctr_offset), raised by
 // the kernel while the agent's link on the site is attached: zero means depth `segments`, and every event returns at
 // its first comparison. The allocator has no way to detach a tracker, so attaching is for the life of the process.
@@ -35,7 +39,10 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <thread>
+
+#include <pthread.h>
 
 extern "C" {
 
@@ -100,6 +107,7 @@ uint32_t buffered = 0;
 std::chrono::steady_clock::time_point oldest;  // when the first entry of the buffer came
 kvtrace_hook_counts counts = {};
 std::atomic<bool> attached{false};
+std::atomic<bool> armed{false};
 std::atomic<bool> flusher_started{false};
 
 // The sampling state, under buffer_lock like the buffer (so no thread-local storage, which costs a call a use in a
@@ -168,6 +176,14 @@ void flusher() {
   }
 }
 
+// In a forked child: a lock another thread of the parent held at the fork would never be let go, and what the
+// buffer holds is the parent's. Both start afresh (no thread of the parent came along to use them).
+void after_fork_in_child() {
+  new (&buffer_lock) std::mutex();
+  buffered = 0;
+}
+const int fork_handler_registered = pthread_atfork(nullptr, nullptr, after_fork_in_child);
+
 void on_trace(const TraceEntry& event) {
   if (__builtin_expect(kvtrace_blocks_semaphore == 0, 1))
     return;
@@ -218,6 +234,44 @@ __attribute__((visibility("default"))) int kvtrace_hook_attach() {
     return -1;
   }
   return 0;
+}
+
+// Attaches the tracker only once the agent first raises this process (its semaphore goes up) and the caching
+// allocator is initialised (a tracker attached before that would be lost: the allocator keeps trackers per device).
+// Until then a watcher thread reads the semaphore every 100 ms and the allocator pays nothing; from then on the
+// tracker stays, and costs its idle check while the process is at depth segments. Returns 0 (idempotent).
+__attribute__((visibility("default"))) int kvtrace_hook_arm() {
+  if (armed.exchange(true) || attached.load())
+    return 0;
+  std::thread([] {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (kvtrace_blocks_semaphore == 0)
+        continue;
+      bool ready = false;
+      try {
+        auto* allocator = c10::cuda::CUDACachingAllocator::get();
+        ready = allocator != nullptr && allocator->initialized();
+      } catch (...) {
+      }
+      if (ready && kvtrace_hook_attach() == 0)
+        return;
+    }
+  }).detach();
+  return 0;
+}
+
+// In a forked child (the parent's threads do not come along): the watcher again, unless attached; and the flusher
+// is started again by the next event.
+__attribute__((visibility("default"))) void kvtrace_hook_rearm_after_fork() {
+  flusher_started = false;
+  if (armed.exchange(false))
+    kvtrace_hook_arm();
+}
+
+// Whether the tracker is attached (tests, benches).
+__attribute__((visibility("default"))) int kvtrace_hook_attached() {
+  return attached.load() ? 1 : 0;
 }
 
 // Copies the hook's counts (tests and benches).

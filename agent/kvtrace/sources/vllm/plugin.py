@@ -26,7 +26,12 @@ unchanged; kvtrace's own part runs after, inside `try`, and a part that fails on
 with no agent or a full queue the message is dropped and counted. No network, no threads other than
 the reporter, standard library only at import (this module is imported in every vLLM process).
 
-Why this module is long (about 700 lines): it is imported into every vLLM process and may import only the
+KVTRACE_TORCH_HOOK=1 also loads kvtrace's PyTorch hook (kvtrace/sources/torch_hook) into each process that imported
+torch, built for that torch on first use (g++; KVTRACE_TORCH_HOOK_CACHE, default /var/cache/kvtrace/torch-hook),
+on a thread of its own, and arms it: the agent's depth blocks then take the process's blocks in batches instead of a
+trap per tensor. A hook that cannot be built switches that part off with one warning.
+
+Why this module is long (about 750 lines): it is imported into every vLLM process and may import only the
 standard library (a test holds it); its helpers cannot live in the package's other rooms.
 """
 from __future__ import annotations
@@ -64,6 +69,12 @@ PART_BLOCKS = "block counters"
 PART_KV_CACHE = "KV-cache layout"
 PART_SLEEP = "sleep report"
 PART_PATCH = "patching"
+PART_TORCH_HOOK = "PyTorch hook"
+
+# KVTRACE_TORCH_HOOK=1 (with KVTRACE_VLLM_PLUGIN=1): each vLLM process loads kvtrace's PyTorch hook
+# (kvtrace/sources/torch_hook), built for its torch on first use, and arms it: depth blocks then reach the agent in
+# batches, not a trap per tensor. Opt-in: it needs g++ and CUDA headers on the host, and a cache directory.
+TORCH_HOOK_ENV = "KVTRACE_TORCH_HOOK"
 
 
 class _State:
@@ -100,6 +111,8 @@ class _State:
         self.sleep_level = 0
         self.asleep_tags: set[str] = set()
         self.worker_level = threading.local()  # Worker.sleep(level) while its allocator.sleep runs
+        self.torch_hook: Any = None  # kvtrace.sources.torch_hook.Hook, armed in this process
+        self.torch_hook_started = False
 
 
 _STATE = _State()
@@ -128,6 +141,32 @@ def register() -> None:
                 _apply_patch(name, module)
     except Exception as error:  # never into vLLM's start-up
         _switch_off(PART_PATCH, error)
+    if os.environ.get(TORCH_HOOK_ENV) == "1":
+        _start_torch_hook()
+
+
+def _start_torch_hook() -> None:
+    """Builds (or finds built), loads and arms kvtrace's PyTorch hook, on a thread of its own: a first build
+    takes seconds, which vLLM's start must not wait for. Once per process."""
+    with _STATE.lock:
+        if _STATE.torch_hook_started or PART_TORCH_HOOK in _STATE.off:
+            return
+        _STATE.torch_hook_started = True
+    if "torch" not in sys.modules:
+        _warn_once("torch hook without torch", "kvtrace vLLM plugin: torch is not imported in this process: "
+                   "no PyTorch hook here (its blocks are traced by PyTorch's own probes)")
+        return
+    threading.Thread(target=_arm_torch_hook, name="kvtrace-torch-hook", daemon=True).start()
+
+
+def _arm_torch_hook() -> None:
+    try:
+        from kvtrace.sources.torch_hook import arm_in_this_process
+
+        _STATE.torch_hook = arm_in_this_process()
+        LOG.info("kvtrace vLLM plugin: PyTorch hook armed (%s)", _STATE.torch_hook.path)
+    except Exception as error:  # HookBuildError names the fix; anything else: the part is off, vLLM goes on
+        _switch_off(PART_TORCH_HOOK, error)
 
 
 # ---- import hook ----
@@ -269,6 +308,11 @@ def _after_fork_in_child() -> None:
     and socket are its own anyway (both are per pid)."""
     _STATE.lock = threading.Lock()
     _STATE.report_lock = threading.Lock()
+    if _STATE.torch_hook is not None:  # its watcher thread stayed in the parent: the child's own, if not attached
+        try:
+            _STATE.torch_hook.arm_again_after_fork()
+        except Exception as error:
+            _switch_off(PART_TORCH_HOOK, error)
 
 
 def _ensure_reporter() -> bool:

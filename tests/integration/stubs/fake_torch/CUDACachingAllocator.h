@@ -24,7 +24,13 @@ using AllocatorTraceTracker = std::function<void(const TraceEntry&)>;
 namespace cuda::CUDACachingAllocator {
 using c10::CachingDeviceAllocator::AllocatorTraceTracker;
 void attachAllocatorTraceTracker(AllocatorTraceTracker tracker);
+struct CUDAAllocator {
+  virtual ~CUDAAllocator() = default;
+  virtual bool initialized() = 0;  // torch: false until CUDA's lazy init made the per-device allocators
+};
+CUDAAllocator* get();
 }  // namespace cuda::CUDACachingAllocator
 }  // namespace c10
 
+extern "C" void fake_allocator_set_initialized(int initialized);  // default 1
 extern "C" void fake_allocator_event(int action, uint64_t address, uint64_t size_bytes, int device, uint64_t stream);

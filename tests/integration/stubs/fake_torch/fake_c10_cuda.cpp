@@ -2,12 +2,18 @@
 // with the events a test fires, as torch's record_trace does (built as the fake torch's lib/libc10_cuda.so).
 #include "c10/cuda/CUDACachingAllocator.h"
 
+#include <atomic>
 #include <mutex>
 #include <vector>
 
 namespace {
 std::recursive_mutex allocator_mutex;  // torch calls the trackers with its allocator's mutex held
 std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers;
+std::atomic<bool> initialized_now{true};
+
+struct FakeAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
+  bool initialized() override { return initialized_now.load(); }
+} fake_allocator;
 }  // namespace
 
 namespace c10::cuda::CUDACachingAllocator {
@@ -15,7 +21,14 @@ void attachAllocatorTraceTracker(AllocatorTraceTracker tracker) {
   std::lock_guard<std::recursive_mutex> guard(allocator_mutex);
   trackers.push_back(std::move(tracker));
 }
+CUDAAllocator* get() {
+  return &fake_allocator;
+}
 }  // namespace c10::cuda::CUDACachingAllocator
+
+extern "C" void fake_allocator_set_initialized(int initialized) {
+  initialized_now = initialized != 0;
+}
 
 extern "C" void fake_allocator_event(int action, uint64_t address, uint64_t size_bytes, int device, uint64_t stream) {
   std::lock_guard<std::recursive_mutex> guard(allocator_mutex);

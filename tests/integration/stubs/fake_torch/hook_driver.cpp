@@ -1,6 +1,9 @@
 // A process that loads kvtrace's PyTorch hook over the fake allocator and fires block events on command
 // (tests/integration/test_torch_hook.py). Lines on stdin, one answer line (JSON) each on stdout:
 //   attach                      kvtrace_hook_attach()
+//   arm                         kvtrace_hook_arm(): attached once the semaphore is up and the allocator initialised
+//   attached                    whether the tracker is attached
+//   initialized 0|1             the fake allocator's initialized()
 //   blocks N SIZE [DEVICE]      N allocations of SIZE bytes at distinct addresses, then their N frees, each free
 //                               as torch reports one (FREE_REQUESTED, then FREE_COMPLETED), a segment event between
 //   keep N SIZE [DEVICE]        N allocations of SIZE bytes that stay (no free)
@@ -34,10 +37,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto attach = reinterpret_cast<int (*)()>(dlsym(hook, "kvtrace_hook_attach"));
+  auto arm = reinterpret_cast<int (*)()>(dlsym(hook, "kvtrace_hook_arm"));
+  auto is_attached = reinterpret_cast<int (*)()>(dlsym(hook, "kvtrace_hook_attached"));
   auto read_counts = reinterpret_cast<void (*)(Counts*)>(dlsym(hook, "kvtrace_hook_read_counts"));
   auto settings = reinterpret_cast<volatile Settings*>(dlsym(hook, "kvtrace_hook_settings_now"));
   auto semaphore = reinterpret_cast<volatile uint16_t*>(dlsym(hook, "kvtrace_blocks_semaphore"));
-  if (!attach || !read_counts || !settings || !semaphore) {
+  if (!attach || !arm || !is_attached || !read_counts || !settings || !semaphore) {
     std::fprintf(stderr, "the hook library lacks a symbol: %s\n", dlerror());
     return 1;
   }
@@ -54,6 +59,13 @@ int main(int argc, char** argv) {
       continue;
     if (!std::strcmp(op, "attach")) {
       std::printf("{\"attached\": %d}\n", attach());
+    } else if (!std::strcmp(op, "arm")) {
+      std::printf("{\"armed\": %d}\n", arm());
+    } else if (!std::strcmp(op, "attached")) {
+      std::printf("{\"attached\": %d}\n", is_attached());
+    } else if (!std::strcmp(op, "initialized")) {
+      fake_allocator_set_initialized(static_cast<int>(a));
+      std::printf("{}\n");
     } else if (!std::strcmp(op, "blocks")) {
       uint64_t first = next_address;
       for (unsigned long long i = 0; i < a; i++)
