@@ -144,7 +144,7 @@ def hook_flush_probe(library: Path, pid: int, fn_name: str):
     from bcc import BPF
 
     from kvtrace.sources.bpf import links
-    from kvtrace.sources.torch_hook import probe_site
+    from kvtrace.sources.bpf.hook_settings import probe_site
 
     site = probe_site(library)
     bpf = BPF(text=HOOK_LEDGER_PROGRAM.encode())

@@ -26,13 +26,13 @@ from harness import TracingHarness
 from kvtrace.model.depth import BlocksMode, Depth
 from kvtrace.model.events import Api, Kind, Layer
 from kvtrace.sources.bpf.discovery import FileId
+from kvtrace.sources.bpf.hook_settings import probe_site
 from kvtrace.sources.torch_hook import (
     BATCH_MAX,
     HookBuildError,
     TorchBuild,
     build,
     library_name,
-    probe_site,
 )
 
 FAKE = STUBS_DIR / "fake_torch"
@@ -374,11 +374,15 @@ def test_at_full_every_block_carries_the_stack_that_allocates_it(fake_torch, hoo
 
 
 @pytest.mark.usefixtures("bpf_here")
-def test_a_hooked_process_is_not_traced_twice(fake_torch, hook_build, torch_stub_build):
-    """GIVEN a process that maps kvtrace's hook and also a library with PyTorch's own pytorch:malloc/free sites,
-    WHEN the agent raises it (--blocks auto), THEN it links the hook's site alone: PyTorch's own semaphore stays 0,
-    and the process's blocks arrive once each, through the hook."""
+def test_a_hooked_process_is_not_traced_twice(fake_torch, hook_build, stub_build, tmp_path):
+    """GIVEN a process that maps kvtrace's hook and also a library with PyTorch's own pytorch:malloc/free sites
+    (a fresh copy: another test's agent may hold a link for every process on the shared one), WHEN the agent raises
+    it (--blocks auto), THEN it links the hook's site alone: PyTorch's own semaphore stays 0, and the process's blocks
+    arrive once each, through the hook."""
     from cuda_stubs import Workload
+    from torch_stubs import build_torch_stub
+
+    torch_stub_build = build_torch_stub(tmp_path, stub_build)
 
     library, _ = hook_build
     target = Path(__file__).parent / "pytargets" / "hook_target.py"

@@ -888,7 +888,10 @@ def _depth_source(probes, pids=()):
     source = BpfSource(Session(), BpfOptions(blocks=BlocksMode.AUTO, pids=set(pids)))
     source.probes = probes
     source.selection.pids.update(pids)  # as start() selects them
-    torch_library = Target(FileId(1, 10), "/lib/libc10_cuda.so", (), {7, 8, 9}, torch_probes=("malloc-site",))
+    import types
+
+    malloc_site = types.SimpleNamespace(provider="pytorch", name="malloc")  # what Target reads of a UsdtProbe
+    torch_library = Target(FileId(1, 10), "/lib/libc10_cuda.so", (), {7, 8, 9}, torch_probes=(malloc_site,))
     cuda_library = Target(FileId(1, 11), "/lib/libcudart.so", ("cudaMalloc",), {7, 8, 9, 12})
     source.targets.attached = {torch_library.file_id: torch_library, cuda_library.file_id: cuda_library}
     source.discovery.targets = dict(source.targets.attached)

@@ -304,7 +304,7 @@ int main(int argc, char **argv) {
 def sample_elf() -> Iterator[bytes]:
     """A 16 KiB executable with symbols and two SDT notes (gcc and the vendored sdt.h); /bin/true
     (no notes) without gcc."""
-    stubs = Path(__file__).resolve().parents[1] / "integration" / "stubs"
+    stubs = Path(__file__).resolve().parents[2] / "agent" / "kvtrace" / "sources" / "torch_hook"  # the vendored sdt.h
     gcc = shutil.which("gcc")
     if gcc is None:
         yield Path("/bin/true").read_bytes()

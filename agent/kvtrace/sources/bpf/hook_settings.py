@@ -1,4 +1,5 @@
-"""The settings of kvtrace's PyTorch hook inside a traced process (sources/torch_hook/hook.cpp), written by the agent.
+"""kvtrace's PyTorch hook inside a traced process (sources/torch_hook/hook.cpp) as the agent sees it: its probe
+site, and the settings the agent writes into it.
 
 The hook reads `kvtrace_hook_settings_now` (in its library's writable .probes section) at every allocator event:
 the mean S of its byte countdown (which blocks' stacks are walked) and its batch. The agent writes S where it links
@@ -14,11 +15,22 @@ import logging
 from pathlib import Path
 
 from kvtrace.sources import procfs
+from kvtrace.sources.bpf.symbols import HOOK_PROBE
+from kvtrace.sources.bpf.usdt import UsdtProbe, read_usdt_probes
 from kvtrace.sources.elf import find_symbols, first_load_vaddr
 
 log = logging.getLogger(__name__)
 
 SETTINGS_SYMBOL = "kvtrace_hook_settings_now"  # = torch_hook.SETTINGS_SYMBOL (that module runs in the engine)
+
+
+def probe_site(library: str | Path) -> UsdtProbe:
+    """The hook library's usable kvtrace:blocks site: where a uprobe goes, and its semaphore (benches and tests link
+    it themselves; the agent finds it by Discovery). Raises ValueError for a file without one."""
+    for probe in read_usdt_probes(library):
+        if (probe.provider, probe.name) == HOOK_PROBE and probe.problem is None:
+            return probe
+    raise ValueError(f"{library} has no usable {':'.join(HOOK_PROBE)} probe site: not kvtrace's PyTorch hook")
 
 
 def write_sample_bytes(pid: int, library: str, sample_bytes: int, proc: Path = procfs.PROC) -> bool:

@@ -25,26 +25,13 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("hook.cpp")
 LIBRARY_PREFIX = "libkvtrace_torch_hook"
-# The probe site the agent's uprobe goes on (a USDT note in the library, provider and name), and the symbol of the
-# settings it writes (names fixed by hook.cpp).
-PROBE_PROVIDER, PROBE_NAME = "kvtrace", "blocks"
+# The symbol of the settings the hook reads at each event (hook.cpp). Its probe site, kvtrace:blocks, is the agent's
+# to find (sources/bpf/hook_settings.py probe_site).
 SETTINGS_SYMBOL = "kvtrace_hook_settings_now"
 # A CUDA toolkit's headers where no CUDA_HOME says otherwise.
 SYSTEM_CUDA_INCLUDE = Path("/usr/local/cuda/include")
 ENTRY_BYTES = 32
 BATCH_MAX = 32  # hook.cpp KVTRACE_HOOK_BATCH_MAX = probes/hook.h KVT_HOOK_BATCH
-
-
-def probe_site(library: Path):
-    """The hook library's kvtrace:blocks site (kvtrace.sources.bpf.usdt.UsdtProbe): where a uprobe goes and its
-    semaphore. Raises HookBuildError for a file without one."""
-    from kvtrace.sources.bpf.usdt import read_usdt_probes  # the agent's side only: never inside the engine
-
-    for probe in read_usdt_probes(Path(library)):
-        if (probe.provider, probe.name) == (PROBE_PROVIDER, PROBE_NAME) and probe.problem is None:
-            return probe
-    raise HookBuildError(f"{library} has no usable {PROBE_PROVIDER}:{PROBE_NAME} probe site: "
-                         "not kvtrace's PyTorch hook")
 
 
 class HookBuildError(RuntimeError):
