@@ -1,7 +1,7 @@
 """USDT notes: the x86-64 operand parser, table-driven (every form, torch 2.11's own strings), and
-read_usdt_probes against the stub PyTorch allocator (libc10_cuda.so built from
-tests/integration/stubs with the vendored sdt.h, which kvtrace's PyTorch hook ships), cross-checked with `readelf -n`. No root: the
-library is only read, and the workload runs with nothing attached."""
+read_usdt_probes against the stub PyTorch allocator (libc10_cuda.so built from tests/integration/stubs with
+the vendored sdt.h, which kvtrace's PyTorch hook ships), cross-checked with `readelf -n`. No root: the library is
+only read, and the workload runs with nothing attached."""
 from __future__ import annotations
 
 import itertools
