@@ -11,18 +11,11 @@ import json
 import os
 import sys
 
+from block_target import stack_here  # beside this file: the same frames, the same way
+
 BLOCKS = 20
 SIZE_BYTES = 4096
 ALLOC = 0  # TraceEntry::ALLOC
-
-
-def stack_here(frame):
-    stack = []
-    while frame is not None:
-        stack.append([frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name,
-                      frame.f_code.co_filename, frame.f_lineno])
-        frame = frame.f_back
-    return stack
 
 
 def allocate(allocator, first_address):
