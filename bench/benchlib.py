@@ -138,7 +138,7 @@ int ledger_flush(struct pt_regs *ctx) {
 
 @contextlib.contextmanager
 def hook_flush_probe(library: Path, pid: int, fn_name: str):
-    """`fn_name` (empty_flush or ledger_flush) of HOOK_LEDGER_PROGRAM on the hook's kvtrace_hook_flush in `pid`, the
+    """`fn_name` (empty_flush or ledger_flush) of HOOK_LEDGER_PROGRAM on the hook's kvtrace:blocks site in `pid`, the
     hook's semaphore raised by the kernel while it is in (the link's ref_ctr_offset, as kvtrace raises USDT
     semaphores). Yields the bcc module."""
     from bcc import BPF

@@ -6,7 +6,7 @@ that torch, or `--library PATH` loads one built elsewhere for the same torch).
 At depth blocks today each pytorch:malloc/free traps into the kernel: 0.5-0.7 us a hit on the H100 before kvtrace's
 program runs (bench/RESULTS.md §K), more than issue 34's 3 % of a generation loop. The hook
 (agent/kvtrace/sources/torch_hook) hears the blocks from the caching allocator's trace tracker and hands them to the
-kernel in batches through one function, kvtrace_hook_flush, which a uprobe sits on. This bench times the worker's
+kernel in batches through one USDT site, kvtrace:blocks, which a uprobe sits on. This bench times the worker's
 loop of `torch.empty(4096, device="cuda")` + `del` pairs (cache hits: no CUDA call) in one torch process, a
 `--blocks never` agent beside it throughout (a busy process beside keeps the CPUs out of deep idle, as in every
 depth bench). The allocator cannot detach a tracker, so there are two phases, rounds rotated within each:
@@ -16,8 +16,8 @@ depth bench). The allocator cannot detach a tracker, so there are two phases, ro
   traps    an empty BPF program on pytorch:malloc/free, semaphores raised (benchlib.torch_traps): today's trap
  after it is attached
   idle     the hook's semaphore down: what a process keeps paying once it was raised (the tracker is called, returns)
-  batched  an empty program on kvtrace_hook_flush (semaphore raised): batches of 32, stacks sampled at 512 KiB
-  ledger   a program on kvtrace_hook_flush that reads the batch and keeps a hash of live blocks (insert at
+  batched  an empty program on kvtrace:blocks (semaphore raised): batches of 32, stacks sampled at 512 KiB
+  ledger   a program on kvtrace:blocks that reads the batch and keeps a hash of live blocks (insert at
            allocation, delete at free): the map work an in-kernel ledger does, in a prototype program (not kvtrace's
            own; its totals, counters and stack walks are not in it)
   each     batch 1, the empty program: a trap per event (what batching saves)

@@ -13,7 +13,9 @@
  * walker fit.
  *
  * The batch lives in a per-CPU map between tail calls, as the walker's request does: another thread's probe on the
- * same CPU could overwrite it halfway only where BPF programs are preempted (the walker counts such cases). */
+ * same CPU could overwrite it halfway only where BPF programs are preempted. Each step checks that the batch is
+ * still its thread's; if not, the rest of its entries are counted lost (hook_entries_lost), never taken from the
+ * other thread's batch. */
 #ifndef KVT_HOOK_H
 #define KVT_HOOK_H
 
@@ -33,6 +35,7 @@ struct kvt_hook_entry {
 };
 
 struct kvt_hook_batch {
+    u64 pid_tgid;     /* the thread whose batch this is: another's probe on this CPU may have overwritten it */
     u64 sample_bytes; /* the hook's S: the mean its walked blocks were drawn at (0: every block walked) */
     u32 count;
     u32 next;
@@ -58,6 +61,7 @@ static __always_inline void hook_batch(struct pt_regs *ctx, u64 *regs, struct kv
         counter_add(KVT_COUNTER_HOOK_ENTRIES_LOST, count_entries);
         return;
     }
+    batch->pid_tgid = bpf_get_current_pid_tgid();
     batch->sample_bytes = sample_bytes;
     batch->count = (u32)count_entries;
     batch->next = 0;
@@ -71,6 +75,10 @@ int usdt_hook_entries(struct pt_regs *ctx) {
     struct kvt_hook_batch *batch = hook_batches.lookup(&zero);
     if (!batch)
         return 0;
+    if (batch->pid_tgid != bpf_get_current_pid_tgid()) {
+        count(KVT_COUNTER_HOOK_ENTRIES_LOST); /* at least this thread's next entry; how many more is gone too */
+        return 0;
+    }
     u32 index = batch->next;
     u32 total = batch->count;
     if (index >= total || index >= KVT_HOOK_BATCH)

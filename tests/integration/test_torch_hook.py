@@ -1,5 +1,7 @@
 """kvtrace's PyTorch hook (agent/kvtrace/sources/torch_hook/hook.cpp) over a fake caching allocator, with the
-kernel's side as a uprobe on kvtrace_hook_flush whose reference counter is the hook's semaphore.
+kernel's side as a test program on the hook's USDT site, kvtrace:blocks, its semaphore the link's reference counter
+(and, further down, the agent's own program, probes/hook.h). The test program reads the site's arguments where the
+note says they are (%rdi, %rsi: the site is the first instruction of kvtrace_hook_flush).
 
 The hook is built by its own builder against a fake torch (stubs/fake_torch: torch 2.11's TraceEntry and
 attachAllocatorTraceTracker, a libc10_cuda.so that calls the trackers), loaded by a driver process that fires
@@ -25,6 +27,7 @@ from cuda_stubs import STUBS_DIR
 from harness import TracingHarness
 from kvtrace.model.depth import BlocksMode, Depth
 from kvtrace.model.events import Api, Kind, Layer
+from kvtrace.sources import procfs
 from kvtrace.sources.bpf.discovery import FileId
 from kvtrace.sources.bpf.hook_settings import probe_site
 from kvtrace.sources.torch_hook import (
@@ -145,7 +148,8 @@ def driver(hook_build):
 
 @contextlib.contextmanager
 def flush_probe(library: Path, pid: int):
-    """COUNTING_PROGRAM on kvtrace_hook_flush in `pid`, the hook's semaphore as its reference counter."""
+    """COUNTING_PROGRAM on the hook's kvtrace:blocks site in `pid`, its semaphore as the link's reference counter."""
+    assert probe_site(library).arguments_text.startswith("8@%rdi 4@%esi"), "the program reads rdi and rsi"
     from bcc import BPF
 
     from kvtrace.sources.bpf import links
@@ -278,16 +282,48 @@ def test_lowering_stops_the_hook_and_drops_what_waited(driver, hook_build):
     driver.send("attach")
     with flush_probe(library, driver.pid) as bpf:
         driver.send(f"settings {1 << 30} {BATCH_MAX}")
-        driver.send(f"blocks {BATCH_MAX} 4096 1")  # two full batches
+        driver.send(f"blocks {BATCH_MAX} 4096 1")  # two full batches, handed over at once
+        driver.send("blocks 5 4096 1")  # 10 events that wait for a full batch or the flusher (100 ms)
         during = seen(bpf)
     assert during["allocations"] == BATCH_MAX and during["frees"] == BATCH_MAX
     assert driver.send("semaphore") == {"semaphore": 0}, "the kernel lowers the semaphore with the probe"
-    before = driver.send("counts")
+    time.sleep(0.4)  # the flusher finds the semaphore down: what waited is dropped, not handed over later
+    counts = driver.send("counts")
+    assert counts["dropped"] == 10 and counts["entries"] == 2 * BATCH_MAX, counts
+    before = counts
     driver.send("blocks 50 4096 1")
     after = driver.send("counts")
     assert after["events"] == before["events"], "at depth segments the hook returns at once"
     assert after["flushes"] == before["flushes"]
 
+
+@pytest.mark.usefixtures("bpf_here")
+def test_a_hook_the_allocator_refuses_leaves_pytorchs_own_sites_to_the_agent(driver, hook_build):
+    """GIVEN an armed hook whose allocator refuses trackers (cudaMallocAsync's does), WHEN the agent raises the
+    process, THEN the hook says REFUSED in its state byte and the agent no longer counts the process as hooked
+    (PyTorch's own sites, where it has them, would be linked at the next analysis)."""
+    from kvtrace.sources.bpf.hook_settings import HookState, read_state
+
+    library, _ = hook_build
+    driver.send("refuse 1")
+    driver.send("arm")
+    harness = TracingHarness([driver.pid], blocks=BlocksMode.AUTO)
+    try:
+        stat = os.stat(library)
+        file_id = next((m.device, m.inode) for m in procfs.read_maps(driver.pid) if m.inode == stat.st_ino)
+        assert read_state(driver.pid, str(library), file_id) is HookState.ARMED
+        targets = harness.source.targets
+        assert targets._hooked(driver.pid)
+        harness.source.set_block_depths({driver.pid: Depth.BLOCKS})
+        assert driver.send("semaphore") == {"semaphore": 1}
+        deadline = time.monotonic() + 2
+        while read_state(driver.pid, str(library), file_id) is not HookState.REFUSED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_state(driver.pid, str(library), file_id) is HookState.REFUSED
+        assert driver.send("attached") == {"attached": 0}
+        assert not targets._hooked(driver.pid)
+    finally:
+        harness.close()
 
 def hook_totals(harness, pid):
     """(bytes, count) of `pid`'s PyTorch blocks in the agent's totals."""

@@ -1,16 +1,20 @@
 """kvtrace's PyTorch hook inside a traced process (sources/torch_hook/hook.cpp) as the agent sees it: its probe
-site, and the settings the agent writes into it.
+site, where its tracker is, and the settings the agent writes into it.
 
-The hook reads `kvtrace_hook_settings_now` (in its library's writable .probes section) at every allocator event:
-the mean S of its byte countdown (which blocks' stacks are walked) and its batch. The agent writes S where it links
-the hook's site for a process, the same S the kernel and the decoder use for every other block (--block-sample-bytes;
-0 at depth FULL: every block's stack), through /proc/PID/mem (root; the agent already raises the site's semaphore in
-that memory through the kernel). The hook also hands its S over with every batch, so the kernel records what the hook
-really did even where this write failed.
+The hook keeps two things in its library's writable .probes section, at symbols the agent finds in the file:
+`kvtrace_hook_state` (loaded, armed, attached, or refused by the allocator: a refused hook must not keep PyTorch's own
+sites off) and `kvtrace_hook_settings_now`, which it reads at every allocator event: the mean S of its byte countdown
+(which blocks' stacks are walked), its batch and its flush interval. The agent writes S where it links the hook's site
+for a process: the same S the kernel and the decoder use for every other block (--block-sample-bytes; 0 at depth
+FULL: every block's stack). Both go through /proc/PID/mem (root; the agent already raises the site's semaphore in
+that memory through the kernel). The write is made only where the mapping is the hook's own file (device and inode)
+and the settings read back as the hook's (a batch of 1..32): a wrong address must never be written. The hook also
+hands its S over with every batch, so the kernel records what the hook really did where a write failed.
 """
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 from pathlib import Path
 
@@ -21,7 +25,25 @@ from kvtrace.sources.elf import find_symbols, first_load_vaddr
 
 log = logging.getLogger(__name__)
 
-SETTINGS_SYMBOL = "kvtrace_hook_settings_now"  # = torch_hook.SETTINGS_SYMBOL (that module runs in the engine)
+# = torch_hook's names (that package runs inside the engine; the bpf wing does not import it)
+SETTINGS_SYMBOL = "kvtrace_hook_settings_now"
+STATE_SYMBOL = "kvtrace_hook_state"
+BATCH_MAX = 32  # = hook.cpp KVTRACE_HOOK_BATCH_MAX = probes/hook.h KVT_HOOK_BATCH (tests/unit/test_hook_abi.py)
+
+
+class HookState(enum.IntEnum):
+    """hook.cpp's kvtrace_hook_state."""
+
+    LOADED = 0
+    ARMED = 1
+    ATTACHED = 2
+    REFUSED = 3
+
+
+class HookSettings(ctypes.Structure):
+    """hook.cpp's struct kvtrace_hook_settings."""
+
+    _fields_ = [("sample_bytes", ctypes.c_uint64), ("batch", ctypes.c_uint32), ("flush_interval_ms", ctypes.c_uint32)]
 
 
 def probe_site(library: str | Path) -> UsdtProbe:
@@ -33,25 +55,44 @@ def probe_site(library: str | Path) -> UsdtProbe:
     raise ValueError(f"{library} has no usable {':'.join(HOOK_PROBE)} probe site: not kvtrace's PyTorch hook")
 
 
-def write_sample_bytes(pid: int, library: str, sample_bytes: int, proc: Path = procfs.PROC) -> bool:
-    """Sets the hook's S in `pid` (which maps `library`); False, logged, where it could not be written."""
-    symbol = find_symbols(library, [SETTINGS_SYMBOL]).get(SETTINGS_SYMBOL)
-    if symbol is None:
-        log.warning("%s has no %s: not kvtrace's PyTorch hook, its sampling is left as it is", library, SETTINGS_SYMBOL)
-        return False
+def _address(pid: int, library: str, file_id: tuple[int, int], symbol: str, proc: Path) -> int | None:
+    """Where `symbol` of the hook's `library` (file_id: its device and inode) lies in `pid`'s memory."""
+    value = find_symbols(library, [symbol]).get(symbol)
+    if value is None:
+        return None
+    base = next((mapping.start for mapping in procfs.read_maps(pid, proc)
+                 if (mapping.device, mapping.inode) == file_id and mapping.file_offset == 0), None)
+    return None if base is None else base - first_load_vaddr(library) + value
+
+
+def read_state(pid: int, library: str, file_id: tuple[int, int], proc: Path = procfs.PROC) -> HookState | None:
+    """Where the hook's tracker is in `pid`; None where it cannot be read (the process gone, another file)."""
     try:
-        library_id = Path(library).stat()
-        base = next((mapping.start for mapping in procfs.read_maps(pid, proc)
-                     if mapping.inode == library_id.st_ino and mapping.file_offset == 0), None)
-        if base is None:
-            log.warning("pid %d does not map %s at offset 0: the hook's sampling is left as it is", pid, library)
-            return False
-        address = base - first_load_vaddr(library) + symbol
+        address = _address(pid, library, file_id, STATE_SYMBOL, proc)
+        if address is None:
+            return None
+        with open(proc / str(pid) / "mem", "rb", buffering=0) as memory:
+            memory.seek(address)
+            value = memory.read(1)
+        return HookState(value[0]) if value and value[0] in HookState._value2member_map_ else None
+    except OSError:
+        return None
+
+
+def write_sample_bytes(pid: int, library: str, file_id: tuple[int, int], sample_bytes: int,
+                       proc: Path = procfs.PROC) -> str:
+    """Sets the hook's S in `pid`; "" when written, else why not (the caller says so where health is read)."""
+    try:
+        address = _address(pid, library, file_id, SETTINGS_SYMBOL, proc)
+        if address is None:
+            return f"pid {pid} does not map {library} with its {SETTINGS_SYMBOL}"
         with open(proc / str(pid) / "mem", "r+b", buffering=0) as memory:
             memory.seek(address)
+            now = HookSettings.from_buffer_copy(memory.read(ctypes.sizeof(HookSettings)))
+            if not 1 <= now.batch <= BATCH_MAX:
+                return f"the settings read in pid {pid} at {address:#x} are not the hook's (batch {now.batch})"
+            memory.seek(address)
             memory.write(bytes(ctypes.c_uint64(sample_bytes)))  # the struct's first field
-    except OSError as error:
-        log.warning("writing the PyTorch hook's sample size in pid %d failed: %s (its batches still say what it "
-                    "sampled at)", pid, error)
-        return False
-    return True
+    except (OSError, ValueError) as error:
+        return f"writing the PyTorch hook's sample size in pid {pid} failed: {error}"
+    return ""

@@ -27,7 +27,7 @@ from kvtrace.model.gpus import cuda_visible_count
 from kvtrace.session import Session
 from kvtrace.sources import procfs
 from kvtrace.sources.bpf.discovery import Discovery, FileId, Target, same_file
-from kvtrace.sources.bpf.hook_settings import write_sample_bytes
+from kvtrace.sources.bpf.hook_settings import HookState, read_state, write_sample_bytes
 from kvtrace.sources.bpf.loader import BpfProbes, ProbeQuotaFull, TorchProbesRefused
 from kvtrace.sources.bpf.selection import Selection
 from kvtrace.sources.bpf.shares import library_share
@@ -329,21 +329,24 @@ class Targets:
     def attach_torch(self, target: Target, pid: int) -> None:
         """PyTorch's allocator probes on `target` for one process (pid) or all (-1), once.
 
-        A process that maps kvtrace's own PyTorch hook (target.torch_hook) is traced through the hook's batches
-        alone: PyTorch's own sites are not linked for it, and are taken out when the hook comes later (the same
-        blocks both ways would be counted twice). Linked for every process (-1, --blocks always), PyTorch's own
-        sites serve every process, and the hook is not linked."""
+        A process that maps kvtrace's own PyTorch hook (target.torch_hook), not refused by its allocator, is traced
+        through the hook's batches alone: PyTorch's own sites are not linked for it, and are taken out when the hook
+        comes later (the same blocks both ways would be counted twice; an armed hook attaches within 0.1 s of the
+        link, and blocks of that moment are not known). Linked for every process (-1: --blocks always without -p),
+        PyTorch's own sites serve every process, and the hook is not linked."""
         probes = self._probes
         if (not target.torch_probes or self.policy.torch_blocks_down
                 or pid in probes.torch_attached_pids(target.file_id)):
             return
-        if target.torch_hook and pid == -1:
+        if target.torch_hook and (pid == -1 or not self._hook_usable(target, pid)):
             return
         if not target.torch_hook and pid != -1 and self._hooked(pid):
             return
         if (target.file_id, pid) in self.torch_refused:
             return  # refused before: not tried at every analysis again
         whom = "every process" if pid == -1 else f"pid {pid}"
+        if target.torch_hook:
+            self.hook_depth_changed(pid, target)  # its S before its first batch
         try:
             sites = probes.attach_torch(target.path, target.torch_probes, pid, key=target.file_id)
         except TorchProbesRefused as error:
@@ -354,23 +357,33 @@ class Targets:
             return
         log.info("attached PyTorch's allocator probes (%d sites) in %s for %s", len(sites), target.path, whom)
         if target.torch_hook:
-            self.hook_depth_changed(pid, target)
             for key in probes.torch_keys_of(pid):  # PyTorch's own sites, linked before the hook was loaded
                 if key != target.file_id:
-                    probes.detach_torch(key, pid)
+                    try:
+                        probes.detach_torch(key, pid)
+                    except OSError:  # said; the kernel drops the link when the process exits
+                        log.exception("taking PyTorch's own probes out of pid %d (now hooked) failed", pid)
 
     def hook_depth_changed(self, pid: int, target: Target | None = None) -> None:
-        """The S of kvtrace's PyTorch hook in `pid` (if it maps one, linked): 0 at FULL, else --block-sample-bytes."""
+        """The S of kvtrace's PyTorch hook in `pid` (if it maps one, linked): 0 at FULL, else --block-sample-bytes.
+        A failed write is said where health is read (the hook's batches still say what it sampled at)."""
         hooks = [target] if target else [one for one in self.attached.values()
                                          if one.torch_hook and pid in self._probes.torch_attached_pids(one.file_id)]
         for hook in hooks:
             sample_bytes = 0 if self.deep.get(pid) is Depth.FULL else self.policy.block_sample_bytes
-            write_sample_bytes(pid, hook.path, sample_bytes)
+            why = write_sample_bytes(pid, hook.path, (hook.file_id.device, hook.file_id.inode), sample_bytes)
+            if why:
+                log.warning("%s", why)
+                self._session.report_component(f"hook:{pid}", False, why)
+
+    def _hook_usable(self, target: Target, pid: int) -> bool:
+        """Whether `pid`'s hook (in `target`) can carry its blocks: its allocator did not refuse the tracker."""
+        return read_state(pid, target.path, (target.file_id.device, target.file_id.inode)) is not HookState.REFUSED
 
     def _hooked(self, pid: int) -> bool:
-        """Whether `pid` maps kvtrace's PyTorch hook where its site can be linked."""
+        """Whether `pid` maps a usable kvtrace PyTorch hook whose site can be linked."""
         return any(target.torch_hook and pid in target.pids and (file_id, pid) not in self.torch_refused
-                   for file_id, target in self.attached.items())
+                   and self._hook_usable(target, pid) for file_id, target in self.attached.items())
 
     def attach_torch_of(self, pids: Collection[int]) -> None:
         """(--blocks auto) PyTorch's allocator probes of their own for `pids`, in each PyTorch library they map."""

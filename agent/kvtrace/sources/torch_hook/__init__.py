@@ -2,8 +2,8 @@
 
 Why it exists: at depth `blocks` a uprobe trap on every pytorch:malloc/free costs more than issue 34's 3 % of a
 generation loop on its own (bench/RESULTS.md §K). The hook hears the caching allocator's blocks from its trace
-tracker and hands them to the kernel in batches, through one function the agent's uprobe sits on
-(`kvtrace_hook_flush`), so that a block costs a call, not two traps. hook.cpp says how.
+tracker and hands them to the kernel in batches, through one USDT site the agent's uprobe sits on
+(`kvtrace:blocks`), so that a block costs a call, not two traps. hook.cpp says how.
 
 Like bcc compiling the probes on the host against the host's kernel, the hook is compiled on the host against the
 engine's torch (its headers and libc10_cuda.so), once per torch build and hook source, into a cache directory:
@@ -30,7 +30,6 @@ LIBRARY_PREFIX = "libkvtrace_torch_hook"
 SETTINGS_SYMBOL = "kvtrace_hook_settings_now"
 # A CUDA toolkit's headers where no CUDA_HOME says otherwise.
 SYSTEM_CUDA_INCLUDE = Path("/usr/local/cuda/include")
-ENTRY_BYTES = 32
 BATCH_MAX = 32  # hook.cpp KVTRACE_HOOK_BATCH_MAX = probes/hook.h KVT_HOOK_BATCH
 
 

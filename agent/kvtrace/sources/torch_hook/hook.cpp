@@ -8,24 +8,25 @@
 // (c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker, called for every allocator event whether or not
 // PyTorch's history is recorded) and appends each block event to a buffer; the buffer goes to the kernel in one
 // call of kvtrace_hook_flush(entries, count, sample_bytes), whose body is one USDT probe site, kvtrace:blocks, the
-// place kvtrace's uprobe sits: one trap for many blocks. A USDT site is a `nop`, which the kernel emulates; a uprobe on
-// any other first instruction (a `ret`) is single-stepped, and that cost 9 us a hit on the H100 VM instead of 0.7.
+// place kvtrace's uprobe sits: one trap for many blocks. A USDT site is a `nop`, which the kernel's uprobes emulate;
+// a uprobe on the function's own first instruction (a `ret`) cost 9 us a hit on the H100 VM instead of 0.7.
 //
 // Loading: a process loads the library and arms it (kvtrace_hook_arm): the tracker is attached when the agent first
 // raises the process, so a process never raised pays nothing. Attaching at once (kvtrace_hook_attach) is for tests
-// and benches.
+// and benches. kvtrace_hook_state tells the agent where it is (armed, attached, refused by the allocator).
 //
 // Depth: kvtrace_blocks_semaphore is the site's semaphore, the uprobe's reference counter (ref_ctr_offset), raised by
 // the kernel while the agent's link on the site is attached: zero means depth `segments`, and every event returns at
 // its first comparison. The allocator has no way to detach a tracker, so attaching is for the life of the process.
 //
-// Stacks: a block whose stack is to be walked (sampled, the heap profilers' byte countdown, as probes/usdt.h does it
-// in the kernel, one countdown for the process) is flushed at once, last in its batch and marked `walk`, so that the program walks the stack that is
-// allocating it. Blocks of at least the sample size are always walked; a sample size of 0 walks every block.
+// Stacks: a block whose stack is to be walked (sampled: the heap profilers' byte countdown of probes/usdt.h, which the
+// kernel keeps per thread and the hook per process) is flushed at once, last in its batch and marked `walk`, so that
+// the program walks the stack that is allocating it. Blocks of at least the sample size are always walked; a sample
+// size of 0 walks every block. A batch carries the S its entries were drawn at (a new S flushes first).
 //
 // Order: entries of every thread go into one buffer under one lock, in the order the allocator reported them, so a
 // block's free never reaches the kernel before its allocation. A buffer left partly full is flushed by a helper
-// thread within kvtrace_hook_settings.flush_interval_ms (only while the semaphore is raised).
+// thread within about twice kvtrace_hook_settings.flush_interval_ms, or dropped if the semaphore went down.
 //
 // No PyTorch call is made from the tracker (the allocator's rule: its mutex is held), and no Python.
 // Built against the process's own torch headers (kvtrace/sources/torch_hook/__init__.py).
@@ -77,6 +78,12 @@ volatile unsigned short kvtrace_blocks_semaphore = 0;
 __attribute__((section(".probes"), used, visibility("default")))
 volatile kvtrace_hook_settings kvtrace_hook_settings_now = {512 * 1024, KVTRACE_HOOK_BATCH_MAX, 100};
 
+// Where the tracker is, for the agent (it reads this byte before it traces a process through the hook): a hook
+// the allocator refused (cudaMallocAsync, a pluggable allocator) must not keep PyTorch's own sites off.
+enum { KVTRACE_HOOK_LOADED = 0, KVTRACE_HOOK_ARMED = 1, KVTRACE_HOOK_ATTACHED = 2, KVTRACE_HOOK_REFUSED = 3 };
+__attribute__((section(".probes"), used, visibility("default")))
+volatile unsigned char kvtrace_hook_state = KVTRACE_HOOK_LOADED;
+
 // What the hook has done, for tests and benches (never read by the kernel).
 struct kvtrace_hook_counts {
   uint64_t events;   // block events heard while the semaphore was raised
@@ -116,6 +123,7 @@ std::atomic<bool> flusher_started{false};
 uint64_t random_state = 0;
 int64_t countdown = 0;
 bool countdown_drawn = false;
+uint64_t batch_sample_bytes = 512 * 1024;  // the S the buffered entries were drawn at (handed over with them)
 
 // xorshift64*: the countdown's draws need no quality beyond independence from the sizes.
 uint64_t next_random() {
@@ -153,13 +161,13 @@ bool walked_locked(uint64_t size_bytes, uint64_t mean) {
 void flush_locked() {
   if (buffered == 0)
     return;
-  kvtrace_hook_flush(buffer, buffered, kvtrace_hook_settings_now.sample_bytes);
+  kvtrace_hook_flush(buffer, buffered, batch_sample_bytes);
   counts.flushes += 1;
   counts.entries += buffered;
   buffered = 0;
 }
 
-// Flushes a buffer left partly full by threads that stopped allocating; sleeps while the semaphore is down.
+// Flushes a buffer left partly full by threads that stopped allocating; drops it when the semaphore went down.
 void flusher() {
   for (;;) {
     uint32_t interval_ms = kvtrace_hook_settings_now.flush_interval_ms;
@@ -184,6 +192,18 @@ void after_fork_in_child() {
 }
 const int fork_handler_registered = pthread_atfork(nullptr, nullptr, after_fork_in_child);
 
+// The flusher thread, once per process (and again in a forked child: kvtrace_hook_rearm_after_fork). Outside the
+// allocator's lock: a thread that cannot be made leaves partial batches to the next full one.
+void start_flusher() {
+  if (flusher_started.exchange(true))
+    return;
+  try {
+    std::thread(flusher).detach();
+  } catch (...) {
+    flusher_started = false;
+  }
+}
+
 void on_trace(const TraceEntry& event) {
   if (__builtin_expect(kvtrace_blocks_semaphore == 0, 1))
     return;
@@ -194,13 +214,16 @@ void on_trace(const TraceEntry& event) {
     kind = KVTRACE_HOOK_FREE;
   else
     return;
-  if (!flusher_started.load(std::memory_order_relaxed) && !flusher_started.exchange(true))
-    std::thread(flusher).detach();
   uint64_t sample_bytes = kvtrace_hook_settings_now.sample_bytes;
   uint32_t batch = kvtrace_hook_settings_now.batch;
   if (batch == 0 || batch > KVTRACE_HOOK_BATCH_MAX)
     batch = KVTRACE_HOOK_BATCH_MAX;
   std::lock_guard<std::mutex> guard(buffer_lock);
+  if (sample_bytes != batch_sample_bytes) {  // the agent set another S: what was drawn at the old one goes first
+    flush_locked();
+    batch_sample_bytes = sample_bytes;
+    countdown_drawn = false;
+  }
   bool walk = kind == KVTRACE_HOOK_ALLOC && walked_locked(event.size_, sample_bytes);
   counts.events += 1;
   if (buffered == 0)
@@ -231,18 +254,23 @@ __attribute__((visibility("default"))) int kvtrace_hook_attach() {
     c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(&on_trace);
   } catch (...) {
     attached = false;
+    kvtrace_hook_state = KVTRACE_HOOK_REFUSED;
     return -1;
   }
+  kvtrace_hook_state = KVTRACE_HOOK_ATTACHED;
+  start_flusher();
   return 0;
 }
 
 // Attaches the tracker only once the agent first raises this process (its semaphore goes up) and the caching
 // allocator is initialised (a tracker attached before that would be lost: the allocator keeps trackers per device).
 // Until then a watcher thread reads the semaphore every 100 ms and the allocator pays nothing; from then on the
-// tracker stays, and costs its idle check while the process is at depth segments. Returns 0 (idempotent).
+// tracker stays: while the process is at depth segments PyTorch still builds a TraceEntry for every allocator event
+// and calls it (its idle cost, measured in bench/block_hook_cost.py). Returns 0 (idempotent).
 __attribute__((visibility("default"))) int kvtrace_hook_arm() {
   if (armed.exchange(true) || attached.load())
     return 0;
+  kvtrace_hook_state = KVTRACE_HOOK_ARMED;
   std::thread([] {
     for (;;) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -254,8 +282,10 @@ __attribute__((visibility("default"))) int kvtrace_hook_arm() {
         ready = allocator != nullptr && allocator->initialized();
       } catch (...) {
       }
-      if (ready && kvtrace_hook_attach() == 0)
+      if (ready) {
+        kvtrace_hook_attach();  // attached, or refused for good (its state says which): either way, done
         return;
+      }
     }
   }).detach();
   return 0;
@@ -265,7 +295,9 @@ __attribute__((visibility("default"))) int kvtrace_hook_arm() {
 // is started again by the next event.
 __attribute__((visibility("default"))) void kvtrace_hook_rearm_after_fork() {
   flusher_started = false;
-  if (armed.exchange(false))
+  if (attached.load())
+    start_flusher();
+  else if (armed.exchange(false))
     kvtrace_hook_arm();
 }
 
@@ -280,7 +312,7 @@ __attribute__((visibility("default"))) void kvtrace_hook_read_counts(kvtrace_hoo
   *out = counts;
 }
 
-// Flushes what is buffered now (a test's or an exiting process's last word).
+// Flushes what is buffered now (tests and benches, before they read the counts).
 __attribute__((visibility("default"))) void kvtrace_hook_flush_now() {
   std::lock_guard<std::mutex> guard(buffer_lock);
   if (kvtrace_blocks_semaphore != 0)

@@ -33,4 +33,5 @@ CUDAAllocator* get();
 }  // namespace c10
 
 extern "C" void fake_allocator_set_initialized(int initialized);  // default 1
+extern "C" void fake_allocator_refuse_trackers(int refuse);        // default 0
 extern "C" void fake_allocator_event(int action, uint64_t address, uint64_t size_bytes, int device, uint64_t stream);

@@ -4,12 +4,14 @@
 
 #include <atomic>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 namespace {
 std::recursive_mutex allocator_mutex;  // torch calls the trackers with its allocator's mutex held
 std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers;
 std::atomic<bool> initialized_now{true};
+std::atomic<bool> refuse_trackers{false};  // as cudaMallocAsync's backend, whose attachAllocatorTraceTracker throws
 
 struct FakeAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
   bool initialized() override { return initialized_now.load(); }
@@ -18,6 +20,8 @@ struct FakeAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
 
 namespace c10::cuda::CUDACachingAllocator {
 void attachAllocatorTraceTracker(AllocatorTraceTracker tracker) {
+  if (refuse_trackers.load())
+    throw std::runtime_error("this allocator does not support attachAllocatorTraceTracker");
   std::lock_guard<std::recursive_mutex> guard(allocator_mutex);
   trackers.push_back(std::move(tracker));
 }
@@ -25,6 +29,10 @@ CUDAAllocator* get() {
   return &fake_allocator;
 }
 }  // namespace c10::cuda::CUDACachingAllocator
+
+extern "C" void fake_allocator_refuse_trackers(int refuse) {
+  refuse_trackers = refuse != 0;
+}
 
 extern "C" void fake_allocator_set_initialized(int initialized) {
   initialized_now = initialized != 0;

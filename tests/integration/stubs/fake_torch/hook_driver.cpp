@@ -4,6 +4,7 @@
 //   arm                         kvtrace_hook_arm(): attached once the semaphore is up and the allocator initialised
 //   attached                    whether the tracker is attached
 //   initialized 0|1             the fake allocator's initialized()
+//   refuse 0|1                  whether the fake allocator refuses trackers (as cudaMallocAsync's does)
 //   blocks N SIZE [DEVICE]      N allocations of SIZE bytes at distinct addresses, then their N frees, each free
 //                               as torch reports one (FREE_REQUESTED, then FREE_COMPLETED), a segment event between
 //   keep N SIZE [DEVICE]        N allocations of SIZE bytes that stay (no free)
@@ -63,6 +64,9 @@ int main(int argc, char** argv) {
       std::printf("{\"armed\": %d}\n", arm());
     } else if (!std::strcmp(op, "attached")) {
       std::printf("{\"attached\": %d}\n", is_attached());
+    } else if (!std::strcmp(op, "refuse")) {
+      fake_allocator_refuse_trackers(static_cast<int>(a));
+      std::printf("{}\n");
     } else if (!std::strcmp(op, "initialized")) {
       fake_allocator_set_initialized(static_cast<int>(a));
       std::printf("{}\n");
