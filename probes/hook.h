@@ -56,12 +56,17 @@ static __always_inline void hook_batch(struct pt_regs *ctx, u64 *regs, struct kv
         return;
     u32 zero = 0;
     struct kvt_hook_batch *batch = hook_batches.lookup(&zero);
-    if (!batch || count_entries > KVT_HOOK_BATCH ||
-        bpf_probe_read_user(batch->entries, sizeof(batch->entries), (void *)entries) != 0) {
+    if (!batch || count_entries > KVT_HOOK_BATCH) {
         counter_add(KVT_COUNTER_HOOK_ENTRIES_LOST, count_entries);
         return;
     }
+    /* Stamped before the copy: a chain this one preempted must not take these entries for its own. */
     batch->pid_tgid = bpf_get_current_pid_tgid();
+    if (bpf_probe_read_user(batch->entries, sizeof(batch->entries), (void *)entries) != 0) {
+        batch->count = 0;
+        counter_add(KVT_COUNTER_HOOK_ENTRIES_LOST, count_entries);
+        return;
+    }
     batch->sample_bytes = sample_bytes;
     batch->count = (u32)count_entries;
     batch->next = 0;

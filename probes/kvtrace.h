@@ -111,7 +111,8 @@
 #define KVT_COUNTER_SHARE_UIDS_FULL  22 /* processes of a user with no record of its own (uid_shares full):
                                          * charged to every user's record, under the users' share (shares.h) */
 #define KVT_COUNTER_HOOK_ENTRIES_LOST 23 /* block entries of kvtrace's PyTorch hook the kernel could not take (a
-                                          * batch unreadable or too long, the entries program not in place):
+                                          * batch unreadable or too long, the entries program not in place; a
+                                          * batch another thread overwrote counts 1, however many it had left):
                                           * the ledger misses them (hook.h) */
 #define KVT_COUNTER_COUNT            24
 

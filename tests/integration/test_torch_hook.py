@@ -281,13 +281,13 @@ def test_lowering_stops_the_hook_and_drops_what_waited(driver, hook_build):
     library, _ = hook_build
     driver.send("attach")
     with flush_probe(library, driver.pid) as bpf:
-        driver.send(f"settings {1 << 30} {BATCH_MAX}")
+        driver.send(f"settings {1 << 30} {BATCH_MAX} 5000")  # the flusher waits 5 s: nothing goes before the unlink
         driver.send(f"blocks {BATCH_MAX} 4096 1")  # two full batches, handed over at once
-        driver.send("blocks 5 4096 1")  # 10 events that wait for a full batch or the flusher (100 ms)
+        driver.send("blocks 5 4096 1")  # 10 events that wait for a full batch or the flusher
         during = seen(bpf)
     assert during["allocations"] == BATCH_MAX and during["frees"] == BATCH_MAX
     assert driver.send("semaphore") == {"semaphore": 0}, "the kernel lowers the semaphore with the probe"
-    time.sleep(0.4)  # the flusher finds the semaphore down: what waited is dropped, not handed over later
+    driver.send("blocks 1 4096 1")  # the first event after the lowering drops what waited for the link that went
     counts = driver.send("counts")
     assert counts["dropped"] == 10 and counts["entries"] == 2 * BATCH_MAX, counts
     before = counts

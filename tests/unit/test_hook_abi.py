@@ -54,9 +54,17 @@ def test_the_settings_and_states_the_agent_reads_are_the_hooks():
     for python in (torch_hook.HookSettings, hook_settings.HookSettings):
         assert [name for name, _ in python._fields_] == [name for _, name in cpp]
         assert [ctypes.sizeof(kind) for _, kind in python._fields_] == [sizes[kind] for kind, _ in cpp]
-    states = dict(re.findall(r"KVTRACE_HOOK_(LOADED|ARMED|ATTACHED|REFUSED) = (\d)", HOOK_CPP))
+    enum = re.search(r"enum \{ (KVTRACE_HOOK_LOADED[^}]*)\}", HOOK_CPP)
+    assert enum, "the state enum"
+    states = dict(re.findall(r"KVTRACE_HOOK_([A-Z]+) = (\d+)", enum.group(1)))
     assert {name: int(value) for name, value in states.items()} == {state.name: state.value
                                                                    for state in hook_settings.HookState}
+
+
+def test_the_kinds_of_an_entry_are_the_same_numbers():
+    cpp = dict(re.findall(r"KVTRACE_HOOK_(ALLOC|FREE) = (\d+)", HOOK_CPP))
+    kernel = dict(re.findall(r"#define KVT_HOOK_(ALLOC|FREE) +(\d+)", HOOK_H))
+    assert cpp == kernel == {"ALLOC": "1", "FREE": "2"}
     assert torch_hook.SETTINGS_SYMBOL == hook_settings.SETTINGS_SYMBOL
     assert f"kvtrace_hook_settings {hook_settings.SETTINGS_SYMBOL}" in HOOK_CPP
     assert f"char {hook_settings.STATE_SYMBOL} " in HOOK_CPP

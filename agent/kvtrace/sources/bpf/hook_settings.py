@@ -21,7 +21,7 @@ from pathlib import Path
 from kvtrace.sources import procfs
 from kvtrace.sources.bpf.symbols import HOOK_PROBE
 from kvtrace.sources.bpf.usdt import UsdtProbe, read_usdt_probes
-from kvtrace.sources.elf import find_symbols, first_load_vaddr
+from kvtrace.sources.elf import READ_ERRORS, find_symbols, first_load_vaddr
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def read_state(pid: int, library: str, file_id: tuple[int, int], proc: Path = pr
             memory.seek(address)
             value = memory.read(1)
         return HookState(value[0]) if value and value[0] in HookState._value2member_map_ else None
-    except OSError:
+    except READ_ERRORS:
         return None
 
 
@@ -93,6 +93,6 @@ def write_sample_bytes(pid: int, library: str, file_id: tuple[int, int], sample_
                 return f"the settings read in pid {pid} at {address:#x} are not the hook's (batch {now.batch})"
             memory.seek(address)
             memory.write(bytes(ctypes.c_uint64(sample_bytes)))  # the struct's first field
-    except (OSError, ValueError) as error:
+    except READ_ERRORS as error:
         return f"writing the PyTorch hook's sample size in pid {pid} failed: {error}"
     return ""

@@ -561,7 +561,11 @@ class BpfSource:
                     probes.set_block_full(pid, depth is Depth.FULL)
                     deep[pid] = depth
                     self.targets.hook_depth_changed(pid)
-            if self.options.blocks is not BlocksMode.AUTO or self.torch_blocks_down:
+            if self.torch_blocks_down:
+                return
+            if self.options.blocks is not BlocksMode.AUTO:
+                if self.targets.policy.per_pid:  # a hook refused since its link: PyTorch's own sites, now
+                    self.targets.attach_torch_of(self.selection.pids)
                 return
             self.targets.attach_torch_of(wanted.keys())
 

@@ -374,11 +374,14 @@ class Targets:
             why = write_sample_bytes(pid, hook.path, (hook.file_id.device, hook.file_id.inode), sample_bytes)
             if why:
                 log.warning("%s", why)
-                self._session.report_component(f"hook:{pid}", False, why)
+            # One entry for every hooked process: the last write's outcome (a process's own would outlive it).
+            self._session.report_component("torch_hook", not why, why)
 
     def _hook_usable(self, target: Target, pid: int) -> bool:
-        """Whether `pid`'s hook (in `target`) can carry its blocks: its allocator did not refuse the tracker."""
-        return read_state(pid, target.path, (target.file_id.device, target.file_id.inode)) is not HookState.REFUSED
+        """Whether `pid`'s hook (in `target`) can carry its blocks: armed or attached. Loaded and never armed (its
+        tracker would never go in), refused by its allocator, or unreadable: PyTorch's own sites carry them."""
+        state = read_state(pid, target.path, (target.file_id.device, target.file_id.inode))
+        return state in (HookState.ARMED, HookState.ATTACHED)
 
     def _hooked(self, pid: int) -> bool:
         """Whether `pid` maps a usable kvtrace PyTorch hook whose site can be linked."""

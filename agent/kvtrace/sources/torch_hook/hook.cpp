@@ -116,6 +116,7 @@ kvtrace_hook_counts counts = {};
 std::atomic<bool> attached{false};
 std::atomic<bool> armed{false};
 std::atomic<bool> flusher_started{false};
+std::atomic<bool> waiting{false};  // buffered != 0, readable without the lock (a hint, checked again under it)
 
 // The sampling state, under buffer_lock like the buffer (so no thread-local storage, which costs a call a use in a
 // dlopen'ed library): one byte countdown for the whole process. The points where it crosses zero are a Poisson
@@ -165,6 +166,17 @@ void flush_locked() {
   counts.flushes += 1;
   counts.entries += buffered;
   buffered = 0;
+  waiting.store(false, std::memory_order_relaxed);
+}
+
+// What waits for a link that went (the semaphore is down): never handed to a later one.
+void drop_waiting() {
+  std::lock_guard<std::mutex> guard(buffer_lock);
+  if (kvtrace_blocks_semaphore != 0)
+    return;
+  counts.dropped += buffered;
+  buffered = 0;
+  waiting.store(false, std::memory_order_relaxed);
 }
 
 // Flushes a buffer left partly full by threads that stopped allocating; drops it when the semaphore went down.
@@ -172,13 +184,15 @@ void flusher() {
   for (;;) {
     uint32_t interval_ms = kvtrace_hook_settings_now.flush_interval_ms;
     std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms ? interval_ms : 100));
+    if (kvtrace_blocks_semaphore == 0) {
+      if (waiting.load(std::memory_order_relaxed))
+        drop_waiting();
+      continue;
+    }
     std::lock_guard<std::mutex> guard(buffer_lock);
     if (buffered == 0)
       continue;
-    if (kvtrace_blocks_semaphore == 0) {
-      counts.dropped += buffered;
-      buffered = 0;
-    } else if (std::chrono::steady_clock::now() - oldest >= std::chrono::milliseconds(interval_ms)) {
+    if (std::chrono::steady_clock::now() - oldest >= std::chrono::milliseconds(interval_ms)) {
       flush_locked();
     }
   }
@@ -189,6 +203,7 @@ void flusher() {
 void after_fork_in_child() {
   new (&buffer_lock) std::mutex();
   buffered = 0;
+  waiting.store(false, std::memory_order_relaxed);
 }
 const int fork_handler_registered = pthread_atfork(nullptr, nullptr, after_fork_in_child);
 
@@ -205,8 +220,13 @@ void start_flusher() {
 }
 
 void on_trace(const TraceEntry& event) {
-  if (__builtin_expect(kvtrace_blocks_semaphore == 0, 1))
+  if (__builtin_expect(kvtrace_blocks_semaphore == 0, 1)) {
+    // Lowered with entries waiting: they belong to the link that went, not to a next one (dropped at the first
+    // event after, or by the flusher).
+    if (__builtin_expect(waiting.load(std::memory_order_relaxed), 0))
+      drop_waiting();
     return;
+  }
   uint8_t kind;
   if (event.action_ == TraceEntry::ALLOC)
     kind = KVTRACE_HOOK_ALLOC;
@@ -214,11 +234,11 @@ void on_trace(const TraceEntry& event) {
     kind = KVTRACE_HOOK_FREE;
   else
     return;
+  std::lock_guard<std::mutex> guard(buffer_lock);
   uint64_t sample_bytes = kvtrace_hook_settings_now.sample_bytes;
   uint32_t batch = kvtrace_hook_settings_now.batch;
   if (batch == 0 || batch > KVTRACE_HOOK_BATCH_MAX)
     batch = KVTRACE_HOOK_BATCH_MAX;
-  std::lock_guard<std::mutex> guard(buffer_lock);
   if (sample_bytes != batch_sample_bytes) {  // the agent set another S: what was drawn at the old one goes first
     flush_locked();
     batch_sample_bytes = sample_bytes;
@@ -226,8 +246,10 @@ void on_trace(const TraceEntry& event) {
   }
   bool walk = kind == KVTRACE_HOOK_ALLOC && walked_locked(event.size_, sample_bytes);
   counts.events += 1;
-  if (buffered == 0)
+  if (buffered == 0) {
     oldest = std::chrono::steady_clock::now();
+    waiting.store(true, std::memory_order_relaxed);
+  }
   kvtrace_hook_entry& entry = buffer[buffered++];
   entry.address = event.addr_;
   entry.size_bytes = event.size_;
@@ -271,23 +293,29 @@ __attribute__((visibility("default"))) int kvtrace_hook_arm() {
   if (armed.exchange(true) || attached.load())
     return 0;
   kvtrace_hook_state = KVTRACE_HOOK_ARMED;
-  std::thread([] {
-    for (;;) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      if (kvtrace_blocks_semaphore == 0)
-        continue;
-      bool ready = false;
-      try {
-        auto* allocator = c10::cuda::CUDACachingAllocator::get();
-        ready = allocator != nullptr && allocator->initialized();
-      } catch (...) {
+  try {
+    std::thread([] {
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (kvtrace_blocks_semaphore == 0)
+          continue;
+        bool ready = false;
+        try {
+          auto* allocator = c10::cuda::CUDACachingAllocator::get();
+          ready = allocator != nullptr && allocator->initialized();
+        } catch (...) {
+        }
+        if (ready) {
+          kvtrace_hook_attach();  // attached, or refused for good (its state says which): either way, done
+          return;
+        }
       }
-      if (ready) {
-        kvtrace_hook_attach();  // attached, or refused for good (its state says which): either way, done
-        return;
-      }
-    }
-  }).detach();
+    }).detach();
+  } catch (...) {  // no thread to be had: not armed (the agent then uses PyTorch's own sites)
+    armed = false;
+    kvtrace_hook_state = KVTRACE_HOOK_LOADED;
+    return -1;
+  }
   return 0;
 }
 

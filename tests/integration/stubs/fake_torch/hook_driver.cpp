@@ -8,7 +8,7 @@
 //   blocks N SIZE [DEVICE]      N allocations of SIZE bytes at distinct addresses, then their N frees, each free
 //                               as torch reports one (FREE_REQUESTED, then FREE_COMPLETED), a segment event between
 //   keep N SIZE [DEVICE]        N allocations of SIZE bytes that stay (no free)
-//   settings SAMPLE_BYTES BATCH the hook's settings, written in this process
+//   settings SAMPLE_BYTES BATCH [FLUSH_INTERVAL_MS]  the hook's settings, written in this process
 //   sample_bytes                the hook's sample size now (the agent writes it from outside)
 //   counts                      the hook's counts
 //   semaphore                   the hook's semaphore (the kernel raises it while a probe is on the flush function)
@@ -92,6 +92,8 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(op, "settings")) {
       settings->sample_bytes = a;
       settings->batch = static_cast<uint32_t>(b);
+      if (fields >= 4)
+        settings->flush_interval_ms = static_cast<uint32_t>(c);
       std::printf("{}\n");
     } else if (!std::strcmp(op, "counts")) {
       Counts counts{};
