@@ -217,6 +217,28 @@ class ProcessMemory:
         self.close()
 
 
+def write_memory(pid: int, address: int, data: bytes, proc: Path = PROC) -> None:
+    """Writes `data` into another process's memory (/proc/PID/mem, root): the one place kvtrace writes into a
+    traced process, for the settings of its own PyTorch hook (sources/bpf/hook_settings.py), which checks what it
+    overwrites first. Raises MemoryReadError (the same reasons as a read)."""
+    if not 0 < address < USER_ADDRESS_LIMIT - len(data):
+        raise MemoryReadError(f"pid {pid}: bad address {address:#x} (+{len(data)} bytes)")
+    path = proc / str(pid) / "mem"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as error:
+        raise MemoryReadError(f"cannot open {path} to write: {error.strerror}") from error
+    try:
+        written = os.pwrite(fd, data, address)
+    except OSError as error:
+        raise MemoryReadError(f"pid {pid}: cannot write {len(data)} bytes at {address:#x}: {error.strerror}") \
+            from error
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise MemoryReadError(f"pid {pid}: wrote {written} of {len(data)} bytes at {address:#x}")
+
+
 # ---- processes' identity, command lines, sockets (discovery of vLLM's API servers) ----
 
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}

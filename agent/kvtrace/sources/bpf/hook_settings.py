@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 from pathlib import Path
 
@@ -55,14 +56,23 @@ def probe_site(library: str | Path) -> UsdtProbe:
     raise ValueError(f"{library} has no usable {':'.join(HOOK_PROBE)} probe site: not kvtrace's PyTorch hook")
 
 
+@functools.lru_cache(maxsize=64)
+def _symbol_offsets(library: str, file_id: tuple[int, int]) -> dict[str, int]:
+    """{symbol: its offset from where the library's first page is loaded}, for the hook's state and settings: read
+    from the file once (file_id, its device and inode, keys the cache: a new file at the same path is read anew)."""
+    values = find_symbols(library, [SETTINGS_SYMBOL, STATE_SYMBOL])
+    first_load = first_load_vaddr(library) if values else 0
+    return {symbol: value - first_load for symbol, value in values.items()}
+
+
 def _address(pid: int, library: str, file_id: tuple[int, int], symbol: str, proc: Path) -> int | None:
     """Where `symbol` of the hook's `library` (file_id: its device and inode) lies in `pid`'s memory."""
-    value = find_symbols(library, [symbol]).get(symbol)
-    if value is None:
+    offset = _symbol_offsets(library, file_id).get(symbol)
+    if offset is None:
         return None
     base = next((mapping.start for mapping in procfs.read_maps(pid, proc)
                  if (mapping.device, mapping.inode) == file_id and mapping.file_offset == 0), None)
-    return None if base is None else base - first_load_vaddr(library) + value
+    return None if base is None else base + offset
 
 
 def read_state(pid: int, library: str, file_id: tuple[int, int], proc: Path = procfs.PROC) -> HookState | None:
@@ -71,12 +81,11 @@ def read_state(pid: int, library: str, file_id: tuple[int, int], proc: Path = pr
         address = _address(pid, library, file_id, STATE_SYMBOL, proc)
         if address is None:
             return None
-        with open(proc / str(pid) / "mem", "rb", buffering=0) as memory:
-            memory.seek(address)
-            value = memory.read(1)
-        return HookState(value[0]) if value and value[0] in HookState._value2member_map_ else None
-    except READ_ERRORS:
+        with procfs.ProcessMemory(pid, proc) as memory:
+            value = memory.read_u8(address)
+    except (*READ_ERRORS, procfs.MemoryReadError):
         return None
+    return HookState(value) if value in HookState._value2member_map_ else None
 
 
 def write_sample_bytes(pid: int, library: str, file_id: tuple[int, int], sample_bytes: int,
@@ -86,13 +95,11 @@ def write_sample_bytes(pid: int, library: str, file_id: tuple[int, int], sample_
         address = _address(pid, library, file_id, SETTINGS_SYMBOL, proc)
         if address is None:
             return f"pid {pid} does not map {library} with its {SETTINGS_SYMBOL}"
-        with open(proc / str(pid) / "mem", "r+b", buffering=0) as memory:
-            memory.seek(address)
-            now = HookSettings.from_buffer_copy(memory.read(ctypes.sizeof(HookSettings)))
-            if not 1 <= now.batch <= BATCH_MAX:
-                return f"the settings read in pid {pid} at {address:#x} are not the hook's (batch {now.batch})"
-            memory.seek(address)
-            memory.write(bytes(ctypes.c_uint64(sample_bytes)))  # the struct's first field
-    except READ_ERRORS as error:
+        with procfs.ProcessMemory(pid, proc) as memory:
+            now = HookSettings.from_buffer_copy(memory.read(address, ctypes.sizeof(HookSettings)))
+        if not 1 <= now.batch <= BATCH_MAX:
+            return f"the settings read in pid {pid} at {address:#x} are not the hook's (batch {now.batch})"
+        procfs.write_memory(pid, address, bytes(ctypes.c_uint64(sample_bytes)), proc)  # the struct's first field
+    except (*READ_ERRORS, procfs.MemoryReadError) as error:
         return f"writing the PyTorch hook's sample size in pid {pid} failed: {error}"
     return ""
