@@ -39,6 +39,8 @@ struct kvt_hook_batch {
     u64 sample_bytes; /* the hook's S: the mean its walked blocks were drawn at (0: every block walked) */
     u32 count;
     u32 next;
+    u32 python;       /* the process is a Python whose stacks can be walked: asked once a batch, not per entry */
+    u32 reserved;
     struct kvt_hook_entry entries[KVT_HOOK_BATCH];
 };
 BPF_PERCPU_ARRAY(hook_batches, struct kvt_hook_batch, 1);
@@ -68,6 +70,7 @@ static __always_inline void hook_batch(struct pt_regs *ctx, u64 *regs, struct kv
         return;
     }
     batch->sample_bytes = sample_bytes;
+    batch->python = python_target(bpf_get_current_pid_tgid() >> 32);
     batch->count = (u32)count_entries;
     batch->next = 0;
     hook_entries_next.call(ctx, 0);
@@ -92,7 +95,7 @@ int usdt_hook_entries(struct pt_regs *ctx) {
     struct kvt_hook_entry *entry = &batch->entries[index];
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     if (entry->kind == KVT_HOOK_ALLOC) {
-        int python = python_target(pid);
+        int python = batch->python;
         u64 size_bytes = entry->size_bytes;
         u64 mean = batch->sample_bytes;
         /* As block_walked says it: 0 where every block is walked (S = 0, a block of at least S, no Python). */
