@@ -63,6 +63,8 @@ enum { KVTRACE_HOOK_ALLOC = 1, KVTRACE_HOOK_FREE = 2 };
 // The most entries one flush carries (probes/hook.h KVT_HOOK_BATCH: the kernel takes them one tail call each, and a
 // chain of tail calls stops at 33).
 enum { KVTRACE_HOOK_BATCH_MAX = 32 };
+// The sample size until the agent writes its own (the agent's default, --block-sample-bytes).
+constexpr uint64_t KVTRACE_HOOK_SAMPLE_BYTES = 512 * 1024;
 
 // The settings, read at each event: in .probes (file-backed, writable) so that the agent can find them by symbol
 // and write them in a running process (/proc/PID/mem) as it raises the depth.
@@ -76,7 +78,7 @@ struct kvtrace_hook_settings {
 __attribute__((section(".probes"), used, visibility("default")))
 volatile unsigned short kvtrace_blocks_semaphore = 0;
 __attribute__((section(".probes"), used, visibility("default")))
-volatile kvtrace_hook_settings kvtrace_hook_settings_now = {512 * 1024, KVTRACE_HOOK_BATCH_MAX, 100};
+volatile kvtrace_hook_settings kvtrace_hook_settings_now = {KVTRACE_HOOK_SAMPLE_BYTES, KVTRACE_HOOK_BATCH_MAX, 100};
 
 // Where the tracker is, for the agent (it reads this byte before it traces a process through the hook): a hook
 // the allocator refused (cudaMallocAsync, a pluggable allocator) must not keep PyTorch's own sites off.
@@ -124,7 +126,7 @@ std::atomic<bool> waiting{false};  // buffered != 0, readable without the lock (
 uint64_t random_state = 0;
 int64_t countdown = 0;
 bool countdown_drawn = false;
-uint64_t batch_sample_bytes = 512 * 1024;  // the S the buffered entries were drawn at (handed over with them)
+uint64_t batch_sample_bytes = KVTRACE_HOOK_SAMPLE_BYTES;  // the S the buffered entries were drawn at (sent along)
 
 // xorshift64*: the countdown's draws need no quality beyond independence from the sizes.
 uint64_t next_random() {
