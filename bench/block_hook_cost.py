@@ -56,35 +56,24 @@ from benchlib import (  # noqa: E402
     rotated,
     torch_traps,
 )
+from block_probe_cost import TorchPairs  # noqa: E402
 from kvtrace.sources.torch_hook import BATCH_MAX  # noqa: E402
 
 BEFORE = ("none", "traps")
 AFTER = ("idle", "batched", "ledger", "each", "traps2", "agent")
 SAMPLE_BYTES = 512 * 1024
 
-class HookedWorker:
-    """One torch worker: its pair loop, the hook attached on demand, the probes on its allocator."""
+
+class HookedWorker(TorchPairs):
+    """block_probe_cost's torch worker and its pair loop, with the hook attached on demand."""
 
     def __init__(self, args) -> None:
-        from worker_client import TorchWorker
-
-        self.args = args
-        self.worker = TorchWorker({})
-        try:
-            self.worker.send(op="init")
-            self.pairs()  # the first block makes the segment; every later one is a cache hit
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(args)
         self.hook_library: Path | None = None
 
     @property
     def pid(self) -> int:
         return self.worker.pid
-
-    def pairs(self) -> float:
-        return self.worker.send(timeout_seconds=600, op="tensor_pairs", count=self.args.pairs,
-                                depth=self.args.depth)["ns_per_pair"]
 
     def attach_hook(self) -> dict:
         answer = self.worker.send(timeout_seconds=600, op="torch_hook",
@@ -97,9 +86,6 @@ class HookedWorker:
 
     def hook_counts(self) -> dict[str, int]:
         return self.worker.send(op="torch_hook_counts")["counts"]
-
-    def close(self) -> None:
-        self.worker.process.kill()
 
 
 def measure(worker: HookedWorker, role: str, checks: list[str], directory: Path) -> float:
