@@ -238,10 +238,9 @@ def test_blocks_made_from_python_carry_their_stack_in_the_event_and_the_kernel_e
     WHEN traced (per-thread state in task storage, and in LRU hashes), THEN each block's event carries
     the stack the walker took for it (the probe hands the walk to walk_stack by a tail call), exactly
     the process's own, and the kernel's entry of the block holds the same stack."""
-    from kvtrace.model.events import StackStatus
     from kvtrace.sources.bpf.loader import ProbeSettings
     from test_python_stacks import TARGET as ALLOC_TARGET
-    from test_python_stacks import as_lists, pyenv_python
+    from test_python_stacks import pyenv_python
 
     python = pyenv_python("3.12")
     target = ALLOC_TARGET.parent / "block_target.py"
@@ -257,16 +256,8 @@ def test_blocks_made_from_python_carry_their_stack_in_the_event_and_the_kernel_e
             assert len(blocks) == 20
             assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) == 20, 10)
             harness.pump(0.3)
-            events = {e.address: e for e in harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)}
-            assert sorted(events) == sorted(b["address"] for b in blocks)
-            for block in blocks:
-                event = events[block["address"]]
-                assert event.stack_status is StackStatus.OK, event
-                assert as_lists(harness.session.stacks.get(event.stack_id)) == block["expected"]
+            events, kernel = each_block_has_its_stack(harness, pid, blocks)
             assert len({e.stack_id for e in events.values()}) == 1
-            kernel = {key.address: value.stack_id for key, value in harness.source.probes.ledger_items()
-                      if key.pid == pid and key.layer == Layer.TORCH}  # raw: the kernel's stack ids
-            assert sorted(kernel) == sorted(events)
             (kernel_stack_id,) = set(kernel.values())
             assert harness.source._stack_ids[kernel_stack_id] == next(iter(events.values())).stack_id
             after = harness.source.counters()
@@ -276,6 +267,25 @@ def test_blocks_made_from_python_carry_their_stack_in_the_event_and_the_kernel_e
             assert after["stack_walks_preempted"] == before["stack_walks_preempted"]
         finally:
             harness.close()
+
+
+def each_block_has_its_stack(harness, pid, blocks):
+    """Asserts that every block a Python target reported ({"address", "expected"}: its own stack, innermost first)
+    came as one allocation event carrying that stack, and that the kernel's ledger holds exactly those blocks.
+    Returns (events by address, the kernel's raw stack ids by address)."""
+    from kvtrace.model.events import StackStatus
+    from test_python_stacks import as_lists
+
+    events = {e.address: e for e in harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)}
+    assert sorted(events) == sorted(b["address"] for b in blocks)
+    for block in blocks:
+        event = events[block["address"]]
+        assert event.stack_status is StackStatus.OK, event
+        assert as_lists(harness.session.stacks.get(event.stack_id)) == block["expected"]
+    kernel = {key.address: value.stack_id for key, value in harness.source.probes.ledger_items()
+              if key.pid == pid and key.layer == Layer.TORCH}  # raw: the kernel's stack ids
+    assert sorted(kernel) == sorted(events)
+    return events, kernel
 
 
 SAMPLE_BYTES = 256 << 10  # S

@@ -376,8 +376,8 @@ def test_at_full_every_block_carries_the_stack_that_allocates_it(fake_torch, hoo
     agent raises it to FULL, THEN the agent sets the hook's S to 0 (every block walked), each block reaches the
     kernel last in its batch and carries the process's own stack, and the kernel's entry holds the same stack."""
     from cuda_stubs import Workload
-    from kvtrace.model.events import StackStatus
-    from test_python_stacks import as_lists, pyenv_python
+    from test_python_stacks import pyenv_python
+    from test_torch_blocks import each_block_has_its_stack
 
     python = pyenv_python("3.12")
     library, _ = hook_build
@@ -393,15 +393,8 @@ def test_at_full_every_block_carries_the_stack_that_allocates_it(fake_torch, hoo
             assert len(blocks) == 20
             assert harness.pump_until(lambda: len(harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)) == 20, 10)
             harness.pump(0.3)
-            events = {e.address: e for e in harness.of(pid, Kind.ALLOC, Api.pytorch_malloc)}
-            assert sorted(events) == sorted(b["address"] for b in blocks)
-            for block in blocks:
-                event = events[block["address"]]
-                assert event.stack_status is StackStatus.OK, event
-                assert as_lists(harness.session.stacks.get(event.stack_id)) == block["expected"]
-            kernel = {key.address: value.stack_id for key, value in harness.source.probes.ledger_items()
-                      if key.pid == pid and key.layer == Layer.TORCH}
-            assert sorted(kernel) == sorted(events) and all(kernel.values())
+            _, kernel = each_block_has_its_stack(harness, pid, blocks)
+            assert all(kernel.values())
             after = harness.source.counters()
             assert after["stack_walks"] - before["stack_walks"] == 20
             assert after["hook_entries_lost"] == before["hook_entries_lost"]
